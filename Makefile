@@ -1,0 +1,22 @@
+# The CPU build of torch is pinned first: a bare `torch` requirement would pull a multi-GB CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VENV)/bin/mlaserve generate --prompt "The latent cache holds" --max-tokens 32 --temperature 0
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check mlaserve tests
