@@ -1,0 +1,49 @@
+"""Expanded-MHA prefill: up-project the latents and run causal attention per prompt chunk."""
+
+import torch
+import torch.nn.functional as F
+
+from mlaserve.attention.metadata import PrefillChunk
+
+
+def expanded_prefill(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    kv_cache_flat: torch.Tensor,
+    chunk: PrefillChunk,
+    kv_b_weight: torch.Tensor,
+    num_heads: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    kv_lora_rank: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Causal attention of one chunk over its cached context plus itself.
+
+    Args:
+        q: [n, H, P + R] queries of the chunk (rope applied).
+        latent: [n, L + R] the chunk's new latents [c_kv | k_pe] (rope applied).
+        kv_cache_flat: [num_slots, L + R] this layer's cache viewed flat.
+        kv_b_weight: [H * (P + V), L] the kv_b_proj weight.
+
+    Returns:
+        [n, H, V] attention output.
+    """
+    n = q.shape[0]
+    if chunk.context_slots is not None and chunk.context_len:
+        latent = torch.cat((kv_cache_flat[chunk.context_slots], latent))  # [ctx + n, L + R]
+    num_keys = latent.shape[0]
+    kv = F.linear(latent[:, :kv_lora_rank], kv_b_weight)
+    kv = kv.view(num_keys, num_heads, qk_nope_head_dim + v_head_dim)  # [S, H, P + V]
+    k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
+    k_pe = latent[:, None, kv_lora_rank:].expand(-1, num_heads, -1)  # [S, H, R]
+    k = torch.cat((k_nope, k_pe), dim=-1)  # [S, H, P + R]
+    context_len = num_keys - n
+    mask = None
+    if context_len:
+        query_pos = context_len + torch.arange(n, device=q.device)
+        mask = torch.arange(num_keys, device=q.device)[None, :] <= query_pos[:, None]  # [n, S]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [H, n|S, dim]
+        attn_mask=mask, is_causal=mask is None, scale=softmax_scale)
+    return out.transpose(0, 1)  # [n, H, V]

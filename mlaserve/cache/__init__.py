@@ -1,0 +1,1 @@
+"""The KV block pool (used by the engine's scheduler)."""

@@ -1,0 +1,136 @@
+"""ModelRunner: a scheduled batch -> tensors, one backend plan, the forward pass, sampling."""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from mlaserve.attention import create_backend
+from mlaserve.attention.base import MLAShape
+from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
+from mlaserve.config import ModelConfig
+from mlaserve.engine.request import Request
+from mlaserve.engine.sampler import SamplingBatch, sample, top_logprobs
+from mlaserve.engine.scheduler import ScheduledBatch
+from mlaserve.model.deepseek import DeepseekForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What the step produced, on the host."""
+
+    sampled: dict[int, int]  # id(request) -> new token id
+    logprobs: dict[int, dict[int, float]]  # id(request) -> {token: logprob} of the new token
+    prompt_logprobs: dict[int, list[dict[int, float]]]  # id(request) -> entries in order
+
+
+class ModelRunner:
+    """Owns the model, its per-layer paged latent caches and the decode attention backend."""
+
+    def __init__(self, model: DeepseekForCausalLM, config: ModelConfig, *, num_blocks: int,
+                 block_size: int, device: torch.device, dtype: torch.dtype,
+                 attention_backend: str | None) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.block_size = block_size
+        shape = (num_blocks, block_size, config.kv_cache_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                          for _ in range(config.num_hidden_layers)]
+        self.backend = create_backend(attention_backend, MLAShape(
+            num_heads=config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
+            qk_rope_head_dim=config.qk_rope_head_dim, block_size=block_size, dtype=dtype,
+            device=device), config.softmax_scale)
+        logger.info("attention backend: %s", self.backend.name)
+
+    def _slots(self, request: Request, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [request.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        samplers: list[Request] = []
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, count)
+        for request in batch.decodes:
+            p = request.num_computed_tokens
+            tokens.append(request.all_token_ids[p])
+            positions.append(p)
+            slots.extend(self._slots(request, p, p + 1))
+            sample_rows.append(len(tokens) - 1)
+            samplers.append(request)
+        chunks = []
+        for request, count in batch.prefills:
+            start = request.num_computed_tokens
+            row0 = len(tokens)
+            tokens.extend(request.all_token_ids[start : start + count])
+            positions.extend(range(start, start + count))
+            slots.extend(self._slots(request, start, start + count))
+            context = None
+            if start:
+                context = torch.tensor(self._slots(request, 0, start), dtype=torch.int64,
+                                       device=self.device)
+            chunks.append(PrefillChunk(row0, count, context))
+            if request.prompt_logprobs is not None:
+                # logits at position p score prompt token p + 1
+                first = max(start, len(request.prompt_logprobs) - 1)
+                last = min(start + count, request.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_rows.append((request, row0 + first - start, last - first))
+            if start + count == request.num_tokens:
+                sample_rows.append(len(tokens) - 1)
+                samplers.append(request)
+
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decode_tokens=len(batch.decodes), prefills=chunks)
+        if batch.decodes:
+            width = max(len(r.block_ids) for r in batch.decodes)
+            table = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids))
+                                  for r in batch.decodes], dtype=torch.int32, device=device)
+            seq_lens = torch.tensor([r.num_computed_tokens + 1 for r in batch.decodes],
+                                    dtype=torch.int32, device=device)
+            self.backend.plan(table, seq_lens)
+            meta.decode_backend = self.backend
+        hidden = self.model(torch.tensor(tokens, dtype=torch.int64, device=device),
+                            torch.tensor(positions, dtype=torch.int64, device=device),
+                            self.kv_caches, meta)
+        result = StepResult({}, {}, {})
+        if samplers:
+            logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] float32
+            params = SamplingBatch.build(samplers, logits.shape[-1], device)
+            new_ids = sample(logits, params)
+            k = max((r.params.logprobs or 0) for r in samplers)
+            wants = any(r.params.logprobs is not None for r in samplers)
+            if wants:
+                chosen, values, ids = top_logprobs(logits.log_softmax(dim=-1), new_ids, k)
+                chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()
+            new_ids = new_ids.tolist()
+            for i, request in enumerate(samplers):
+                result.sampled[id(request)] = new_ids[i]
+                if request.params.logprobs is not None:
+                    n = request.params.logprobs
+                    entry = dict(zip(ids[i][:n], values[i][:n], strict=True))
+                    entry[new_ids[i]] = chosen[i]
+                    result.logprobs[id(request)] = entry
+        for request, row, count in prompt_rows:
+            logprobs = self.model.compute_logits(hidden[row : row + count]).log_softmax(dim=-1)
+            start = len(request.prompt_logprobs)
+            targets = torch.tensor(request.prompt_token_ids[start : start + count],
+                                   dtype=torch.int64, device=device)
+            chosen, values, ids = top_logprobs(logprobs, targets, request.params.prompt_logprobs)
+            chosen, values, ids, targets = (chosen.tolist(), values.tolist(), ids.tolist(),
+                                            targets.tolist())
+            entries = []
+            for j in range(count):
+                entry = dict(zip(ids[j], values[j], strict=True))
+                entry[targets[j]] = chosen[j]
+                entries.append(entry)
+            result.prompt_logprobs[id(request)] = entries
+        return result

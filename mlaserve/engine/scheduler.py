@@ -1,0 +1,121 @@
+"""Token-budget continuous batching: decodes first, then chunked prefills; preemption by recompute.
+
+Each step has a budget of `max_num_batched_tokens`. Running requests are served first, in the
+order they were admitted (a decode costs one token, an unfinished prompt takes what is left of the
+budget); then waiting requests are admitted first-come-first-served while the budget, the KV pool
+and `max_num_seqs` allow. When a running request needs a block and none is free, the most recently
+admitted running request is preempted: its blocks are freed and it waits to be recomputed.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mlaserve.cache.block_pool import BlockPool
+from mlaserve.config import SchedulerConfig
+from mlaserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: (request, new token count) pairs; decodes have exactly one new token."""
+
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _reserve(self, request: Request, num_new_tokens: int) -> bool:
+        """Make sure the request owns blocks for its first num_computed + num_new tokens."""
+        needed = self.pool.blocks_for(request.num_computed_tokens + num_new_tokens)
+        extra = needed - len(request.block_ids)
+        if extra <= 0:
+            return True
+        if extra > self.pool.num_free_blocks:
+            return False
+        request.block_ids.extend(self.pool.allocate(extra))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.free_blocks(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            remaining = request.num_tokens - request.num_computed_tokens
+            count = min(remaining, budget)
+            while not self._reserve(request, count):
+                victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            scheduled.add(id(request))
+            budget -= count
+            if remaining == 1:
+                batch.decodes.append(request)
+            else:
+                batch.prefills.append((request, count))
+        if batch.preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, count):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= count
+            if count == 1 and request.num_tokens - request.num_computed_tokens == 1:
+                batch.decodes.append(request)
+            else:
+                batch.prefills.append((request, count))
+        return batch
+
+    def finish(self, request: Request) -> None:
+        """Release a finished or aborted request's blocks and forget it."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.pool.free_blocks(request.block_ids)
+        request.block_ids = []
+        request.status = RequestStatus.FINISHED

@@ -1,0 +1,94 @@
+"""Mixture-of-experts routing and expert computation (torch implementation).
+
+Routing follows DeepSeek: V2 scores with a softmax and picks the top-k greedily or within the
+best `topk_group` of `n_group` groups (group score = its best expert); V3 scores with a sigmoid,
+adds `e_score_correction_bias` for the choice only, and ranks groups by the sum of their two best
+biased scores. Weights are the unbiased scores of the chosen experts, renormalised if
+`norm_topk_prob`, times `routed_scaling_factor`.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    use_grouped_topk: bool,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose experts per token.
+
+    Args:
+        router_logits: [T, E] float32.
+        use_grouped_topk: restrict the choice to the best `topk_group` groups.
+
+    Returns:
+        topk_weights [T, top_k] float32 and topk_ids [T, top_k] int64.
+    """
+    num_tokens, num_experts = router_logits.shape
+    if scoring_func == "softmax":
+        scores = router_logits.softmax(dim=-1)
+    else:
+        scores = router_logits.sigmoid()
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
+    if use_grouped_topk and n_group > 1:
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
+        if e_score_correction_bias is None:
+            group_scores = grouped.max(dim=-1).values  # [T, G]
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        group_idx = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+        group_mask.scatter_(1, group_idx, True)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
+        fill = 0.0 if e_score_correction_bias is None else float("-inf")
+        choice = choice.masked_fill(~expert_mask, fill)
+    topk_ids = choice.topk(top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if norm_topk_prob and top_k > 1:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
+def fused_experts_torch(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e = ids_k.
+
+    Args:
+        x: [T, D] hidden states.
+        gate_up_proj: [E, 2 * I, D] (gate rows then up rows).
+        down_proj: [E, D, I].
+        topk_weights: [T, K] float32; topk_ids: [T, K] int64.
+
+    Returns:
+        [T, D] in x's dtype. Loops over the experts that received tokens (one host sync).
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()  # [T * K]
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    token_of = order // top_k  # source token of each sorted (token, k) pair
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        tokens = token_of[start : start + count]
+        start += count
+        gate, up = F.linear(x[tokens], gate_up_proj[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down_proj[expert])  # [count, D]
+        weights = topk_weights.flatten()[pairs][:, None]
+        out.index_add_(0, tokens, (y * weights).float())
+    return out.to(x.dtype)

@@ -1,0 +1,78 @@
+"""The offline Python API: LLM(...).generate(prompts, sampling_params)."""
+
+from dataclasses import fields
+
+from tqdm import tqdm
+
+from mlaserve.engine.engine import EngineArgs, LLMEngine
+from mlaserve.engine.request import RequestOutput, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a DeepSeek MLA model (an HF directory, or None for the built-in demo model).
+
+    Example:
+        >>> llm = LLM()
+        >>> llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))[0].text
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 attention_backend: str = "auto", block_size: int = 64, max_num_seqs: int = 256,
+                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                 load_format: str = "auto", seed: int = 0, **kwargs) -> None:
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s) {unknown}; known: {sorted(known)}")
+        self.engine = LLMEngine(EngineArgs(
+            model=model, dtype=dtype, device=device, attention_backend=attention_backend,
+            block_size=block_size, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
+            max_model_len=max_model_len, load_format=load_format, seed=seed, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    @staticmethod
+    def _normalise(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]
+        if isinstance(prompts, list) and all(isinstance(p, (str, list)) for p in prompts):
+            return list(prompts)
+        raise ValueError("prompts must be a string, a list of strings, a list of token ids, "
+                         "or a list of token-id lists")
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in input order."""
+        prompts = self._normalise(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} "
+                                 "prompts; give one, or one per prompt")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        engine = self.engine
+        requests = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                requests.append(engine.add_request(prompt, p))
+        except ValueError:
+            for request in requests:
+                engine.abort(request.request_id)
+                engine.release(request.request_id)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        with tqdm(total=len(requests), disable=not use_tqdm, desc="Generating") as bar:
+            while len(finals) < len(requests):
+                for output in engine.step():
+                    if output.finished:
+                        finals[output.request_id] = output
+                        bar.update(1)
+        results = [finals[r.request_id] for r in requests]
+        for r in requests:
+            engine.release(r.request_id)
+        return results

@@ -1,0 +1,201 @@
+"""DeepSeek-V2/V3 (MLA + MoE) over a flat token axis and a paged latent KV cache.
+
+Parameter names equal the Hugging Face checkpoint names (`model.layers.N.self_attn.q_a_proj.weight`
+...), except the routed experts, which live stacked in `mlp.experts.gate_up_proj [E, 2I, D]` and
+`mlp.experts.down_proj [E, D, I]` (the loader maps per-expert tensors into them).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlaserve.attention.metadata import AttentionMetadata
+from mlaserve.attention.prefill import expanded_prefill
+from mlaserve.config import ModelConfig
+from mlaserve.kernels.moe import fused_experts_torch, select_experts
+from mlaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class MLAAttention(nn.Module):
+    """Multi-head Latent Attention.
+
+    q = W_q x (or W_qb norm(W_qa x)), split per head into q_nope [P] and q_pe [R];
+    [c_kv | k_pe] = W_kva x, c_kv normalised, rope on q_pe and k_pe; the cache stores [c_kv | k_pe].
+    Prefill expands c_kv with kv_b_proj = [W_UK; W_UV] into per-head k_nope, v. Decode absorbs
+    W_UK into the query (q_latent = q_nope W_UK, [H, L]) and W_UV into the output
+    (o = o_latent W_UV^T), so attention runs over the latent rows directly.
+    """
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.softmax_scale = config.softmax_scale
+        self.rotary = rotary
+        bias = config.attention_bias
+        q_out = self.num_heads * config.qk_head_dim
+        self.q_lora_rank = config.q_lora_rank
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(config.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_cache_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+            bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=bias)
+
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj into the absorbed decode matrices W_UK [H, P, L] and W_UV^T [H, L, V]."""
+        w = self.kv_b_proj.weight.detach()
+        w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()  # [H, P, L]
+        self.w_uv_t = w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [H, L, V]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, D] -> [T, D]; writes this step's latents into kv_cache [N, bs, L + R]."""
+        num_tokens = hidden.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(num_tokens, self.num_heads, -1)  # [T, H, P + R]
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe = self.rotary(positions, q_pe)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = torch.cat((self.kv_a_layernorm(c_kv), self.rotary(positions, k_pe)), dim=-1)
+        kv_flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, L + R]
+        kv_flat.index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
+
+        out = hidden.new_empty(num_tokens, self.num_heads, self.v_head_dim)
+        d = meta.num_decode_tokens
+        if d:
+            q_latent = torch.bmm(q_nope[:d].transpose(0, 1), self.w_uk)  # [H, d, L]
+            q_abs = torch.cat((q_latent.transpose(0, 1), q_pe[:d]), dim=-1)  # [d, H, L + R]
+            o_latent = meta.decode_backend.run(q_abs, kv_cache)  # [d, H, L]
+            out[:d] = torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = expanded_prefill(
+                torch.cat((q_nope[rows], q_pe[rows]), dim=-1), latent[rows], kv_flat, chunk,
+                self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim,
+                self.kv_lora_rank, self.softmax_scale)
+        return self.o_proj(out.view(num_tokens, -1))  # [T, H * V] -> [T, D]
+
+
+class Router(nn.Module):
+    """The MoE gate: router logits in float32 and DeepSeek's expert choice."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        num_experts = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size))
+        if config.scoring_func == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> topk_weights [T, K] float32, topk_ids [T, K] int64."""
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
+        return select_experts(
+            logits, c.num_experts_per_tok, c.scoring_func, c.n_group, c.topk_group,
+            c.norm_topk_prob, c.routed_scaling_factor,
+            use_grouped_topk=c.topk_method != "greedy", e_score_correction_bias=bias)
+
+
+class RoutedExperts(nn.Module):
+    """Stacked SwiGLU experts."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, i, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+
+class MoE(nn.Module):
+    """Routed experts plus always-on shared experts."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = RoutedExperts(config)
+        self.shared_experts = None
+        if config.n_shared_experts:
+            self.shared_experts = GatedMLP(
+                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = fused_experts_torch(x, self.experts.gate_up_proj, self.experts.down_proj,
+                                  topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = MoE(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions, hidden, kv_cache, meta):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekBody(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config.qk_rope_head_dim, max_positions, config.rope_theta,
+                                 config.rope_scaling, config.rope_interleave)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The whole model; `forward` gives final hidden states, `compute_logits` the vocabulary."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekBody(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def process_weights_after_loading(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.process_weights_after_loading()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden [T, D]."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> logits [N, V] float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,172 @@
+"""Build a model on the target device and fill it from HF safetensors (or with dummy weights).
+
+Checkpoint tensors are streamed one at a time (a progress bar counts them). Every missing,
+unexpected or wrongly shaped tensor is collected and reported in one error. Multi-token-prediction
+layers (index >= num_hidden_layers) are skipped on purpose. FP8 block-quantized checkpoints
+(`weight_scale_inv`) are refused with a clear message.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from mlaserve.config import ModelConfig
+from mlaserve.model.deepseek import DeepseekForCausalLM
+from mlaserve.model.layers import RMSNorm, RotaryEmbedding
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\."
+                     r"(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_FP8_MESSAGE = ("FP8 block-quantized checkpoints (weight_scale_inv) are not supported yet: use a "
+                "bf16 checkpoint (e.g. converted with DeepSeek's fp8_cast_bf16.py), or "
+                "--load-format dummy for benchmarks")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model directory: the sharded index's files, or the one file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} names shards that are missing: {absent}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files; pass a directory with HF "
+                         "safetensors weights, or load_format='dummy' for random weights")
+    return files
+
+
+def _expected_tensors(model: DeepseekForCausalLM) -> dict[str, tuple[str, int | None, str]]:
+    """Checkpoint name -> (parameter name, expert index or None, part) for every tensor needed."""
+    expected = {}
+    for name, param in model.named_parameters():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            prefix = name.rsplit(".", 1)[0]
+            parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+            for e in range(param.shape[0]):
+                for part in parts:
+                    expected[f"{prefix}.{e}.{part}.weight"] = (name, e, part)
+        else:
+            expected[name] = (name, None, "")
+    return expected
+
+
+def _target(param: torch.Tensor, expert: int | None, part: str) -> torch.Tensor:
+    if expert is None:
+        return param
+    if part == "down_proj":
+        return param[expert]
+    half = param.shape[1] // 2
+    return param[expert, :half] if part == "gate_proj" else param[expert, half:]
+
+
+def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its parameter; one ValueError lists all problems."""
+    config = model.config
+    params = dict(model.named_parameters())
+    expected = _expected_tensors(model)
+    pending = set(expected)
+    unexpected: list[str] = []
+    wrong_shape: list[str] = []
+    files = checkpoint_files(model_dir)
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
+        for handle in handles:
+            for key in handle.keys():
+                bar.update(1)
+                if key.endswith("weight_scale_inv") or key.endswith("weight_scale"):
+                    raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
+                layer = _LAYER.match(key)
+                if layer and int(layer.group(1)) >= config.num_hidden_layers:
+                    continue  # multi-token-prediction layers are not used for decoding
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                if config.tie_word_embeddings and key == "lm_head.weight":
+                    continue
+                fused = key.endswith(".mlp.experts.gate_up_proj") or key.endswith(
+                    ".mlp.experts.down_proj")
+                if fused and key in params:
+                    targets = [n for n, (p, _, _) in expected.items() if p == key]
+                    target = params[key]
+                elif key in expected:
+                    targets = [key]
+                    target = _target(params[expected[key][0]], *expected[key][1:])
+                else:
+                    unexpected.append(key)
+                    continue
+                tensor = handle.get_tensor(key)
+                if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
+                if tuple(tensor.shape) != tuple(target.shape):
+                    wrong_shape.append(f"{key}: checkpoint {tuple(tensor.shape)}, "
+                                       f"model {tuple(target.shape)}")
+                    continue
+                with torch.no_grad():
+                    target.copy_(tensor)
+                pending.difference_update(targets)
+    problems = []
+    if pending:
+        problems.append(f"missing {len(pending)}: {_listing(pending)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: {_listing(unexpected)}")
+    if wrong_shape:
+        problems.append(f"wrong shape {len(wrong_shape)}: {_listing(wrong_shape)}")
+    if problems:
+        raise ValueError(f"checkpoint {model_dir} does not match its config.json: "
+                         + "; ".join(problems))
+
+
+def _listing(names, limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
+    """Random weights from the config alone: small uniform values, norms at one."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                continue
+            if name.endswith("e_score_correction_bias"):
+                param.zero_()
+                continue
+            param.uniform_(-0.02, 0.02, generator=generator)
+
+
+def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.device,
+                dtype: torch.dtype, load_format: str, max_positions: int,
+                seed: int = 0) -> DeepseekForCausalLM:
+    """Allocate the model directly on `device` in `dtype`, then load or randomise its weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format '{load_format}'; use one of {LOAD_FORMATS}")
+    if load_format != "dummy" and config.quant_method == "fp8":
+        raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(config, max_positions)
+    model = model.to(dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build(device)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, Path(model_dir))
+    model.process_weights_after_loading()
+    model.requires_grad_(False)
+    return model.eval()
