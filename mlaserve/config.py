@@ -30,7 +30,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     try:
         return _DTYPES[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown dtype '{name}'; use auto, float32, float16 or bfloat16") from None
+        raise ValueError(
+            f"unknown dtype '{name}'; use auto, float32, float16 or bfloat16") from None
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from mlaserve.attention import resolve_backend_name
 from mlaserve.cache.block_pool import BlockPool
 from mlaserve.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from mlaserve.engine.detokenizer import IncrementalDetokenizer
@@ -96,6 +97,7 @@ class LLMEngine:
     """Loads the model and tokenizer, then runs scheduler steps over the added requests."""
 
     def __init__(self, args: EngineArgs) -> None:
+        resolve_backend_name(args.attention_backend)  # fail on a bad name before loading
         model_dir = Path(args.model) if args.model else DEMO_MODEL_DIR
         self.model_dir = model_dir
         self.device = resolve_device(args.device)

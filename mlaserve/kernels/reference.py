@@ -16,7 +16,8 @@ def mla_decode_reference(
 
     Args:
         q: [B * q_len, H, L + R] absorbed queries ([q_latent | q_pe]), request-major rows.
-        kv_cache: [num_blocks, block_size, L + R] latent cache ([c_kv | k_pe]); V is its first L columns.
+        kv_cache: [num_blocks, block_size, L + R] latent cache ([c_kv | k_pe]); V is its
+            first L columns.
         block_table: [B, max_blocks] int32, page ids of each request in order.
         seq_lens: [B] int32 KV length per request, including the q_len new tokens.
         softmax_scale: multiplies q.k before the softmax.

@@ -108,7 +108,8 @@ class Router(nn.Module):
         """x [T, D] -> topk_weights [T, K] float32, topk_ids [T, K] int64."""
         c = self.config
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
+        bias = self.e_score_correction_bias
+        bias = None if bias is None else bias.float()
         return select_experts(
             logits, c.num_experts_per_tok, c.scoring_func, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,

@@ -109,6 +109,7 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                 if tuple(tensor.shape) != tuple(target.shape):
                     wrong_shape.append(f"{key}: checkpoint {tuple(tensor.shape)}, "
                                        f"model {tuple(target.shape)}")
+                    pending.difference_update(targets)  # reported once, as wrong shape
                     continue
                 with torch.no_grad():
                     target.copy_(tensor)

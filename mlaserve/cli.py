@@ -1,0 +1,114 @@
+"""The `mlaserve` command: generate | serve | bench serve | bench kernel."""
+
+import argparse
+import json
+import logging
+import sys
+
+from mlaserve import __version__
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, named as vLLM names them."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF model directory (default: the built-in demo model)")
+    parser.add_argument("--attention-backend", default=None,
+                        help="torch | triton | flashinfer | auto (also TRITON_MLA, "
+                             "FLASHINFER_MLA; default: $MLASERVE_ATTENTION_BACKEND or auto)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--load-format", default="auto", help="auto | safetensors | dummy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
+    parser.add_argument("--hf-overrides", type=json.loads, default=None,
+                        help='JSON merged into config.json, e.g. \'{"num_hidden_layers": 4}\'')
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True)
+
+
+def engine_args_from(args: argparse.Namespace):
+    from mlaserve.engine.engine import EngineArgs
+
+    return EngineArgs(
+        model=args.model, dtype=args.dtype, device=args.device,
+        attention_backend=args.attention_backend, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching, hf_overrides=args.hf_overrides,
+        tokenizer=args.tokenizer)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from mlaserve.engine.engine import LLMEngine
+    from mlaserve.engine.request import SamplingParams
+
+    engine = LLMEngine(engine_args_from(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.sample_seed)
+    engine.add_request(args.prompt, params)
+    final = None
+    while engine.has_unfinished:
+        for output in engine.step():
+            final = output
+    print(final.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlaserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mlaserve {__version__}")
+    parser.add_argument("--log-level", default="WARNING")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete one prompt and print it")
+    add_engine_arguments(generate)
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--sample-seed", type=int, default=None)
+    generate.set_defaults(handler=_generate)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench_command", required=True)
+    for name, module, text in (("serve", "mlaserve.bench.serve", "serving benchmark client"),
+                               ("kernel", "mlaserve.bench.kernel", "MLA decode kernel sweep")):
+        sub = bench.add_parser(name, help=text)
+        sub.set_defaults(module=module)
+        _add_module_arguments(sub, module)
+    return parser
+
+
+def _add_module_arguments(parser: argparse.ArgumentParser, module_name: str) -> None:
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return
+    module.add_arguments(parser)
+    parser.set_defaults(handler=module.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if not hasattr(args, "handler"):
+        print(f"mlaserve: '{args.command}' is not available in this install", file=sys.stderr)
+        return 2
+    try:
+        return args.handler(args)
+    except ValueError as exc:
+        print(f"mlaserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

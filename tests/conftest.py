@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random DeepSeek checkpoints written by transformers' own classes."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "mlaserve" / "demo_model"
+
+BASE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+    n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=16,
+    qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, max_position_embeddings=512,
+    initializer_range=0.1, bos_token_id=0, eos_token_id=1,
+)
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+# name -> (architecture, config overrides, sharded)
+CHECKPOINTS = {
+    "v2-greedy-nolora-untied": ("v2", dict(q_lora_rank=None, topk_method="greedy"), False),
+    "v2-grouped-lora-yarn-tied-sharded": ("v2", dict(
+        q_lora_rank=32, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        rope_scaling=YARN, tie_word_embeddings=True), True),
+    "v3-noaux-lora-yarn-sharded": ("v3", dict(
+        q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
+        True),
+    "v3-dense-nolora-tied": ("v3", dict(q_lora_rank=None, first_k_dense_replace=3,
+                                        tie_word_embeddings=True), False),
+}
+
+
+def write_checkpoint(path: Path, arch: str, overrides: dict, sharded: bool, seed: int = 0):
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+    )
+
+    config_cls, model_cls = ((DeepseekV2Config, DeepseekV2ForCausalLM) if arch == "v2"
+                             else (DeepseekV3Config, DeepseekV3ForCausalLM))
+    config = config_cls(**{**BASE, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.05)
+    model.save_pretrained(path, max_shard_size="100KB" if sharded else "1GB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((DEMO_TOKENIZER / name).read_bytes())
+    return model
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """checkpoint_dir(name) -> (path, HF model) for a named tiny checkpoint, built once."""
+    cache: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def make(name: str):
+        if name not in cache:
+            arch, overrides, sharded = CHECKPOINTS[name]
+            path = tmp_path_factory.mktemp(name)
+            cache[name] = (path, write_checkpoint(path, arch, overrides, sharded))
+        return cache[name]
+
+    return make
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
