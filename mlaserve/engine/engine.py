@@ -3,6 +3,7 @@
 import itertools
 import logging
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +94,15 @@ def kv_blocks_for_memory(config: ModelConfig, args: EngineArgs, device: torch.de
     return blocks
 
 
+class StepFailed(RuntimeError):
+    """An engine step raised; its requests were aborted and their blocks freed."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 class LLMEngine:
     """Loads the model and tokenizer, then runs scheduler steps over the added requests."""
 
@@ -131,7 +141,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.config, num_blocks=num_blocks,
                                   block_size=args.block_size, device=self.device,
                                   dtype=self.dtype, attention_backend=args.attention_backend)
-        self.pool = BlockPool(num_blocks, args.block_size)
+        self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.pool)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx max_model_len %d)",
                     num_blocks, args.block_size, num_blocks * args.block_size,
@@ -139,6 +149,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self._seed_rng = random.Random(args.seed)
         self._ids = itertools.count()
+        self._arrivals = 0
+        self._lock = threading.Lock()
         self.requests: dict[str, Request] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
 
@@ -154,6 +166,14 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
         """Queue one request: a string (tokenized with special tokens) or literal token ids."""
+        return self.submit(self.make_request(prompt, params, request_id))
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Validate and tokenize a request without touching the engine's state.
+
+        Raises ValueError with what to change. Safe to call from another thread.
+        """
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -179,13 +199,20 @@ class LLMEngine:
         if total > capacity:
             raise ValueError(f"prompt + max_tokens = {total} tokens cannot fit the KV cache "
                              f"({capacity} tokens); lower max_tokens or add KV blocks")
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request id '{request_id}' is already in use")
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        request = Request(request_id, text, token_ids, params, arrival_index=len(self.requests),
-                          sample_seed=seed, eos_token_ids=self.eos_token_ids)
-        self.requests[request_id] = request
+        with self._lock:
+            request_id = request_id if request_id is not None else str(next(self._ids))
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        return Request(request_id, text, token_ids, params, arrival_index=0,
+                       sample_seed=seed, eos_token_ids=self.eos_token_ids)
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request made by make_request (engine thread only)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id '{request.request_id}' is already in use")
+        request.arrival_index = self._arrivals
+        self._arrivals += 1
+        params, token_ids = request.params, request.prompt_token_ids
+        self.requests[request.request_id] = request
         self._detok[id(request)] = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.skip_special_tokens, list(params.stop),
             params.include_stop_str_in_output)
@@ -208,11 +235,20 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            failed = [*batch.decodes, *(r for r, _ in batch.prefills)]
+            for request in failed:
+                request.finish_reason = "abort"
+                self._finish(request)
+            raise StepFailed([r.request_id for r in failed], exc) from exc
         for request in batch.decodes:
             request.num_computed_tokens += 1
+            self.scheduler.cache_computed_blocks(request)
         for request, count in batch.prefills:
             request.num_computed_tokens += count
+            self.scheduler.cache_computed_blocks(request)
             entries = result.prompt_logprobs.get(id(request))
             if entries:
                 request.prompt_logprobs.extend(entries)

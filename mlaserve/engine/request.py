@@ -133,6 +133,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    num_registered_blocks: int = 0  # full blocks entered into the prefix cache
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -1,5 +1,8 @@
 """Token-budget continuous batching: decodes first, then chunked prefills; preemption by recompute.
 
+Prefix caching: a request admitted with nothing computed first takes the cached blocks of its
+longest cached prefix (see cache/block_pool.py) and starts its prefill after them.
+
 Each step has a budget of `max_num_batched_tokens`. Running requests are served first, in the
 order they were admitted (a decode costs one token, an unfinished prompt takes what is left of the
 budget); then waiting requests are admitted first-come-first-served while the budget, the KV pool
@@ -58,10 +61,14 @@ class Scheduler:
         request.block_ids.extend(self.pool.allocate(extra))
         return True
 
+    def _release_blocks(self, request: Request) -> None:
+        self.pool.free_blocks(request.block_ids[::-1])  # tail first onto the LRU list
+        request.block_ids = []
+        request.num_registered_blocks = 0
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.pool.free_blocks(request.block_ids)
-        request.block_ids = []
+        self._release_blocks(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -97,8 +104,17 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_computed_tokens == 0 and request.params.prompt_logprobs is None:
+                # prompt logprobs need every position's logits, so those requests skip the cache
+                request.block_ids = self.pool.lookup_prefix(request.all_token_ids,
+                                                            request.block_hashes)
+                request.num_computed_tokens = len(request.block_ids) * self.pool.block_size
+                request.num_cached_tokens = request.num_computed_tokens
+                request.num_registered_blocks = len(request.block_ids)
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, count):
+                self._release_blocks(request)
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -116,6 +132,11 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pool.free_blocks(request.block_ids)
-        request.block_ids = []
+        self._release_blocks(request)
         request.status = RequestStatus.FINISHED
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Enter the request's newly computed full blocks into the prefix cache."""
+        request.num_registered_blocks = self.pool.cache_full_blocks(
+            request.all_token_ids, request.block_ids, request.num_computed_tokens,
+            request.block_hashes, request.num_registered_blocks)

@@ -1,0 +1,98 @@
+"""Engine behaviour with exact expectations: batching, chunking, prefix caching, preemption."""
+
+import random
+
+import pytest
+
+from mlaserve import LLM, SamplingParams
+
+rng = random.Random(1)
+PROMPTS = [[rng.randrange(4, 1000) for _ in range(rng.randrange(3, 40))] for _ in range(8)]
+SHARED = [rng.randrange(4, 1000) for _ in range(48)]
+PREFIXED = [SHARED + [rng.randrange(4, 1000) for _ in range(rng.randrange(1, 9))]
+            for _ in range(5)]
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def llm(**kwargs):
+    kwargs.setdefault("num_kv_blocks", 256)
+    kwargs.setdefault("block_size", 16)
+    return LLM(device="cpu", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy outputs of each prompt run alone, prefix caching off."""
+    engine = llm(enable_prefix_caching=False)
+    return {tuple(p): engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS + PREFIXED}
+
+
+def ids(outputs):
+    return [o.token_ids for o in outputs]
+
+
+def test_all_at_once_equals_one_by_one(reference):
+    outs = llm().generate(PROMPTS + PREFIXED, GREEDY)
+    assert ids(outs) == [reference[tuple(p)] for p in PROMPTS + PREFIXED]
+
+
+def test_chunked_prefill_under_a_small_token_budget(reference):
+    engine = llm(max_num_batched_tokens=7, enable_prefix_caching=False)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert ids(outs) == [reference[tuple(p)] for p in PROMPTS]
+
+
+def test_prefix_caching_reuses_blocks_and_changes_nothing(reference):
+    engine = llm(enable_prefix_caching=True)
+    first = engine.generate([PREFIXED[0]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    outs = engine.generate(PREFIXED[1:], GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [48] * 4  # three shared 16-token blocks
+    assert ids(outs) == [reference[tuple(p)] for p in PREFIXED[1:]]
+    pool = engine.engine.pool
+    assert pool.num_hits == 4 * 48
+
+
+def test_tiny_pool_forces_preemption_and_changes_nothing(reference):
+    engine = llm(num_kv_blocks=16, block_size=4, enable_prefix_caching=False)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert engine.engine.scheduler.num_preemptions > 0
+    assert ids(outs) == [reference[tuple(p)] for p in PROMPTS]
+    assert engine.engine.pool.num_free_blocks == 16
+
+
+def test_seeded_sampling_is_identical_across_batch_compositions():
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234,
+                            ignore_eos=True)
+    engine = llm()
+    alone = engine.generate([PROMPTS[0]], params)[0].token_ids
+    mixed = engine.generate(PROMPTS[:5], [params] + [SamplingParams(
+        max_tokens=9, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)])[0].token_ids
+    assert alone == mixed
+    other_seed = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=99,
+                                ignore_eos=True)
+    assert engine.generate([PROMPTS[0]], other_seed)[0].token_ids != alone
+
+
+def test_stop_strings_and_stop_token_ids():
+    engine = llm()
+    base = engine.generate([PROMPTS[2]], GREEDY)[0]
+    text = base.text
+    stop = text[5:8]
+    cut = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0,
+                                                       ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    token = base.token_ids[3]
+    first = base.token_ids.index(token)
+    by_id = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0,
+                                                         stop_token_ids=[token]))[0]
+    assert by_id.token_ids == base.token_ids[: first + 1] and by_id.stop_reason == token
+
+
+def test_requests_that_cannot_fit_are_value_errors():
+    engine = llm(num_kv_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="cannot fit the KV cache"):
+        engine.generate([[5] * 10], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="more than max_model_len=64"):
+        engine.generate([[5] * 70])
