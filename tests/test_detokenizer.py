@@ -25,7 +25,7 @@ def test_multibyte_characters_are_never_split():
     detok, snapshots, _, ids = feed(text)
     assert len(ids) > len(text.split())  # the byte-level BPE does split these characters
     assert all("\ufffd" not in s for s in snapshots)
-    assert all(b.startswith(a) for a, b in zip(snapshots, snapshots[1:]))
+    assert all(b.startswith(a) for a, b in zip(snapshots, snapshots[1:], strict=False))
     detok.flush()
     assert detok.text == text
 
