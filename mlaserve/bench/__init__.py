@@ -1,0 +1,1 @@
+"""Benchmark clients: the online serving benchmark and the MLA decode kernel sweep."""

@@ -1,0 +1,176 @@
+"""The random dataset of the serving benchmark: token-soup prompts drawn exactly as vLLM 0.33's
+benchmark client draws them (same tokenizer and seed give the same prompts and lengths).
+
+Algorithm (one private ``numpy.random.default_rng(seed)``; the order of the draws matters):
+
+1. ``real_input_len = max(0, input_len - tokenizer.num_special_tokens_to_add())``; input lengths
+   are uniform integers in ``[floor(real_in * (1 - r_in)), ceil(real_in * (1 + r_in))]`` and output
+   lengths in ``[max(1, floor(out * (1 - r_out))), max(1, ceil(out * (1 + r_out)))]``.
+2. Draws: input lengths, output lengths, then per-request vocabulary offsets.
+3. ``allowed`` = the ids ``0 .. vocab_size - 1`` minus the special ids, ascending.
+4. A shared prefix (``prefix_len`` random allowed ids) goes through the fix-up loop.
+5. Request ``i``'s body is the contiguous run ``allowed[(offset_i + i + arange(len_i)) % n]``;
+   prefix + body goes through the fix-up loop and is sent as text.
+
+Fix-up loop: decode to text and re-encode (no special tokens); stop when the length equals the
+target, append random unfiltered ids when short, truncate when long; at most 10 adjustments.
+"""
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+RangeRatio = float | dict[str, float]
+
+MAX_FIXUP_RETRIES = 10
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One benchmark request: the prompt text, its token count and the requested output length."""
+
+    prompt: str
+    prompt_len: int
+    expected_output_len: int
+    request_id: str
+
+
+def parse_range_ratio(text: str) -> RangeRatio:
+    """argparse type of ``--random-range-ratio``: a float or JSON ``{"input": a, "output": b}``."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"range ratio must be a float or a JSON object, got {text!r}")
+    return {str(k): float(v) for k, v in value.items()}
+
+
+def resolve_range_ratios(range_ratio: RangeRatio) -> tuple[float, float]:
+    """Return ``(input_ratio, output_ratio)``; each must lie in [0, 1)."""
+    if isinstance(range_ratio, dict):
+        try:
+            ratios = (float(range_ratio["input"]), float(range_ratio["output"]))
+        except KeyError as exc:
+            raise ValueError(
+                "a range ratio given as an object needs both 'input' and 'output' keys, got "
+                f"{sorted(range_ratio)}"
+            ) from exc
+    else:
+        ratios = (float(range_ratio), float(range_ratio))
+    for ratio in ratios:
+        if not 0.0 <= ratio < 1.0:
+            raise ValueError(f"range ratio must be in [0, 1), got {ratio}")
+    return ratios
+
+
+def decode_to_target_len(
+    tokenizer: Any,
+    token_ids: list[int],
+    target_len: int,
+    rng: np.random.Generator,
+    max_retry: int = MAX_FIXUP_RETRIES,
+) -> tuple[str, list[int], int]:
+    """Decode ``token_ids`` and re-encode until the re-encoding has ``target_len`` tokens.
+
+    Some id runs re-tokenize to a different count (merges across the boundary, partial UTF-8
+    bytes becoming U+FFFD), so the sequence is padded with random ids or truncated and tried
+    again, at most ``max_retry`` times. Returns the last decoded text, its re-encoding and the
+    remaining mismatch (re-encoded length minus target; 0 on success).
+    """
+    remaining = max_retry
+    mismatch = 0
+    while True:
+        prompt = tokenizer.decode(token_ids)
+        token_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        if remaining <= 0:
+            mismatch = len(token_ids) - target_len
+            break
+        if len(token_ids) == target_len:
+            break
+        if len(token_ids) < target_len:
+            extra = rng.integers(0, tokenizer.vocab_size, size=target_len - len(token_ids))
+            token_ids = token_ids + extra.tolist()
+        else:
+            token_ids = token_ids[:target_len]
+        remaining -= 1
+    return prompt, token_ids, mismatch
+
+
+def sample_random_requests(
+    tokenizer: Any,
+    *,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: RangeRatio = 0.0,
+    prefix_len: int = 0,
+    seed: int = 0,
+    request_id_prefix: str = "",
+) -> list[SampleRequest]:
+    """Draw ``num_requests`` random prompts (see the module docstring for the algorithm)."""
+    rng = np.random.default_rng(seed)
+    input_ratio, output_ratio = resolve_range_ratios(range_ratio)
+    num_special = int(tokenizer.num_special_tokens_to_add())
+    real_input_len = max(0, int(input_len) - num_special)
+    input_low = math.floor(real_input_len * (1 - input_ratio))
+    input_high = math.ceil(real_input_len * (1 + input_ratio))
+    if prefix_len + input_low < 1:
+        raise ValueError(
+            f"--random-input-len is too small: with {num_special} special tokens and input range "
+            f"ratio {input_ratio} the shortest prompt has {prefix_len + input_low} tokens; raise "
+            "--random-input-len or --random-prefix-len, or lower the range ratio"
+        )
+    output_low = max(1, math.floor(output_len * (1 - output_ratio)))
+    output_high = max(1, math.ceil(output_len * (1 + output_ratio)))
+    logger.info(
+        "Sampling input_len from [%d, %d] and output_len from [%d, %d]",
+        input_low, input_high, output_low, output_high,
+    )
+
+    vocab_size = tokenizer.vocab_size
+    input_lens = rng.integers(input_low, input_high + 1, size=num_requests)
+    output_lens = rng.integers(output_low, output_high + 1, size=num_requests)
+    offsets = rng.integers(0, vocab_size, size=num_requests)
+
+    special_ids = set(tokenizer.all_special_ids)
+    allowed = np.array([i for i in range(vocab_size) if i not in special_ids])
+
+    prefix_ids: list[int] = []
+    if prefix_len > 0:
+        prefix_ids = allowed[rng.integers(0, len(allowed), size=prefix_len)].tolist()
+        _, prefix_ids, prefix_mismatch = decode_to_target_len(
+            tokenizer, prefix_ids, prefix_len, rng
+        )
+        if prefix_mismatch:
+            logger.warning("The random prefix re-tokenizes to %+d tokens", prefix_mismatch)
+
+    requests = []
+    total_mismatch = 0
+    for i in range(num_requests):
+        body = allowed[(int(offsets[i]) + i + np.arange(int(input_lens[i]))) % len(allowed)]
+        prompt, token_ids, mismatch = decode_to_target_len(
+            tokenizer, prefix_ids + body.tolist(), prefix_len + int(input_lens[i]), rng
+        )
+        total_mismatch += mismatch
+        requests.append(
+            SampleRequest(
+                prompt=prompt,
+                prompt_len=len(token_ids),
+                expected_output_len=int(output_lens[i]),
+                request_id=f"{request_id_prefix}{i}",
+            )
+        )
+    if total_mismatch:
+        logger.warning(
+            "Across all prompts, decoding and re-encoding gave %d %s tokens than targeted",
+            abs(total_mismatch), "more" if total_mismatch > 0 else "fewer",
+        )
+    return requests
