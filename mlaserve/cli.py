@@ -1,4 +1,4 @@
-"""The `mlaserve` command: generate | serve | bench serve | bench kernel."""
+"""The `mlaserve` command: serve | generate | bench serve | bench kernel."""
 
 import argparse
 import json
@@ -61,13 +61,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from mlaserve.server.api import create_app
+
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is "
+                         "supported in this version")
+    app = create_app(engine_args_from(args), args.served_model_name, args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=30, access_log=False)
+    error = app.state.server.load_error
+    if error is not None:
+        print(f"mlaserve: error: the model failed to load: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlaserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mlaserve {__version__}")
-    parser.add_argument("--log-level", default="WARNING")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="complete one prompt and print it")
+    generate = commands.add_parser("generate", parents=[common],
+                                   help="complete one prompt and print it")
     add_engine_arguments(generate)
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--max-tokens", type=int, default=64)
@@ -76,11 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--sample-seed", type=int, default=None)
     generate.set_defaults(handler=_generate)
 
+    serve = commands.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server")
+    add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    serve.set_defaults(handler=_serve)
+
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True)
     for name, module, text in (("serve", "mlaserve.bench.serve", "serving benchmark client"),
                                ("kernel", "mlaserve.bench.kernel", "MLA decode kernel sweep")):
-        sub = bench.add_parser(name, help=text)
+        sub = bench.add_parser(name, parents=[common], help=text)
         sub.set_defaults(module=module)
         _add_module_arguments(sub, module)
     return parser

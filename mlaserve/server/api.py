@@ -1,0 +1,191 @@
+"""The FastAPI app: OpenAI routes, tokenizer routes, health, metrics, auth and error bodies."""
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from mlaserve import __version__
+from mlaserve.engine.async_engine import AsyncEngine
+from mlaserve.engine.engine import EngineArgs
+from mlaserve.server.formatting import error_body
+from mlaserve.server.metrics import ServerMetrics
+from mlaserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from mlaserve.server.serving import APIError, Serving
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    engine_args: EngineArgs
+    served_model_name: str
+    api_key: str | None = None
+    engine: AsyncEngine | None = None
+    serving: Serving | None = None
+    load_error: BaseException | None = None
+    metrics: ServerMetrics | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # union members add their type names to the location; keep the field path
+    param = ".".join(p for p in loc if not p[:1].isupper() and "[" not in p) or None
+    if first.get("type") == "json_invalid":
+        return f"invalid JSON body: {first.get('msg')}", "body"
+    if not loc:
+        return "the request body must be a JSON object (Content-Type: application/json)", "body"
+    return f"{param or 'body'}: {first.get('msg')}", param
+
+
+def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
+               api_key: str | None = None) -> FastAPI:
+    """Build the app; the model loads in the background after startup (/health says 503)."""
+    model_root = engine_args.model or "mlaserve-demo"
+    state = ServerState(engine_args, served_model_name or model_root, api_key)
+    state.metrics = ServerMetrics(state.served_model_name)
+
+    def load() -> None:
+        try:
+            engine = AsyncEngine.from_args(engine_args)
+        except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
+            logger.error("model failed to load: %s", exc)
+            state.load_error = exc
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        state.serving = Serving(engine, state.served_model_name, model_root, state.metrics)
+        state.engine = engine
+        logger.info("model loaded; serving %s", state.served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.get_running_loop().run_in_executor(None, load)
+        yield
+        await loader
+        if state.engine is not None:
+            state.engine.shutdown()
+
+    app = FastAPI(title="mlaserve", version=__version__, lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "BadRequestError", 400, param), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return JSONResponse(error_body("invalid or missing API key", "AuthenticationError",
+                                               401), status_code=401)
+        return await call_next(request)
+
+    def serving() -> Serving:
+        if state.serving is None:
+            raise APIError(503, "the model is still loading", err_type="ServiceUnavailableError")
+        return state.serving
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.serving is not None else 503)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        max_len = state.serving.max_model_len if state.serving else None
+        return {"object": "list", "data": [{
+            "id": state.served_model_name, "object": "model", "created": state.created,
+            "owned_by": "mlaserve", "root": model_root, "parent": None,
+            "max_model_len": max_len, "permission": []}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await serving().completions(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        return await serving().chat(req)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        s = serving()
+        s.check_model(req.model)
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            text = s.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
+            ids = s.tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif req.prompt is not None:
+            ids = s.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        else:
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        body = {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = s.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        s = serving()
+        s.check_model(req.model)
+        vocab = len(s.tokenizer)
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": s.tokenizer.decode(req.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        tok = serving().tokenizer
+        info = {}
+        for key, value in tok.init_kwargs.items():
+            if isinstance(value, (str, int, float, bool)) or value is None:
+                info[key] = value
+            elif hasattr(value, "content"):  # AddedToken
+                info[key] = value.content
+        for key in ("eos_token", "bos_token", "pad_token", "unk_token"):
+            info[key] = getattr(tok, key, None)
+        info["chat_template"] = tok.chat_template
+        info["tokenizer_class"] = type(tok).__name__
+        info["model_max_length"] = serving().max_model_len
+        return info
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        if state.engine is None:
+            from mlaserve.engine.async_engine import EngineStats
+
+            return PlainTextResponse(state.metrics.render(EngineStats()))
+        return PlainTextResponse(state.metrics.render(state.engine.stats),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app

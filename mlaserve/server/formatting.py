@@ -1,0 +1,80 @@
+"""Turn engine outputs into the OpenAI wire format (completions and chat, streamed or not)."""
+
+import json
+import math
+from typing import Any
+
+LOGPROB_FLOOR = -9999.0
+
+
+def floor_logprob(value: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(value) or value < LOGPROB_FLOOR else value
+
+
+class TokenText:
+    """Decoded text of single tokens (the keys of top_logprobs), cached per id."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self.cache[token_id] = text
+        return text
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None],
+                        token_text: TokenText, text_offset: int = 0) -> dict[str, Any]:
+    """The completions `logprobs` object; entry None (prompt position 0) gives nulls."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token, entry in zip(token_ids, entries, strict=True):
+        text = token_text(token)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(floor_logprob(entry[token]))
+        top: dict[str, float] = {}
+        for tid, value in sorted(entry.items(), key=lambda kv: -kv[1]):
+            top.setdefault(token_text(tid), floor_logprob(value))
+        top_logprobs.append(top)
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
+            "top_logprobs": top_logprobs}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int,
+                  token_text: TokenText) -> dict[str, Any]:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for token, entry in zip(token_ids, entries, strict=True):
+        text = token_text(token)
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:k] if k else []
+        content.append({
+            "token": text, "logprob": floor_logprob(entry[token]),
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": token_text(t), "logprob": floor_logprob(v),
+                              "bytes": list(token_text(t).encode("utf-8"))} for t, v in ranked],
+        })
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event: `data: <compact JSON>` and a blank line."""
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n"
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
