@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint
+.PHONY: test demo serve lint
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,6 +17,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/mlaserve generate --prompt "The latent cache holds" --max-tokens 32 --temperature 0
+
+serve: $(STAMP)
+	$(VENV)/bin/mlaserve serve --device cpu --host 127.0.0.1 --port 8000
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mlaserve tests

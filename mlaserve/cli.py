@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import signal
 import sys
 
 from mlaserve import __version__
@@ -70,8 +71,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is "
                          "supported in this version")
     app = create_app(engine_args_from(args), args.served_model_name, args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=30, access_log=False)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.log_level.lower(), timeout_graceful_shutdown=30,
+                            access_log=False)
+    # uvicorn drains in-flight requests on SIGINT/SIGTERM, then re-raises the signal to the
+    # handler found at start; a no-op one there makes a graceful stop exit with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run()
     error = app.state.server.load_error
     if error is not None:
         print(f"mlaserve: error: the model failed to load: {error}", file=sys.stderr)

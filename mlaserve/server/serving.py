@@ -134,6 +134,11 @@ class Serving:
                 ids = self.tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"]
                 text = item
             else:
+                vocab = self.engine.engine.config.vocab_size
+                bad = [t for t in item if not 0 <= t < vocab]
+                if bad:
+                    raise APIError(400, f"prompt token ids must lie in [0, {vocab}); got "
+                                   f"{bad[:5]}", param="prompt")
                 ids, text = list(item), self.tokenizer.decode(item)
             if not ids:
                 raise APIError(400, "the prompt is empty", param="prompt")
