@@ -140,10 +140,7 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
         s = serving()
         s.check_model(req.model)
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            text = s.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
-            ids = s.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = s.chat_prompt_ids(req.messages, req.add_generation_prompt, None)
         elif req.prompt is not None:
             ids = s.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         else:

@@ -19,7 +19,7 @@ from mlaserve.server.formatting import (
     usage,
 )
 from mlaserve.server.metrics import ServerMetrics
-from mlaserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from mlaserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
 class APIError(Exception):
@@ -237,17 +237,26 @@ class Serving:
         yield sse("[DONE]")
 
     # ---- chat ---------------------------------------------------------------------------
-    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        self.check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                        template_kwargs: dict | None) -> list[int]:
+        """Render the chat template (which carries BOS) and tokenize without special tokens."""
+        if not messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
-                **(req.chat_template_kwargs or {}))
+                plain, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **(template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise APIError(400, f"the chat template cannot render these messages: {exc}",
                            param="messages") from None
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt,
+                                   req.chat_template_kwargs)
+        text = self.tokenizer.decode(ids)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if requested == 0:
