@@ -12,7 +12,7 @@ from torch import nn
 from mlaserve.attention.metadata import AttentionMetadata
 from mlaserve.attention.prefill import expanded_prefill
 from mlaserve.config import ModelConfig
-from mlaserve.kernels.moe import fused_experts_torch, select_experts
+from mlaserve.kernels.moe import fused_experts, select_experts
 from mlaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
@@ -140,7 +140,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        out = fused_experts_torch(x, self.experts.gate_up_proj, self.experts.down_proj,
+        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
                                   topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
