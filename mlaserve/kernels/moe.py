@@ -99,8 +99,9 @@ def fused_experts_loop(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """The per-expert loop: same contract as `fused_experts`; loops over the experts that received tokens (one host
-    sync, one GEMM pair per expert).
+    """The per-expert loop, same contract as `fused_experts`.
+
+    Loops over the experts that received tokens: one host sync, one GEMM pair per expert.
     """
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()  # [T * K]
