@@ -1,4 +1,4 @@
-"""The `mlaserve` command: serve | generate | bench serve | bench kernel."""
+"""The `mlaserve` command: serve | generate | bench serve | bench kernel | eval parity."""
 
 import argparse
 import json
@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub = bench.add_parser(name, parents=[common], help=text)
         sub.set_defaults(module=module)
         _add_module_arguments(sub, module)
+    parity = commands.add_parser("eval", help="accuracy checks").add_subparsers(
+        dest="eval_command", required=True).add_parser(
+        "parity", parents=[common], help="greedy outputs of each backend against torch")
+    _add_module_arguments(parity, "mlaserve.eval.parity")
     return parser
 
 

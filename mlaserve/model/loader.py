@@ -79,7 +79,8 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
     files = checkpoint_files(model_dir)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
-    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
+    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False,
+              disable=None) as bar:
         for handle in handles:
             for key in handle.keys():
                 bar.update(1)

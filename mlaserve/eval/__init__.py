@@ -1,0 +1,1 @@
+"""Accuracy checks: that swapping the attention backend changes nothing but speed."""
