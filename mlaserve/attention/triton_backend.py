@@ -1,0 +1,196 @@
+"""The `triton` backend: the split-KV paged MLA decode kernel of `mlaserve.kernels.mla_decode`.
+
+`plan()` picks the split count from host-side ints only (batch size, the block table's width, the
+SM count), so a step never waits on the device. For CUDA graphs, `init_graph_buffers()` allocates a
+static block table, static lengths and a partial-output workspace big enough for every batch size
+up to the maximum; `plan_for_capture()` fixes the split count of a batch size from the longest
+possible length (any split count is correct for any lengths), and `plan_for_replay()` only copies
+the new block table and lengths into the static buffers, so every pointer a graph holds stays put.
+"""
+
+import os
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from mlaserve.attention.base import BackendCapabilities, MLABackend, MLAShape
+
+if TYPE_CHECKING:  # the kernel module imports triton, which may be missing
+    from mlaserve.kernels.mla_decode import MLADecodeConfig, MLADecodePlan
+
+# SM count assumed on CPU, where the kernel only runs in Triton's interpreter (tests).
+_CPU_NUM_SMS = 4
+
+
+def _is_pow2(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def patch_triton_interpreter() -> None:
+    """Work around two limits of Triton's CPU interpreter (TRITON_INTERPRET=1); idempotent.
+
+    - Scalars are 1-element arrays that it converts with `int(array)`, which NumPy >= 2.4 rejects
+      for ndim > 0, so loaded values cannot bound a loop (triton-lang/triton#9171, fixed after
+      3.6): convert the single element instead.
+    - Whether `@triton.jit` interprets is decided when a function is decorated, so if triton was
+      imported before TRITON_INTERPRET was set (torch imports it, e.g. through torch._dynamo),
+      triton.language's own jit functions (`tl.cdiv`, `tl.max`, `tl.sum`, ...) refuse to run:
+      while a kernel is interpreted, interpret those too.
+    Only the interpreter's per-launch patching is extended; compiled kernels are untouched.
+    """
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "mlaserve_patched", False):
+        return
+    interpreted: dict = {}
+
+    def call_interpreted(self: JITFunction, *args, **kwargs):
+        fn = interpreted.get(self.fn)
+        if fn is None:
+            fn = interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
+        return fn(*args, **kwargs)
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        scope.set_attr(JITFunction, "__call__", call_interpreted)
+
+    patched.mlaserve_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+class TritonMLABackend(MLABackend):
+    """Split-KV Triton kernel: each KV tile read once for up to 64 query rows, LSE merge."""
+
+    name = "triton"
+    capabilities = BackendCapabilities(
+        device_types=("cuda", "cpu"),
+        dtypes=(torch.bfloat16, torch.float16, torch.float32),
+        block_sizes=None,  # any power of two (checked in extra_reasons)
+        max_num_heads=128,
+        max_q_len=8,
+        min_compute_capability=(8, 0),
+        supports_cuda_graphs=True,
+    )
+    auto_priority = 10
+
+    @classmethod
+    def extra_reasons(cls, shape: MLAShape) -> list[str]:
+        reasons = []
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            reasons.append("triton is not installed")
+        if shape.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            reasons.append("needs a CUDA GPU, or TRITON_INTERPRET=1 for the CPU interpreter")
+        for name, value in (("kv_lora_rank", shape.kv_lora_rank),
+                            ("qk_rope_head_dim", shape.qk_rope_head_dim)):
+            if value < 16 or not _is_pow2(value):
+                reasons.append(f"{name} {value} is not a power of two >= 16")
+        if not _is_pow2(shape.block_size):
+            reasons.append(f"block_size {shape.block_size} is not a power of two")
+        return reasons
+
+    def __init__(self, shape: MLAShape, softmax_scale: float) -> None:
+        super().__init__(shape, softmax_scale)
+        if shape.device.type == "cpu":
+            patch_triton_interpreter()
+            self.num_sms = _CPU_NUM_SMS
+        else:
+            self.num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
+        # A launch configuration to use instead of the per-shape default (e.g. from a sweep).
+        self.config: MLADecodeConfig | None = None
+        self._plans: dict[tuple, MLADecodePlan] = {}
+        self._eager_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def _kernels(self) -> ModuleType:
+        from mlaserve.kernels import mla_decode
+
+        return mla_decode
+
+    def _make_plan(self, batch_size: int, max_seq_len: int, q_len: int) -> "MLADecodePlan":
+        """The kernel plan for a batch (memoised: planning is pure in these ints and the config)."""
+        key = (batch_size, max_seq_len, q_len, self.config)
+        plan = self._plans.get(key)
+        if plan is None:
+            shape = self.shape
+            plan = self._kernels.plan_mla_decode(
+                batch_size, max_seq_len, shape.num_heads, q_len, shape.kv_lora_rank,
+                shape.qk_rope_head_dim, shape.dtype, self.num_sms, config=self.config)
+            self._plans[key] = plan
+        return plan
+
+    def plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int = 1,
+             max_seq_len: int | None = None) -> None:
+        """Prepare one step; see `MLABackend.plan`.
+
+        Args:
+            max_seq_len: optional host-side bound on `seq_lens` (tighter bounds give better split
+                counts); defaults to block_table.shape[1] * block_size. Never read from the device.
+        """
+        batch, width = block_table.shape
+        bound = width * self.shape.block_size if max_seq_len is None else max_seq_len
+        plan = self._make_plan(batch, bound, q_len)
+        need_o, need_lse = plan.workspace_o_numel, plan.workspace_lse_numel
+        workspace = self._eager_workspace
+        if workspace is None or workspace[0].numel() < need_o or workspace[1].numel() < need_lse:
+            have_o, have_lse = (0, 0) if workspace is None else (w.numel() for w in workspace)
+            device = self.shape.device
+            workspace = (torch.empty(max(need_o, have_o), dtype=torch.float32, device=device),
+                         torch.empty(max(need_lse, have_lse), dtype=torch.float32, device=device))
+            self._eager_workspace = workspace
+        self._set_step(block_table, seq_lens, q_len, plan, workspace)
+
+    def _set_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
+                  plan: "MLADecodePlan", workspace: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.block_table = block_table
+        self.seq_lens = seq_lens
+        self.q_len = q_len
+        self.kernel_plan = plan
+        self.workspace = workspace
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, return_lse: bool = False
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        plan = self.kernel_plan
+        o, lse = self._kernels.mla_decode_triton(
+            q, kv_cache, self.block_table, self.seq_lens, self.softmax_scale,
+            self.shape.kv_lora_rank, self.q_len, plan.num_splits, workspace=self.workspace,
+            config=plan.config)
+        return (o, lse) if return_lse else o
+
+    # CUDA-graph hooks: static block table, lengths and workspace; a fixed split count per
+    # captured batch size, planned for the longest length the static block table can hold.
+    def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
+        super().init_graph_buffers(max_batch_size, max_blocks_per_seq)
+        self._graph_max_seq_len = max_blocks_per_seq * self.shape.block_size
+        need_o = need_lse = 0
+        for batch in range(1, max_batch_size + 1):
+            for q_len in range(1, self.shape.max_q_len + 1):
+                plan = self._make_plan(batch, self._graph_max_seq_len, q_len)
+                need_o = max(need_o, plan.workspace_o_numel)
+                need_lse = max(need_lse, plan.workspace_lse_numel)
+        device = self.shape.device
+        self._graph_workspace = (torch.empty(need_o, dtype=torch.float32, device=device),
+                                 torch.empty(need_lse, dtype=torch.float32, device=device))
+
+    def _plan_static(self, batch_size: int, q_len: int) -> None:
+        if self._graph_workspace is None:
+            raise RuntimeError("init_graph_buffers() must be called before planning for graphs")
+        plan = self._make_plan(batch_size, self._graph_max_seq_len, q_len)
+        self._set_step(self.graph_block_table[:batch_size], self.graph_seq_lens[:batch_size],
+                       q_len, plan, self._graph_workspace)
+
+    def plan_for_capture(self, batch_size: int, q_len: int = 1) -> None:
+        self._plan_static(batch_size, q_len)
+
+    def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        q_len: int = 1) -> None:
+        super().plan_for_replay(block_table, seq_lens, q_len)
+        batch = block_table.shape[0]
+        self.graph_seq_lens[batch:].zero_()  # rows past the batch attend nothing
+        self._plan_static(batch, q_len)

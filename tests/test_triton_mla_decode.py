@@ -1,0 +1,332 @@
+"""The Triton paged MLA decode kernel and backend against the float32 reference (DESIGN §5).
+
+Without a CUDA GPU the kernels run in Triton's CPU interpreter on small shapes, in float32 and
+float16 (the interpreter's bfloat16 dot is not faithful). With a GPU the same tests run natively,
+in bfloat16 too, plus a grid at DeepSeek sizes. Every case poisons unused pages and the tail of
+each last page with NaN and shuffles the block table.
+"""
+
+import dataclasses
+import importlib
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton decides at decoration time whether a kernel is interpreted: rebuild the kernels if
+    # another test module imported them before the variable was set.
+    if "mlaserve.kernels.mla_decode" in sys.modules:
+        importlib.reload(sys.modules["mlaserve.kernels.mla_decode"])
+
+pytest.importorskip("triton")
+
+from mlaserve.attention import mla_decode  # noqa: E402
+from mlaserve.attention.base import MLAShape  # noqa: E402
+from mlaserve.attention.triton_backend import (  # noqa: E402
+    TritonMLABackend,
+    patch_triton_interpreter,
+)
+from mlaserve.kernels.mla_decode import (  # noqa: E402
+    MLADecodeConfig,
+    mla_decode_triton,
+    plan_mla_decode,
+)
+from mlaserve.kernels.reference import mla_decode_reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+
+if not ON_GPU:
+    patch_triton_interpreter()
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 4
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+# dtype -> (atol, rtol, 1 - least per-row cosine similarity)
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5, 1e-6),
+    torch.float16: (2e-3, 2e-3, 1e-4),
+    torch.bfloat16: (1e-2, 1e-2, 1e-3),
+}
+# Small tiles and splits, so that tiles, splits and the causal window cross page boundaries.
+SMALL_TILES = MLADecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, min_split_len=16)
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_batch(
+    seq_lens: list[int],
+    num_heads: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    block_size: int,
+    q_len: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    spare_pages: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random paged batch: NaN in unused pages and page tails, shuffled pages, padded table.
+
+    Returns:
+        q [B * q_len, H, L + R], kv_cache [num_blocks, block_size, L + R] (both `dtype`),
+        block_table [B, max_blocks] int32 and seq_lens [B] int32, on DEVICE.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = kv_lora_rank + rope_dim
+    pages_per_seq = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(pages_per_seq, default=0) + 1  # one padding column at least
+    num_blocks = sum(pages_per_seq) + spare_pages
+    kv_cache = torch.full((num_blocks, block_size, head_dim), float("nan"), dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    spare = order[sum(pages_per_seq):]
+    block_table = spare[torch.randint(len(spare), (len(seq_lens), max_blocks), generator=gen)]
+    next_page = 0
+    for b, seq_len in enumerate(seq_lens):
+        for j in range(pages_per_seq[b]):
+            page = order[next_page]
+            next_page += 1
+            block_table[b, j] = page
+            rows = min(block_size, seq_len - j * block_size)
+            kv_cache[page, :rows] = torch.randn(rows, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(seq_lens) * q_len, num_heads, head_dim, generator=gen).to(dtype)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    return (q.to(DEVICE), kv_cache.to(DEVICE), block_table.to(torch.int32).to(DEVICE),
+            seq_lens_t.to(DEVICE))
+
+
+def check(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    q_len: int,
+) -> None:
+    """Compare (o, lse) with `mla_decode_reference`: abs/rel tolerance plus a cosine bound."""
+    atol, rtol, cos_tol = TOLERANCES[q.dtype]
+    ref_o, ref_lse = mla_decode_reference(q, kv_cache, block_table, seq_lens, softmax_scale,
+                                          kv_lora_rank, q_len)
+    assert o.shape == ref_o.shape and o.dtype == q.dtype
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    o = o.float()
+    assert not o.isnan().any()
+    torch.testing.assert_close(o, ref_o, atol=atol, rtol=rtol)
+    no_key = torch.isneginf(ref_lse)  # [B * q_len, H]
+    assert torch.equal(torch.isneginf(lse), no_key)
+    assert not lse.isnan().any()
+    torch.testing.assert_close(lse[~no_key], ref_lse[~no_key], atol=atol, rtol=rtol)
+    assert torch.count_nonzero(o[no_key]) == 0
+    if (~no_key).any():
+        cosine = torch.nn.functional.cosine_similarity(o[~no_key], ref_o[~no_key], dim=-1)
+        assert cosine.min().item() >= 1 - cos_tol
+
+
+def run_and_check(
+    seq_lens: list[int],
+    num_heads: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    block_size: int,
+    q_len: int,
+    dtype: torch.dtype,
+    config: MLADecodeConfig | None = None,
+    num_splits: int | None = None,
+    seed: int = 0,
+) -> None:
+    q, kv_cache, block_table, lens = make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim,
+                                                block_size, q_len, dtype, seed)
+    scale = 1.5 / math.sqrt(kv_lora_rank + rope_dim)  # peakier than 1/sqrt(192) at small sizes
+    plan = plan_mla_decode(len(seq_lens), block_table.shape[1] * block_size, num_heads, q_len,
+                           kv_lora_rank, rope_dim, dtype, NUM_SMS, config=config,
+                           num_splits=num_splits)
+    o, lse = mla_decode_triton(q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len,
+                               plan.num_splits, config=plan.config)
+    check(o, lse, q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len)
+
+
+@pytest.mark.parametrize("tiling", ["small_tiles", "default"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+def test_block_sizes_and_edge_lengths(block_size: int, dtype: torch.dtype, tiling: str) -> None:
+    lens = [0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
+    config, splits = (SMALL_TILES, 3) if tiling == "small_tiles" else (None, None)
+    run_and_check(lens, 16, 64, 16, block_size, 1, dtype, config, splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("num_heads", [1, 16, 128])
+def test_head_counts(num_heads: int, dtype: torch.dtype, num_splits: int) -> None:
+    kv_lora_rank = 32 if num_heads == 128 else 64
+    run_and_check([3, 40, 77], num_heads, kv_lora_rank, 16, 16, 1, dtype, num_splits=num_splits,
+                  seed=num_heads)
+
+
+@pytest.mark.parametrize("tiling", ["small_tiles", "default"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("num_heads", [1, 16])
+@pytest.mark.parametrize("q_len", [1, 2, 4])
+def test_q_len_causal(q_len: int, num_heads: int, dtype: torch.dtype, tiling: str) -> None:
+    # seq_len == q_len: the request is only its new tokens; 17 and 33 put the window across
+    # a page and a split boundary.
+    lens = [q_len, q_len + 1, 17, 33, 45]
+    config, splits = (SMALL_TILES, 3) if tiling == "small_tiles" else (None, None)
+    run_and_check(lens, num_heads, 64, 16, 16, q_len, dtype, config, splits, seed=q_len)
+
+
+@pytest.mark.parametrize("num_splits", [None, 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_long_and_short_together(dtype: torch.dtype, num_splits: int | None) -> None:
+    # Splits are sized per request: the short ones leave most of theirs empty.
+    run_and_check([1500, 7, 0, 300], 16, 64, 16, 64, 1, dtype, num_splits=num_splits, seed=5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_any_split_count_is_exact(num_splits: int) -> None:
+    # Far more splits than tiles (64) is what a graph captured for long lengths sees at replay.
+    run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, torch.float32, SMALL_TILES, num_splits)
+
+
+def test_wide_head_group_and_tile() -> None:
+    config = MLADecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, min_split_len=32)
+    run_and_check([1, 31, 64, 97], 32, 64, 16, 32, 2, torch.float16, config, 2)
+
+
+def test_plan_is_host_side_and_sized() -> None:
+    def plan(batch: int, max_len: int, heads: int, q_len: int = 1, **kwargs):
+        return plan_mla_decode(batch, max_len, heads, q_len, 512, 64, torch.bfloat16, 132,
+                               **kwargs)
+
+    big = plan(512, 4096, 16)
+    assert big.num_splits == 1 and big.workspace_o_numel == 0 and big.workspace_lse_numel == 0
+    long = plan(1, 8192, 16)
+    assert 16 <= long.num_splits <= long.config.max_num_splits
+    assert -(-8192 // long.num_splits) >= long.config.min_split_len
+    assert long.workspace_o_numel == long.num_splits * 16 * 512
+    assert long.workspace_lse_numel == long.num_splits * 16
+    wide = plan(1, 8192, 128)
+    assert wide.num_head_groups == 2 and wide.config.block_m == 64
+    assert plan(2, 1024, 128, q_len=2).num_head_groups == 4
+    assert plan(4, 100, 16).num_splits == 1  # shorter than one minimum split
+    assert plan(3, 4096, 16, num_splits=5).num_splits == 5
+    fill = plan(1, 8192, 16, config=MLADecodeConfig(16, 64, 4, 2, split_policy="fill",
+                                                    programs_per_sm=2.0, min_split_len=64))
+    assert fill.num_splits == 128 and fill.config.min_split_len == 64
+    rounded = plan(1, 8192, 16, config=MLADecodeConfig(16, 64, 4, 2, min_split_len=100))
+    assert rounded.config.min_split_len == 128  # whole tiles
+    with pytest.raises(ValueError):
+        MLADecodeConfig(block_m=24, block_n=64, num_warps=4, num_stages=2)
+
+
+def test_entry_point_with_lse() -> None:
+    q, kv_cache, block_table, lens = make_batch([0, 9, 50], 16, 64, 16, 16, 2, torch.float32)
+    scale = 0.2
+    o, lse = mla_decode(q, kv_cache, block_table, lens, scale, kv_lora_rank=64, q_len=2,
+                        backend="triton", return_lse=True)
+    check(o, lse, q, kv_cache, block_table, lens, scale, 64, 2)
+    o_only = mla_decode(q, kv_cache, block_table, lens, scale, kv_lora_rank=64, q_len=2,
+                        backend="TRITON_MLA")
+    torch.testing.assert_close(o_only, o, atol=0, rtol=0)
+
+
+def test_supports_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    def shape(**overrides) -> MLAShape:
+        fields = dict(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, block_size=64,
+                      dtype=torch.bfloat16, device=torch.device("cpu"))
+        return MLAShape(**(fields | overrides))
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonMLABackend.supports(shape()) == []
+    assert TritonMLABackend.capabilities.supports_cuda_graphs
+    assert TritonMLABackend.auto_priority == 10
+    reasons = TritonMLABackend.supports(shape(block_size=24, kv_lora_rank=48, max_q_len=9))
+    assert any("block_size 24" in r for r in reasons)
+    assert any("kv_lora_rank 48" in r for r in reasons)
+    assert any("q_len 9" in r for r in reasons)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert TritonMLABackend.supports(shape()) == [
+        "needs a CUDA GPU, or TRITON_INTERPRET=1 for the CPU interpreter"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
+    assert TritonMLABackend.supports(shape()) == ["triton is not installed"]
+
+
+def _backend(num_heads: int, max_q_len: int, dtype: torch.dtype) -> TritonMLABackend:
+    shape = MLAShape(num_heads=num_heads, kv_lora_rank=64, qk_rope_head_dim=16, block_size=16,
+                     dtype=dtype, device=DEVICE, max_q_len=max_q_len)
+    return TritonMLABackend(shape, softmax_scale=0.25)
+
+
+def test_graph_hooks_keep_pointers_and_match_plan() -> None:
+    dtype, q_len, max_blocks = torch.float32, 2, 8
+    backend = _backend(16, 2, dtype)
+    # Many splits even at these lengths.
+    backend.config = dataclasses.replace(SMALL_TILES, split_policy="fill", programs_per_sm=8.0)
+    backend.init_graph_buffers(max_batch_size=4, max_blocks_per_seq=max_blocks)
+    backend.plan_for_capture(3, q_len)
+    captured = backend.kernel_plan.num_splits
+    assert captured > 1
+    pointers = (backend.block_table.data_ptr(), backend.seq_lens.data_ptr(),
+                backend.workspace[0].data_ptr(), backend.workspace[1].data_ptr())
+    for seed, lens in enumerate([[2, 40, 17], [100, 3, 0]]):
+        q, kv_cache, block_table, seq_lens = make_batch(lens, 16, 64, 16, 16, q_len, dtype, seed)
+        backend.plan_for_replay(block_table, seq_lens, q_len)
+        assert backend.kernel_plan.num_splits == captured
+        assert (backend.block_table.data_ptr(), backend.seq_lens.data_ptr(),
+                backend.workspace[0].data_ptr(), backend.workspace[1].data_ptr()) == pointers
+        o_graph, lse_graph = backend.run(q, kv_cache, return_lse=True)
+        check(o_graph, lse_graph, q, kv_cache, block_table, seq_lens, 0.25, 64, q_len)
+        backend.plan(block_table, seq_lens, q_len)
+        o_eager, lse_eager = backend.run(q, kv_cache, return_lse=True)
+        torch.testing.assert_close(o_graph, o_eager, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse_graph, lse_eager, atol=1e-6, rtol=1e-6)
+    # A smaller batch zeroes the lengths of the rows the graph still computes.
+    backend.plan_for_replay(block_table[:2], seq_lens[:2], q_len)
+    assert backend.graph_seq_lens[2:].count_nonzero() == 0
+
+
+@gpu_only
+def test_cuda_graph_capture_and_replay() -> None:
+    dtype, q_len, batch = torch.bfloat16, 1, 3
+    backend = _backend(16, 1, dtype)
+    backend.init_graph_buffers(max_batch_size=4, max_blocks_per_seq=32)
+    q, kv_cache, block_table, seq_lens = make_batch([5, 200, 31], 16, 64, 16, 16, q_len, dtype)
+    backend.plan_for_replay(block_table, seq_lens, q_len)
+    backend.plan_for_capture(batch, q_len)
+    static_q = q.clone()
+    static_kv = torch.full((64, *kv_cache.shape[1:]), float("nan"), dtype=dtype, device=DEVICE)
+    static_kv[: kv_cache.shape[0]].copy_(kv_cache)
+    backend.run(static_q, static_kv)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_o, static_lse = backend.run(static_q, static_kv, return_lse=True)
+    for seed, lens in enumerate([[1, 255, 64], [0, 17, 130]]):
+        q, kv_cache, block_table, seq_lens = make_batch(lens, 16, 64, 16, 16, q_len, dtype, seed)
+        static_q.copy_(q)
+        static_kv[: kv_cache.shape[0]].copy_(kv_cache)
+        backend.plan_for_replay(block_table, seq_lens, q_len)
+        graph.replay()
+        check(static_o, static_lse, q, static_kv, block_table, seq_lens, 0.25, 64, q_len)
+
+
+@gpu_only
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dtype_id)
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_deepseek_sizes(block_size: int, num_heads: int, dtype: torch.dtype, q_len: int) -> None:
+    lens = [4096, 1, 1000, 3 * 1024 + 17, 8192 + 3, block_size + 1]
+    run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, seed=num_heads + q_len)
