@@ -179,6 +179,12 @@ class Sweep:
             for call in calls:
                 call()
             return (time.perf_counter() - begin) * 1e6 / len(calls)
+        # Initialise (cuBLAS handles, first launches) outside the capture, on a side stream.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            calls[0]()
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
