@@ -1,0 +1,80 @@
+"""The cells of the MLA decode sweep, the anchor preset, and the roofline of one cell.
+
+A cell is one decode problem: `batch_size` requests of `kv_len` cached tokens each (the q_len new
+tokens included), `num_heads` query heads, pages of `block_size` tokens, `q_len` new tokens per
+request. Its floor (DESIGN §6) is max(bytes / copy rate, flops / matmul rate) with
+
+    bytes = B * kv * (L + R) * e + B * q_len * H * (L + R + L) * e   (cache read once, q in, o out)
+    flops = 2 * B * q_len * H * kv * (L + R + L)                    (Q K^T over L + R, P V over L)
+
+where e is the element size (2 for bfloat16).
+"""
+
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One decode problem of the sweep."""
+
+    num_heads: int
+    batch_size: int
+    kv_len: int
+    block_size: int
+    q_len: int = 1
+
+    @property
+    def label(self) -> str:
+        return (f"H{self.num_heads} B{self.batch_size} kv{self.kv_len} "
+                f"blk{self.block_size} q{self.q_len}")
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.kv_len // self.block_size)
+
+    def sort_key(self) -> tuple[int, int, int, int, int]:
+        """Table order: q_len, heads, batch, kv length, larger blocks first."""
+        return (self.q_len, self.num_heads, self.batch_size, self.kv_len, -self.block_size)
+
+
+def decode_bytes(cell: Cell, kv_lora_rank: int, rope_dim: int, element_size: int = 2) -> int:
+    """Fewest bytes one decode call moves: the cache once, q in and o out."""
+    head_dim = kv_lora_rank + rope_dim
+    cache = cell.batch_size * cell.kv_len * head_dim
+    q_and_o = cell.batch_size * cell.q_len * cell.num_heads * (head_dim + kv_lora_rank)
+    return (cache + q_and_o) * element_size
+
+
+def decode_flops(cell: Cell, kv_lora_rank: int, rope_dim: int) -> int:
+    """Matmul flops of one decode call: S = Q K^T over L + R columns, O = P V over L."""
+    head_dim = kv_lora_rank + rope_dim
+    rows = cell.batch_size * cell.q_len * cell.num_heads
+    return 2 * rows * cell.kv_len * (head_dim + kv_lora_rank)
+
+
+def floor_seconds(num_bytes: int, flops: int, copy_bytes_per_s: float,
+                  matmul_flops_per_s: float) -> float:
+    """max(bytes / copy rate, flops / matmul rate): no kernel runs much faster than this."""
+    return max(num_bytes / copy_bytes_per_s, flops / matmul_flops_per_s)
+
+
+def flag_cells(heads: list[int], batch_sizes: list[int], kv_lens: list[int],
+               block_sizes: list[int], q_lens: list[int]) -> list[Cell]:
+    """The product of the grid flags, sorted."""
+    cells = {Cell(h, b, kv, blk, q) for h, b, kv, blk, q in
+             itertools.product(heads, batch_sizes, kv_lens, block_sizes, q_lens)}
+    return sorted(cells, key=Cell.sort_key)
+
+
+def anchor_cells() -> list[Cell]:
+    """The cells of shared/anchors/mla_decode_h200.md's peer tables.
+
+    heads {16, 128} x batch {1, 64, 512} x kv {1024, 4096} at block 64, batch 1 also at kv 8192,
+    16 heads x batch 512 x kv 4096 also at block 32, and q_len 2 and 4 at 16 x 64 x 4096.
+    """
+    cells = set(flag_cells([16, 128], [1, 64, 512], [1024, 4096], [64], [1]))
+    cells |= {Cell(heads, 1, 8192, 64) for heads in (16, 128)}
+    cells.add(Cell(16, 512, 4096, 32))
+    cells |= {Cell(16, 64, 4096, 64, q_len) for q_len in (2, 4)}
+    return sorted(cells, key=Cell.sort_key)

@@ -1,0 +1,279 @@
+"""The kernel sweep's machinery on the CPU: grid, roofline, inputs, gate, outputs (tiny shapes).
+
+The sweep runs through `mlaserve bench kernel` (cli.main) with the torch backend; deliberately
+wrong backends registered for one test must be reported as failed and never timed. The triton
+backend joins when Triton's CPU interpreter works here (float32 and float16 only: its bfloat16 dot
+is not faithful).
+"""
+
+import importlib
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from mlaserve.attention import registry
+from mlaserve.attention.torch_backend import TorchMLABackend, torch_mla_decode
+from mlaserve.bench import kernel as bench_kernel
+from mlaserve.bench.kernel_cases import TOLERANCES, check_output, copies_needed, make_inputs
+from mlaserve.bench.kernel_grid import (
+    Cell,
+    anchor_cells,
+    decode_bytes,
+    decode_flops,
+    flag_cells,
+    floor_seconds,
+)
+from mlaserve.cli import main
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton decides at decoration time whether a kernel is interpreted.
+    if "mlaserve.kernels.mla_decode" in sys.modules:
+        importlib.reload(sys.modules["mlaserve.kernels.mla_decode"])
+
+# Tiny sweep: L = 32, R = 16; kv 20 is not a multiple of block 8, so each last page has a tail.
+TINY = ["--kv-lora-rank", "32", "--rope-dim", "16", "--heads", "2", "--batch-sizes", "1,3",
+        "--kv-lens", "20", "--block-sizes", "8", "--repeats", "2", "--device", "cpu"]
+
+
+class ZerosBackend(TorchMLABackend):
+    """Returns zeros: plausible shapes, wrong numbers."""
+
+    name = "zeros"
+
+    def run(self, q, kv_cache, return_lse=False):
+        o = torch.zeros(q.shape[0], q.shape[1], self.shape.kv_lora_rank, dtype=q.dtype)
+        lse = torch.zeros(q.shape[0], q.shape[1])
+        return (o, lse) if return_lse else o
+
+
+class WholePagesBackend(TorchMLABackend):
+    """Attends every row of the last page, tail included (reads the NaN poison)."""
+
+    name = "whole-pages"
+
+    def run(self, q, kv_cache, return_lse=False):
+        full = torch.full_like(self.seq_lens, self.block_table.shape[1] * kv_cache.shape[1])
+        o, lse = torch_mla_decode(q, kv_cache, self.block_table, full, self.softmax_scale,
+                                  self.shape.kv_lora_rank, self.q_len, self.max_rows_per_chunk)
+        return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
+
+
+class Base2LseBackend(TorchMLABackend):
+    """Right output, but the LSE in base 2 (FlashInfer's convention, unconverted)."""
+
+    name = "base2-lse"
+
+    def run(self, q, kv_cache, return_lse=False):
+        o, lse = super().run(q, kv_cache, return_lse=True)
+        return (o, lse / math.log(2)) if return_lse else o
+
+
+def _sweep(tmp_path, *flags: str) -> tuple[int, dict]:
+    out = tmp_path / "out"
+    argv = ["bench", "kernel", *TINY, "--out", str(out), *flags]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["mlaserve", *argv])  # what the JSON records as the command
+        rc = main(argv)
+    return rc, json.loads((out / "kernel_bench.json").read_text())
+
+
+def _results(record: dict) -> dict[tuple, dict]:
+    """(heads, batch, kv, block, q_len, backend) -> result."""
+    return {(c["num_heads"], c["batch_size"], c["kv_len"], c["block_size"], c["q_len"],
+             r["backend"]): r for c in record["cells"] for r in c["results"]}
+
+
+def test_anchor_preset_is_exactly_the_anchor_cells():
+    expected = {Cell(h, b, kv, 64) for h in (16, 128) for b in (1, 64, 512) for kv in (1024, 4096)}
+    expected |= {Cell(16, 1, 8192, 64), Cell(128, 1, 8192, 64), Cell(16, 512, 4096, 32),
+                 Cell(16, 64, 4096, 64, 2), Cell(16, 64, 4096, 64, 4)}
+    cells = anchor_cells()
+    assert len(cells) == len(set(cells)) == 17
+    assert set(cells) == expected
+    parser_args = bench_kernel_args("--grid", "anchor")
+    assert bench_kernel.grid_cells(parser_args) == cells
+
+
+def bench_kernel_args(*flags: str):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_kernel.add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_grid_flags_and_their_conflict_with_the_preset():
+    args = bench_kernel_args("--heads", "16", "--batch-sizes", "1,2", "--kv-lens", "64",
+                             "--block-sizes", "16,32", "--q-lens", "1,3")
+    cells = bench_kernel.grid_cells(args)
+    assert len(cells) == 8 and set(cells) == set(flag_cells([16], [1, 2], [64], [16, 32], [1, 3]))
+    assert len(bench_kernel.grid_cells(bench_kernel_args())) == 12  # defaults: 2 x 3 x 2
+    with pytest.raises(ValueError, match="--grid anchor fixes the cells; drop --heads"):
+        bench_kernel.grid_cells(bench_kernel_args("--grid", "anchor", "--heads", "16"))
+    assert bench_kernel_args().mode == "graph"
+    assert bench_kernel_args("--eager").mode == "eager"
+
+
+def test_backend_names():
+    assert bench_kernel.backend_names(None) == ["torch", "triton", "flashinfer"]
+    assert bench_kernel.backend_names("TRITON_MLA, torch,flashinfer-fa2") == [
+        "triton", "torch", "flashinfer-fa2"]
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        bench_kernel.backend_names("nope")
+    with pytest.raises(ValueError, match="not 'auto'"):
+        bench_kernel.backend_names("auto")
+
+
+def test_roofline_on_the_anchor_numbers():
+    # shared/anchors/mla_decode_h200.md: copy 4273 GB/s, matmul 671 TFLOP/s.
+    copy_rate, matmul_rate = 4273e9, 671e12
+    memory_bound = Cell(16, 64, 4096, 64)
+    assert decode_bytes(memory_bound, 512, 64) == 64 * 4096 * 576 * 2 + 64 * 16 * 1088 * 2
+    assert decode_bytes(memory_bound, 512, 64) == 304_218_112
+    assert decode_flops(memory_bound, 512, 64) == 2 * 64 * 16 * 4096 * 1088 == 9_126_805_504
+    floor = floor_seconds(304_218_112, 9_126_805_504, copy_rate, matmul_rate)
+    assert floor == pytest.approx(304_218_112 / copy_rate)
+    assert floor * 1e6 == pytest.approx(71.2, abs=0.05)
+    compute_bound = Cell(128, 512, 4096, 64)
+    num_bytes = decode_bytes(compute_bound, 512, 64)
+    flops = decode_flops(compute_bound, 512, 64)
+    assert (num_bytes, flops) == (2_558_525_440, 584_115_552_256)
+    floor = floor_seconds(num_bytes, flops, copy_rate, matmul_rate)
+    assert floor == pytest.approx(flops / matmul_rate)
+    assert floor * 1e6 == pytest.approx(870.5, abs=0.1)  # the anchor table's 870.7 rounds both
+    # q_len multiplies the query rows; float32 doubles the bytes.
+    spec = Cell(16, 64, 4096, 64, 2)
+    assert decode_bytes(spec, 512, 64) == 64 * 4096 * 576 * 2 + 64 * 2 * 16 * 1088 * 2
+    assert decode_flops(spec, 512, 64) == 2 * decode_flops(memory_bound, 512, 64)
+    assert decode_bytes(spec, 512, 64, element_size=4) == 2 * decode_bytes(spec, 512, 64)
+
+
+def test_copies_exceed_twice_the_l2(monkeypatch):
+    cell = Cell(16, 1, 1024, 64)
+    assert copies_needed(cell, 512, 64, 2, torch.device("cpu")) == 1
+    monkeypatch.setattr("mlaserve.bench.kernel_cases.l2_bytes", lambda device: 60 * 2**20)
+    copies = copies_needed(cell, 512, 64, 2, torch.device("cuda"))
+    touched = decode_bytes(cell, 512, 64)
+    assert copies * touched > 2 * 60 * 2**20 >= (copies - 1) * touched
+    assert copies_needed(Cell(16, 512, 4096, 64), 512, 64, 2, torch.device("cuda")) == 1
+
+
+def test_inputs_are_shuffled_and_poisoned():
+    cell = Cell(2, 3, 20, 8)
+    inputs = make_inputs(cell, 32, 16, torch.float32, torch.device("cpu"), 0.1, 2, seed=1)
+    table = inputs.block_table
+    assert table.shape == (3, 3) and table.dtype == torch.int32
+    assert table.unique().numel() == 9
+    assert not torch.equal(table.flatten().sort().values, table.flatten())  # shuffled
+    cache = inputs.caches[0]
+    used = torch.zeros(cache.shape[0], dtype=torch.bool)
+    used[table.flatten().long()] = True
+    assert bool(cache[~used].isnan().all()) and int((~used).sum()) >= 2
+    last_pages = cache[table[:, -1].long()]  # [3, 8, 48]: 20 = 2 * 8 + 4, a tail of 4 rows
+    assert bool(last_pages[:, 4:].isnan().all()) and bool(last_pages[:, :4].isfinite().all())
+    assert bool(cache[table[:, :-1].flatten().long()].isfinite().all())
+    assert len(inputs.caches) == len(inputs.queries) == 2
+    assert torch.equal(inputs.queries[0], inputs.queries[1])
+    assert inputs.caches[0].data_ptr() != inputs.caches[1].data_ptr()
+    assert inputs.ref_o.shape == (3, 2, 32) and bool(inputs.ref_o.isfinite().all())
+
+
+def test_gate_on_hand_made_outputs():
+    cell = Cell(2, 2, 20, 8, 2)
+    inputs = make_inputs(cell, 32, 16, torch.float32, torch.device("cpu"), 0.1, 1, seed=2)
+    ref_o, ref_lse = inputs.ref_o, inputs.ref_lse
+    assert check_output(ref_o.clone(), ref_lse.clone(), ref_o, ref_lse, torch.float32).passed
+    noisy = ref_o + 1e-5 * torch.randn_like(ref_o)
+    assert check_output(noisy, ref_lse, ref_o, ref_lse, torch.float32).passed
+    nan = ref_o.clone()
+    nan[0, 0, 0] = float("nan")
+    assert "non-finite" in check_output(nan, ref_lse, ref_o, ref_lse, torch.float32).message
+    one_row = ref_o.clone()
+    one_row[1, 1] = torch.randn(32)  # one (token, head) wrong: the cosine bound sees it
+    result = check_output(one_row, ref_lse, ref_o, ref_lse, torch.float32)
+    assert not result.passed and "min cos" in result.message
+    base2 = check_output(ref_o, ref_lse / math.log(2), ref_o, ref_lse, torch.float32)
+    assert not base2.passed and "natural log" in base2.message
+    assert "dtype" in check_output(ref_o.half(), ref_lse, ref_o, ref_lse, torch.float32).message
+    assert "shape" in check_output(ref_o[:1], ref_lse, ref_o, ref_lse, torch.float32).message
+    assert check_output(ref_o, None, ref_o, ref_lse, torch.float32).passed  # no LSE given
+    assert set(TOLERANCES) == {torch.bfloat16, torch.float16, torch.float32}
+
+
+def test_sweep_writes_json_and_png(tmp_path):
+    rc, record = _sweep(tmp_path, "--backends", "torch", "--q-lens", "1,2", "--dtype", "fp32")
+    assert rc == 0
+    assert (tmp_path / "out" / "kernel_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert record["complete"] is True
+    assert record["device"]["type"] == "cpu" and record["timing"] == "cpu"
+    assert record["versions"]["torch"] == torch.__version__
+    assert record["command"].startswith("mlaserve bench kernel --kv-lora-rank 32")
+    assert record["date"] and record["args"]["q_lens"] == [1, 2]
+    assert record["ceilings"] is None and any("no CUDA" in note for note in record["notes"])
+    assert len(record["cells"]) == 4  # batch {1, 3} x q_len {1, 2}
+    for cell in record["cells"]:
+        assert cell["bytes"] == decode_bytes(
+            Cell(cell["num_heads"], cell["batch_size"], cell["kv_len"], cell["block_size"],
+                 cell["q_len"]), 32, 16, element_size=4)
+        (result,) = cell["results"]
+        assert result["status"] == "ok" and result["time_us"] > 0 and result["gbps"] > 0
+        assert result["gate"]["rel_err"] < 1e-5 and result["pct_floor"] is None
+
+
+def test_gate_excludes_wrong_backends_from_timing(tmp_path, monkeypatch, capsys):
+    for cls in (ZerosBackend, WholePagesBackend, Base2LseBackend):
+        monkeypatch.setitem(registry._BACKENDS, cls.name, f"{__name__}:{cls.__name__}")
+    rc, record = _sweep(tmp_path, "--backends", "torch,zeros,whole-pages,base2-lse",
+                        "--dtype", "fp32")
+    assert rc == 1
+    captured = capsys.readouterr()
+    assert "gate or run failures" in captured.err and "zeros on" in captured.err
+    results = _results(record)
+    for batch in (1, 3):
+        key = (2, batch, 20, 8, 1)
+        assert results[(*key, "torch")]["status"] == "ok"
+        for name, why in (("zeros", "rel_err"), ("whole-pages", "non-finite"),
+                          ("base2-lse", "natural log")):
+            result = results[(*key, name)]
+            assert result["status"] == "failed" and why in result["reason"]
+            assert result["time_us"] is None and result["gbps"] is None
+    assert "failed: gate:" in captured.out  # and the table says so
+
+
+def test_sweep_reports_unsupported_backends_as_skipped(tmp_path):
+    rc, record = _sweep(tmp_path, "--backends", "torch,flashinfer", "--dtype", "fp32")
+    assert rc == 0
+    for (*_, name), result in _results(record).items():
+        if name == "flashinfer":
+            assert result["status"] == "skipped" and "runs on cuda" in result["reason"]
+
+
+def _triton_interpreter_works() -> bool:
+    if ON_GPU:
+        return False
+    try:
+        import triton  # noqa: F401
+
+        from mlaserve.attention.triton_backend import TritonMLABackend  # noqa: F401
+    except ImportError:
+        return False
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not _triton_interpreter_works(),
+                    reason="needs Triton, the triton backend and TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_sweep_with_the_triton_interpreter(tmp_path, dtype):
+    rc, record = _sweep(tmp_path, "--dtype", dtype, "--q-lens", "1,2", "--repeats", "1")
+    assert rc == 0
+    names = {r["backend"] for c in record["cells"] for r in c["results"]}
+    assert names == {"torch", "triton"}  # flashinfer left out by default on the CPU
+    assert any("flashinfer left out" in note for note in record["notes"])
+    for result in _results(record).values():
+        assert result["status"] == "ok", result
