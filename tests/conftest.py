@@ -1,10 +1,17 @@
 """Shared fixtures: tiny random DeepSeek checkpoints written by transformers' own classes."""
 
 import json
+import os
 from pathlib import Path
 
-import pytest
 import torch
+
+# Triton kernels run on CPU through the interpreter; it must be chosen before triton is imported
+# (torch imports it lazily, so set it before any test module touches a kernel).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "mlaserve" / "demo_model"
 

@@ -45,7 +45,7 @@ def test_200_streams_with_30_percent_aborted(engine):
 
     async def settle():
         for _ in range(200):
-            if not engine.engine.has_unfinished:
+            if not engine.engine.has_unfinished and not engine.engine.requests:
                 return
             await asyncio.sleep(0.05)
 

@@ -77,7 +77,9 @@ class MLABackend(ABC):
             reasons.append(f"{shape.num_heads} heads > {caps.max_num_heads}")
         if caps.max_q_len is not None and shape.max_q_len > caps.max_q_len:
             reasons.append(f"q_len {shape.max_q_len} > {caps.max_q_len}")
-        if caps.min_compute_capability is not None and shape.device.type == "cuda":
+        if shape.device.type == "cuda" and not torch.cuda.is_available():
+            reasons.append("no CUDA GPU is visible")
+        elif caps.min_compute_capability is not None and shape.device.type == "cuda":
             capability = torch.cuda.get_device_capability(shape.device)
             if capability < caps.min_compute_capability:
                 reasons.append(f"needs compute capability >= {caps.min_compute_capability}, "
