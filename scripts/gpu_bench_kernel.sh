@@ -24,22 +24,7 @@ export PYTHONPATH=$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used \
   --format=csv > "$OUT/gpu.txt" 2>&1
 
-# Compile one FlashInfer MLA module ahead of use: python3 WARM fa3|fa2 bfloat16|float16
-warm=$(mktemp --suffix=.py)
-cat > "$warm" <<'EOF'
-import sys
-
-import torch
-
-from mlaserve.attention.base import MLAShape
-from mlaserve.attention.flashinfer_backend import FlashInferFA2MLABackend, FlashInferMLABackend
-
-cls = FlashInferFA2MLABackend if sys.argv[1] == "fa2" else FlashInferMLABackend
-shape = MLAShape(16, 512, 64, 64, getattr(torch, sys.argv[2]), torch.device("cuda"))
-table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
-cls(shape, 192 ** -0.5).plan(table, torch.ones(1, dtype=torch.int32, device="cuda"))
-print(f"compiled {sys.argv[1]} {sys.argv[2]}")
-EOF
+warm="scripts/flashinfer_warm.py"
 start=$SECONDS
 {
   timeout 240 python3 "$warm" fa3 bfloat16 &
