@@ -209,16 +209,20 @@ def test_plan_is_host_side_and_sized() -> None:
         return plan_mla_decode(batch, max_len, heads, q_len, 512, 64, torch.bfloat16, 132,
                                **kwargs)
 
-    big = plan(512, 4096, 16)
+    big = plan(512, 1024, 16)
     assert big.num_splits == 1 and big.workspace_o_numel == 0 and big.workspace_lse_numel == 0
+    # the H200 sweep: 16 rows over many long requests fill four programs per SM (2 splits here)
+    assert plan(512, 4096, 16).num_splits == 2
     long = plan(1, 8192, 16)
     assert 16 <= long.num_splits <= long.config.max_num_splits
     assert -(-8192 // long.num_splits) >= long.config.min_split_len
     assert long.workspace_o_numel == long.num_splits * 16 * 512
     assert long.workspace_lse_numel == long.num_splits * 16
-    wide = plan(1, 8192, 128)
+    wide = plan(64, 8192, 128)
     assert wide.num_head_groups == 2 and wide.config.block_m == 64
-    assert plan(2, 1024, 128, q_len=2).num_head_groups == 4
+    narrow = plan(1, 8192, 128)  # a lone request: 32-row groups give more programs
+    assert narrow.num_head_groups == 4 and narrow.config.block_m == 32
+    assert plan(8, 1024, 128, q_len=2).num_head_groups == 4
     assert plan(4, 100, 16).num_splits == 1  # shorter than one minimum split
     assert plan(3, 4096, 16, num_splits=5).num_splits == 5
     fill = plan(1, 8192, 16, config=MLADecodeConfig(16, 64, 4, 2, split_policy="fill",

@@ -39,6 +39,7 @@ import torch
 from mlaserve.attention.base import BackendCapabilities, MLABackend, MLAShape
 
 _LN2 = math.log(2.0)
+_EMPTY_LSE_BELOW = -3.0e4  # natural log; no row with a key gets near this
 # FlashInfer's recommended workspace; also what the trtllm-gen kernel is given for its semaphores.
 WORKSPACE_BYTES = 128 * 1024 * 1024
 _INSTALL_HINT = "flashinfer is not installed: pip install flashinfer-python"
@@ -251,6 +252,8 @@ class _WrapperPath:
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         self.wrapper.run(q_nope, q_pe, ckv, kpe, out=o, lse=lse, return_lse=True)
         lse.mul_(_LN2)  # base 2 -> natural log
+        # Rows that see no key carry FlashInfer's finite sentinel (-5e4 in base 2): make it -inf.
+        lse.masked_fill_(lse < _EMPTY_LSE_BELOW, float("-inf"))
         _clear_empty_rows(self.empty_rows, o, lse)
         return o, lse
 

@@ -114,28 +114,56 @@ def default_config(
     kv_lora_rank: int,
     qk_rope_head_dim: int,
     dtype: torch.dtype,
+    batch_size: int | None = None,
+    max_seq_len: int | None = None,
 ) -> MLADecodeConfig:
-    """A launch configuration for the shape (a heuristic; `scripts/gpu_kernel_sweep.py` tunes it).
+    """A launch configuration for the shape, from the H200 sweep (`scripts/gpu_kernel_sweep.py`,
+    results in benchmarks/); batch_size and max_seq_len refine it when given.
 
-    - Up to 64 query rows per program with 16-bit inputs (the [64, L] float32 accumulator is
-      128 KB of registers at L = 512, spread over two warpgroups with 8 warps); 16 rows with
-      float32 inputs, which only tests use.
-    - The largest tile for which Q plus two pipeline stages of [block_n, L + R] fit ~180 KB of
-      shared memory.
+    - Query rows per program (block_m): all rows up to 64 with 16-bit inputs. At 128 heads
+      small batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
+    - KV tile: 64 tokens where Q plus two stages of [64, L + R] fit shared memory (~220 KB at
+      64 rows x 576), else 32 tokens with a third stage (measured best for 64 rows of 16 heads).
+    - Splits: minimise the estimated makespan with two programs per SM counted as one wave for
+      up to 32 rows; for 16 rows over large batches of long requests, fill four programs per SM
+      (measured 10% faster at 512 x 4096). Longer requests take longer minimum splits (fewer
+      partial outputs to merge).
+    - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
     """
     head_dim = kv_lora_rank + qk_rope_head_dim
     itemsize = dtype.itemsize
     rows = q_len * num_heads
-    max_block_m = 64 if itemsize <= 2 else 16
-    block_m = min(max(16, _next_pow2(rows)), max_block_m)
-    smem_budget = 180 * 1024
+    long_requests = max_seq_len is not None and max_seq_len > 2048
+    if itemsize > 2:  # float32: tests under the interpreter and FMA dots on a GPU
+        block_m = 16
+        smem_budget = 180 * 1024
+        q_bytes = block_m * head_dim * itemsize
+        block_n = next((n for n in (64, 32, 16)
+                        if q_bytes + 2 * n * head_dim * itemsize <= smem_budget), 16)
+        return MLADecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2,
+                               min_split_len=max(2 * block_n, 64),
+                               merge_block_rows=max(1, min(_next_pow2(rows), 2048 // kv_lora_rank)))
+    block_m = min(max(16, _next_pow2(rows)), 64)
+    if block_m == 64 and num_heads >= 64 and batch_size is not None and batch_size < 8:
+        block_m = 32
     q_bytes = block_m * head_dim * itemsize
-    tiles = (64, 32, 16) if head_dim >= 256 else (128, 64, 32, 16)
-    block_n = next((n for n in tiles if q_bytes + 2 * n * head_dim * itemsize <= smem_budget), 16)
+    fits_64 = q_bytes + 2 * 64 * head_dim * itemsize <= 224 * 1024
+    if block_m == 64 and num_heads < 64 or not fits_64:
+        block_n, num_stages = 32, 3
+    else:
+        block_n, num_stages = 64, 2
     num_warps = 8 if block_m >= 64 and kv_lora_rank >= 256 else 4
-    min_split_len = max(2 * block_n, {16: 64, 32: 128}.get(block_m, 256))
+    policy, per_sm = "waves", (2.0 if block_m <= 32 else 1.0)
+    if (block_m == 16 and batch_size is not None and long_requests
+            and batch_size >= 264):
+        policy, per_sm = "fill", 4.0
+    if block_m == 16:
+        min_split_len = 256 if long_requests else 128
+    else:
+        min_split_len = 256 if block_m == 64 or long_requests else 128
     merge_block_rows = max(1, min(_next_pow2(rows), 2048 // kv_lora_rank))
-    return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=2,
+    return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
+                           num_stages=num_stages, split_policy=policy, programs_per_sm=per_sm,
                            min_split_len=min_split_len, merge_block_rows=merge_block_rows)
 
 
@@ -190,7 +218,8 @@ def plan_mla_decode(
         The plan to pass (its `num_splits` and `config`) to `mla_decode_triton`.
     """
     if config is None:
-        config = default_config(num_heads, q_len, kv_lora_rank, qk_rope_head_dim, dtype)
+        config = default_config(num_heads, q_len, kv_lora_rank, qk_rope_head_dim, dtype,
+                                batch_size, max_seq_len)
     min_split_len = -(-max(config.min_split_len, 1) // config.block_n) * config.block_n
     config = replace(config, min_split_len=min_split_len)
     rows = q_len * num_heads
@@ -416,7 +445,8 @@ def mla_decode_triton(
     _check_pow2("qk_rope_head_dim", rope_dim, 16)
     _check_pow2("block_size", block_size, 1)
     if config is None:
-        config = default_config(num_heads, q_len, kv_lora_rank, rope_dim, q.dtype)
+        config = default_config(num_heads, q_len, kv_lora_rank, rope_dim, q.dtype, batch,
+                                block_table.shape[1] * block_size)
     # Splits must start on tile boundaries (a tile then never straddles a page).
     min_split_len = triton.cdiv(max(config.min_split_len, 1), config.block_n) * config.block_n
     if q.stride(-1) != 1:
