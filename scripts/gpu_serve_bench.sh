@@ -26,7 +26,7 @@ for backend in $backends; do
     --model "$model" --tokenizer "$model" --dataset-name random \
     --random-input-len "$in_len" --random-output-len "$out_len" --num-prompts "$prompts" \
     --max-concurrency "$conc" --ignore-eos --save-result --result-dir "$out" \
-    --label "mlaserve-$backend" --disable-tqdm 2>&1 | tee "$out/bench-$backend.txt"
+    --label "mlaserve-$backend" 2>&1 | tee "$out/bench-$backend.txt"
   curl -s localhost:8000/metrics | grep -E "^vllm:(num_preemptions|prefix_cache_hits)" \
     >> "$out/bench-$backend.txt"
   kill -TERM $server; wait $server

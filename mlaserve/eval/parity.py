@@ -7,9 +7,12 @@ the report says at which step.
 """
 
 import argparse
+import gc
 import json
 import random
 from dataclasses import asdict, dataclass
+
+import torch
 
 from mlaserve.engine.engine import EngineArgs, LLMEngine
 from mlaserve.engine.request import RequestOutput, SamplingParams
@@ -45,8 +48,11 @@ def generate(args: EngineArgs, prompts: list[list[int]], max_tokens: int) -> lis
         for output in engine.step():
             if output.finished:
                 finals[output.request_id] = output
-    del engine
-    return [finals[r.request_id] for r in requests]
+    del engine, requests
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return [finals[i] for i in sorted(finals, key=int)]
 
 
 def compare(backend: str, reference: list[RequestOutput],
