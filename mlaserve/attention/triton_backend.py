@@ -121,7 +121,8 @@ class TritonMLABackend(MLABackend):
             shape = self.shape
             plan = self._kernels.plan_mla_decode(
                 batch_size, max_seq_len, shape.num_heads, q_len, shape.kv_lora_rank,
-                shape.qk_rope_head_dim, shape.dtype, self.num_sms, config=self.config)
+                shape.qk_rope_head_dim, shape.dtype, self.num_sms, config=self.config,
+                block_size=shape.block_size)
             self._plans[key] = plan
         return plan
 

@@ -116,6 +116,7 @@ def default_config(
     dtype: torch.dtype,
     batch_size: int | None = None,
     max_seq_len: int | None = None,
+    block_size: int | None = None,
 ) -> MLADecodeConfig:
     """A launch configuration for the shape, from the H200 sweep (`scripts/gpu_kernel_sweep.py`,
     results in benchmarks/); batch_size and max_seq_len refine it when given.
@@ -124,6 +125,8 @@ def default_config(
       small batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
     - KV tile: 64 tokens where Q plus two stages of [64, L + R] fit shared memory (~220 KB at
       64 rows x 576), else 32 tokens with a third stage (measured best for 64 rows of 16 heads).
+      Pages of 32 tokens take 32-token tiles with 4 stages (one page per tile: 663 µs against
+      925 µs for gathered 64-token tiles at 16 heads x 512 x 4096).
     - Splits: minimise the estimated makespan with two programs per SM counted as one wave for
       up to 32 rows; for 16 rows over large batches of long requests, fill four programs per SM
       (measured 10% faster at 512 x 4096). Longer requests take longer minimum splits (fewer
@@ -148,7 +151,9 @@ def default_config(
         block_m = 32
     q_bytes = block_m * head_dim * itemsize
     fits_64 = q_bytes + 2 * 64 * head_dim * itemsize <= 224 * 1024
-    if block_m == 64 and num_heads < 64 or not fits_64:
+    if block_size is not None and block_size < 64:
+        block_n, num_stages = max(16, block_size), 4 if block_m <= 16 else 3
+    elif block_m == 64 and num_heads < 64 or not fits_64:
         block_n, num_stages = 32, 3
     else:
         block_n, num_stages = 64, 2
@@ -197,6 +202,7 @@ def plan_mla_decode(
     num_sms: int,
     config: MLADecodeConfig | None = None,
     num_splits: int | None = None,
+    block_size: int | None = None,
 ) -> MLADecodePlan:
     """Choose the split count and workspace sizes for one decode step; host-side ints only.
 
@@ -213,13 +219,14 @@ def plan_mla_decode(
         config: launch configuration; `default_config` of the shape when None.
         num_splits: force this split count (any value >= 1 is valid for any lengths), e.g. to keep
             one count for a captured CUDA graph.
+        block_size: tokens per KV page (refines the default configuration).
 
     Returns:
         The plan to pass (its `num_splits` and `config`) to `mla_decode_triton`.
     """
     if config is None:
         config = default_config(num_heads, q_len, kv_lora_rank, qk_rope_head_dim, dtype,
-                                batch_size, max_seq_len)
+                                batch_size, max_seq_len, block_size)
     min_split_len = -(-max(config.min_split_len, 1) // config.block_n) * config.block_n
     config = replace(config, min_split_len=min_split_len)
     rows = q_len * num_heads
@@ -446,7 +453,7 @@ def mla_decode_triton(
     _check_pow2("block_size", block_size, 1)
     if config is None:
         config = default_config(num_heads, q_len, kv_lora_rank, rope_dim, q.dtype, batch,
-                                block_table.shape[1] * block_size)
+                                block_table.shape[1] * block_size, block_size)
     # Splits must start on tile boundaries (a tile then never straddles a page).
     min_split_len = triton.cdiv(max(config.min_split_len, 1), config.block_n) * config.block_n
     if q.stride(-1) != 1:
