@@ -1,4 +1,4 @@
-"""Configuration: ModelConfig from an HF config.json, plus cache, scheduler and parallel settings.
+"""Configuration: ModelConfig from an HF config.json, and the scheduler's limits.
 
 Every unsupported value is a ValueError that names the field, the value and what is supported.
 """
@@ -275,27 +275,9 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    """Paged latent KV cache settings."""
-
-    block_size: int = 64
-    num_kv_blocks: int | None = None  # None: size from memory
-    kv_cache_memory: int | None = None  # bytes, CPU budget; None: a safe share of RAM
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-
-
-@dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Tensor parallelism through torch.distributed (1: a single device)."""
-
-    tensor_parallel_size: int = 1

@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+import os
 import random
 import threading
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer
 
 from mlaserve.attention import resolve_backend_name
 from mlaserve.cache.block_pool import BlockPool
-from mlaserve.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
+from mlaserve.config import ModelConfig, SchedulerConfig, parse_dtype
 from mlaserve.engine.detokenizer import IncrementalDetokenizer
 from mlaserve.engine.request import Request, RequestOutput, SamplingParams
 from mlaserve.engine.runner import ModelRunner
@@ -84,7 +85,6 @@ def kv_blocks_for_memory(config: ModelConfig, args: EngineArgs, device: torch.de
     else:
         budget = args.kv_cache_memory
         if budget is None:
-            import os
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             budget = min(ram // 8, 4 * 1024**3)
     blocks = int(budget // bytes_per_block)
@@ -127,11 +127,6 @@ class LLMEngine:
                             load_format=args.load_format, max_positions=max_model_len,
                             seed=args.seed)
         num_blocks = kv_blocks_for_memory(self.config, args, self.device, self.dtype)
-        self.cache_config = CacheConfig(
-            block_size=args.block_size, num_kv_blocks=num_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching)
         budget = args.max_num_batched_tokens or 8192
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")

@@ -30,10 +30,6 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
