@@ -24,6 +24,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-memory", type=_bytes, default=None,
+                        help="CPU KV cache budget, e.g. 2GiB (default: a safe share of RAM)")
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | dummy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
@@ -31,6 +33,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help='JSON merged into config.json, e.g. \'{"num_hidden_layers": 4}\'')
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
+
+
+def _bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1e9' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    for suffix, scale in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * scale)
+    try:
+        return int(float(lowered))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size; write e.g. 2GiB") from None
 
 
 def engine_args_from(args: argparse.Namespace):
@@ -41,6 +56,7 @@ def engine_args_from(args: argparse.Namespace):
         attention_backend=args.attention_backend, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, hf_overrides=args.hf_overrides,
         tokenizer=args.tokenizer)

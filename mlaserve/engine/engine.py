@@ -138,8 +138,8 @@ class LLMEngine:
                                   dtype=self.dtype, attention_backend=args.attention_backend)
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.pool)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1fx max_model_len %d)",
-                    num_blocks, args.block_size, num_blocks * args.block_size,
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens; concurrency %.1fx at "
+                    "max_model_len %d", num_blocks, args.block_size, num_blocks * args.block_size,
                     num_blocks * args.block_size / max_model_len, max_model_len)
         self.eos_token_ids = self._eos_ids()
         self._seed_rng = random.Random(args.seed)
