@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The MLA decode kernel run on one GPU (an H200): installs FlashInfer from .whl, checks the
 # flashinfer backend against the float32 reference (tests/test_flashinfer_backend.py), then runs
-# the kernel sweep on the anchor grid of shared/anchors/mla_decode_h200.md with FlashInfer fa3
+# the kernel sweep on the reference (--grid anchor) grid with FlashInfer fa3
 # and fa2 as peers, under CUDA-graph replay.
 #
-# Before, on a machine with network, from the project root:  ../shared/tools/gpu-wheels
-# (it puts FlashInfer 0.5.3 and apache-tvm-ffi into .whl/, which git ignores: carry it).
+# Before, on a machine with network: download the wheels of FlashInfer 0.5.3 and apache-tvm-ffi
+# for the GPU machine's Python into .whl/ (pip download --no-deps --only-binary=:all: ...).
 # On the GPU machine, from the project root:                  bash scripts/gpu_bench_kernel.sh
 # The GPU machine's python3 has torch, triton, pytest and matplotlib; the project runs from the
 # source tree. Output under $OUT (default ./gpu-out): gpu.txt, warm.log,

@@ -19,7 +19,7 @@ What it does, in order (correct before timed):
    checked against the reference first.
 4. Registers and spills of the compiled stage-1 kernels, then a compact table: µs, GB/s, TFLOP/s,
    % of the floor max(bytes / copy rate, flops / matmul rate), the best configuration, and the
-   FlashInfer fa3 time from shared/anchors/mla_decode_h200.md for scale (not measured here).
+   FlashInfer fa3 time measured earlier on an H200 for scale (not measured here).
 """
 
 import argparse
@@ -41,7 +41,7 @@ from mlaserve.kernels import mla_decode as kernels  # noqa: E402
 from mlaserve.kernels.mla_decode import MLADecodeConfig  # noqa: E402
 from mlaserve.kernels.reference import mla_decode_reference  # noqa: E402
 
-# FlashInfer fa3 under graph replay on the same GPU model, from the anchors page:
+# FlashInfer fa3 under graph replay on the same GPU model, measured earlier (2026-12-02):
 # (heads, batch, kv_len, block_size, q_len) -> µs.
 FA3_ANCHOR_US = {
     (16, 1, 1024, 64, 1): 15.4, (16, 1, 8192, 64, 1): 22.5, (16, 64, 1024, 64, 1): 29.4,
@@ -533,7 +533,7 @@ def main() -> None:
               f"{row['us']:8.1f} {row['pct_floor']:6.1f} {row['gbs']:6.0f} "
               f"{row['tflops']:6.1f} {fa3 or float('nan'):7.1f} {ratio}  {row['best']}"
               f"{' [' + row['best_policies'] + ']' if row['best_policies'] else ''}")
-    print("µs per call under CUDA-graph replay; fa3* = FlashInfer fa3 from the anchors page "
+    print("µs per call under CUDA-graph replay; fa3* = FlashInfer fa3 measured earlier "
           "(another run); x fa3 > 1 means faster than fa3.")
 
 

@@ -131,7 +131,7 @@ def test_backend_names():
 
 
 def test_roofline_on_the_anchor_numbers():
-    # shared/anchors/mla_decode_h200.md: copy 4273 GB/s, matmul 671 TFLOP/s.
+    # ceilings once measured on an H200: copy 4273 GB/s, matmul 671 TFLOP/s.
     copy_rate, matmul_rate = 4273e9, 671e12
     memory_bound = Cell(16, 64, 4096, 64)
     assert decode_bytes(memory_bound, 512, 64) == 64 * 4096 * 576 * 2 + 64 * 16 * 1088 * 2

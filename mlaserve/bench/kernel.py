@@ -1,7 +1,7 @@
 """`mlaserve bench kernel`: paged MLA decode backends side by side, against the roofline.
 
 For every cell of the grid (heads x batch x kv length x block size x q_len, or the anchor preset
-of shared/anchors/mla_decode_h200.md) this builds random q and a paged cache with shuffled pages
+of DeepSeek decode shapes) this builds random q and a paged cache with shuffled pages
 and NaN in every unused page and block tail, checks each backend against the float32 reference
 (a backend that fails is reported and never timed), then times it: CUDA-graph replay of 16
 calls per graph by default, or eager `do_bench`, with KV copies rotated past the L2 cache. The

@@ -68,7 +68,7 @@ def flag_cells(heads: list[int], batch_sizes: list[int], kv_lens: list[int],
 
 
 def anchor_cells() -> list[Cell]:
-    """The cells of shared/anchors/mla_decode_h200.md's peer tables.
+    """The reference grid of DeepSeek decode shapes (FlashInfer's numbers on an H200 exist for it).
 
     heads {16, 128} x batch {1, 64, 512} x kv {1024, 4096} at block 64, batch 1 also at kv 8192,
     16 heads x batch 512 x kv 4096 also at block 32, and q_len 2 and 4 at 16 x 64 x 4096.

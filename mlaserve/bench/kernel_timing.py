@@ -1,8 +1,8 @@
 """Timing of one backend on one cell, and the device ceilings measured in the same run.
 
 - Graph (default on CUDA): the backend's CUDA-graph hooks (`init_graph_buffers`,
-  `plan_for_capture`, `plan_for_replay`); each graph captures `calls_per_graph` calls (16, as the
-  anchors), graphs are captured until every KV copy is used, and one timed round replays them
+  `plan_for_capture`, `plan_for_replay`); each graph captures `calls_per_graph` calls (16 by
+  default), graphs are captured until every KV copy is used, and one timed round replays them
   all between two CUDA events. Time per call = round time / calls; the median of the rounds.
 - Eager on CUDA: `triton.testing.do_bench` (median, L2 flushed between calls) over calls that
   rotate the KV copies; CUDA events around each call when Triton is missing.
