@@ -30,7 +30,7 @@ from mlaserve.attention.flashinfer_backend import (
     build_page_csr,
 )
 from mlaserve.attention.registry import mla_decode, select_backend
-from mlaserve.kernels.reference import mla_decode_reference
+from mlaserve.kernels.reference import mla_decode_reference, poisoned_paged_batch
 
 ON_GPU = torch.cuda.is_available()
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -47,30 +47,9 @@ TOLERANCES = {torch.bfloat16: (1e-2, 1e-2, 1e-3, 1e-2), torch.float16: (2e-3, 2e
 def make_case(lengths: list[int], block_size: int, num_heads: int, q_len: int,
               dtype: torch.dtype, device: torch.device, seed: int = 0, rank: int = 512,
               rope: int = 64):
-    """q, a NaN-poisoned paged cache with a shuffled block table, and the float32 reference.
-
-    Table entries past a request's pages point at (NaN) spare pages, as stale entries would.
-    """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    pages = [-(-n // block_size) for n in lengths]
-    width = max(max(pages), 1)
-    num_spare = 3
-    num_blocks = sum(pages) + num_spare
-    perm = torch.randperm(num_blocks, generator=gen)
-    spare = perm[sum(pages):]
-    table = spare[torch.randint(0, num_spare, (len(lengths), width), generator=gen)]
-    start = 0
-    for b, n in enumerate(pages):
-        table[b, :n] = perm[start:start + n]
-        start += n
-    cache = torch.randn(num_blocks, block_size, rank + rope, generator=gen).to(dtype)
-    cache[spare] = float("nan")
-    for b, n in enumerate(lengths):
-        if n % block_size:
-            cache[table[b, pages[b] - 1], n % block_size:] = float("nan")
-    q = torch.randn(len(lengths) * q_len, num_heads, rank + rope, generator=gen).to(dtype)
-    table = table.to(torch.int32)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    """`poisoned_paged_batch` plus its float32 reference, on `device`."""
+    q, cache, table, seq_lens = poisoned_paged_batch(lengths, num_heads, rank, rope, block_size,
+                                                     q_len, dtype, seed, padding_columns=0)
     ref_o, ref_lse = mla_decode_reference(q, cache, table, seq_lens, SCALE, rank, q_len)
     return [t.to(device) for t in (q, cache, table, seq_lens, ref_o, ref_lse)]
 

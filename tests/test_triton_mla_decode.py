@@ -36,7 +36,10 @@ from mlaserve.kernels.mla_decode import (  # noqa: E402
     mla_decode_triton,
     plan_mla_decode,
 )
-from mlaserve.kernels.reference import mla_decode_reference  # noqa: E402
+from mlaserve.kernels.reference import (  # noqa: E402
+    mla_decode_reference,
+    poisoned_paged_batch,
+)
 
 pytestmark = pytest.mark.skipif(
     not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
@@ -63,44 +66,10 @@ def _dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def make_batch(
-    seq_lens: list[int],
-    num_heads: int,
-    kv_lora_rank: int,
-    rope_dim: int,
-    block_size: int,
-    q_len: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-    spare_pages: int = 3,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random paged batch: NaN in unused pages and page tails, shuffled pages, padded table.
-
-    Returns:
-        q [B * q_len, H, L + R], kv_cache [num_blocks, block_size, L + R] (both `dtype`),
-        block_table [B, max_blocks] int32 and seq_lens [B] int32, on DEVICE.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    head_dim = kv_lora_rank + rope_dim
-    pages_per_seq = [-(-n // block_size) for n in seq_lens]
-    max_blocks = max(pages_per_seq, default=0) + 1  # one padding column at least
-    num_blocks = sum(pages_per_seq) + spare_pages
-    kv_cache = torch.full((num_blocks, block_size, head_dim), float("nan"), dtype=dtype)
-    order = torch.randperm(num_blocks, generator=gen)
-    spare = order[sum(pages_per_seq):]
-    block_table = spare[torch.randint(len(spare), (len(seq_lens), max_blocks), generator=gen)]
-    next_page = 0
-    for b, seq_len in enumerate(seq_lens):
-        for j in range(pages_per_seq[b]):
-            page = order[next_page]
-            next_page += 1
-            block_table[b, j] = page
-            rows = min(block_size, seq_len - j * block_size)
-            kv_cache[page, :rows] = torch.randn(rows, head_dim, generator=gen).to(dtype)
-    q = torch.randn(len(seq_lens) * q_len, num_heads, head_dim, generator=gen).to(dtype)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    return (q.to(DEVICE), kv_cache.to(DEVICE), block_table.to(torch.int32).to(DEVICE),
-            seq_lens_t.to(DEVICE))
+def make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, q_len, dtype, seed=0):
+    """`poisoned_paged_batch` on this module's device."""
+    return poisoned_paged_batch(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, q_len,
+                                dtype, seed, device=DEVICE)
 
 
 def check(
