@@ -45,15 +45,23 @@ class ModelRunner:
             device=device), config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
 
-    def _slots(self, request: Request, start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [request.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+    def _slot(self, request: Request, position: int) -> int:
+        """Cache slot of one token: block_id * block_size + offset."""
+        return request.block_ids[position // self.block_size] * self.block_size + (
+            position % self.block_size)
+
+    def _slot_range(self, request: Request, start: int, end: int) -> torch.Tensor:
+        """Cache slots [end - start] int64 (host) of positions start .. end - 1, as tensor ops."""
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(request.block_ids, dtype=torch.int64)
+        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        decode_slots: list[int] = []
+        prefill_slots: list[torch.Tensor] = []
         sample_rows: list[int] = []
         samplers: list[Request] = []
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, count)
@@ -61,7 +69,7 @@ class ModelRunner:
             p = request.num_computed_tokens
             tokens.append(request.all_token_ids[p])
             positions.append(p)
-            slots.extend(self._slots(request, p, p + 1))
+            decode_slots.append(self._slot(request, p))
             sample_rows.append(len(tokens) - 1)
             samplers.append(request)
         chunks = []
@@ -70,11 +78,10 @@ class ModelRunner:
             row0 = len(tokens)
             tokens.extend(request.all_token_ids[start : start + count])
             positions.extend(range(start, start + count))
-            slots.extend(self._slots(request, start, start + count))
+            prefill_slots.append(self._slot_range(request, start, start + count))
             context = None
             if start:
-                context = torch.tensor(self._slots(request, 0, start), dtype=torch.int64,
-                                       device=self.device)
+                context = self._slot_range(request, 0, start).to(self.device)
             chunks.append(PrefillChunk(row0, count, context))
             if request.prompt_logprobs is not None:
                 # logits at position p score prompt token p + 1
@@ -88,7 +95,8 @@ class ModelRunner:
 
         device = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=torch.cat([torch.tensor(decode_slots, dtype=torch.int64),
+                                    *prefill_slots]).to(device),
             num_decode_tokens=len(batch.decodes), prefills=chunks)
         if batch.decodes:
             width = max(len(r.block_ids) for r in batch.decodes)

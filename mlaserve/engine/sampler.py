@@ -27,11 +27,10 @@ class SamplingBatch:
     presence: torch.Tensor  # [N] float32
     frequency: torch.Tensor  # [N] float32
     repetition: torch.Tensor  # [N] float32
-    min_tokens_mask: torch.Tensor  # [N] bool: suppress EOS/stop ids (min_tokens not reached)
     needs_penalties: bool
     output_counts: torch.Tensor | None  # [N, V] float32 counts of generated tokens
     seen_prompt: torch.Tensor | None  # [N, V] bool prompt tokens present
-    banned_ids: list[list[int]]  # per row: ids to suppress while min_tokens_mask
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids): EOS/stop ids before min_tokens
     all_greedy: bool
 
     @classmethod
@@ -49,12 +48,14 @@ class SamplingBatch:
             n = len(requests)
             output_counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
             seen_prompt = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-            for i, r in enumerate(requests):
-                if r.output_token_ids:
-                    ids = tensor(r.output_token_ids, torch.int64)
-                    output_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-                seen_prompt[i, tensor(r.prompt_token_ids, torch.int64)] = True
-        min_tokens = [len(r.output_token_ids) < r.params.min_tokens for r in requests]
+            out_rows, out_ids = _pairs([r.output_token_ids for r in requests], device)
+            output_counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids,
+                                     dtype=torch.float32), accumulate=True)
+            seen_prompt[_pairs([r.prompt_token_ids for r in requests], device)] = True
+        banned_lists = [list(r.eos_token_ids) + r.params.stop_token_ids
+                        if len(r.output_token_ids) < r.params.min_tokens else []
+                        for r in requests]
+        banned = _pairs(banned_lists, device) if any(banned_lists) else None
         return cls(
             temperature=tensor([p.temperature for p in params], torch.float32),
             top_k=tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
@@ -65,14 +66,21 @@ class SamplingBatch:
             presence=tensor([p.presence_penalty for p in params], torch.float32),
             frequency=tensor([p.frequency_penalty for p in params], torch.float32),
             repetition=tensor([p.repetition_penalty for p in params], torch.float32),
-            min_tokens_mask=tensor(min_tokens, torch.bool),
             needs_penalties=needs_penalties,
             output_counts=output_counts,
             seen_prompt=seen_prompt,
-            banned_ids=[list(r.eos_token_ids) + r.params.stop_token_ids if m else []
-                        for r, m in zip(requests, min_tokens, strict=True)],
+            banned=banned,
             all_greedy=all(p.temperature == 0 for p in params),
         )
+
+
+def _pairs(rows_of_ids: list[list[int]], device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged per-row id lists -> flat (row index [M], id [M]) int64 tensors for one scatter."""
+    rows = [i for i, ids in enumerate(rows_of_ids) for _ in ids]
+    flat = [t for ids in rows_of_ids for t in ids]
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(flat, dtype=torch.int64, device=device))
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -107,9 +115,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [N, V] float32 -> token ids [N] int64."""
     if batch.needs_penalties:
         logits = apply_penalties(logits, batch)
-    for row, banned in enumerate(batch.banned_ids):
-        if banned:
-            logits[row, banned] = float("-inf")
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     greedy_ids = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_ids

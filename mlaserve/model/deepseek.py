@@ -58,9 +58,12 @@ class MLAAttention(nn.Module):
         self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()  # [H, P, L]
         self.w_uv_t = w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [H, L, V]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """hidden [T, D] -> [T, D]; writes this step's latents into kv_cache [N, bs, L + R]."""
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, D] -> [T, D]; writes this step's latents into kv_cache [N, bs, L + R].
+
+        rope: the step's rotary angles (cos, sin) [T, R / 2] from `RotaryEmbedding.angles`.
+        """
         num_tokens = hidden.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
@@ -68,10 +71,10 @@ class MLAAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q = q.view(num_tokens, self.num_heads, -1)  # [T, H, P + R]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_pe = self.rotary(positions, q_pe)
+        q_pe = self.rotary(q_pe, rope)
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        latent = torch.cat((self.kv_a_layernorm(c_kv), self.rotary(positions, k_pe)), dim=-1)
+        latent = torch.cat((self.kv_a_layernorm(c_kv), self.rotary(k_pe, rope)), dim=-1)
         kv_flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, L + R]
         kv_flat.index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
 
@@ -158,8 +161,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, positions, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, rope, hidden, kv_cache, meta):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -167,10 +170,10 @@ class DeepseekBody(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config.qk_rope_head_dim, max_positions, config.rope_theta,
-                                 config.rope_scaling, config.rope_interleave)
+        self.rotary = RotaryEmbedding(config.qk_rope_head_dim, max_positions, config.rope_theta,
+                                      config.rope_scaling, config.rope_interleave)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -193,8 +196,9 @@ class DeepseekForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden [T, D]."""
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.angles(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(rope, hidden, kv_cache, meta)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

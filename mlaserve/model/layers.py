@@ -74,10 +74,15 @@ class RotaryEmbedding(nn.Module):
         self.cos = (freqs.cos() * scale).to(device)  # plain attributes: never cast by .to(dtype)
         self.sin = (freqs.sin() * scale).to(device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, ..., dim] at positions [T]; returns the same shape and dtype."""
-        cos = self.cos[positions].view(positions.shape[0], *([1] * (x.dim() - 2)), -1)
-        sin = self.sin[positions].view(positions.shape[0], *([1] * (x.dim() - 2)), -1)
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, dim / 2] float32 at positions [T]; gathered once per step for all layers."""
+        return self.cos[positions], self.sin[positions]
+
+    def forward(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x [T, ..., dim] by `angles(positions)`; returns the same shape and dtype."""
+        cos, sin = angles
+        cos = cos.view(cos.shape[0], *([1] * (x.dim() - 2)), -1)  # [T, 1.., dim/2]
+        sin = sin.view(sin.shape[0], *([1] * (x.dim() - 2)), -1)
         xf = x.float()
         if self.interleaved:
             x1, x2 = xf[..., 0::2], xf[..., 1::2]
