@@ -1,6 +1,7 @@
 """The `mlaserve` command: serve | generate | bench serve | bench kernel | eval parity."""
 
 import argparse
+import importlib
 import json
 import logging
 import signal
@@ -143,12 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_module_arguments(parser: argparse.ArgumentParser, module_name: str) -> None:
-    import importlib
-
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return
+    """Let `module_name` (with add_arguments and run) define and handle a subcommand."""
+    module = importlib.import_module(module_name)
     module.add_arguments(parser)
     parser.set_defaults(handler=module.run)
 
@@ -156,9 +153,6 @@ def _add_module_arguments(parser: argparse.ArgumentParser, module_name: str) -> 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if not hasattr(args, "handler"):
-        print(f"mlaserve: '{args.command}' is not available in this install", file=sys.stderr)
-        return 2
     try:
         return args.handler(args)
     except ValueError as exc:

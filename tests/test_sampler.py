@@ -9,7 +9,7 @@ LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
 
 
 def draw(params: SamplingParams, n: int = 400, output_ids=(), prompt=(4,)) -> set[int]:
-    requests = [Request(str(i), None, list(prompt), params, 0, sample_seed=i,
+    requests = [Request(str(i), None, list(prompt), params, sample_seed=i,
                         output_token_ids=list(output_ids)) for i in range(n)]
     batch = SamplingBatch.build(requests, 5, torch.device("cpu"))
     return set(sample(LOGITS.repeat(n, 1), batch).tolist())
@@ -26,7 +26,7 @@ def test_filters_restrict_the_support():
 
 def test_sampling_frequencies_follow_the_distribution():
     n = 20000
-    requests = [Request(str(i), None, [4], SamplingParams(temperature=1.0), 0, sample_seed=i)
+    requests = [Request(str(i), None, [4], SamplingParams(temperature=1.0), sample_seed=i)
                 for i in range(n)]
     batch = SamplingBatch.build(requests, 5, torch.device("cpu"))
     counts = torch.bincount(sample(LOGITS.repeat(n, 1), batch), minlength=5).float() / n
@@ -44,7 +44,7 @@ def test_noise_is_a_function_of_seed_and_position_only():
 def test_penalties():
     params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25,
                             repetition_penalty=2.0)
-    req = Request("0", None, [3], params, 0, sample_seed=0, output_token_ids=[0, 0, 1])
+    req = Request("0", None, [3], params, sample_seed=0, output_token_ids=[0, 0, 1])
     batch = SamplingBatch.build([req], 5, torch.device("cpu"))
     logits = torch.tensor([[2.0, -1.0, 1.0, 0.5, 0.0]])
     out = apply_penalties(logits.clone(), batch)[0].tolist()
@@ -56,6 +56,6 @@ def test_penalties():
 
 def test_min_tokens_suppresses_eos():
     params = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
-    req = Request("0", None, [3], params, 0, sample_seed=0, eos_token_ids=(0,))
+    req = Request("0", None, [3], params, sample_seed=0, eos_token_ids=(0,))
     batch = SamplingBatch.build([req], 5, torch.device("cpu"))
     assert sample(LOGITS[None].clone(), batch).item() == 1

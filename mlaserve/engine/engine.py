@@ -144,7 +144,6 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self._seed_rng = random.Random(args.seed)
         self._ids = itertools.count()
-        self._arrivals = 0
         self._lock = threading.Lock()
         self.requests: dict[str, Request] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -197,15 +196,13 @@ class LLMEngine:
         with self._lock:
             request_id = request_id if request_id is not None else str(next(self._ids))
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        return Request(request_id, text, token_ids, params, arrival_index=0,
-                       sample_seed=seed, eos_token_ids=self.eos_token_ids)
+        return Request(request_id, text, token_ids, params, sample_seed=seed,
+                       eos_token_ids=self.eos_token_ids)
 
     def submit(self, request: Request) -> Request:
         """Queue a request made by make_request (engine thread only)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id '{request.request_id}' is already in use")
-        request.arrival_index = self._arrivals
-        self._arrivals += 1
         params, token_ids = request.params, request.prompt_token_ids
         self.requests[request.request_id] = request
         self._detok[id(request)] = IncrementalDetokenizer(

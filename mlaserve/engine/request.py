@@ -127,7 +127,6 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_index: int
     sample_seed: int
     eos_token_ids: tuple[int, ...] = ()
     status: RequestStatus = RequestStatus.WAITING

@@ -10,11 +10,12 @@ import argparse
 import gc
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from mlaserve.engine.engine import EngineArgs, LLMEngine
+from mlaserve.config import ModelConfig
+from mlaserve.engine.engine import DEMO_MODEL_DIR, EngineArgs, LLMEngine
 from mlaserve.engine.request import RequestOutput, SamplingParams
 
 
@@ -75,11 +76,6 @@ def compare(backend: str, reference: list[RequestOutput],
 def run_parity(base: EngineArgs, backends: list[str], num_prompts: int, max_tokens: int,
                seed: int = 0) -> list[ParityReport]:
     """Generate with `torch` and each backend; one report per backend."""
-    from dataclasses import replace
-
-    from mlaserve.config import ModelConfig
-    from mlaserve.engine.engine import DEMO_MODEL_DIR
-
     config = ModelConfig.from_pretrained(base.model or DEMO_MODEL_DIR, base.hf_overrides)
     prompts = random_prompts(min(config.vocab_size, 30000), num_prompts, seed)
     reference = generate(replace(base, attention_backend="torch"), prompts, max_tokens)

@@ -69,7 +69,7 @@ class Serving:
             raise APIError(400, f"The model `{model}` does not exist; this server serves "
                            f"`{self.served_model_name}`.", param="model")
 
-    def fit_max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int:
+    def fit_max_tokens(self, num_prompt: int, requested: int | None) -> int:
         """vLLM's rule: a prompt over max_model_len is an error; max_tokens is clamped to fit."""
         room = self.max_model_len - num_prompt
         if room <= 0:
@@ -145,8 +145,7 @@ class Serving:
             echo_only = req.echo and req.max_tokens == 0
             if req.max_tokens == 0 and not req.echo:
                 raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
-            max_tokens = 1 if echo_only else self.fit_max_tokens(len(ids), req.max_tokens,
-                                                                 "max_tokens")
+            max_tokens = 1 if echo_only else self.fit_max_tokens(len(ids), req.max_tokens)
             prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
             try:
                 params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
@@ -261,7 +260,7 @@ class Serving:
             else req.max_tokens
         if requested == 0:
             raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
-        max_tokens = self.fit_max_tokens(len(ids), requested, "max_tokens")
+        max_tokens = self.fit_max_tokens(len(ids), requested)
         k = (req.top_logprobs or 0) if req.logprobs else None
         try:
             params = req.sampling_params(max_tokens, k, None)
