@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mlaserve import __version__
-from mlaserve.engine.async_engine import AsyncEngine
+from mlaserve.engine.async_engine import AsyncEngine, EngineStats
 from mlaserve.engine.engine import EngineArgs
 from mlaserve.server.formatting import error_body
 from mlaserve.server.metrics import ServerMetrics
@@ -178,11 +178,8 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        if state.engine is None:
-            from mlaserve.engine.async_engine import EngineStats
-
-            return PlainTextResponse(state.metrics.render(EngineStats()))
-        return PlainTextResponse(state.metrics.render(state.engine.stats),
+        stats = state.engine.stats if state.engine is not None else EngineStats()
+        return PlainTextResponse(state.metrics.render(stats),
                                  media_type="text/plain; version=0.0.4")
 
     return app
