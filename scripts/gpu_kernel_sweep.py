@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mlaserve.bench.kernel_grid import Cell, decode_bytes, decode_flops  # noqa: E402
 from mlaserve.kernels import mla_decode as kernels  # noqa: E402
 from mlaserve.kernels.mla_decode import MLADecodeConfig  # noqa: E402
 from mlaserve.kernels.reference import mla_decode_reference  # noqa: E402
@@ -67,6 +68,10 @@ class Shape:
     @property
     def key(self) -> tuple[int, int, int, int, int]:
         return (self.num_heads, self.batch, self.kv_len, self.block_size, self.q_len)
+
+    @property
+    def cell(self) -> Cell:
+        return Cell(self.num_heads, self.batch, self.kv_len, self.block_size, self.q_len)
 
     def __str__(self) -> str:
         return (f"H{self.num_heads} B{self.batch} kv{self.kv_len} blk{self.block_size} "
@@ -126,7 +131,7 @@ class Sweep:
         return kernels.plan_mla_decode(
             shape.batch, (-(-shape.kv_len // shape.block_size) + 1) * shape.block_size,
             shape.num_heads, shape.q_len, self.kv_lora_rank, self.rope_dim, self.dtype,
-            self.num_sms, config=config)
+            self.num_sms, config=config, block_size=shape.block_size)
 
     def launcher(self, plan: kernels.MLADecodePlan, q: torch.Tensor, cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
@@ -147,8 +152,7 @@ class Sweep:
         if self._problem is not None and self._problem[0] == shape:
             return self._problem[1]
         self._problem = None  # free the previous shape's copies first
-        moved, _ = kernels.decode_bytes_and_flops(shape.batch, shape.kv_len, shape.num_heads,
-                                                  shape.q_len, self.kv_lora_rank, self.rope_dim)
+        moved = decode_bytes(shape.cell, self.kv_lora_rank, self.rope_dim)
         num_copies = 1 if self.smoke else max(1, min(128, -(-L2_DEFEAT_BYTES // moved)))
         caches, block_table, seq_lens = self.make_cache(shape, num_copies, seed=7)
         q = self.make_q(shape)
@@ -222,9 +226,8 @@ class Sweep:
         return 2 * 2**30 / copy_us / 1e3, 2 * 8192**3 / mm_us / 1e6
 
     def roofline(self, shape: Shape, us: float, copy_gbs: float, mm_tflops: float) -> dict:
-        moved, flops = kernels.decode_bytes_and_flops(
-            shape.batch, shape.kv_len, shape.num_heads, shape.q_len, self.kv_lora_rank,
-            self.rope_dim)
+        moved = decode_bytes(shape.cell, self.kv_lora_rank, self.rope_dim)
+        flops = decode_flops(shape.cell, self.kv_lora_rank, self.rope_dim)
         floor_us = max(moved / copy_gbs / 1e3, flops / mm_tflops / 1e6)
         return {"us": us, "gbs": moved / us / 1e3, "tflops": flops / us / 1e6,
                 "floor_us": floor_us, "pct_floor": 100 * floor_us / us}
@@ -255,8 +258,10 @@ def timing_shapes(smoke: bool) -> list[Shape]:
 def tile_candidates(sweep: Sweep, shape: Shape) -> list[MLADecodeConfig]:
     """Tile configurations for the shape's regime; the default first; shared-memory filtered."""
     rows = shape.q_len * shape.num_heads
+    max_len = (-(-shape.kv_len // shape.block_size) + 1) * shape.block_size
     default = kernels.default_config(shape.num_heads, shape.q_len, sweep.kv_lora_rank,
-                                     sweep.rope_dim, sweep.dtype)
+                                     sweep.rope_dim, sweep.dtype, shape.batch, max_len,
+                                     shape.block_size)
     if rows <= 16:
         tiles = [(16, 64, 4, 2), (16, 32, 4, 2), (16, 32, 4, 3), (16, 32, 4, 4), (16, 64, 8, 2),
                  (64, 32, 8, 2)]

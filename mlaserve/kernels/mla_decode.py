@@ -503,23 +503,10 @@ def mla_decode_triton(
     return o, lse
 
 
-def decode_bytes_and_flops(
-    batch_size: int, seq_len: int, num_heads: int, q_len: int, kv_lora_rank: int,
-    qk_rope_head_dim: int, itemsize: int = 2,
-) -> tuple[int, int]:
-    """Minimum bytes moved and flops of one decode call (uniform lengths), for rooflines."""
-    head_dim = kv_lora_rank + qk_rope_head_dim
-    rows = batch_size * q_len * num_heads
-    moved = batch_size * seq_len * head_dim * itemsize + rows * (head_dim + kv_lora_rank) * itemsize
-    flops = 2 * rows * seq_len * (head_dim + kv_lora_rank)
-    return moved, flops
-
-
 __all__ = [
     "MLADecodeConfig",
     "MLADecodePlan",
     "alloc_workspace",
-    "decode_bytes_and_flops",
     "default_config",
     "mla_decode_triton",
     "plan_mla_decode",
