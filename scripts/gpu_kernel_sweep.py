@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlaserve.bench.kernel_grid import Cell, decode_bytes, decode_flops  # noqa: E402
 from mlaserve.kernels import mla_decode as kernels  # noqa: E402
-from mlaserve.kernels.mla_decode import MLADecodeConfig  # noqa: E402
+from mlaserve.kernels import mla_decode_plan as planning  # noqa: E402
+from mlaserve.kernels.mla_decode_plan import MLADecodeConfig  # noqa: E402
 from mlaserve.kernels.reference import mla_decode_reference  # noqa: E402
 
 # FlashInfer fa3 under graph replay on the same GPU model, measured earlier (2026-12-02):
@@ -127,13 +128,13 @@ class Sweep:
         return torch.randn(shape.batch * shape.q_len, shape.num_heads, self.head_dim,
                            device=self.device, dtype=self.dtype)  # [B * q_len, H, L + R]
 
-    def plan(self, shape: Shape, config: MLADecodeConfig | None) -> kernels.MLADecodePlan:
-        return kernels.plan_mla_decode(
+    def plan(self, shape: Shape, config: MLADecodeConfig | None) -> planning.MLADecodePlan:
+        return planning.plan_mla_decode(
             shape.batch, (-(-shape.kv_len // shape.block_size) + 1) * shape.block_size,
             shape.num_heads, shape.q_len, self.kv_lora_rank, self.rope_dim, self.dtype,
             self.num_sms, config=config, block_size=shape.block_size)
 
-    def launcher(self, plan: kernels.MLADecodePlan, q: torch.Tensor, cache: torch.Tensor,
+    def launcher(self, plan: planning.MLADecodePlan, q: torch.Tensor, cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
                  workspace: tuple[torch.Tensor, torch.Tensor]
                  ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
@@ -259,7 +260,7 @@ def tile_candidates(sweep: Sweep, shape: Shape) -> list[MLADecodeConfig]:
     """Tile configurations for the shape's regime; the default first; shared-memory filtered."""
     rows = shape.q_len * shape.num_heads
     max_len = (-(-shape.kv_len // shape.block_size) + 1) * shape.block_size
-    default = kernels.default_config(shape.num_heads, shape.q_len, sweep.kv_lora_rank,
+    default = planning.default_config(shape.num_heads, shape.q_len, sweep.kv_lora_rank,
                                      sweep.rope_dim, sweep.dtype, shape.batch, max_len,
                                      shape.block_size)
     if rows <= 16:
@@ -336,7 +337,7 @@ def run_correctness(sweep: Sweep) -> list[dict]:
                 caches, block_table, seq_lens = sweep.make_cache(shape, 1, seed=kv_len + batch)
             q = sweep.make_q(shape)
             plan = sweep.plan(shape, None)
-            workspace = kernels.alloc_workspace(plan, sweep.device)
+            workspace = planning.alloc_workspace(plan, sweep.device)
             entry = {"shape": dataclasses.asdict(shape), "num_splits": plan.num_splits,
                      "config": dataclasses.asdict(plan.config)}
             try:
@@ -372,8 +373,8 @@ def time_shape(sweep: Sweep, shape: Shape, configs: list[MLADecodeConfig | None]
         plan = sweep.plan(shape, config)
         if splits is not None:
             plan = dataclasses.replace(plan, num_splits=splits)
-        workspace = kernels.alloc_workspace(
-            kernels.plan_mla_decode(shape.batch, 0, shape.num_heads, shape.q_len,
+        workspace = planning.alloc_workspace(
+            planning.plan_mla_decode(shape.batch, 0, shape.num_heads, shape.q_len,
                                     sweep.kv_lora_rank, sweep.rope_dim, sweep.dtype, 1,
                                     config=plan.config, num_splits=plan.num_splits),
             sweep.device)

@@ -31,11 +31,8 @@ from mlaserve.attention.triton_backend import (  # noqa: E402
     TritonMLABackend,
     patch_triton_interpreter,
 )
-from mlaserve.kernels.mla_decode import (  # noqa: E402
-    MLADecodeConfig,
-    mla_decode_triton,
-    plan_mla_decode,
-)
+from mlaserve.kernels.mla_decode import mla_decode_triton  # noqa: E402
+from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, plan_mla_decode  # noqa: E402
 from mlaserve.kernels.reference import (  # noqa: E402
     mla_decode_reference,
     poisoned_paged_batch,

@@ -10,14 +10,11 @@ the new block table and lengths into the static buffers, so every pointer a grap
 
 import os
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
 from mlaserve.attention.base import BackendCapabilities, MLABackend, MLAShape
-
-if TYPE_CHECKING:  # the kernel module imports triton, which may be missing
-    from mlaserve.kernels.mla_decode import MLADecodeConfig, MLADecodePlan
+from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, MLADecodePlan, plan_mla_decode
 
 # SM count assumed on CPU, where the kernel only runs in Triton's interpreter (tests).
 _CPU_NUM_SMS = 4
@@ -109,17 +106,17 @@ class TritonMLABackend(MLABackend):
 
     @property
     def _kernels(self) -> ModuleType:
-        from mlaserve.kernels import mla_decode
+        from mlaserve.kernels import mla_decode  # imports triton, which may be missing
 
         return mla_decode
 
-    def _make_plan(self, batch_size: int, max_seq_len: int, q_len: int) -> "MLADecodePlan":
+    def _make_plan(self, batch_size: int, max_seq_len: int, q_len: int) -> MLADecodePlan:
         """The kernel plan for a batch (memoised: planning is pure in these ints and the config)."""
         key = (batch_size, max_seq_len, q_len, self.config)
         plan = self._plans.get(key)
         if plan is None:
             shape = self.shape
-            plan = self._kernels.plan_mla_decode(
+            plan = plan_mla_decode(
                 batch_size, max_seq_len, shape.num_heads, q_len, shape.kv_lora_rank,
                 shape.qk_rope_head_dim, shape.dtype, self.num_sms, config=self.config,
                 block_size=shape.block_size)
@@ -148,7 +145,7 @@ class TritonMLABackend(MLABackend):
         self._set_step(block_table, seq_lens, q_len, plan, workspace)
 
     def _set_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
-                  plan: "MLADecodePlan", workspace: tuple[torch.Tensor, torch.Tensor]) -> None:
+                  plan: MLADecodePlan, workspace: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.block_table = block_table
         self.seq_lens = seq_lens
         self.q_len = q_len

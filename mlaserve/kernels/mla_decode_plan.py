@@ -1,0 +1,228 @@
+"""Host-side planning of the Triton paged MLA decode (`mla_decode.py`): launch configurations
+tuned on an H200, the split count per step, and workspace sizes.
+
+Everything here is Python ints and dataclasses (batch size, an upper bound on the KV length, SM
+count), so planning a step never synchronises with the device, and needs no Triton.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Launch configuration of the decode kernels; `default_config` picks one from the shape.
+
+    Attributes:
+        block_m: query rows (q_len * heads, folded) per program: the head-group size. A power of
+            two >= 16; rows past M are masked.
+        block_n: KV tokens per tile, a power of two >= 16.
+        num_warps: warps per stage-1 program.
+        num_stages: software-pipelining depth of the KV loop.
+        split_policy: how `plan_mla_decode` picks the split count. "waves": minimise the
+            estimated makespan (waves of programs times tokens per split plus a per-split
+            overhead); "fill": just enough splits to put `programs_per_sm` programs on every SM.
+        programs_per_sm: programs that run at once on one SM (for "waves"), or the target grid
+            size per SM (for "fill").
+        min_split_len: fewest KV tokens per split; also enforced on the device, so short requests
+            in a batch planned for long ones use few splits.
+        max_num_splits: upper bound on the split count (bounds the workspace).
+        merge_block_rows: output rows per merge program.
+        merge_num_warps: warps per merge program.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_policy: str = "waves"
+    programs_per_sm: float = 1.0
+    min_split_len: int = 128
+    max_num_splits: int = 128
+    merge_block_rows: int = 4
+    merge_num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.split_policy not in ("waves", "fill"):
+            raise ValueError(f"split_policy must be 'waves' or 'fill', got {self.split_policy!r}")
+        if self.merge_block_rows < 1 or self.merge_block_rows & (self.merge_block_rows - 1):
+            raise ValueError(
+                f"merge_block_rows must be a power of two, got {self.merge_block_rows}")
+
+
+@dataclass(frozen=True)
+class MLADecodePlan:
+    """What one decode step launches; built by `plan_mla_decode` from host-side ints only.
+
+    Attributes:
+        num_splits: KV splits per request (1: no merge kernel, no workspace).
+        num_head_groups: stage-1 programs per (request, split), ceil(q_len * H / block_m).
+        config: the launch configuration (its `min_split_len` rounded up to whole tiles).
+        workspace_o_numel: float32 elements of the partial-output workspace (0 with one split).
+        workspace_lse_numel: float32 elements of the partial-LSE workspace (0 with one split).
+    """
+
+    num_splits: int
+    num_head_groups: int
+    config: MLADecodeConfig
+    workspace_o_numel: int
+    workspace_lse_numel: int
+
+
+def next_pow2(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+def default_config(
+    num_heads: int,
+    q_len: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    dtype: torch.dtype,
+    batch_size: int | None = None,
+    max_seq_len: int | None = None,
+    block_size: int | None = None,
+) -> MLADecodeConfig:
+    """A launch configuration for the shape, from the H200 sweep (`scripts/gpu_kernel_sweep.py`,
+    results in benchmarks/); batch_size and max_seq_len refine it when given.
+
+    - Query rows per program (block_m): all rows up to 64 with 16-bit inputs. At 128 heads
+      small batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
+    - KV tile: 64 tokens where Q plus two stages of [64, L + R] fit shared memory (~220 KB at
+      64 rows x 576), else 32 tokens with a third stage (measured best for 64 rows of 16 heads).
+      Pages of 32 tokens take 32-token tiles with 4 stages (one page per tile: 663 µs against
+      925 µs for gathered 64-token tiles at 16 heads x 512 x 4096).
+    - Splits: minimise the estimated makespan with two programs per SM counted as one wave for
+      up to 32 rows; for 16 rows over large batches of long requests, fill four programs per SM
+      (measured 10% faster at 512 x 4096). Longer requests take longer minimum splits (fewer
+      partial outputs to merge).
+    - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
+    """
+    head_dim = kv_lora_rank + qk_rope_head_dim
+    itemsize = dtype.itemsize
+    rows = q_len * num_heads
+    long_requests = max_seq_len is not None and max_seq_len > 2048
+    if itemsize > 2:  # float32: tests under the interpreter and FMA dots on a GPU
+        block_m = 16
+        smem_budget = 180 * 1024
+        q_bytes = block_m * head_dim * itemsize
+        block_n = next((n for n in (64, 32, 16)
+                        if q_bytes + 2 * n * head_dim * itemsize <= smem_budget), 16)
+        return MLADecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2,
+                               min_split_len=max(2 * block_n, 64),
+                               merge_block_rows=max(1, min(next_pow2(rows), 2048 // kv_lora_rank)))
+    block_m = min(max(16, next_pow2(rows)), 64)
+    if block_m == 64 and num_heads >= 64 and batch_size is not None and batch_size < 8:
+        block_m = 32
+    q_bytes = block_m * head_dim * itemsize
+    fits_64 = q_bytes + 2 * 64 * head_dim * itemsize <= 224 * 1024
+    if block_size is not None and block_size < 64:
+        block_n, num_stages = max(16, block_size), 4 if block_m <= 16 else 3
+    elif block_m == 64 and num_heads < 64 or not fits_64:
+        block_n, num_stages = 32, 3
+    else:
+        block_n, num_stages = 64, 2
+    num_warps = 8 if block_m >= 64 and kv_lora_rank >= 256 else 4
+    policy, per_sm = "waves", (2.0 if block_m <= 32 else 1.0)
+    if (block_m == 16 and batch_size is not None and long_requests
+            and batch_size >= 264):
+        policy, per_sm = "fill", 4.0
+    if block_m == 16:
+        min_split_len = 256 if long_requests else 128
+    else:
+        min_split_len = 256 if block_m == 64 or long_requests else 128
+    merge_block_rows = max(1, min(next_pow2(rows), 2048 // kv_lora_rank))
+    return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
+                           num_stages=num_stages, split_policy=policy, programs_per_sm=per_sm,
+                           min_split_len=min_split_len, merge_block_rows=merge_block_rows)
+
+
+def _choose_num_splits(
+    base_programs: int,
+    max_seq_len: int,
+    config: MLADecodeConfig,
+    num_sms: int,
+    split_overhead_tokens: int,
+) -> int:
+    max_by_length = max(1, min(config.max_num_splits, -(-max_seq_len // config.min_split_len)))
+    slots = max(1, round(num_sms * config.programs_per_sm))
+    if config.split_policy == "fill":
+        return max(1, min(max_by_length, -(-slots // base_programs)))
+
+    def makespan(splits: int) -> int:
+        waves = -(-(base_programs * splits) // slots)
+        return waves * (-(-max_seq_len // splits) + (split_overhead_tokens if splits > 1 else 0))
+
+    return min(range(1, max_by_length + 1), key=lambda splits: (makespan(splits), splits))
+
+
+def plan_mla_decode(
+    batch_size: int,
+    max_seq_len: int,
+    num_heads: int,
+    q_len: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    config: MLADecodeConfig | None = None,
+    num_splits: int | None = None,
+    block_size: int | None = None,
+) -> MLADecodePlan:
+    """Choose the split count and workspace sizes for one decode step; host-side ints only.
+
+    Args:
+        batch_size: B, requests in the step.
+        max_seq_len: an upper bound on the KV lengths (e.g. block_table.shape[1] * block_size);
+            a loose bound costs only empty splits, never correctness.
+        num_heads: H.
+        q_len: new tokens per request.
+        kv_lora_rank: L.
+        qk_rope_head_dim: R.
+        dtype: q and cache dtype.
+        num_sms: streaming multiprocessors on the device.
+        config: launch configuration; `default_config` of the shape when None.
+        num_splits: force this split count (any value >= 1 is valid for any lengths), e.g. to keep
+            one count for a captured CUDA graph.
+        block_size: tokens per KV page (refines the default configuration).
+
+    Returns:
+        The plan to pass (its `num_splits` and `config`) to `mla_decode_triton`.
+    """
+    if config is None:
+        config = default_config(num_heads, q_len, kv_lora_rank, qk_rope_head_dim, dtype,
+                                batch_size, max_seq_len, block_size)
+    min_split_len = -(-max(config.min_split_len, 1) // config.block_n) * config.block_n
+    config = replace(config, min_split_len=min_split_len)
+    rows = q_len * num_heads
+    num_head_groups = -(-rows // config.block_m)
+    if num_splits is None:
+        head_dim = kv_lora_rank + qk_rope_head_dim
+        itemsize = dtype.itemsize
+        # A split costs a launch slot plus writing and re-reading a float32 [block_m, L] partial
+        # output: count that in KV tokens of the same number of bytes.
+        overhead = 32 + (2 * 4 * config.block_m * kv_lora_rank) // (head_dim * itemsize)
+        num_splits = _choose_num_splits(max(1, batch_size * num_head_groups), max(1, max_seq_len),
+                                        config, num_sms, overhead)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    o_numel = batch_size * num_splits * rows * kv_lora_rank if num_splits > 1 else 0
+    lse_numel = batch_size * num_splits * rows if num_splits > 1 else 0
+    return MLADecodePlan(num_splits=num_splits, num_head_groups=num_head_groups, config=config,
+                         workspace_o_numel=o_numel, workspace_lse_numel=lse_numel)
+
+
+def alloc_workspace(plan: MLADecodePlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial-output and partial-LSE buffers a plan needs (float32, flat; may be empty).
+
+    Returns:
+        partial_o [workspace_o_numel] float32 and partial_lse [workspace_lse_numel] float32; a
+        larger buffer is fine (the front is used), so one allocation can serve many plans.
+    """
+    return (torch.empty(plan.workspace_o_numel, dtype=torch.float32, device=device),
+            torch.empty(plan.workspace_lse_numel, dtype=torch.float32, device=device))
