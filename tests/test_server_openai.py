@@ -200,4 +200,9 @@ def test_api_key_is_enforced():
         good = {"Authorization": "Bearer sekret"}
         assert requests.post(keyed.url + "/v1/completions", json=body,
                              headers=good).status_code == 200
+        streamed = requests.post(keyed.url + "/v1/completions", headers=good,
+                                 json={**body, "max_tokens": 4, "stream": True})
+        events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert streamed.status_code == 200 and events[-1] == "data: [DONE]"
+        assert len(events) == 4 + 1  # one event per token, then [DONE]
         assert requests.get(keyed.url + "/health").status_code == 200

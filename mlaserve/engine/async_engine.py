@@ -48,6 +48,11 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream_queue, output in items:
+        stream_queue.put_nowait(output)
+
+
 class AsyncEngine:
     """add_request(...) -> async iterator of RequestOutput; abort(request_id)."""
 
@@ -132,10 +137,18 @@ class AsyncEngine:
             stream.put(output)
         self.engine.release(request_id)
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is not None:
-            stream.put(output)
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one wake-up per event loop, not one per output."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, output))
+            self._settle(output)
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _settle(self, output: RequestOutput) -> None:
         if output.finished:
             self._streams.pop(output.request_id, None)
             self.engine.release(output.request_id)
@@ -166,8 +179,7 @@ class AsyncEngine:
                         stream.put(EngineError(str(exc.cause)))
                     engine.release(request_id)
                 continue
-            for output in outputs:
-                self._deliver(output)
+            self._deliver_all(outputs)
             self._update_stats(outputs, time.perf_counter() - started)
 
     def _update_stats(self, outputs: list[RequestOutput], seconds: float) -> None:

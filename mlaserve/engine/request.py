@@ -153,6 +153,12 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, position: int) -> int:
+        """Token id at a position of prompt + output, without building the joined list."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else (
+            self.output_token_ids[position - n])
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

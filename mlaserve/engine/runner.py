@@ -67,7 +67,7 @@ class ModelRunner:
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, count)
         for request in batch.decodes:
             p = request.num_computed_tokens
-            tokens.append(request.all_token_ids[p])
+            tokens.append(request.token_at(p))
             positions.append(p)
             decode_slots.append(self._slot(request, p))
             sample_rows.append(len(tokens) - 1)

@@ -82,8 +82,9 @@ def fused_experts(
     flat_ids = topk_ids.flatten()  # [T * K]
     order = flat_ids.argsort(stable=True)
     token_of = order // top_k  # source token of each sorted (token, k) pair
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0])
-    offsets = counts.cumsum(0).to(torch.int32)  # [E] end of each expert's rows
+    experts = torch.arange(gate_up_proj.shape[0], device=x.device, dtype=flat_ids.dtype)
+    # [E] end of each expert's rows; searchsorted, unlike bincount on CUDA, never syncs
+    offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
     h = torch._grouped_mm(x[token_of], gate_up_proj.transpose(1, 2), offs=offsets)  # [T*K, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)

@@ -55,6 +55,29 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg')}", param
 
 
+class APIKeyMiddleware:
+    """Answer 401 to /v1 requests without `Authorization: Bearer <key>`.
+
+    A plain ASGI middleware: it looks at the headers once and then hands the connection on, so
+    streamed responses pass through untouched (Starlette's BaseHTTPMiddleware would re-wrap every
+    chunk of every stream).
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization", b"") != self.expected:
+                response = JSONResponse(error_body("invalid or missing API key",
+                                                   "AuthenticationError", 401), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
                api_key: str | None = None) -> FastAPI:
     """Build the app; the model loads in the background after startup (/health says 503)."""
@@ -94,13 +117,8 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
     async def on_api_error(request: Request, exc: APIError):
         return exc.response()
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return JSONResponse(error_body("invalid or missing API key", "AuthenticationError",
-                                               401), status_code=401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     def serving() -> Serving:
         if state.serving is None:
