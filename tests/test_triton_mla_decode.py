@@ -32,7 +32,12 @@ from mlaserve.attention.triton_backend import (  # noqa: E402
     patch_triton_interpreter,
 )
 from mlaserve.kernels.mla_decode import mla_decode_triton  # noqa: E402
-from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, plan_mla_decode  # noqa: E402
+from mlaserve.kernels.mla_decode_plan import (  # noqa: E402
+    MLADecodeConfig,
+    default_config,
+    merge_tile,
+    plan_mla_decode,
+)
 from mlaserve.kernels.reference import (  # noqa: E402
     mla_decode_reference,
     poisoned_paged_batch,
@@ -170,6 +175,18 @@ def test_wide_head_group_and_tile() -> None:
     run_and_check([1, 31, 64, 97], 32, 64, 16, 32, 2, torch.float16, config, 2)
 
 
+def test_merge_tile_spreads_small_batches_and_bounds_registers() -> None:
+    config = default_config(16, 1, 512, 64, torch.bfloat16)
+    # batch 1, 64 splits: one load per 64 splits, L cut into 8 column blocks of 64 -> 64 programs
+    assert merge_tile(config, 1, 16, 64, 512) == (2, 64, 64)
+    # batch 64, 4 splits: the whole L per program, as many rows as the config allows
+    assert merge_tile(config, 64, 16, 4, 512) == (config.merge_block_rows, 512, 4)
+    for batch, rows, splits in [(1, 128, 32), (3, 16, 7), (512, 16, 2), (1, 8, 128)]:
+        block_rows, block_l, chunk = merge_tile(config, batch, rows, splits, 512)
+        assert block_rows * block_l * chunk <= 8192 and 512 % block_l == 0
+        assert chunk >= min(splits, 64)
+
+
 def test_plan_is_host_side_and_sized() -> None:
     def plan(batch: int, max_len: int, heads: int, q_len: int = 1, **kwargs):
         return plan_mla_decode(batch, max_len, heads, q_len, 512, 64, torch.bfloat16, 132,
@@ -184,6 +201,9 @@ def test_plan_is_host_side_and_sized() -> None:
     assert -(-8192 // long.num_splits) >= long.config.min_split_len
     assert long.workspace_o_numel == long.num_splits * 16 * 512
     assert long.workspace_lse_numel == long.num_splits * 16
+    # batch 1: the best split counts of scripts/gpu_split_sweep.py on the H200
+    assert [plan(1, n, 16).num_splits for n in (1024, 4096, 8192)] == [16, 32, 64]
+    assert [plan(1, n, 128).num_splits for n in (1024, 8192)] == [16, 32]
     wide = plan(64, 8192, 128)
     assert wide.num_head_groups == 2 and wide.config.block_m == 64
     narrow = plan(1, 8192, 128)  # a lone request: 32-row groups give more programs

@@ -19,8 +19,9 @@ Kernel design:
   from that request's length N_b, max(min_split_len, round_up(ceil(N_b / num_splits), block_n)),
   so any split count is valid for any lengths (splits past the end do no work and write
   lse = -inf). This is what lets a CUDA graph keep one fixed split count.
-- Stage 2 (`_mla_decode_merge_kernel`): per output row, merge the splits' partial (o, lse) by
-  log-sum-exp; empty splits are skipped without reading their partial output. With one split,
+- Stage 2 (`_mla_decode_merge_kernel`): per block of output rows, merge the splits' partial
+  (o, lse) by log-sum-exp, a chunk of splits per wide load; empty splits are skipped without
+  reading their partial output. With one split,
   stage 1 writes the final output directly and stage 2 is not launched.
 - Pages: with block_size >= block_n a tile lies inside one page (one page id per tile); smaller
   pages are gathered row by row through the block table. Loads past the request's length are
@@ -35,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, default_config, next_pow2
+from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, default_config, merge_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -147,38 +148,50 @@ def _mla_decode_merge_kernel(
     num_splits,
     KV_LORA_RANK: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):
+    """Log-sum-exp merge of BLOCK_R output rows x BLOCK_L columns, SPLIT_CHUNK splits per load.
+
+    One pass with a running maximum: each iteration loads the LSEs [SPLIT_CHUNK, BLOCK_R] and
+    partial outputs [SPLIT_CHUNK, BLOCK_R, BLOCK_L] of a chunk of splits at once, so at batch 1
+    with many splits the merge waits on a few wide loads instead of one dependent load per split;
+    the column blocks (grid axis 2) spread a small batch's merge over more SMs.
+    """
     row_block = tl.program_id(0)
     req = tl.program_id(1).to(tl.int64)
+    col_block = tl.program_id(2)
     rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < num_rows
-    offs_l = tl.arange(0, KV_LORA_RANK)
-    lse_base = partial_lse_ptr + req * num_splits * num_rows + rows
+    offs_l = col_block * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_s = tl.arange(0, SPLIT_CHUNK)
+    split_base = req * num_splits
 
-    lse_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    for split in range(num_splits):
-        lse_split = tl.load(lse_base + split * num_rows, mask=row_mask, other=float("-inf"))
-        lse_max = tl.maximum(lse_max, lse_split)
-    lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     weight_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, KV_LORA_RANK], dtype=tl.float32)
-    for split in range(num_splits):
-        lse_split = tl.load(lse_base + split * num_rows, mask=row_mask, other=float("-inf"))
-        weight = tl.exp(lse_split - lse_max_safe)  # 0 for empty splits
-        o_offs = ((req * num_splits + split) * num_rows + rows)[:, None] * KV_LORA_RANK
-        part = tl.load(partial_o_ptr + o_offs + offs_l[None, :],
-                       mask=(row_mask & (weight > 0.0))[:, None], other=0.0)  # [BLOCK_R, L]
-        acc += weight[:, None] * part
-        weight_sum += weight
+    acc = tl.zeros([BLOCK_R, BLOCK_L], dtype=tl.float32)
+    for first in range(0, num_splits, SPLIT_CHUNK):
+        splits = first + offs_s  # [SPLIT_CHUNK]
+        valid = (splits < num_splits)[:, None] & row_mask[None, :]  # [SPLIT_CHUNK, BLOCK_R]
+        flat = (split_base + splits)[:, None] * num_rows + rows[None, :]
+        lse_chunk = tl.load(partial_lse_ptr + flat, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse_chunk, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet
+        weight = tl.exp(lse_chunk - m_safe[None, :])  # [SPLIT_CHUNK, BLOCK_R]; 0 when empty
+        part = tl.load(partial_o_ptr + flat[:, :, None] * KV_LORA_RANK + offs_l[None, None, :],
+                       mask=(weight > 0.0)[:, :, None], other=0.0)  # [CHUNK, BLOCK_R, BLOCK_L]
+        rescale = tl.exp(m - m_safe)  # [BLOCK_R]
+        acc = acc * rescale[:, None] + tl.sum(weight[:, :, None] * part, 0)
+        weight_sum = weight_sum * rescale + tl.sum(weight, 0)
+        m = m_new
 
     no_key = weight_sum == 0.0  # every split was empty
     weight_sum = tl.where(no_key, 1.0, weight_sum)
     out = acc / weight_sum[:, None]
-    lse = tl.where(no_key, float("-inf"), lse_max_safe + tl.log(weight_sum))
+    lse = tl.where(no_key, float("-inf"), m + tl.log(weight_sum))
     out_offs = (req * num_rows + rows)[:, None] * KV_LORA_RANK + offs_l[None, :]
     tl.store(o_ptr + out_offs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
-    tl.store(lse_ptr + req * num_rows + rows, lse, mask=row_mask)
+    tl.store(lse_ptr + req * num_rows + rows, lse, mask=row_mask & (col_block == 0))
 
 
 def _check_pow2(name: str, value: int, minimum: int) -> None:
@@ -277,10 +290,14 @@ def mla_decode_triton(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not direct:
-        block_rows = min(config.merge_block_rows, next_pow2(rows))
-        _mla_decode_merge_kernel[(triton.cdiv(rows, block_rows), batch)](
+        block_rows, block_l, split_chunk = merge_tile(config, batch, rows, num_splits,
+                                                      kv_lora_rank)
+        grid = (triton.cdiv(rows, block_rows), batch, kv_lora_rank // block_l)
+        _mla_decode_merge_kernel[grid](
             partial_o, partial_lse, o, lse, rows, num_splits,
-            KV_LORA_RANK=kv_lora_rank, BLOCK_R=block_rows, num_warps=config.merge_num_warps,
+            KV_LORA_RANK=kv_lora_rank, BLOCK_R=block_rows, BLOCK_L=block_l,
+            SPLIT_CHUNK=split_chunk,
+            num_warps=config.merge_num_warps,
         )
     return o, lse
 

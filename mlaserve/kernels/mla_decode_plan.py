@@ -99,8 +99,10 @@ def default_config(
       925 µs for gathered 64-token tiles at 16 heads x 512 x 4096).
     - Splits: minimise the estimated makespan with two programs per SM counted as one wave for
       up to 32 rows; for 16 rows over large batches of long requests, fill four programs per SM
-      (measured 10% faster at 512 x 4096). Longer requests take longer minimum splits (fewer
-      partial outputs to merge).
+      (measured 10% faster at 512 x 4096). Minimum split: one 64-token tile for requests up
+      to 2048 tokens, two (16-row groups) or four (32 and 64 rows) above; at batch 1 that gives
+      16 splits at 1k and 64 at 8k, the best counts of `scripts/gpu_split_sweep.py` (9.4 and
+      17.8 µs at 16 heads).
     - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
     """
     head_dim = kv_lora_rank + qk_rope_head_dim
@@ -133,9 +135,9 @@ def default_config(
             and batch_size >= 264):
         policy, per_sm = "fill", 4.0
     if block_m == 16:
-        min_split_len = 256 if long_requests else 128
+        min_split_len = 128 if long_requests else 64
     else:
-        min_split_len = 256 if block_m == 64 or long_requests else 128
+        min_split_len = 256 if block_m == 64 or long_requests else 64
     merge_block_rows = max(1, min(next_pow2(rows), 2048 // kv_lora_rank))
     return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                            num_stages=num_stages, split_policy=policy, programs_per_sm=per_sm,
@@ -215,6 +217,26 @@ def plan_mla_decode(
     lse_numel = batch_size * num_splits * rows if num_splits > 1 else 0
     return MLADecodePlan(num_splits=num_splits, num_head_groups=num_head_groups, config=config,
                          workspace_o_numel=o_numel, workspace_lse_numel=lse_numel)
+
+
+def merge_tile(config: MLADecodeConfig, batch_size: int, num_rows: int, num_splits: int,
+               kv_lora_rank: int) -> tuple[int, int, int]:
+    """(rows per merge program, columns per program, splits per load) for the merge kernel.
+
+    Splits per load: all of them up to 64 (rounded up to a power of two). Columns: L, halved
+    (down to 32, at most 8 pieces) while the batch has fewer than 256 output rows, so a small
+    batch's merge still spreads over many SMs. Rows: the config's `merge_block_rows`, fewer when
+    a chunk of [splits, rows, columns] float32 would pass 8192 elements (32 KB of registers).
+    """
+    split_chunk = min(next_pow2(num_splits), 64)
+    pieces = 1
+    while (pieces < 8 and kv_lora_rank // (2 * pieces) >= 32
+           and batch_size * num_rows * pieces < 256):
+        pieces *= 2
+    block_l = kv_lora_rank // pieces
+    block_rows = min(config.merge_block_rows, next_pow2(num_rows),
+                     max(1, 8192 // (split_chunk * block_l)))
+    return block_rows, block_l, split_chunk
 
 
 def alloc_workspace(plan: MLADecodePlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
