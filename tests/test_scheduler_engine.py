@@ -96,3 +96,15 @@ def test_requests_that_cannot_fit_are_value_errors():
         engine.generate([[5] * 10], SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="more than max_model_len=64"):
         engine.generate([[5] * 70])
+
+
+def test_warm_up_runs_a_request_and_leaves_nothing_behind():
+    llm = LLM(device="cpu", attention_backend="torch", num_kv_blocks=32, block_size=4)
+    engine = llm.engine
+    before = engine.step
+    steps = []
+    engine.step = lambda: steps.append(1) or before()
+    engine.warm_up()
+    assert len(steps) >= 2  # a prefill and a decode step ran
+    assert not engine.requests and not engine.has_unfinished
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks

@@ -17,9 +17,9 @@ def test_health_is_503_while_the_model_loads(monkeypatch):
     release = threading.Event()
     original = AsyncEngine.from_args
 
-    def slow_load(args):
+    def slow_load(args, warm_up=False):
         release.wait(60)
-        return original(args)
+        return original(args, warm_up)
 
     monkeypatch.setattr(AsyncEngine, "from_args", staticmethod(slow_load))
     server = RunningServer()

@@ -67,8 +67,12 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> "AsyncEngine":
-        return cls(LLMEngine(args))
+    def from_args(cls, args: EngineArgs, warm_up: bool = False) -> "AsyncEngine":
+        """Build the engine; `warm_up` runs one short request first (see LLMEngine.warm_up)."""
+        engine = LLMEngine(args)
+        if warm_up:
+            engine.warm_up()
+        return cls(engine)
 
     @property
     def tokenizer(self):

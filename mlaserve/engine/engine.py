@@ -291,6 +291,20 @@ class LLMEngine:
             prompt_logprobs=request.prompt_logprobs, stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens)
 
+    def warm_up(self) -> None:
+        """Run one short request through prefill and decode, then forget it.
+
+        Compiles what compiles on first use (Triton kernels, FlashInfer modules) before the
+        server reports ready, so the first real request's latency is not the compiler's.
+        """
+        vocab = self.config.vocab_size
+        prompt = [1 + i % (vocab - 1) for i in range(8)]
+        request = self.add_request(prompt, SamplingParams(max_tokens=2, temperature=0,
+                                                          ignore_eos=True))
+        while not request.is_finished:
+            self.step()
+        self.release(request.request_id)
+
     def release(self, request_id: str) -> None:
         """Forget a finished request (its id may be reused)."""
         request = self.requests.get(request_id)

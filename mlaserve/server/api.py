@@ -87,7 +87,7 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
 
     def load() -> None:
         try:
-            engine = AsyncEngine.from_args(engine_args)
+            engine = AsyncEngine.from_args(engine_args, warm_up=True)
         except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
             logger.error("model failed to load: %s", exc)
             state.load_error = exc
