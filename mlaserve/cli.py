@@ -34,6 +34,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help='JSON merged into config.json, e.g. \'{"num_hidden_layers": 4}\'')
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run decode steps eagerly (no CUDA graphs)")
+    parser.add_argument("--max-seq-len-to-capture", type=int, default=8192,
+                        help="longest sequence a decode CUDA graph covers; longer run eagerly")
 
 
 def _bytes(text: str) -> int:
@@ -60,7 +64,8 @@ def engine_args_from(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, hf_overrides=args.hf_overrides,
-        tokenizer=args.tokenizer)
+        tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
+        max_seq_len_to_capture=args.max_seq_len_to_capture)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@
 set -uo pipefail
 out=${1:?out dir}; prompts=${2:-512}; in_len=${3:-1024}; out_len=${4:-1024}; conc=${5:-256}
 backends=${6:-"triton flashinfer"}
+bench_timeout=${BENCH_TIMEOUT:-1800}  # seconds per backend's client run
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target .gpu-site .whl/*.whl || exit 1
@@ -21,8 +22,9 @@ for backend in $backends; do
     kill -0 $server 2> /dev/null || break
     sleep 1
   done
-  echo "== $backend: server up after ${SECONDS}s"; tail -3 "$log"
-  python3 -m mlaserve bench serve --backend openai --base-url http://127.0.0.1:8000 \
+  echo "== $backend: server up after ${SECONDS}s"
+  grep -E "attention backend|CUDA graph|KV cache" "$log" | cut -c1-200
+  timeout "$bench_timeout" python3 -m mlaserve bench serve --backend openai --base-url http://127.0.0.1:8000 \
     --model "$model" --tokenizer "$model" --dataset-name random \
     --random-input-len "$in_len" --random-output-len "$out_len" --num-prompts "$prompts" \
     --max-concurrency "$conc" --ignore-eos --save-result --result-dir "$out" \

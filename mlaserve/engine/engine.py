@@ -45,6 +45,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     hf_overrides: dict | None = None
     tokenizer: str | None = None
+    enforce_eager: bool = False  # no decode CUDA graphs
+    max_seq_len_to_capture: int = 8192
 
 
 def resolve_device(name: str) -> torch.device:
@@ -115,6 +117,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         if args.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {args.block_size}")
+        if args.max_seq_len_to_capture < 1:
+            raise ValueError(f"max_seq_len_to_capture must be >= 1, got "
+                             f"{args.max_seq_len_to_capture}")
         if args.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {args.max_num_seqs}")
         max_model_len = args.max_model_len or self.config.max_position_embeddings
@@ -135,7 +140,11 @@ class LLMEngine:
             max_model_len=max_model_len)
         self.runner = ModelRunner(model, self.config, num_blocks=num_blocks,
                                   block_size=args.block_size, device=self.device,
-                                  dtype=self.dtype, attention_backend=args.attention_backend)
+                                  dtype=self.dtype, attention_backend=args.attention_backend,
+                                  cuda_graph_batch_size=0 if args.enforce_eager
+                                  else args.max_num_seqs,
+                                  max_seq_len_to_capture=min(args.max_seq_len_to_capture,
+                                                             max_model_len))
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.pool)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; concurrency %.1fx at "

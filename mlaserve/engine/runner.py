@@ -9,6 +9,7 @@ from mlaserve.attention import create_backend
 from mlaserve.attention.base import MLAShape
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.config import ModelConfig
+from mlaserve.engine.cuda_graphs import DecodeGraphs
 from mlaserve.engine.request import Request
 from mlaserve.engine.sampler import SamplingBatch, sample, top_logprobs
 from mlaserve.engine.scheduler import ScheduledBatch
@@ -31,12 +32,21 @@ class ModelRunner:
 
     def __init__(self, model: DeepseekForCausalLM, config: ModelConfig, *, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
-                 attention_backend: str | None) -> None:
+                 attention_backend: str | None, cuda_graph_batch_size: int = 0,
+                 max_seq_len_to_capture: int = 8192) -> None:
+        """
+        Args:
+            num_blocks: KV blocks the block pool hands out; the caches hold one more, a scratch
+                block that padded CUDA-graph rows write into.
+            cuda_graph_batch_size: capture decode CUDA graphs up to this many requests (0: run
+                every step eagerly). Only on CUDA, with a backend that supports graphs.
+            max_seq_len_to_capture: longest sequence a graph step covers; longer run eagerly.
+        """
         self.model = model
         self.config = config
         self.device = device
         self.block_size = block_size
-        shape = (num_blocks, block_size, config.kv_cache_dim)
+        shape = (num_blocks + 1, block_size, config.kv_cache_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(config.num_hidden_layers)]
         self.backend = create_backend(attention_backend, MLAShape(
@@ -44,6 +54,18 @@ class ModelRunner:
             qk_rope_head_dim=config.qk_rope_head_dim, block_size=block_size, dtype=dtype,
             device=device), config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
+        self.graphs: DecodeGraphs | None = None
+        if (cuda_graph_batch_size > 0 and device.type == "cuda"
+                and self.backend.capabilities.supports_cuda_graphs):
+            try:
+                self.graphs = DecodeGraphs(
+                    model, self.kv_caches, self.backend, cuda_graph_batch_size,
+                    max_blocks_per_seq=-(-max_seq_len_to_capture // block_size),
+                    scratch_slot=num_blocks * block_size)
+            except Exception:  # noqa: BLE001 - graphs are an optimisation; eager still works
+                logger.exception("decode CUDA-graph capture failed; every step runs eagerly "
+                                 "(pass --enforce-eager to skip the capture)")
+                torch.cuda.synchronize()
 
     def _slot(self, request: Request, position: int) -> int:
         """Cache slot of one token: block_id * block_size + offset."""
@@ -98,17 +120,23 @@ class ModelRunner:
             slot_mapping=torch.cat([torch.tensor(decode_slots, dtype=torch.int64),
                                     *prefill_slots]).to(device),
             num_decode_tokens=len(batch.decodes), prefills=chunks)
+        input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        hidden = None
         if batch.decodes:
             width = max(len(r.block_ids) for r in batch.decodes)
             table = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids))
                                   for r in batch.decodes], dtype=torch.int32, device=device)
             seq_lens = torch.tensor([r.num_computed_tokens + 1 for r in batch.decodes],
                                     dtype=torch.int32, device=device)
-            self.backend.plan(table, seq_lens)
-            meta.decode_backend = self.backend
-        hidden = self.model(torch.tensor(tokens, dtype=torch.int64, device=device),
-                            torch.tensor(positions, dtype=torch.int64, device=device),
-                            self.kv_caches, meta)
+            graphs = self.graphs
+            if graphs is not None and not chunks and graphs.covers(len(batch.decodes), width):
+                hidden = graphs.run(input_ids, positions_t, meta.slot_mapping, table, seq_lens)
+            else:
+                self.backend.plan(table, seq_lens)
+                meta.decode_backend = self.backend
+        if hidden is None:
+            hidden = self.model(input_ids, positions_t, self.kv_caches, meta)
         result = StepResult({}, {}, {})
         if samplers:
             logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] float32

@@ -1,0 +1,116 @@
+"""CUDA graphs of the decode-only forward pass, one per padded batch size.
+
+A decode step of n requests launches a few thousand small kernels; replaying a captured graph
+launches them in one call, and the host (and its GIL) is free during the whole forward. Graphs
+are captured at start-up for the batch sizes 1, 2, 4, 8, 16, 24, ... up to `max_num_seqs`
+(vLLM's ladder); a step of n requests replays the smallest graph of >= n rows.
+
+Static state the graphs read, refilled before each replay:
+- input ids, positions and cache slots [max_batch] (rows past n: stale ids and positions, the
+  slot of a scratch cache row that no request owns, so padded rows write nowhere that matters);
+- the attention backend's static block table and lengths (`plan_for_replay`; rows past n get
+  length 0 and attend nothing).
+Steps with prefill chunks, more than the largest graph's requests, or a block table wider than
+`max_seq_len_to_capture` allows run eagerly.
+"""
+
+import logging
+import time
+
+import torch
+
+from mlaserve.attention.base import MLABackend
+from mlaserve.attention.metadata import AttentionMetadata
+from mlaserve.model.deepseek import DeepseekForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to and including max_batch_size."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch_size]
+    sizes += list(range(8, max_batch_size, 8))
+    return sorted(set(sizes + [max_batch_size]))
+
+
+class DecodeGraphs:
+    """Captured decode forwards for a fixed model, caches and backend."""
+
+    def __init__(self, model: DeepseekForCausalLM, kv_caches: list[torch.Tensor],
+                 backend: MLABackend, max_batch_size: int, max_blocks_per_seq: int,
+                 scratch_slot: int) -> None:
+        """
+        Args:
+            kv_caches: the per-layer caches [num_blocks, block_size, L + R].
+            max_blocks_per_seq: block-table width the graphs cover.
+            scratch_slot: a cache slot no request owns (padded rows write their latents there).
+        """
+        device = kv_caches[0].device
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.scratch_slot = scratch_slot
+        self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self.slots = torch.full((max_batch_size,), scratch_slot, dtype=torch.int64,
+                                device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+        backend.init_graph_buffers(max_batch_size, max_blocks_per_seq)
+        self._capture_all(capture_sizes(max_batch_size))
+
+    def _forward(self, batch_size: int) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=self.slots[:batch_size],
+                                 num_decode_tokens=batch_size, decode_backend=self.backend)
+        return self.model(self.input_ids[:batch_size], self.positions[:batch_size],
+                          self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def _capture_all(self, sizes: list[int]) -> None:
+        started = time.perf_counter()
+        pool = None
+        for batch_size in sorted(sizes, reverse=True):  # largest first: later ones reuse its pool
+            self.backend.plan_for_capture(batch_size)
+            # Compile and initialise outside the capture, on a side stream as torch recommends.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(batch_size)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[batch_size] = self._forward(batch_size)
+            pool = graph.pool()
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch 1..%d, up to %d blocks per sequence) "
+                    "in %.1f s", len(sizes), max(sizes), self.max_blocks_per_seq,
+                    time.perf_counter() - started)
+
+    def covers(self, batch_size: int, table_width: int) -> bool:
+        return batch_size <= max(self.graphs) and table_width <= self.max_blocks_per_seq
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Replay the decode forward for n requests.
+
+        Args:
+            input_ids, positions, slots: [n] int64 on the device.
+            block_table: [n, width] int32, width <= max_blocks_per_seq; seq_lens: [n] int32.
+
+        Returns:
+            The final hidden states [n, D] (a view of the graph's static output, valid until
+            the next replay).
+        """
+        n = input_ids.shape[0]
+        batch_size = min(size for size in self.graphs if size >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(slots)
+        self.slots[n:batch_size].fill_(self.scratch_slot)
+        self.backend.plan_for_replay(block_table, seq_lens)
+        self.graphs[batch_size].replay()
+        self.num_replays += 1
+        return self.outputs[batch_size][:n]
