@@ -56,6 +56,7 @@ class DecodeGraphs:
         self.slots = torch.full((max_batch_size,), scratch_slot, dtype=torch.int64,
                                 device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None  # the memory pool all graphs share
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
         backend.init_graph_buffers(max_batch_size, max_blocks_per_seq)
@@ -70,24 +71,28 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self, sizes: list[int]) -> None:
         started = time.perf_counter()
-        pool = None
         for batch_size in sorted(sizes, reverse=True):  # largest first: later ones reuse its pool
             self.backend.plan_for_capture(batch_size)
-            # Compile and initialise outside the capture, on a side stream as torch recommends.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(batch_size)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch_size] = self._forward(batch_size)
-            pool = graph.pool()
-            self.graphs[batch_size] = graph
-        torch.cuda.synchronize()
+            self.graphs[batch_size], self.outputs[batch_size] = self._record(batch_size)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch 1..%d, up to %d blocks per sequence) "
                     "in %.1f s", len(sizes), max(sizes), self.max_blocks_per_seq,
                     time.perf_counter() - started)
+
+    def _record(self, batch_size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the forward of `batch_size` rows: (graph, its static output [rows, D])."""
+        # Compile and initialise outside the capture, on a side stream as torch recommends.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(batch_size)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._forward(batch_size)
+        self._pool = graph.pool()
+        return graph, output
 
     def covers(self, batch_size: int, table_width: int) -> bool:
         return batch_size <= max(self.graphs) and table_width <= self.max_blocks_per_seq
@@ -110,6 +115,10 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
         self.slots[n:batch_size].fill_(self.scratch_slot)
+        if batch_size > n:  # padded rows: no pages, length 0
+            block_table = torch.cat((block_table, block_table.new_zeros(
+                batch_size - n, block_table.shape[1])))  # [batch_size, width]
+            seq_lens = torch.cat((seq_lens, seq_lens.new_zeros(batch_size - n)))  # [batch_size]
         self.backend.plan_for_replay(block_table, seq_lens)
         self.graphs[batch_size].replay()
         self.num_replays += 1
