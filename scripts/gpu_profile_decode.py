@@ -1,9 +1,10 @@
 """Where a decode step's time goes: host phases, the model forward, and a torch.profiler table.
 
 Usage (GPU): python3 scripts/gpu_profile_decode.py MODEL_DIR [--backend triton] [--batch 256]
-    [--prompt-len 1024] [--steps 32] [--out DIR]
+    [--prompt-len 1024] [--steps 32] [--out DIR] [--enforce-eager]
 Builds the engine with dummy weights, prefills `batch` random prompts, then times decode steps
-with the device synchronised at each phase boundary.
+with the device synchronised at each phase boundary ("forward" is the graph replay when decode
+CUDA graphs were captured), and writes a torch.profiler table of four more steps.
 """
 
 import argparse
@@ -25,10 +26,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=args.model, load_format="dummy", block_size=32,
-                                  max_num_seqs=args.batch, attention_backend=args.backend))
+                                  max_num_seqs=args.batch, attention_backend=args.backend,
+                                  enforce_eager=args.enforce_eager))
     print(f"engine built in {time.perf_counter() - started:.1f} s")
     rng = random.Random(0)
     vocab = len(engine.tokenizer)
@@ -48,7 +51,10 @@ def main() -> None:
     torch.cuda.synchronize()
 
     runner = engine.runner
-    execute, model_forward = runner.execute, runner.model.forward
+    # the decode forward: a graph replay when graphs were captured, else the eager model
+    owner = runner.graphs if runner.graphs is not None else runner.model
+    attribute = "run" if runner.graphs is not None else "forward"
+    execute, model_forward = runner.execute, getattr(owner, attribute)
     phases: dict[str, float] = {"forward": 0.0, "execute": 0.0}
 
     def timed_forward(*a, **k):
@@ -65,7 +71,7 @@ def main() -> None:
         phases["execute"] += time.perf_counter() - t
         return out
 
-    runner.model.forward = timed_forward
+    setattr(owner, attribute, timed_forward)
     runner.execute = timed_execute
     started = time.perf_counter()
     for _ in range(args.steps):
@@ -75,7 +81,8 @@ def main() -> None:
     print(f"decode step (batch {args.batch}, synced phases): {total / n * 1e3:.1f} ms; "
           f"execute {phases['execute'] / n * 1e3:.1f} ms, forward {phases['forward'] / n * 1e3:.1f}"
           f" ms, engine bookkeeping {(total - phases['execute']) / n * 1e3:.1f} ms")
-    runner.model.forward, runner.execute = model_forward, execute
+    setattr(owner, attribute, model_forward)
+    runner.execute = execute
 
     torch.cuda.synchronize()
     started = time.perf_counter()
