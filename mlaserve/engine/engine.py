@@ -23,6 +23,8 @@ from mlaserve.model.loader import build_model
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+# Decode steps of more requests than this run eagerly (capture time and memory grow with it).
+MAX_CUDA_GRAPH_BATCH_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ class LLMEngine:
                                   block_size=args.block_size, device=self.device,
                                   dtype=self.dtype, attention_backend=args.attention_backend,
                                   cuda_graph_batch_size=0 if args.enforce_eager
-                                  else args.max_num_seqs,
+                                  else min(args.max_num_seqs, MAX_CUDA_GRAPH_BATCH_SIZE),
                                   max_seq_len_to_capture=min(args.max_seq_len_to_capture,
                                                              max_model_len))
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
