@@ -121,7 +121,7 @@ class ModelRunner:
                                     *prefill_slots]).to(device),
             num_decode_tokens=len(batch.decodes), prefills=chunks)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=device)
         hidden = None
         if batch.decodes:
             width = max(len(r.block_ids) for r in batch.decodes)
@@ -131,12 +131,12 @@ class ModelRunner:
                                     dtype=torch.int32, device=device)
             graphs = self.graphs
             if graphs is not None and not chunks and graphs.covers(len(batch.decodes), width):
-                hidden = graphs.run(input_ids, positions_t, meta.slot_mapping, table, seq_lens)
+                hidden = graphs.run(input_ids, position_ids, meta.slot_mapping, table, seq_lens)
             else:
                 self.backend.plan(table, seq_lens)
                 meta.decode_backend = self.backend
         if hidden is None:
-            hidden = self.model(input_ids, positions_t, self.kv_caches, meta)
+            hidden = self.model(input_ids, position_ids, self.kv_caches, meta)
         result = StepResult({}, {}, {})
         if samplers:
             logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] float32
