@@ -1,0 +1,82 @@
+"""Registers, stack, shared memory and instruction mix of the Triton decode kernel, for sm_90,
+without a GPU.
+
+Usage: python scripts/kernel_resources.py
+Compiles the stage-1 kernel (`_mla_decode_split_kernel`) with each anchor shape's default
+configuration through Triton's bundled ptxas, with the argument specialisation a real launch
+gets (16-byte aligned pointers and strides, q_len 1 folded in), and reads the cubin's resource
+usage with the bundled cuobjdump. STACK > 0 means local memory (spills).
+"""
+
+import os
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not the interpreter
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from mlaserve.kernels import mla_decode  # noqa: E402
+from mlaserve.kernels.mla_decode_plan import default_config  # noqa: E402
+
+KV_LORA_RANK, ROPE_DIM = 512, 64
+SIGNATURE = {
+    "q_ptr": "*bf16", "kv_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+    "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32", "q_len": "i32",
+    "num_heads": "i32", "num_splits": "i32", "min_split_len": "i32", "stride_q_token": "i32",
+    "stride_q_head": "i32", "stride_kv_block": "i32", "stride_kv_slot": "i32", "stride_bt": "i32",
+}
+ALIGNED = ["q_ptr", "kv_ptr", "block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "num_heads",
+           "min_split_len", "stride_q_token", "stride_q_head", "stride_kv_block",
+           "stride_kv_slot", "stride_bt"]
+# (heads, q_len, batch, kv_len, block_size)
+SHAPES = [(16, 1, 1, 8192, 64), (16, 1, 64, 4096, 64), (16, 1, 512, 4096, 32),
+          (16, 2, 64, 4096, 64), (16, 4, 64, 4096, 64), (128, 1, 1, 8192, 64),
+          (128, 1, 64, 4096, 64)]
+
+
+def resources(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if "REG:" in line)
+    fields = dict(item.split(":") for item in line.split() if ":" in item)
+    return f"regs {fields['REG']:>3}  stack {fields['STACK']:>4} B"
+
+
+def main() -> None:
+    kernel = mla_decode._mla_decode_split_kernel
+    names = kernel.arg_names
+    for heads, q_len, batch, kv_len, block_size in SHAPES:
+        config = default_config(heads, q_len, KV_LORA_RANK, ROPE_DIM, torch.bfloat16, batch,
+                                kv_len, block_size)
+        constexprs = dict(KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, BLOCK_SIZE=block_size,
+                          BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                          NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
+                          DIRECT_OUTPUT=False)
+        if q_len == 1:
+            constexprs["q_len"] = 1  # the launcher specialises integer arguments equal to 1
+        signature = {**SIGNATURE, **{name: "constexpr" for name in constexprs}}
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
+        compiled = triton.compile(
+            ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+        ptx = compiled.asm["ptx"]
+        print(f"H{heads:<3} q{q_len} B{batch:<3} kv{kv_len:<5} blk{block_size:<2}: "
+              f"block_m {config.block_m:>2} block_n {config.block_n} warps {config.num_warps} "
+              f"stages {config.num_stages} | {resources(compiled.asm['cubin'])}  shared "
+              f"{compiled.metadata.shared // 1024:>3} KB | wgmma "
+              f"{ptx.count('wgmma.mma_async'):>2}  mma.sync {ptx.count('mma.sync'):>3}  "
+              f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca'):>2}  "
+              f"TMA {ptx.count('cp.async.bulk.tensor')}")
+
+
+if __name__ == "__main__":
+    main()
