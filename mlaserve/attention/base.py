@@ -129,6 +129,9 @@ class MLABackend(ABC):
 
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         q_len: int = 1) -> None:
+        """Copy a batch of B <= the captured size into the static buffers; rows past B get
+        length 0, so the padded rows of a larger captured graph attend nothing."""
         batch, width = block_table.shape
         self.graph_block_table[:batch, :width].copy_(block_table)
         self.graph_seq_lens[:batch].copy_(seq_lens)
+        self.graph_seq_lens[batch:].zero_()

@@ -170,9 +170,8 @@ class FlashInferMLABackend(MLABackend):
         super().init_graph_buffers(max_batch_size, max_blocks_per_seq)
 
     def _copy_graph_inputs(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Copy a batch into the static buffers; rows past it get length 0."""
+        """Copy a batch into the static buffers (rows past it get length 0)."""
         super().plan_for_replay(block_table, seq_lens)
-        self.graph_seq_lens[block_table.shape[0]:].zero_()
 
 
 class FlashInferFA2MLABackend(FlashInferMLABackend):

@@ -190,5 +190,4 @@ class TritonMLABackend(MLABackend):
                         q_len: int = 1) -> None:
         super().plan_for_replay(block_table, seq_lens, q_len)
         batch = block_table.shape[0]
-        self.graph_seq_lens[batch:].zero_()  # rows past the batch attend nothing
         self._plan_static(batch, q_len)

@@ -14,6 +14,7 @@ Steps with prefill chunks, more than the largest graph's requests, or a block ta
 `max_seq_len_to_capture` allows run eagerly.
 """
 
+import bisect
 import logging
 import time
 
@@ -59,8 +60,9 @@ class DecodeGraphs:
         self._pool = None  # the memory pool all graphs share
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        self.sizes = capture_sizes(max_batch_size)  # ascending
         backend.init_graph_buffers(max_batch_size, max_blocks_per_seq)
-        self._capture_all(capture_sizes(max_batch_size))
+        self._capture_all(self.sizes)
 
     def _forward(self, batch_size: int) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=self.slots[:batch_size],
@@ -95,7 +97,7 @@ class DecodeGraphs:
         return graph, output
 
     def covers(self, batch_size: int, table_width: int) -> bool:
-        return batch_size <= max(self.graphs) and table_width <= self.max_blocks_per_seq
+        return batch_size <= self.sizes[-1] and table_width <= self.max_blocks_per_seq
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -110,16 +112,12 @@ class DecodeGraphs:
             the next replay).
         """
         n = input_ids.shape[0]
-        batch_size = min(size for size in self.graphs if size >= n)
+        batch_size = self.sizes[bisect.bisect_left(self.sizes, n)]  # smallest captured >= n
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
         self.slots[n:batch_size].fill_(self.scratch_slot)
-        if batch_size > n:  # padded rows: no pages, length 0
-            block_table = torch.cat((block_table, block_table.new_zeros(
-                batch_size - n, block_table.shape[1])))  # [batch_size, width]
-            seq_lens = torch.cat((seq_lens, seq_lens.new_zeros(batch_size - n)))  # [batch_size]
-        self.backend.plan_for_replay(block_table, seq_lens)
+        self.backend.plan_for_replay(block_table, seq_lens)  # rows n.. get length 0
         self.graphs[batch_size].replay()
         self.num_replays += 1
         return self.outputs[batch_size][:n]
