@@ -56,6 +56,14 @@ def select_experts(
     return topk_weights * routed_scaling_factor, topk_ids
 
 
+def _sort_by_expert(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] -> flat ids [T * K], the order sorting them by expert (stable) [T * K],
+    and the source token of each sorted (token, k) pair [T * K]."""
+    flat_ids = topk_ids.flatten()  # [T * K]
+    order = flat_ids.argsort(stable=True)
+    return flat_ids, order, order // topk_ids.shape[1]
+
+
 def fused_experts(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -78,10 +86,8 @@ def fused_experts(
     """
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return fused_experts_loop(x, gate_up_proj, down_proj, topk_weights, topk_ids)
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.flatten()  # [T * K]
-    order = flat_ids.argsort(stable=True)
-    token_of = order // top_k  # source token of each sorted (token, k) pair
+    num_tokens = topk_ids.shape[0]
+    flat_ids, order, token_of = _sort_by_expert(topk_ids)
     experts = torch.arange(gate_up_proj.shape[0], device=x.device, dtype=flat_ids.dtype)
     # [E] end of each expert's rows; searchsorted, unlike bincount on CUDA, never syncs
     offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
@@ -104,11 +110,9 @@ def fused_experts_loop(
 
     Loops over the experts that received tokens: one host sync, one GEMM pair per expert.
     """
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.flatten()  # [T * K]
-    order = flat_ids.argsort(stable=True)
+    num_tokens = topk_ids.shape[0]
+    flat_ids, order, token_of = _sort_by_expert(topk_ids)
     counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
-    token_of = order // top_k  # source token of each sorted (token, k) pair
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
