@@ -63,18 +63,8 @@ def test_validation_errors_raise_before_queueing(engine):
     asyncio.run(main())
 
 
-def test_a_failed_step_fails_only_its_requests(engine, monkeypatch):
-    runner = engine.engine.runner
-    original = runner.execute
-    calls = {"n": 0}
-
-    def flaky(batch):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("simulated device fault")
-        return original(batch)
-
-    monkeypatch.setattr(runner, "execute", flaky)
+def test_a_failed_step_fails_only_its_requests(engine, fail_first_step):
+    fail_first_step(engine.engine.runner, "simulated device fault")
 
     async def main():
         stream = await engine.add_request([5, 6, 7], SamplingParams(max_tokens=3), "doomed")

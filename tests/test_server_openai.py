@@ -149,17 +149,8 @@ def test_bad_chat_input_is_a_400_naming_the_field(server, body, param):
     assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 
 
-def test_engine_failure_fails_only_that_step(server, monkeypatch):
-    runner = server.state.engine.engine.runner
-    original, calls = runner.execute, {"n": 0}
-
-    def flaky(batch):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("simulated fault")
-        return original(batch)
-
-    monkeypatch.setattr(runner, "execute", flaky)
+def test_engine_failure_fails_only_that_step(server, fail_first_step):
+    fail_first_step(server.state.engine.engine.runner, "simulated fault")
     r = requests.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 500 and "simulated fault" in r.json()["error"]["message"]
     r = requests.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
