@@ -130,6 +130,11 @@ class BlockPool:
             meta.ref_count += 1
         return hits
 
+    def has_new_full_blocks(self, num_computed_tokens: int, num_registered: int) -> bool:
+        """Whether `cache_full_blocks` would register anything (cheap: no token ids needed)."""
+        return (self.enable_prefix_caching
+                and num_computed_tokens // self.block_size > num_registered)
+
     def cache_full_blocks(self, token_ids: Sequence[int], block_ids: Sequence[int],
                           num_computed_tokens: int, hashes: list[BlockHash],
                           num_registered: int) -> int:
@@ -137,9 +142,9 @@ class BlockPool:
 
         Returns the new number of registered blocks.
         """
-        num_full = num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or num_full <= num_registered:
+        if not self.has_new_full_blocks(num_computed_tokens, num_registered):
             return num_registered
+        num_full = num_computed_tokens // self.block_size
         hashes[:] = self.chain_hashes(token_ids, num_full, hashes)
         bs = self.block_size
         for k in range(num_registered, num_full):

@@ -133,10 +133,9 @@ class Scheduler:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Enter the request's newly computed full blocks into the prefix cache."""
-        pool = self.pool
-        if (not pool.enable_prefix_caching
-                or request.num_computed_tokens // pool.block_size <= request.num_registered_blocks):
-            return  # no new full block (most decode steps): skip joining the token lists
+        if not self.pool.has_new_full_blocks(request.num_computed_tokens,
+                                             request.num_registered_blocks):
+            return  # most decode steps: no need to join the prompt and output token lists
         request.num_registered_blocks = self.pool.cache_full_blocks(
             request.all_token_ids, request.block_ids, request.num_computed_tokens,
             request.block_hashes, request.num_registered_blocks)
