@@ -59,7 +59,7 @@ def main() -> None:
         constexprs = dict(KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, BLOCK_SIZE=block_size,
                           BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
-                          DIRECT_OUTPUT=False)
+                          DIRECT_OUTPUT=False, USE_PDL=True)
         if q_len == 1:
             constexprs["q_len"] = 1  # the launcher specialises integer arguments equal to 1
         signature = {**SIGNATURE, **{name: "constexpr" for name in constexprs}}

@@ -36,6 +36,7 @@ from mlaserve.kernels.mla_decode_plan import (  # noqa: E402
     MLADecodeConfig,
     default_config,
     merge_tile,
+    page_chunk,
     plan_mla_decode,
 )
 from mlaserve.kernels.reference import (  # noqa: E402
@@ -168,6 +169,12 @@ def test_long_and_short_together(dtype: torch.dtype, num_splits: int | None) -> 
 def test_any_split_count_is_exact(num_splits: int) -> None:
     # Far more splits than tiles (64) is what a graph captured for long lengths sees at replay.
     run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, torch.float32, SMALL_TILES, num_splits)
+
+
+def test_split_longer_than_one_page_chunk() -> None:
+    # One split of 1500 keys in 16-token tiles is 94 tiles: page ids are read 64 at a time.
+    assert page_chunk(SMALL_TILES, 1536, 1) == 64
+    run_and_check([1500, 7, 0, 1025], 16, 64, 16, 32, 1, torch.float32, SMALL_TILES, 1)
 
 
 def test_wide_head_group_and_tile() -> None:
@@ -320,3 +327,12 @@ def test_cuda_graph_capture_and_replay() -> None:
 def test_deepseek_sizes(block_size: int, num_heads: int, dtype: torch.dtype, q_len: int) -> None:
     lens = [4096, 1, 1000, 3 * 1024 + 17, 8192 + 3, block_size + 1]
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, seed=num_heads + q_len)
+
+
+@gpu_only
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_large_batch_defaults(block_size: int) -> None:
+    # 40 requests take the large-batch tiles (32 tokens, two KV buffers per program).
+    lens = [(i * 997) % 5000 for i in range(40)]
+    lens[:3] = [0, 1, block_size]
+    run_and_check(lens, 16, 512, 64, block_size, 1, torch.bfloat16, seed=block_size)

@@ -32,11 +32,19 @@ Host-side planning lives in `mla_decode_plan.py` (`plan_mla_decode`, `default_co
 ints only, so planning a step never synchronises with the device.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, default_config, merge_tile
+from mlaserve.kernels.mla_decode_plan import (
+    MLADecodeConfig,
+    default_config,
+    merge_tile,
+    page_chunk,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -65,9 +73,15 @@ def _mla_decode_split_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PAGE_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DIRECT_OUTPUT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # The merge kernel is a programmatic dependent launch: let it be scheduled now (it
+        # waits for this whole grid and its stores before reading anything).
+        gdc_launch_dependents()
     group = tl.program_id(0)
     split = tl.program_id(1)
     req = tl.program_id(2)
@@ -97,33 +111,44 @@ def _mla_decode_split_kernel(
     acc = tl.zeros([BLOCK_M, KV_LORA_RANK], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for start in tl.range(split_start, split_end, BLOCK_N, num_stages=NUM_STAGES):
-        pos = start + offs_n  # [BLOCK_N] key positions
-        key_mask = pos < split_end
+    tile_ids = tl.arange(0, PAGE_CHUNK)
+    # Page ids are read PAGE_CHUNK tiles at a time before the tile loop, so the tile loads in it
+    # do not depend on a load of the same loop: the software pipeliner then gives them all
+    # NUM_STAGES - 1 buffers (a page-id load in the loop would take half of the stages).
+    for chunk_start in range(split_start, split_end, PAGE_CHUNK * BLOCK_N):
+        chunk_end = tl.minimum(chunk_start + PAGE_CHUNK * BLOCK_N, split_end)
         if BLOCK_SIZE >= BLOCK_N:
-            # Splits start on tile boundaries, so the whole tile lies in one page.
-            page = tl.load(bt_row + start // BLOCK_SIZE).to(tl.int64)
-            kv_offs = page * stride_kv_block + (start % BLOCK_SIZE + offs_n) * stride_kv_slot
-        else:
-            page = tl.load(bt_row + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-            kv_offs = page * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_slot
-        k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :], mask=key_mask[:, None],
-                         other=0.0)  # [BLOCK_N, L], also V
-        k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
-                       mask=key_mask[:, None], other=0.0)  # [BLOCK_N, R]
-        scores = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
-        visible = key_mask[None, :] & (pos[None, :] <= last_key[:, None])  # [BLOCK_M, BLOCK_N]
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # Rows that have seen no key yet keep m = -inf; subtract 0 there instead (no inf - inf).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc=acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+            tile_starts = chunk_start + tile_ids * BLOCK_N  # [PAGE_CHUNK]
+            chunk_pages = tl.load(bt_row + tile_starts // BLOCK_SIZE, mask=tile_starts < chunk_end,
+                                  other=0)
+        for start in tl.range(chunk_start, chunk_end, BLOCK_N, num_stages=NUM_STAGES):
+            pos = start + offs_n  # [BLOCK_N] key positions
+            key_mask = pos < split_end
+            if BLOCK_SIZE >= BLOCK_N:
+                # Splits start on tile boundaries, so the whole tile lies in one page.
+                tile = (start - chunk_start) // BLOCK_N
+                page = tl.sum(tl.where(tile_ids == tile, chunk_pages, 0), axis=0).to(tl.int64)
+                kv_offs = page * stride_kv_block + (start % BLOCK_SIZE + offs_n) * stride_kv_slot
+            else:
+                page = tl.load(bt_row + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+                kv_offs = page * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_slot
+            k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :], mask=key_mask[:, None],
+                             other=0.0)  # [BLOCK_N, L], also V
+            k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
+                           mask=key_mask[:, None], other=0.0)  # [BLOCK_N, R]
+            scores = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PRECISION)
+            scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
+            visible = key_mask[None, :] & (pos[None, :] <= last_key[:, None])  # [BLOCK_M, BLOCK_N]
+            scores = tl.where(visible, scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # Rows that have seen no key yet keep m = -inf; subtract 0 there instead (no inf - inf).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(k_nope.dtype), k_nope, acc=acc, input_precision=DOT_PRECISION)
+            m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -150,6 +175,7 @@ def _mla_decode_merge_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_L: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Log-sum-exp merge of BLOCK_R output rows x BLOCK_L columns, SPLIT_CHUNK splits per load.
 
@@ -158,6 +184,8 @@ def _mla_decode_merge_kernel(
     with many splits the merge waits on a few wide loads instead of one dependent load per split;
     the column blocks (grid axis 2) spread a small batch's merge over more SMs.
     """
+    if USE_PDL:
+        gdc_wait()  # launched before the split pass ended: wait for it and its stores
     row_block = tl.program_id(0)
     req = tl.program_id(1).to(tl.int64)
     col_block = tl.program_id(2)
@@ -197,6 +225,12 @@ def _mla_decode_merge_kernel(
 def _check_pow2(name: str, value: int, minimum: int) -> None:
     if value < minimum or value & (value - 1):
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
+
+
+@functools.cache
+def _device_supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def mla_decode_triton(
@@ -280,13 +314,15 @@ def mla_decode_triton(
             raise ValueError(f"workspace too small: need {o_numel} and {lse_numel} float32, got "
                              f"{partial_o.numel()} and {partial_lse.numel()}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    use_pdl = not direct and config.programmatic_launch and _device_supports_pdl(q.device)
     _mla_decode_split_kernel[(num_head_groups, num_splits, batch)](
         q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
         softmax_scale * _LOG2E, q_len, num_heads, num_splits, min_split_len,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        DOT_PRECISION=precision, DIRECT_OUTPUT=direct,
+        PAGE_CHUNK=page_chunk(config, block_table.shape[1] * block_size, num_splits),
+        DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=use_pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not direct:
@@ -296,8 +332,8 @@ def mla_decode_triton(
         _mla_decode_merge_kernel[grid](
             partial_o, partial_lse, o, lse, rows, num_splits,
             KV_LORA_RANK=kv_lora_rank, BLOCK_R=block_rows, BLOCK_L=block_l,
-            SPLIT_CHUNK=split_chunk,
-            num_warps=config.merge_num_warps,
+            SPLIT_CHUNK=split_chunk, USE_PDL=use_pdl,
+            num_warps=config.merge_num_warps, launch_pdl=use_pdl,
         )
     return o, lse
 

@@ -9,6 +9,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+# Most splits the merge kernel reads in one load (more take further rounds of loads).
+MAX_MERGE_CHUNK = 64
+
 
 @dataclass(frozen=True)
 class MLADecodeConfig:
@@ -30,6 +33,9 @@ class MLADecodeConfig:
         max_num_splits: upper bound on the split count (bounds the workspace).
         merge_block_rows: output rows per merge program.
         merge_num_warps: warps per merge program.
+        programmatic_launch: on sm_90 and newer, launch the merge kernel as a programmatic
+            dependent of the split pass, so its launch overlaps the split pass's tail (0.6-0.7
+            µs of 8.7-13.9 at batch 1 on the H200).
     """
 
     block_m: int
@@ -42,6 +48,7 @@ class MLADecodeConfig:
     max_num_splits: int = 128
     merge_block_rows: int = 4
     merge_num_warps: int = 4
+    programmatic_launch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -93,16 +100,15 @@ def default_config(
 
     - Query rows per program (block_m): all rows up to 64 with 16-bit inputs. At 128 heads
       small batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
-    - KV tile: 64 tokens where Q plus two stages of [64, L + R] fit shared memory (~220 KB at
-      64 rows x 576), else 32 tokens with a third stage (measured best for 64 rows of 16 heads).
-      Pages of 32 tokens take 32-token tiles with 4 stages (one page per tile: 663 µs against
-      925 µs for gathered 64-token tiles at 16 heads x 512 x 4096).
-    - Splits: minimise the estimated makespan with two programs per SM counted as one wave for
-      up to 32 rows; for 16 rows over large batches of long requests, fill four programs per SM
-      (measured 10% faster at 512 x 4096). Minimum split: one 64-token tile for requests up
-      to 2048 tokens, two (16-row groups) or four (32 and 64 rows) above; at batch 1 that gives
-      16 splits at 1k and 64 at 8k, the best counts of `scripts/gpu_split_sweep.py` (9.4 and
-      17.8 µs at 16 heads).
+    - KV tile and pipelining depth, from `scripts/gpu_variant_sweep.py` on the H200
+      (benchmarks/2026-12-02-h200-pipelining/). Triton's pipeliner gives a 16- or 32-row
+      program (mma.sync) num_stages - 1 KV buffers and a 64-row program (wgmma) num_stages.
+      16 rows over 32 or more requests: 32-token tiles with 3 stages (two buffers, two programs
+      per SM): 31.8 / 85.2 / 168.2 / 602.7 µs at batch 64 x 1k / 64 x 4k / 512 x 1k / 512 x 4k
+      against 34.1 / 85.5 / 168.5 / 614.2 with 64-token tiles and 2 stages, which stay for
+      small batches. Pages of 32 tokens take 32-token tiles with 3 stages (606.5 µs at 16 heads
+      x 512 x 4096, against 823.6 with 4 stages: one program per SM). Otherwise 64-token tiles
+      with 2 stages where they fit (~220 KB at 64 rows x 576), else 32-token tiles, 3 stages.
     - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
     """
     head_dim = kv_lora_rank + qk_rope_head_dim
@@ -124,13 +130,13 @@ def default_config(
     q_bytes = block_m * head_dim * itemsize
     fits_64 = q_bytes + 2 * 64 * head_dim * itemsize <= 224 * 1024
     if block_size is not None and block_size < 64:
-        block_n, num_stages = max(16, block_size), 4 if block_m <= 16 else 3
-    elif block_m == 64 and num_heads < 64 or not fits_64:
+        block_n, num_stages = max(16, block_size), 3
+    elif block_m == 16 and batch_size is not None and batch_size >= 32 or not fits_64:
         block_n, num_stages = 32, 3
     else:
         block_n, num_stages = 64, 2
     num_warps = 8 if block_m >= 64 and kv_lora_rank >= 256 else 4
-    policy, per_sm = "waves", (2.0 if block_m <= 32 else 1.0)
+    policy, per_sm = "waves", (2.0 if block_m <= 32 or num_heads < 64 else 1.0)
     if (block_m == 16 and batch_size is not None and long_requests
             and batch_size >= 264):
         policy, per_sm = "fill", 4.0
@@ -158,7 +164,9 @@ def _choose_num_splits(
 
     def makespan(splits: int) -> int:
         waves = -(-(base_programs * splits) // slots)
-        return waves * (-(-max_seq_len // splits) + (split_overhead_tokens if splits > 1 else 0))
+        per_split = -(-max_seq_len // splits) + (split_overhead_tokens if splits > 1 else 0)
+        merge_rounds = -(-splits // MAX_MERGE_CHUNK)  # dependent load rounds of the merge
+        return waves * per_split + (merge_rounds - 1) * split_overhead_tokens
 
     return min(range(1, max_by_length + 1), key=lambda splits: (makespan(splits), splits))
 
@@ -228,7 +236,7 @@ def merge_tile(config: MLADecodeConfig, batch_size: int, num_rows: int, num_spli
     batch's merge still spreads over many SMs. Rows: the config's `merge_block_rows`, fewer when
     a chunk of [splits, rows, columns] float32 would pass 8192 elements (32 KB of registers).
     """
-    split_chunk = min(next_pow2(num_splits), 64)
+    split_chunk = min(next_pow2(num_splits), MAX_MERGE_CHUNK)
     pieces = 1
     while (pieces < 8 and kv_lora_rank // (2 * pieces) >= 32
            and batch_size * num_rows * pieces < 256):
@@ -237,6 +245,14 @@ def merge_tile(config: MLADecodeConfig, batch_size: int, num_rows: int, num_spli
     block_rows = min(config.merge_block_rows, next_pow2(num_rows),
                      max(1, 8192 // (split_chunk * block_l)))
     return block_rows, block_l, split_chunk
+
+
+def page_chunk(config: MLADecodeConfig, max_seq_len: int, num_splits: int) -> int:
+    """Page ids the split pass reads at once: the tiles of the longest possible split (from the
+    host-side bound on the lengths), as a power of two from 1 to 64. Longer splits read them 64
+    tiles at a time."""
+    split_len = max(-(-max_seq_len // max(num_splits, 1)), config.min_split_len, 1)
+    return min(next_pow2(-(-split_len // config.block_n)), 64)
 
 
 def alloc_workspace(plan: MLADecodePlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
