@@ -20,7 +20,9 @@ def test_capture_sizes_cover_every_batch() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graph_generation_equals_eager_in_fp32() -> None:
-    """The demo model through triton: the same greedy tokens and logprobs with and without graphs.
+    """The demo model's shape through triton, dense MLPs (float32 MoE layers on CUDA loop with a
+    host sync and run eagerly), dummy weights: the same greedy tokens and logprobs with and
+    without graphs.
 
     Prompts of different lengths and max_tokens: the batch shrinks 12 -> 1, so replays pad to 16,
     8, 4, 2 and 1 rows; block size 16 puts requests across several pages.
@@ -33,7 +35,8 @@ def test_graph_generation_equals_eager_in_fp32() -> None:
         # an explicit pool: sized from free memory, the first engine would leave none for the
         # second
         llm = LLM(device="cuda", dtype="float32", attention_backend="triton", block_size=16,
-                  max_num_seqs=16, num_kv_blocks=256, enforce_eager=eager)
+                  max_num_seqs=16, num_kv_blocks=256, enforce_eager=eager, load_format="dummy",
+                  hf_overrides={"first_k_dense_replace": 4})
         assert (llm.engine.runner.graphs is None) == eager
         results[eager] = llm.generate(prompts, params)
         if not eager:
@@ -43,6 +46,17 @@ def test_graph_generation_equals_eager_in_fp32() -> None:
         diffs = [abs(a[t] - b[t]) for a, b, t in zip(e.logprobs, g.logprobs, e.token_ids,
                                                        strict=True)]
         assert max(diffs) < 1e-4, diffs  # only the split counts (summation order) differ
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_float32_moe_runs_eagerly_with_a_reason(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        llm = LLM(device="cuda", dtype="float32", attention_backend="triton", block_size=16,
+                  max_num_seqs=4, num_kv_blocks=64)
+    assert llm.engine.runner.graphs is None
+    assert "use --dtype bfloat16 for graphs" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].token_ids) == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

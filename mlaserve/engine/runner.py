@@ -13,6 +13,7 @@ from mlaserve.engine.cuda_graphs import DecodeGraphs
 from mlaserve.engine.request import Request
 from mlaserve.engine.sampler import SamplingBatch, sample, top_logprobs
 from mlaserve.engine.scheduler import ScheduledBatch
+from mlaserve.kernels.moe import grouped_gemm_supported
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,13 @@ class ModelRunner:
             device=device), config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
         self.graphs: DecodeGraphs | None = None
-        if (cuda_graph_batch_size > 0 and device.type == "cuda"
+        has_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+        if (cuda_graph_batch_size > 0 and device.type == "cuda" and has_moe
+                and not grouped_gemm_supported(device, dtype)):
+            logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
+                           "the experts with a host sync (grouped GEMMs are bfloat16 only); "
+                           "use --dtype bfloat16 for graphs", dtype)
+        elif (cuda_graph_batch_size > 0 and device.type == "cuda"
                 and self.backend.capabilities.supports_cuda_graphs):
             try:
                 self.graphs = DecodeGraphs(

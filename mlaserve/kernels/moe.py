@@ -64,6 +64,12 @@ def _sort_by_expert(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return flat_ids, order, order // topk_ids.shape[1]
 
 
+def grouped_gemm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `fused_experts` runs as grouped GEMMs (no host sync, so CUDA graphs can capture
+    it): on CPU, and on CUDA in bf16 (CUDA's grouped GEMM takes no other dtype)."""
+    return device.type != "cuda" or dtype == torch.bfloat16
+
+
 def fused_experts(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -84,7 +90,7 @@ def fused_experts(
         grouped GEMMs (`torch._grouped_mm`): no host sync, a fixed number of launches. CUDA's
         grouped GEMM takes bf16 only; other CUDA dtypes loop over the experts.
     """
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+    if not grouped_gemm_supported(x.device, x.dtype):
         return fused_experts_loop(x, gate_up_proj, down_proj, topk_weights, topk_ids)
     num_tokens = topk_ids.shape[0]
     flat_ids, order, token_of = _sort_by_expert(topk_ids)
