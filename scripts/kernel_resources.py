@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from mlaserve.kernels import mla_decode  # noqa: E402
-from mlaserve.kernels.mla_decode_plan import default_config  # noqa: E402
+from mlaserve.kernels.mla_decode_plan import page_chunk, plan_mla_decode  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 SIGNATURE = {
@@ -54,12 +54,14 @@ def main() -> None:
     kernel = mla_decode._mla_decode_split_kernel
     names = kernel.arg_names
     for heads, q_len, batch, kv_len, block_size in SHAPES:
-        config = default_config(heads, q_len, KV_LORA_RANK, ROPE_DIM, torch.bfloat16, batch,
-                                kv_len, block_size)
+        plan = plan_mla_decode(batch, kv_len, heads, q_len, KV_LORA_RANK, ROPE_DIM,
+                               torch.bfloat16, 132, block_size=block_size)
+        config = plan.config
         constexprs = dict(KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, BLOCK_SIZE=block_size,
                           BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
-                          DIRECT_OUTPUT=False, USE_PDL=True)
+                          DIRECT_OUTPUT=False, USE_PDL=True,
+                          PAGE_CHUNK=page_chunk(config, kv_len, plan.num_splits))
         if q_len == 1:
             constexprs["q_len"] = 1  # the launcher specialises integer arguments equal to 1
         signature = {**SIGNATURE, **{name: "constexpr" for name in constexprs}}

@@ -23,10 +23,14 @@ Kernel design:
   (o, lse) by log-sum-exp, a chunk of splits per wide load; empty splits are skipped without
   reading their partial output. With one split,
   stage 1 writes the final output directly and stage 2 is not launched.
-- Pages: with block_size >= block_n a tile lies inside one page (one page id per tile); smaller
-  pages are gathered row by row through the block table. Loads past the request's length are
-  masked (other=0) and their scores set to -inf, so NaN in unused pages or in the tail of the last
-  page never reaches the output.
+- Pages: with block_size >= block_n a tile lies inside one page (one page id per tile); the page
+  ids of a split are loaded as a vector before its tile loop, up to 64 tiles at a time, so no
+  load in the loop depends on another load of the loop and Triton's pipeliner gives the KV
+  loads every stage. Smaller pages are gathered row by row through the block table. Loads past
+  the request's length are masked (other=0) and their scores set to -inf, so NaN in unused
+  pages or in the tail of the last page never reaches the output.
+- On sm_90 and newer the merge kernel is a programmatic dependent launch: it is scheduled while
+  the split pass runs and waits (griddepcontrol.wait) for its completion and stores.
 
 Host-side planning lives in `mla_decode_plan.py` (`plan_mla_decode`, `default_config`): Python
 ints only, so planning a step never synchronises with the device.
@@ -111,13 +115,18 @@ def _mla_decode_split_kernel(
     acc = tl.zeros([BLOCK_M, KV_LORA_RANK], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    tile_ids = tl.arange(0, PAGE_CHUNK)
-    # Page ids are read PAGE_CHUNK tiles at a time before the tile loop, so the tile loads in it
-    # do not depend on a load of the same loop: the software pipeliner then gives them all
-    # NUM_STAGES - 1 buffers (a page-id load in the loop would take half of the stages).
-    for chunk_start in range(split_start, split_end, PAGE_CHUNK * BLOCK_N):
-        chunk_end = tl.minimum(chunk_start + PAGE_CHUNK * BLOCK_N, split_end)
-        if BLOCK_SIZE >= BLOCK_N:
+    tile_ids = tl.arange(0, max(PAGE_CHUNK, 1))
+    # With PAGE_CHUNK > 0 the page ids are read PAGE_CHUNK tiles at a time before the tile loop,
+    # so the tile loads in it do not depend on a load of the same loop: the software pipeliner
+    # then gives them all NUM_STAGES - 1 buffers (a page-id load in the loop would take half of
+    # the stages). PAGE_CHUNK 0: one pass, page ids loaded in the tile loop.
+    if PAGE_CHUNK > 0:
+        chunk_len = PAGE_CHUNK * BLOCK_N
+    else:
+        chunk_len = split_len
+    for chunk_start in range(split_start, split_end, chunk_len):
+        chunk_end = tl.minimum(chunk_start + chunk_len, split_end)
+        if BLOCK_SIZE >= BLOCK_N and PAGE_CHUNK > 0:
             tile_starts = chunk_start + tile_ids * BLOCK_N  # [PAGE_CHUNK]
             chunk_pages = tl.load(bt_row + tile_starts // BLOCK_SIZE, mask=tile_starts < chunk_end,
                                   other=0)
@@ -126,8 +135,12 @@ def _mla_decode_split_kernel(
             key_mask = pos < split_end
             if BLOCK_SIZE >= BLOCK_N:
                 # Splits start on tile boundaries, so the whole tile lies in one page.
-                tile = (start - chunk_start) // BLOCK_N
-                page = tl.sum(tl.where(tile_ids == tile, chunk_pages, 0), axis=0).to(tl.int64)
+                if PAGE_CHUNK > 0:
+                    tile = (start - chunk_start) // BLOCK_N
+                    page = tl.sum(tl.where(tile_ids == tile, chunk_pages, 0), axis=0)
+                else:
+                    page = tl.load(bt_row + start // BLOCK_SIZE)
+                page = page.to(tl.int64)
                 kv_offs = page * stride_kv_block + (start % BLOCK_SIZE + offs_n) * stride_kv_slot
             else:
                 page = tl.load(bt_row + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
