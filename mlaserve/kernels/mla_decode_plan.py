@@ -251,8 +251,8 @@ def page_chunk(config: MLADecodeConfig, max_seq_len: int, num_splits: int) -> in
     """Page ids the split pass reads at once: the tiles of the longest possible split (from the
     host-side bound on the lengths), as a power of two from 1 to 64; longer splits read them 64
     tiles at a time. 0 (page ids read in the tile loop) for 64-row programs: wgmma programs keep
-    num_stages KV buffers either way, and the page vector pushed the 128-head program from 251
-    registers to 255 and a 128-byte spill (scripts/kernel_resources.py)."""
+    num_stages KV buffers either way, and the page vector cost the 128-head program a 128-byte
+    register spill and 10% (scripts/kernel_resources.py, benchmarks/)."""
     if config.block_m >= 64:
         return 0
     split_len = max(-(-max_seq_len // max(num_splits, 1)), config.min_split_len, 1)
