@@ -25,8 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_kernel_sweep import Sweep, time_shape  # noqa: E402
 from kernel_sweep_space import FA3_ANCHOR_US, Shape  # noqa: E402
 
-from mlaserve.kernels import mla_decode_plan as planning  # noqa: E402
-
 TILES_16_ROWS = [(16, 64, 4, 2), (16, 32, 4, 3), (16, 32, 4, 4), (16, 32, 4, 5), (16, 64, 4, 3),
                  (16, 16, 4, 5), (16, 16, 4, 6), (16, 32, 8, 4), (16, 64, 8, 3)]
 TILES_32_ROWS = [(32, 64, 4, 2), (32, 32, 4, 3), (32, 32, 4, 4), (32, 16, 4, 5), (32, 64, 4, 3),
@@ -78,10 +76,7 @@ def main() -> None:
         if sweep.over_budget():
             print(f"budget over: skipped {shape} and after")
             break
-        default = planning.default_config(
-            shape.num_heads, shape.q_len, sweep.kv_lora_rank, sweep.rope_dim, sweep.dtype,
-            shape.batch, (-(-shape.kv_len // shape.block_size) + 1) * shape.block_size,
-            shape.block_size)
+        default = sweep.plan(shape, None).config  # the cell's default configuration
         named = variants(shape)
         configs = [dataclasses.replace(default, **changes) for _, changes, _ in named]
         timed = time_shape(sweep, shape, configs, [splits for _, _, splits in named])

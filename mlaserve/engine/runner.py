@@ -56,14 +56,14 @@ class ModelRunner:
             device=device), config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
         self.graphs: DecodeGraphs | None = None
+        wants_graphs = (cuda_graph_batch_size > 0 and device.type == "cuda"
+                        and self.backend.capabilities.supports_cuda_graphs)
         has_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        if (cuda_graph_batch_size > 0 and device.type == "cuda" and has_moe
-                and not grouped_gemm_supported(device, dtype)):
+        if wants_graphs and has_moe and not grouped_gemm_supported(device, dtype):
             logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
                            "the experts with a host sync (grouped GEMMs are bfloat16 only); "
                            "use --dtype bfloat16 for graphs", dtype)
-        elif (cuda_graph_batch_size > 0 and device.type == "cuda"
-                and self.backend.capabilities.supports_cuda_graphs):
+        elif wants_graphs:
             try:
                 self.graphs = DecodeGraphs(
                     model, self.kv_caches, self.backend, cuda_graph_batch_size,
