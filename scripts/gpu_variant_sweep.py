@@ -49,10 +49,14 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     if shape.block_size < 64:
         tiles = [t for t in tiles if t[1] <= shape.block_size]
     out = [("default", {}, None)]
+    if tiles is TILES_64_ROWS:
+        out.append(("default + TMA loads", dict(tma_loads=True), None))
     for tile in tiles:
         for count in splits:
-            out.append((f"m{tile[0]} n{tile[1]} w{tile[2]} s{tile[3]} splits{count}",
-                        _tile(tile), count))
+            name = f"m{tile[0]} n{tile[1]} w{tile[2]} s{tile[3]} splits{count}"
+            out.append((name, _tile(tile), count))
+            if tile[0] == 64:
+                out.append((name + " TMA", _tile(tile) | dict(tma_loads=True), count))
     return out
 
 
@@ -66,13 +70,15 @@ CELLS = [Shape(16, 64, 1024, 64, 1), Shape(16, 64, 4096, 64, 1), Shape(16, 512, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--min-rows", type=int, default=1,
+                        help="only cells with at least this many query rows (q_len x heads)")
     args = parser.parse_args()
     sweep = Sweep(smoke=False, budget_s=args.budget_s)
     copy_gbs, mm_tflops = sweep.ceilings()
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_gbs:.0f} GB/s, matmul {mm_tflops:.0f} "
           f"TFLOP/s", flush=True)
     results = []
-    for shape in CELLS:
+    for shape in [c for c in CELLS if c.num_heads * c.q_len >= args.min_rows]:
         if sweep.over_budget():
             print(f"budget over: skipped {shape} and after")
             break

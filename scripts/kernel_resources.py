@@ -8,6 +8,7 @@ gets (16-byte aligned pointers and strides, q_len 1 folded in), and reads the cu
 usage with the bundled cuobjdump. STACK > 0 means local memory (spills).
 """
 
+import itertools
 import os
 import subprocess
 import tempfile
@@ -24,7 +25,8 @@ from mlaserve.kernels.mla_decode_plan import page_chunk, plan_mla_decode  # noqa
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 SIGNATURE = {
-    "q_ptr": "*bf16", "kv_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+    "q_ptr": "*bf16", "kv_ptr": "*bf16", "kv_nope_desc": "constexpr", "kv_pe_desc": "constexpr",
+    "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
     "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32", "q_len": "i32",
     "num_heads": "i32", "num_splits": "i32", "min_split_len": "i32", "stride_q_token": "i32",
     "stride_q_head": "i32", "stride_kv_block": "i32", "stride_kv_slot": "i32", "stride_bt": "i32",
@@ -53,25 +55,32 @@ def resources(cubin: bytes) -> str:
 def main() -> None:
     kernel = mla_decode._mla_decode_split_kernel
     names = kernel.arg_names
-    for heads, q_len, batch, kv_len, block_size in SHAPES:
+    for (heads, q_len, batch, kv_len, block_size), tma in itertools.product(SHAPES, (False, True)):
         plan = plan_mla_decode(batch, kv_len, heads, q_len, KV_LORA_RANK, ROPE_DIM,
                                torch.bfloat16, 132, block_size=block_size)
         config = plan.config
-        constexprs = dict(KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, BLOCK_SIZE=block_size,
+        signature = dict(SIGNATURE)
+        constexprs = dict(kv_nope_desc=None, kv_pe_desc=None)
+        if tma:
+            for name, width in (("kv_nope_desc", KV_LORA_RANK), ("kv_pe_desc", ROPE_DIM)):
+                signature[name] = f"tensordesc<bf16[{config.block_n},{width}]>"
+                constexprs.pop(name)
+        constexprs |= dict(KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, BLOCK_SIZE=block_size,
                           BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
-                          DIRECT_OUTPUT=False, USE_PDL=True,
+                          DIRECT_OUTPUT=False, USE_PDL=True, USE_TMA=tma,
                           PAGE_CHUNK=page_chunk(config, kv_len, plan.num_splits))
         if q_len == 1:
             constexprs["q_len"] = 1  # the launcher specialises integer arguments equal to 1
-        signature = {**SIGNATURE, **{name: "constexpr" for name in constexprs}}
+        signature |= {name: "constexpr" for name in constexprs}
         attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
         compiled = triton.compile(
             ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": config.num_warps, "num_stages": config.num_stages})
         ptx = compiled.asm["ptx"]
-        print(f"H{heads:<3} q{q_len} B{batch:<3} kv{kv_len:<5} blk{block_size:<2}: "
+        print(f"H{heads:<3} q{q_len} B{batch:<3} kv{kv_len:<5} blk{block_size:<2} "
+              f"{'TMA ' if tma else 'ptrs'}: "
               f"block_m {config.block_m:>2} block_n {config.block_n} warps {config.num_warps} "
               f"stages {config.num_stages} | {resources(compiled.asm['cubin'])}  shared "
               f"{compiled.metadata.shared // 1024:>3} KB | wgmma "

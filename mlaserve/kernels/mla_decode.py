@@ -29,6 +29,9 @@ Kernel design:
   loads every stage. Smaller pages are gathered row by row through the block table. Loads past
   the request's length are masked (other=0) and their scores set to -inf, so NaN in unused
   pages or in the tail of the last page never reaches the output.
+- With `config.tma_loads` (64-row programs on sm_90 and newer) whole tiles are loaded by TMA
+  from tensor descriptors over the cache's rows; a split's partial last tile always takes the
+  masked pointer loads, so rows past the length never enter a dot.
 - On sm_90 and newer the merge kernel is a programmatic dependent launch: it is scheduled while
   the split pass runs and waits (griddepcontrol.wait) for its completion and stores.
 
@@ -42,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mlaserve.kernels.mla_decode_plan import (
     MLADecodeConfig,
@@ -54,9 +58,32 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale, acc, m_i, l_i,
+                 DOT_PRECISION: tl.constexpr):
+    """One KV tile of the online softmax: q [BLOCK_M, L] and [BLOCK_M, R] against the tile's
+    k_nope [BLOCK_N, L] (also V) and k_pe [BLOCK_N, R] at key positions pos [BLOCK_N]; returns
+    the updated acc [BLOCK_M, L], running max m_i and sum l_i [BLOCK_M] (base 2)."""
+    scores = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PRECISION)
+    scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
+    visible = key_mask[None, :] & (pos[None, :] <= last_key[:, None])  # [BLOCK_M, BLOCK_N]
+    scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # Rows that have seen no key yet keep m = -inf; subtract 0 there instead (no inf - inf).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(k_nope.dtype), k_nope, acc=acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_ptr,  # [B * q_len, H, L + R]
     kv_ptr,  # [num_blocks, BLOCK_SIZE, L + R]
+    kv_nope_desc,  # TMA descriptor of kv [num_blocks * BLOCK_SIZE, :L], box [BLOCK_N, L]; or None
+    kv_pe_desc,  # TMA descriptor of kv [num_blocks * BLOCK_SIZE, L:], box [BLOCK_N, R]; or None
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     o_ptr,  # [B, num_splits, q_len * H, L]: partial (float32) or final (q dtype) output
@@ -81,6 +108,7 @@ def _mla_decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     DIRECT_OUTPUT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     if USE_PDL:
         # The merge kernel is a programmatic dependent launch: let it be scheduled now (it
@@ -124,8 +152,12 @@ def _mla_decode_split_kernel(
         chunk_len = PAGE_CHUNK * BLOCK_N
     else:
         chunk_len = split_len
-    for chunk_start in range(split_start, split_end, chunk_len):
-        chunk_end = tl.minimum(chunk_start + chunk_len, split_end)
+    if USE_TMA:  # whole tiles by TMA in the loop, a partial last tile after it
+        whole_end = split_start + tl.maximum(split_end - split_start, 0) // BLOCK_N * BLOCK_N
+    else:
+        whole_end = split_end
+    for chunk_start in range(split_start, whole_end, chunk_len):
+        chunk_end = tl.minimum(chunk_start + chunk_len, whole_end)
         if BLOCK_SIZE >= BLOCK_N and PAGE_CHUNK > 0:
             tile_starts = chunk_start + tile_ids * BLOCK_N  # [PAGE_CHUNK]
             chunk_pages = tl.load(bt_row + tile_starts // BLOCK_SIZE, mask=tile_starts < chunk_end,
@@ -145,23 +177,30 @@ def _mla_decode_split_kernel(
             else:
                 page = tl.load(bt_row + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
                 kv_offs = page * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_slot
-            k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :], mask=key_mask[:, None],
-                             other=0.0)  # [BLOCK_N, L], also V
-            k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
-                           mask=key_mask[:, None], other=0.0)  # [BLOCK_N, R]
-            scores = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PRECISION)
-            scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
-            visible = key_mask[None, :] & (pos[None, :] <= last_key[:, None])  # [BLOCK_M, BLOCK_N]
-            scores = tl.where(visible, scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            # Rows that have seen no key yet keep m = -inf; subtract 0 there instead (no inf - inf).
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(k_nope.dtype), k_nope, acc=acc, input_precision=DOT_PRECISION)
-            m_i = m_new
+            if USE_TMA:
+                row = (page * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)  # cache row
+                k_nope = kv_nope_desc.load([row, 0])  # [BLOCK_N, L], also V
+                k_pe = kv_pe_desc.load([row, 0])  # [BLOCK_N, R]
+            else:
+                k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :],
+                                 mask=key_mask[:, None], other=0.0)  # [BLOCK_N, L], also V
+                k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
+                               mask=key_mask[:, None], other=0.0)  # [BLOCK_N, R]
+            acc, m_i, l_i = _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
+                                         qk_scale, acc, m_i, l_i, DOT_PRECISION)
+    if USE_TMA and whole_end < split_end:
+        # The split's partial last tile: masked pointer loads (zeros past the length, where
+        # the page tail may hold NaN; a TMA box would bring those rows into the dots).
+        pos = whole_end + offs_n
+        key_mask = pos < split_end
+        page = tl.load(bt_row + whole_end // BLOCK_SIZE).to(tl.int64)
+        kv_offs = page * stride_kv_block + (whole_end % BLOCK_SIZE + offs_n) * stride_kv_slot
+        k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :], mask=key_mask[:, None],
+                         other=0.0)  # [BLOCK_N, L]
+        k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
+                       mask=key_mask[:, None], other=0.0)  # [BLOCK_N, R]
+        acc, m_i, l_i = _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
+                                     qk_scale, acc, m_i, l_i, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -241,9 +280,29 @@ def _check_pow2(name: str, value: int, minimum: int) -> None:
 
 
 @functools.cache
-def _device_supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
+def _sm90_or_newer(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol) and TMA exist from sm_90 on."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _kv_descriptors(
+    kv_cache: torch.Tensor, kv_lora_rank: int, config: MLADecodeConfig
+) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+    """TMA descriptors of the cache's [c_kv] and [k_pe] columns over all its rows
+    [num_blocks * block_size, L] / [.., R], boxes of one tile; (None, None) where TMA loads are
+    off or impossible: not sm_90+, 32-bit data, tiles wider than a page, or pages not laid
+    out back to back."""
+    num_blocks, block_size, head_dim = kv_cache.shape
+    if (not config.tma_loads or not _sm90_or_newer(kv_cache.device)
+            or kv_cache.element_size() != 2 or block_size < config.block_n
+            or kv_cache.stride(0) != block_size * kv_cache.stride(1)):
+        return None, None
+    rows, row_stride = num_blocks * block_size, kv_cache.stride(1)
+    nope = TensorDescriptor(kv_cache, [rows, kv_lora_rank], [row_stride, 1],
+                            [config.block_n, kv_lora_rank])
+    pe = TensorDescriptor(kv_cache[..., kv_lora_rank:], [rows, head_dim - kv_lora_rank],
+                          [row_stride, 1], [config.block_n, head_dim - kv_lora_rank])
+    return nope, pe
 
 
 def mla_decode_triton(
@@ -327,16 +386,17 @@ def mla_decode_triton(
             raise ValueError(f"workspace too small: need {o_numel} and {lse_numel} float32, got "
                              f"{partial_o.numel()} and {partial_lse.numel()}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    use_pdl = not direct and config.programmatic_launch and _device_supports_pdl(q.device)
+    use_pdl = not direct and config.programmatic_launch and _sm90_or_newer(q.device)
+    nope_desc, pe_desc = _kv_descriptors(kv_cache, kv_lora_rank, config)
     _mla_decode_split_kernel[(num_head_groups, num_splits, batch)](
-        q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
+        q, kv_cache, nope_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse,
         softmax_scale * _LOG2E, q_len, num_heads, num_splits, min_split_len,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
         PAGE_CHUNK=page_chunk(config, block_table.shape[1] * block_size, num_splits),
         DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=use_pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_TMA=nope_desc is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not direct:
         block_rows, block_l, split_chunk = merge_tile(config, batch, rows, num_splits,
