@@ -51,6 +51,9 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     out = [("default", {}, None)]
     if tiles is TILES_64_ROWS:
         out.append(("default + TMA loads", dict(tma_loads=True), None))
+        out.append(("warp-specialized", dict(warp_specialized=True), None))
+        for count in (1, 2, 3, 4):
+            out.append((f"warp-specialized splits{count}", dict(warp_specialized=True), count))
     for tile in tiles:
         for count in splits:
             name = f"m{tile[0]} n{tile[1]} w{tile[2]} s{tile[3]} splits{count}"
@@ -72,6 +75,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--min-rows", type=int, default=1,
                         help="only cells with at least this many query rows (q_len x heads)")
+    parser.add_argument("--match", default="",
+                        help="comma-separated substrings: only variants whose name has one")
     args = parser.parse_args()
     sweep = Sweep(smoke=False, budget_s=args.budget_s)
     copy_gbs, mm_tflops = sweep.ceilings()
@@ -84,6 +89,8 @@ def main() -> None:
             break
         default = sweep.plan(shape, None).config  # the cell's default configuration
         named = variants(shape)
+        if args.match:
+            named = [v for v in named if any(part in v[0] for part in args.match.split(","))]
         configs = [dataclasses.replace(default, **changes) for _, changes, _ in named]
         timed = time_shape(sweep, shape, configs, [splits for _, _, splits in named])
         fa3 = FA3_ANCHOR_US.get(shape.key)

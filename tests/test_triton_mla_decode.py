@@ -339,16 +339,21 @@ def test_large_batch_defaults(block_size: int) -> None:
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dtype_id)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 4), (16, 1)])
+@pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 4), (64, 2), (16, 1)])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_tma_loads(block_size: int, heads_and_q_len: tuple[int, int], num_splits: int) -> None:
-    # Whole tiles by TMA, the partial last tile of each split by masked loads: lengths end
-    # mid-tile, mid-page and on page ends, with NaN in every page tail.
+@pytest.mark.parametrize("path", ["tma_loads", "warp_specialized"])
+def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int],
+                    num_splits: int, dtype: torch.dtype) -> None:
+    # The Triton kernel with TMA tile loads and the warp-specialised Gluon split pass: whole
+    # tiles by TMA, the partial last tile of each split masked or zeroed in shared memory;
+    # lengths end mid-tile, mid-page and on page ends, with NaN in every page tail. The Gluon
+    # pass serves 64-row programs only: (16, 1) checks that it steps aside for 16 rows.
     num_heads, q_len = heads_and_q_len
     lens = [4096, q_len, 1000, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
     config = dataclasses.replace(
-        default_config(num_heads, q_len, 512, 64, torch.bfloat16, len(lens), 8192, block_size),
-        tma_loads=True)
-    run_and_check(lens, num_heads, 512, 64, block_size, q_len, torch.bfloat16, config,
-                  num_splits, seed=block_size + num_heads)
+        default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
+        **{path: True})
+    run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
+                  seed=block_size + num_heads)

@@ -40,6 +40,7 @@ ints only, so planning a step never synchronises with the device.
 """
 
 import functools
+import types
 
 import torch
 import triton
@@ -305,6 +306,26 @@ def _kv_descriptors(
     return nope, pe
 
 
+def _warp_specialized_pass(
+    q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, config: MLADecodeConfig
+) -> types.ModuleType | None:
+    """`mla_decode_sm90` where the configuration asks for it and it serves the shape: q's rows
+    back to back, the cache's pages back to back, 16-byte aligned bases; else None."""
+    if not config.warp_specialized or kv_cache.device.type != "cuda":
+        return None
+    from mlaserve.kernels import mla_decode_sm90  # Gluon: imported only for a CUDA launch
+
+    num_tokens, num_heads, head_dim = q.shape
+    block_size = kv_cache.shape[1]
+    if not (mla_decode_sm90.supported(q.device, q.dtype, kv_lora_rank, head_dim - kv_lora_rank,
+                                      config.block_m, block_size)
+            and q.is_contiguous() and kv_cache.stride(0) == block_size * kv_cache.stride(1)
+            and kv_cache.stride(1) == head_dim and q.data_ptr() % 16 == 0
+            and kv_cache.data_ptr() % 16 == 0):
+        return None
+    return mla_decode_sm90
+
+
 def mla_decode_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -387,17 +408,25 @@ def mla_decode_triton(
                              f"{partial_o.numel()} and {partial_lse.numel()}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     use_pdl = not direct and config.programmatic_launch and _sm90_or_newer(q.device)
-    nope_desc, pe_desc = _kv_descriptors(kv_cache, kv_lora_rank, config)
-    _mla_decode_split_kernel[(num_head_groups, num_splits, batch)](
-        q, kv_cache, nope_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse,
-        softmax_scale * _LOG2E, q_len, num_heads, num_splits, min_split_len,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        PAGE_CHUNK=page_chunk(config, block_table.shape[1] * block_size, num_splits),
-        DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=use_pdl,
-        USE_TMA=nope_desc is not None, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    sm90_pass = _warp_specialized_pass(q, kv_cache, kv_lora_rank, config)
+    if sm90_pass is not None:
+        sm90_pass.launch_split_pass(q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
+                                    softmax_scale * _LOG2E, kv_lora_rank, q_len, num_splits,
+                                    min_split_len)
+    else:
+        nope_desc, pe_desc = _kv_descriptors(kv_cache, kv_lora_rank, config)
+        _mla_decode_split_kernel[(num_head_groups, num_splits, batch)](
+            q, kv_cache, nope_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse,
+            softmax_scale * _LOG2E, q_len, num_heads, num_splits, min_split_len,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            block_table.stride(0), KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
+            BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            NUM_STAGES=config.num_stages,
+            PAGE_CHUNK=page_chunk(config, block_table.shape[1] * block_size, num_splits),
+            DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=use_pdl,
+            USE_TMA=nope_desc is not None, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
     if not direct:
         block_rows, block_l, split_chunk = merge_tile(config, batch, rows, num_splits,
                                                       kv_lora_rank)

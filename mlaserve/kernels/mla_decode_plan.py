@@ -39,6 +39,10 @@ class MLADecodeConfig:
         tma_loads: on sm_90 and newer, load whole KV tiles with TMA (tensor descriptors over
             the cache) where a tile lies inside one page; the partial last tile of a split
             always uses masked loads.
+        warp_specialized: on sm_90 with L = 512, 16-bit data, 64-row programs and pages of
+            whole 64-token tiles, run the split pass as the warp-specialised Gluon kernel of
+            `mla_decode_sm90.py` (TMA loader warp, softmax overlapped with the P V product);
+            block_n, num_warps and num_stages then do not apply to the split pass.
     """
 
     block_m: int
@@ -53,6 +57,7 @@ class MLADecodeConfig:
     merge_num_warps: int = 4
     programmatic_launch: bool = True
     tma_loads: bool = False
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
