@@ -40,8 +40,9 @@ def _tile(tile: tuple[int, int, int, int]) -> dict:
 def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     """(name, config changes, forced split count or None) for one cell."""
     if shape.batch == 1:
-        return [("default", {}, None), ("no programmatic launch",
-                                        dict(programmatic_launch=False), None)]
+        return [("default", {}, None),
+                ("no programmatic launch", dict(programmatic_launch=False), None),
+                ("warp-specialized", dict(block_m=64, warp_specialized=True), None)]
     rows = shape.num_heads * shape.q_len
     tiles, splits = {16: (TILES_16_ROWS, (2, 4) if shape.batch == 64 else (1, 2)),
                      32: (TILES_32_ROWS, (2, 4)),
@@ -51,9 +52,11 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     out = [("default", {}, None)]
     if tiles is TILES_64_ROWS:
         out.append(("default + TMA loads", dict(tma_loads=True), None))
-        out.append(("warp-specialized", dict(warp_specialized=True), None))
-        for count in (1, 2, 3, 4):
-            out.append((f"warp-specialized splits{count}", dict(warp_specialized=True), count))
+    if shape.block_size % 64 == 0:  # the Gluon pass: 64-row programs (fewer rows padded)
+        padded = dict(block_m=64, warp_specialized=True)
+        out.append(("warp-specialized", padded, None))
+        for count in (1, 2, 3, 4, 6):
+            out.append((f"warp-specialized splits{count}", padded, count))
     for tile in tiles:
         for count in splits:
             name = f"m{tile[0]} n{tile[1]} w{tile[2]} s{tile[3]} splits{count}"
