@@ -42,7 +42,8 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     if shape.batch == 1:
         return [("default", {}, None),
                 ("no programmatic launch", dict(programmatic_launch=False), None),
-                ("warp-specialized", dict(block_m=64, warp_specialized=True), None)]
+                ("warp-specialized n32 s4", dict(block_m=64, warp_specialized=True, block_n=32,
+                                                 num_stages=4), None)]
     rows = shape.num_heads * shape.q_len
     tiles, splits = {16: (TILES_16_ROWS, (2, 4) if shape.batch == 64 else (1, 2)),
                      32: (TILES_32_ROWS, (2, 4)),
@@ -52,11 +53,14 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     out = [("default", {}, None)]
     if tiles is TILES_64_ROWS:
         out.append(("default + TMA loads", dict(tma_loads=True), None))
-    if shape.block_size % 64 == 0:  # the Gluon pass: 64-row programs (fewer rows padded)
-        padded = dict(block_m=64, warp_specialized=True)
-        out.append(("warp-specialized", padded, None))
-        for count in (1, 2, 3, 4, 6):
-            out.append((f"warp-specialized splits{count}", padded, count))
+    for block_n, stages in ((32, 4), (64, 2)):  # the Gluon pass: 64-row programs (rows padded)
+        if block_n > shape.block_size:
+            continue
+        ring = dict(block_m=64, warp_specialized=True, block_n=block_n, num_stages=stages)
+        name = f"warp-specialized n{block_n} s{stages}"
+        out.append((name, ring, None))
+        for count in (1, 2, 3, 4):
+            out.append((f"{name} splits{count}", ring, count))
     for tile in tiles:
         for count in splits:
             name = f"m{tile[0]} n{tile[1]} w{tile[2]} s{tile[3]} splits{count}"

@@ -343,7 +343,7 @@ def test_large_batch_defaults(block_size: int) -> None:
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 4), (64, 2), (16, 1)])
 @pytest.mark.parametrize("block_size", [64, 128])
-@pytest.mark.parametrize("path", ["tma_loads", "warp_specialized"])
+@pytest.mark.parametrize("path", ["tma_loads", "warp_specialized", "warp_specialized_n32"])
 def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int],
                     num_splits: int, dtype: torch.dtype) -> None:
     # The Triton kernel with TMA tile loads and the warp-specialised Gluon split pass: whole
@@ -352,8 +352,10 @@ def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int]
     # pass serves 64-row programs only: (16, 1) checks that it steps aside for 16 rows.
     num_heads, q_len = heads_and_q_len
     lens = [4096, q_len, 1000, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
+    changes = {"tma_loads": dict(tma_loads=True), "warp_specialized": dict(warp_specialized=True),
+               "warp_specialized_n32": dict(warp_specialized=True, block_n=32, num_stages=4)}
     config = dataclasses.replace(
         default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
-        **{path: True})
+        **changes[path])
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
                   seed=block_size + num_heads)

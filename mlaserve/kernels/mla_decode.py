@@ -318,7 +318,8 @@ def _warp_specialized_pass(
     num_tokens, num_heads, head_dim = q.shape
     block_size = kv_cache.shape[1]
     if not (mla_decode_sm90.supported(q.device, q.dtype, kv_lora_rank, head_dim - kv_lora_rank,
-                                      config.block_m, block_size)
+                                      config.block_m, config.block_n, config.num_stages,
+                                      block_size)
             and q.is_contiguous() and kv_cache.stride(0) == block_size * kv_cache.stride(1)
             and kv_cache.stride(1) == head_dim and q.data_ptr() % 16 == 0
             and kv_cache.data_ptr() % 16 == 0):
@@ -412,7 +413,7 @@ def mla_decode_triton(
     if sm90_pass is not None:
         sm90_pass.launch_split_pass(q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
                                     softmax_scale * _LOG2E, kv_lora_rank, q_len, num_splits,
-                                    min_split_len)
+                                    min_split_len, config.block_n, config.num_stages)
     else:
         nope_desc, pe_desc = _kv_descriptors(kv_cache, kv_lora_rank, config)
         _mla_decode_split_kernel[(num_head_groups, num_splits, batch)](

@@ -42,7 +42,7 @@ class MLADecodeConfig:
         warp_specialized: on sm_90 with L = 512, 16-bit data, 64-row programs and pages of
             whole 64-token tiles, run the split pass as the warp-specialised Gluon kernel of
             `mla_decode_sm90.py` (TMA loader warp, softmax overlapped with the P V product);
-            block_n, num_warps and num_stages then do not apply to the split pass.
+            block_n and num_stages size its ring of KV tiles; num_warps does not apply.
     """
 
     block_m: int

@@ -40,9 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_M = 64  # query rows per program
-BLOCK_N = 64  # KV tokens per tile
-NUM_STAGES = gl.constexpr(2)  # KV buffers: Q 72 KB + 2 x 72 KB of 227 KB shared memory
 NUM_WARPS = 8  # the default (compute) partition: two warpgroups
+SHARED_MEMORY_LIMIT = 227 * 1024
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -206,6 +205,7 @@ def _mla_decode_split_kernel_sm90(
     min_split_len,  # a multiple of BLOCK_N
     stride_bt,
     BLOCK_SIZE: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -264,19 +264,26 @@ def _mla_decode_split_kernel_sm90(
 
 
 @functools.cache
-def _shared_layouts(dtype: torch.dtype, kv_lora_rank: int, rope_dim: int):
-    gl_dtype = _GL_DTYPES[dtype]
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, kv_lora_rank], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M, rope_dim], gl_dtype))
+def _shared_layout(dtype: torch.dtype, rows: int, width: int) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([rows, width], _GL_DTYPES[dtype])
+
+
+def shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int, num_stages: int) -> int:
+    """Q [64, L + R] plus num_stages KV tiles [block_n, L + R] (16-bit), plus 8 KB for barriers
+    and layout-conversion scratch (4.1 KB compiled at L 512, R 64)."""
+    return 2 * (kv_lora_rank + rope_dim) * (BLOCK_M + num_stages * block_n) + 8192
 
 
 def supported(device: torch.device, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
-              block_m: int, block_size: int) -> bool:
+              block_m: int, block_n: int, num_stages: int, block_size: int) -> bool:
     """Whether `launch_split_pass` serves the shape: sm_90, 16-bit data, L = 512 (two warpgroups
-    of 256 columns), R <= 256, 64-row programs and pages of whole 64-token tiles."""
+    of 256 columns), R <= 256, 64-row programs, tiles of 32 or more tokens within a page, and
+    the ring of num_stages tiles in shared memory."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
             and dtype in _GL_DTYPES and kv_lora_rank == 512 and 16 <= rope_dim <= 256
-            and block_m == BLOCK_M and block_size % BLOCK_N == 0)
+            and block_m == BLOCK_M and 32 <= block_n <= block_size and num_stages >= 2
+            and shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages)
+            <= SHARED_MEMORY_LIMIT)
 
 
 def launch_split_pass(
@@ -291,6 +298,8 @@ def launch_split_pass(
     q_len: int,
     num_splits: int,
     min_split_len: int,
+    block_n: int,
+    num_stages: int,
 ) -> None:
     """Stage 1 of `mla_decode_triton` for a shape where `supported` holds.
 
@@ -300,25 +309,24 @@ def launch_split_pass(
         partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
             (flat): float32 partials, or with num_splits == 1 the final o (q's dtype) and lse.
         qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of
-            BLOCK_N.
+            block_n, the KV tokens per tile; num_stages: KV tiles in the shared ring.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     rope_dim = head_dim - kv_lora_rank
-    nope_layout, pe_layout = _shared_layouts(q.dtype, kv_lora_rank, rope_dim)
     q_rows = q.view(num_tokens * num_heads, head_dim)  # [B * q_len * H, L + R]
     kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
-    descs = (TensorDescriptor.from_tensor(q_rows, [BLOCK_M, kv_lora_rank], nope_layout),
-             TensorDescriptor.from_tensor(q_rows, [BLOCK_M, rope_dim], pe_layout),
-             TensorDescriptor.from_tensor(kv_rows, [BLOCK_N, kv_lora_rank], nope_layout),
-             TensorDescriptor.from_tensor(kv_rows, [BLOCK_N, rope_dim], pe_layout))
+    descs = [TensorDescriptor.from_tensor(tensor, [rows, width],
+                                          _shared_layout(q.dtype, rows, width))
+             for tensor, rows in ((q_rows, BLOCK_M), (kv_rows, block_n))
+             for width in (kv_lora_rank, rope_dim)]
     batch = block_table.shape[0]
     rows = q_len * num_heads
     grid = (triton.cdiv(rows, BLOCK_M), num_splits, batch)
     _mla_decode_split_kernel_sm90[grid](
         *descs, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len, num_heads,
         num_splits, min_split_len, block_table.stride(0), BLOCK_SIZE=block_size,
-        DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS)
+        NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS)
 
 
 __all__ = ["launch_split_pass", "supported"]
