@@ -59,7 +59,7 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
         ring = dict(block_m=64, warp_specialized=True, block_n=block_n, num_stages=stages)
         name = f"warp-specialized n{block_n} s{stages}"
         out.append((name, ring, None))
-        for count in (1, 2, 3, 4):
+        for count in (1, 2, 4):
             out.append((f"{name} splits{count}", ring, count))
     for tile in tiles:
         for count in splits:
