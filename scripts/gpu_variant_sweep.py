@@ -83,8 +83,14 @@ def main() -> None:
     parser.add_argument("--min-rows", type=int, default=1,
                         help="only cells with at least this many query rows (q_len x heads)")
     parser.add_argument("--match", default="",
-                        help="comma-separated substrings: only variants whose name has one")
+                        help="comma-separated variant names (a trailing * matches a prefix)")
+    parser.add_argument("--full-scores", action="store_true",
+                        help="Gluon pass: each warpgroup computes all of S (FULL_SCORES)")
     args = parser.parse_args()
+    if args.full_scores:
+        from mlaserve.kernels import mla_decode_sm90
+
+        mla_decode_sm90.FULL_SCORES = True
     sweep = Sweep(smoke=False, budget_s=args.budget_s)
     copy_gbs, mm_tflops = sweep.ceilings()
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_gbs:.0f} GB/s, matmul {mm_tflops:.0f} "
@@ -97,7 +103,9 @@ def main() -> None:
         default = sweep.plan(shape, None).config  # the cell's default configuration
         named = variants(shape)
         if args.match:
-            named = [v for v in named if any(part in v[0] for part in args.match.split(","))]
+            parts = args.match.split(",")
+            named = [v for v in named if any(v[0] == part or part.endswith("*")
+                                             and v[0].startswith(part[:-1]) for part in parts)]
         configs = [dataclasses.replace(default, **changes) for _, changes, _ in named]
         timed = time_shape(sweep, shape, configs, [splits for _, _, splits in named])
         fa3 = FA3_ANCHOR_US.get(shape.key)

@@ -42,6 +42,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 BLOCK_M = 64  # query rows per program
 NUM_WARPS = 8  # the default (compute) partition: two warpgroups
 SHARED_MEMORY_LIMIT = 227 * 1024
+# Scores split by columns over the two warpgroups (False) or computed whole by each (True).
+FULL_SCORES = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -207,15 +209,21 @@ def _mla_decode_split_kernel_sm90(
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
+    FULL_SCORES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     ROWS: gl.constexpr = q_nope_desc.block_type.shape[0]
     L: gl.constexpr = q_nope_desc.block_type.shape[1]
     TILE: gl.constexpr = kv_nope_desc.block_type.shape[0]
     gl.static_assert(num_warps == 8)
-    # wgmma layouts: 4 warps x 16 rows cover the 64 rows, the two warpgroups split the columns.
-    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, TILE // 2, 16])
+    # wgmma layouts: 4 warps x 16 rows cover the 64 rows, the two warpgroups split the columns
+    # (or, FULL_SCORES, each warpgroup computes all of S: twice the Q K^T work, no exchange).
+    if FULL_SCORES:
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                           instr_shape=[16, TILE, 16])
+    else:
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, TILE // 2, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, L // 2, 16])
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -326,7 +334,8 @@ def launch_split_pass(
     _mla_decode_split_kernel_sm90[grid](
         *descs, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len, num_heads,
         num_splits, min_split_len, block_table.stride(0), BLOCK_SIZE=block_size,
-        NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS)
+        NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1, FULL_SCORES=FULL_SCORES,
+        num_warps=NUM_WARPS)
 
 
 __all__ = ["launch_split_pass", "supported"]
