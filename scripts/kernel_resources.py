@@ -93,37 +93,18 @@ def main() -> None:
 def warp_specialized() -> None:
     """The Gluon split pass (`mla_decode_sm90`): its compute partition's register budget is set
     by setmaxnreg, so that is printed next to the launch limit."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from mlaserve.kernels import mla_decode_sm90
 
-    from mlaserve.kernels import mla_decode_sm90 as sm90
-
-    kernel = sm90._mla_decode_split_kernel_sm90
-    descs = {}
-    for name, rows, width in (("q_nope_desc", sm90.BLOCK_M, KV_LORA_RANK),
-                              ("q_pe_desc", sm90.BLOCK_M, ROPE_DIM),
-                              ("kv_nope_desc", sm90.BLOCK_N, KV_LORA_RANK),
-                              ("kv_pe_desc", sm90.BLOCK_N, ROPE_DIM)):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)
-        descs[name] = f"tensordesc<bf16[{rows}, {width}],{layout!r}>"
-    for direct in (False, True):
-        constexprs = dict(BLOCK_SIZE=64, DIRECT_OUTPUT=direct, num_warps=sm90.NUM_WARPS)
-        signature = {**descs, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                     "o_ptr": "*bf16" if direct else "*fp32", "lse_ptr": "*fp32",
-                     "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
-                     "min_split_len": "i32", "stride_bt": "i32",
-                     **{name: "constexpr" for name in constexprs}}
-        aligned = ["block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_bt"]
-        attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-        compiled = triton.compile(
-            GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32), options={"num_warps": sm90.NUM_WARPS})
+    for (block_n, num_stages), direct in itertools.product(((64, 2), (32, 4)), (False, True)):
+        compiled = mla_decode_sm90.compile_for_sm90(block_n=block_n, num_stages=num_stages,
+                                                    direct_output=direct)
         ptx = compiled.asm["ptx"]
         setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)",
                                            ptx)))
-        print(f"warp-specialized sm_90 split pass ({'direct' if direct else 'partials'}): "
-              f"{compiled.metadata.num_warps} warps | launch {resources(compiled.asm['cubin'])}"
-              f", setmaxnreg {' '.join(f'{op} {n}' for op, n in setmaxnreg)} | shared "
+        print(f"warp-specialized sm_90 pass n{block_n} s{num_stages} "
+              f"({'direct' if direct else 'partials'}): {compiled.metadata.num_warps} warps | "
+              f"launch {resources(compiled.asm['cubin'])}, setmaxnreg "
+              f"{' '.join(f'{op} {n}' for op, n in setmaxnreg)} | shared "
               f"{compiled.metadata.shared // 1024} KB | wgmma {ptx.count('wgmma.mma_async')}  "
               f"TMA {ptx.count('cp.async.bulk.tensor')}  bar.sync {ptx.count('bar.sync')}")
 

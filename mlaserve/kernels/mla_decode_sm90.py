@@ -338,4 +338,41 @@ def launch_split_pass(
         num_warps=NUM_WARPS)
 
 
-__all__ = ["launch_split_pass", "supported"]
+def compile_for_sm90(
+    dtype: torch.dtype = torch.bfloat16,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    block_n: int = 64,
+    num_stages: int = 2,
+    block_size: int = 64,
+    direct_output: bool = False,
+):
+    """Compile the split pass for sm_90 without a GPU (Triton's bundled ptxas), with the
+    argument specialisation a launch gets; returns Triton's CompiledKernel (asm["ptx"],
+    asm["cubin"], metadata.shared). For resource checks in tests and scripts."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = _mla_decode_split_kernel_sm90
+    type_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    signature = {}
+    for name, rows, width in (("q_nope_desc", BLOCK_M, kv_lora_rank),
+                              ("q_pe_desc", BLOCK_M, rope_dim),
+                              ("kv_nope_desc", block_n, kv_lora_rank),
+                              ("kv_pe_desc", block_n, rope_dim)):
+        layout = _shared_layout(dtype, rows, width)
+        signature[name] = f"tensordesc<{type_name}[{rows}, {width}],{layout!r}>"
+    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output,
+                      FULL_SCORES=FULL_SCORES, num_warps=NUM_WARPS)
+    signature |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                  "o_ptr": f"*{type_name}" if direct_output else "*fp32", "lse_ptr": "*fp32",
+                  "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
+                  "min_split_len": "i32", "stride_bt": "i32"}
+    signature |= {name: "constexpr" for name in constexprs}
+    aligned = ["block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_bt"]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+
+
+__all__ = ["compile_for_sm90", "launch_split_pass", "supported"]

@@ -1,0 +1,69 @@
+"""The warp-specialised Gluon split pass (`kernels/mla_decode_sm90.py`) without a GPU: it
+compiles for sm_90 with no register spills, inside the shared memory its `supported` check
+assumes, and steps aside where it does not apply. Its numerics are checked against the float32
+reference on the GPU in test_triton_mla_decode.py (`test_sm90_paths`)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from mlaserve.kernels import mla_decode_sm90  # noqa: E402
+
+# Runs in a fresh interpreter: the CPU test session interprets Triton kernels
+# (TRITON_INTERPRET=1 is read when triton and gluon decorate their functions).
+_COMPILE = """
+import json, os, subprocess, sys, tempfile
+import torch, triton
+from mlaserve.kernels import mla_decode_sm90
+dtype, block_n, num_stages = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+compiled = mla_decode_sm90.compile_for_sm90(dtype=dtype, block_n=block_n, num_stages=num_stages)
+tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(compiled.asm["cubin"]); f.flush()
+    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                           text=True, check=True).stdout
+line = next(line for line in usage.splitlines() if "STACK:" in line)
+print(json.dumps({"stack": int(line.split("STACK:")[1].split()[0]),
+                  "shared": compiled.metadata.shared, "ptx": compiled.asm["ptx"]}))
+"""
+
+
+@pytest.mark.parametrize("ring", [(64, 2), (32, 4)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compiles_for_sm90_without_spills(ring: tuple[int, int], dtype: str) -> None:
+    block_n, num_stages = ring
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, dtype, str(block_n), str(num_stages)],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    result = json.loads(out.splitlines()[-1])
+    assert result["stack"] == 0  # no register spills
+    assert result["shared"] <= mla_decode_sm90.shared_memory_bytes(512, 64, block_n, num_stages)
+    assert result["shared"] <= mla_decode_sm90.SHARED_MEMORY_LIMIT
+    ptx = result["ptx"]
+    # The pipelined loop waits for S_{j+1} while P_j V_j may still run; TMA loads; the loader
+    # warp gives its registers to the compute partition.
+    assert "wgmma.wait_group.sync.aligned 1" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+
+
+def test_supported_shapes() -> None:
+    assert not mla_decode_sm90.supported(torch.device("cpu"), torch.bfloat16, 512, 64, 64, 64, 2,
+                                         64)
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        return
+    cuda = torch.device("cuda")
+    assert mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 64, 2, 64)
+    assert mla_decode_sm90.supported(cuda, torch.float16, 512, 64, 64, 32, 4, 32)
+    assert not mla_decode_sm90.supported(cuda, torch.float32, 512, 64, 64, 64, 2, 64)
+    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 256, 64, 64, 64, 2, 64)
+    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 32, 64, 2, 64)
+    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 64, 2, 32)
+    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 64, 3, 64)
