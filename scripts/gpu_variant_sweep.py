@@ -86,11 +86,14 @@ def main() -> None:
                         help="comma-separated variant names (a trailing * matches a prefix)")
     parser.add_argument("--full-scores", action="store_true",
                         help="Gluon pass: each warpgroup computes all of S (FULL_SCORES)")
+    parser.add_argument("--release-first", action="store_true",
+                        help="Gluon pass: P_j V_j before S_{j+1} (OVERLAP_SOFTMAX off)")
     args = parser.parse_args()
-    if args.full_scores:
+    if args.full_scores or args.release_first:
         from mlaserve.kernels import mla_decode_sm90
 
-        mla_decode_sm90.FULL_SCORES = True
+        mla_decode_sm90.FULL_SCORES = args.full_scores
+        mla_decode_sm90.OVERLAP_SOFTMAX = not args.release_first
     sweep = Sweep(smoke=False, budget_s=args.budget_s)
     copy_gbs, mm_tflops = sweep.ceilings()
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_gbs:.0f} GB/s, matmul {mm_tflops:.0f} "

@@ -44,6 +44,9 @@ NUM_WARPS = 8  # the default (compute) partition: two warpgroups
 SHARED_MEMORY_LIMIT = 227 * 1024
 # Scores split by columns over the two warpgroups (False) or computed whole by each (True).
 FULL_SCORES = False
+# Issue S_{j+1} before P_j V_j and run the softmax of S_{j+1} beside that product (True), or
+# issue P_j V_j first and release tile j's buffer before S_{j+1} is done (False).
+OVERLAP_SOFTMAX = True
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -130,7 +133,8 @@ def _compute_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready
                        kv_empty, o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows, group,
                        out_base, seq_len, split_start, split_end, num_tiles,
                        S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
-                       DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr):
+                       DIRECT_OUTPUT: gl.constexpr, OVERLAP_SOFTMAX: gl.constexpr,
+                       num_warps: gl.constexpr):
     """8 warps: the pipelined tile loop (module docstring) and the output of the split."""
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
@@ -155,16 +159,27 @@ def _compute_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready
                                            qk_scale, S_LAYOUT, P_LAYOUT, dtype)
         for j in range(num_tiles - 1):
             stage = j % STAGES
-            s_token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready,
-                                    j + 1, S_LAYOUT)
-            o_token = warpgroup_mma(p, kv_nope_smem.index(stage), acc, is_async=True)
-            scores = warpgroup_mma_wait(1, deps=[s_token])  # S_{j+1} done; P_j V_j may run on
-            p_next, alpha, m_i, l_i = _softmax_step(
-                scores, m_i, l_i, split_start + (j + 1) * TILE, split_end, last_key, qk_scale,
-                S_LAYOUT, P_LAYOUT, dtype)
-            # P_j (a register operand) stays live until its product is done.
-            acc, p = warpgroup_mma_wait(0, deps=[o_token, p])
-            mbarrier.arrive(kv_empty.index(stage))  # the loader may refill tile j's buffer
+            if OVERLAP_SOFTMAX:
+                s_token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem,
+                                        kv_ready, j + 1, S_LAYOUT)
+                o_token = warpgroup_mma(p, kv_nope_smem.index(stage), acc, is_async=True)
+                scores = warpgroup_mma_wait(1, deps=[s_token])  # S_{j+1} done; P_j V_j runs on
+                p_next, alpha, m_i, l_i = _softmax_step(
+                    scores, m_i, l_i, split_start + (j + 1) * TILE, split_end, last_key,
+                    qk_scale, S_LAYOUT, P_LAYOUT, dtype)
+                # P_j (a register operand) stays live until its product is done.
+                acc, p = warpgroup_mma_wait(0, deps=[o_token, p])
+                mbarrier.arrive(kv_empty.index(stage))  # the loader may refill tile j's buffer
+            else:  # P_j V_j first: tile j's buffer is released one S product earlier
+                o_token = warpgroup_mma(p, kv_nope_smem.index(stage), acc, is_async=True)
+                s_token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem,
+                                        kv_ready, j + 1, S_LAYOUT)
+                acc, p = warpgroup_mma_wait(2, deps=[o_token, p])  # S_{j+1}'s two may run on
+                mbarrier.arrive(kv_empty.index(stage))
+                scores = warpgroup_mma_wait(0, deps=[s_token])
+                p_next, alpha, m_i, l_i = _softmax_step(
+                    scores, m_i, l_i, split_start + (j + 1) * TILE, split_end, last_key,
+                    qk_scale, S_LAYOUT, P_LAYOUT, dtype)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
             p = p_next
         last = num_tiles - 1
@@ -210,6 +225,7 @@ def _mla_decode_split_kernel_sm90(
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
     FULL_SCORES: gl.constexpr,
+    OVERLAP_SOFTMAX: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     ROWS: gl.constexpr = q_nope_desc.block_type.shape[0]
@@ -264,7 +280,7 @@ def _mla_decode_split_kernel_sm90(
                               kv_ready, kv_empty, o_ptr, lse_ptr, qk_scale, q_len, num_heads,
                               num_rows, group, out_base, seq_len, split_start, split_end,
                               num_tiles, S_LAYOUT, O_LAYOUT, P_LAYOUT, DIRECT_OUTPUT,
-                              num_warps)),
+                              OVERLAP_SOFTMAX, num_warps)),
         (_loader_partition, (q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem,
                              q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty,
                              bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
@@ -335,7 +351,7 @@ def launch_split_pass(
         *descs, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len, num_heads,
         num_splits, min_split_len, block_table.stride(0), BLOCK_SIZE=block_size,
         NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1, FULL_SCORES=FULL_SCORES,
-        num_warps=NUM_WARPS)
+        OVERLAP_SOFTMAX=OVERLAP_SOFTMAX, num_warps=NUM_WARPS)
 
 
 def compile_for_sm90(
@@ -363,7 +379,8 @@ def compile_for_sm90(
         layout = _shared_layout(dtype, rows, width)
         signature[name] = f"tensordesc<{type_name}[{rows}, {width}],{layout!r}>"
     constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output,
-                      FULL_SCORES=FULL_SCORES, num_warps=NUM_WARPS)
+                      FULL_SCORES=FULL_SCORES, OVERLAP_SOFTMAX=OVERLAP_SOFTMAX,
+                      num_warps=NUM_WARPS)
     signature |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                   "o_ptr": f"*{type_name}" if direct_output else "*fp32", "lse_ptr": "*fp32",
                   "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
