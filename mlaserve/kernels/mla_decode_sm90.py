@@ -46,7 +46,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 FULL_SCORES = False
 # Issue S_{j+1} before P_j V_j and run the softmax of S_{j+1} beside that product (True), or
 # issue P_j V_j first and release tile j's buffer before S_{j+1} is done (False).
-OVERLAP_SOFTMAX = True
+OVERLAP_SOFTMAX = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
