@@ -118,12 +118,13 @@ def default_config(
       small batches. Pages of 32 tokens take 32-token tiles with 3 stages (606.5 µs at 16 heads
       x 512 x 4096, against 823.6 with 4 stages: one program per SM). Otherwise 64-token tiles
       with 2 stages where they fit (~220 KB at 64 rows x 576), else 32-token tiles, 3 stages.
-    - 64-row programs run as the warp-specialised Gluon pass on sm_90 (`mla_decode_sm90.py`):
-      219-221 / 67 / 473-485 µs against 259 / 74 / 541 at 128 heads x batch 64 x 4096 / 64 x
-      1024 / 512 x 1024, 120-129 against 147 at 16 heads x q_len 4 x 64 x 4096. Its 64-token
-      tiles x 2 buffers are within 1% of 32-token tiles x 4 at 128 heads (7% slower at q_len
-      4) and are also the Triton kernel's best 64-row tile, which the same configuration gets
-      where the Gluon pass does not apply. The Triton kernel loads 64-row tiles by TMA (7-9%
+    - 64-row programs run as the warp-specialised Gluon pass on sm_90 (`mla_decode_sm90.py`,
+      benchmarks/2026-12-02-h200-mla-decode-gluon/): 165 / 54 / 392 / 1366 µs against 259 /
+      74 / 541 / 2166 at 128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024 / 512 x 4096,
+      101 against 147 at 16 heads x q_len 4 x 64 x 4096. Its 64-token tiles x 2 buffers beat
+      32-token tiles x 4 (164 against 223 µs at 128 x 64 x 4096) and are also the Triton
+      kernel's best 64-row tile, which the same configuration gets where the Gluon pass does
+      not apply. The Triton kernel loads 64-row tiles by TMA (7-9%
       at 128 heads). Both aim at one program per SM (216-220 KB of shared memory allow no
       more): q_len 4 at 16 heads x 64 x 4096 then takes 2 splits (146 µs against 157 with 4).
     - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.

@@ -10,12 +10,16 @@ the tensor cores idle during the softmax; here the work is laid out by hand:
   then each KV tile [BLOCK_N, L] and [BLOCK_N, R] of the split (one page id per tile) into a
   ring of NUM_STAGES shared buffers guarded by ready / empty mbarriers.
 - The 8-warp default partition (two warpgroups) owns the accumulator [64, L] float32, each
-  warpgroup 256 of the L columns, and runs a software pipeline over the tiles j:
-      issue S_{j+1} = Q K_{j+1}^T (wgmma, async)    issue O += P_j V_j (wgmma, async)
-      wait for S_{j+1}; its online softmax -> P_{j+1}, while O += P_j V_j runs
-      wait for P_j V_j; release tile j's buffer; rescale O by the new maximum
-  S is split by columns over the two warpgroups ([4, 2] warps), so its row max and sum and the
-  conversion of P to the wgmma register operand go through shared memory.
+  warpgroup 256 of the L columns, and keeps the tensor cores fed over the tiles j:
+      issue O += P_j V_j (wgmma, async)    issue S_{j+1} = Q K_{j+1}^T (wgmma, async)
+      wait for P_j V_j; release tile j's buffer to the loader (S_{j+1} still runs)
+      wait for S_{j+1}; its online softmax -> P_{j+1}; rescale O by the new maximum
+  With two 64-token buffers the loader can refill a buffer only once its P V product is done,
+  so releasing it before S_{j+1} finishes hides most of the next load: 164 against 220 µs at
+  128 heads x 64 x 4096 for the other order (OVERLAP_SOFTMAX: S_{j+1} first, its softmax beside
+  P_j V_j), benchmarks/2026-12-02-h200-mla-decode-gluon/. S is split by columns over the two
+  warpgroups ([4, 2] warps), so its row max and sum and the conversion of P to the wgmma
+  register operand go through shared memory.
 - V is the [BLOCK_N, L] buffer of the tile itself. A split's partial last tile has its rows
   past the length zeroed in shared memory before its P V product (the page tail may hold NaN,
   and P = 0 times NaN is NaN); their scores are masked to -inf like every invisible key.
