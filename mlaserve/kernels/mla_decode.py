@@ -286,6 +286,11 @@ def _sm90_or_newer(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _pages_back_to_back(kv_cache: torch.Tensor) -> bool:
+    """Whether the cache's rows form one [num_blocks * block_size, L + R] matrix."""
+    return kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
+
+
 def _kv_descriptors(
     kv_cache: torch.Tensor, kv_lora_rank: int, config: MLADecodeConfig
 ) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
@@ -296,7 +301,7 @@ def _kv_descriptors(
     num_blocks, block_size, head_dim = kv_cache.shape
     if (not config.tma_loads or not _sm90_or_newer(kv_cache.device)
             or kv_cache.element_size() != 2 or block_size < config.block_n
-            or kv_cache.stride(0) != block_size * kv_cache.stride(1)):
+            or not _pages_back_to_back(kv_cache)):
         return None, None
     rows, row_stride = num_blocks * block_size, kv_cache.stride(1)
     nope = TensorDescriptor(kv_cache, [rows, kv_lora_rank], [row_stride, 1],
@@ -320,7 +325,7 @@ def _warp_specialized_pass(
     if not (mla_decode_sm90.supported(q.device, q.dtype, kv_lora_rank, head_dim - kv_lora_rank,
                                       config.block_m, config.block_n, config.num_stages,
                                       block_size)
-            and q.is_contiguous() and kv_cache.stride(0) == block_size * kv_cache.stride(1)
+            and q.is_contiguous() and _pages_back_to_back(kv_cache)
             and kv_cache.stride(1) == head_dim and q.data_ptr() % 16 == 0
             and kv_cache.data_ptr() % 16 == 0):
         return None

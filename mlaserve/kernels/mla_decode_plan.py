@@ -39,9 +39,9 @@ class MLADecodeConfig:
         tma_loads: on sm_90 and newer, load whole KV tiles with TMA (tensor descriptors over
             the cache) where a tile lies inside one page; the partial last tile of a split
             always uses masked loads.
-        warp_specialized: on sm_90 with L = 512, 16-bit data, 64-row programs and pages of
-            whole 64-token tiles, run the split pass as the warp-specialised Gluon kernel of
-            `mla_decode_sm90.py` (TMA loader warp, softmax overlapped with the P V product);
+        warp_specialized: on sm_90 with L = 512, 16-bit data, 64-row programs and tiles of
+            32 or more tokens within a page, run the split pass as the warp-specialised Gluon
+            kernel of `mla_decode_sm90.py` (a TMA loader warp, two compute warpgroups);
             block_n and num_stages size its ring of KV tiles; num_warps does not apply.
     """
 
@@ -119,14 +119,14 @@ def default_config(
       x 512 x 4096, against 823.6 with 4 stages: one program per SM). Otherwise 64-token tiles
       with 2 stages where they fit (~220 KB at 64 rows x 576), else 32-token tiles, 3 stages.
     - 64-row programs run as the warp-specialised Gluon pass on sm_90 (`mla_decode_sm90.py`,
-      benchmarks/2026-12-02-h200-mla-decode-gluon/): 165 / 54 / 392 / 1366 µs against 259 /
-      74 / 541 / 2166 at 128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024 / 512 x 4096,
-      101 against 147 at 16 heads x q_len 4 x 64 x 4096. Its 64-token tiles x 2 buffers beat
+      benchmarks/2026-12-02-h200-mla-decode-gluon/): 165 / 54 / 392 µs against the Triton
+      kernel's 259 / 74 / 541 at 128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024, and 101
+      against 147 at 16 heads x q_len 4 x 64 x 4096. Its 64-token tiles x 2 buffers beat
       32-token tiles x 4 (164 against 223 µs at 128 x 64 x 4096) and are also the Triton
       kernel's best 64-row tile, which the same configuration gets where the Gluon pass does
-      not apply. The Triton kernel loads 64-row tiles by TMA (7-9%
-      at 128 heads). Both aim at one program per SM (216-220 KB of shared memory allow no
-      more): q_len 4 at 16 heads x 64 x 4096 then takes 2 splits (146 µs against 157 with 4).
+      not apply; there the Triton kernel loads 64-row tiles by TMA (7-9% at 128 heads). Both
+      aim at one program per SM (216-220 KB of shared memory allow no more): q_len 4 at 16
+      heads x 64 x 4096 then takes 2 splits (146 µs against 157 with 4).
     - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
     """
     head_dim = kv_lora_rank + qk_rope_head_dim

@@ -302,13 +302,18 @@ def shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int, num_stag
     return 2 * (kv_lora_rank + rope_dim) * (BLOCK_M + num_stages * block_n) + 8192
 
 
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def supported(device: torch.device, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
               block_m: int, block_n: int, num_stages: int, block_size: int) -> bool:
     """Whether `launch_split_pass` serves the shape: sm_90, 16-bit data, L = 512 (two warpgroups
     of 256 columns), R <= 256, 64-row programs, tiles of 32 or more tokens within a page, and
     the ring of num_stages tiles in shared memory."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-            and dtype in _GL_DTYPES and kv_lora_rank == 512 and 16 <= rope_dim <= 256
+    return (_is_sm90(device) and dtype in _GL_DTYPES and kv_lora_rank == 512
+            and 16 <= rope_dim <= 256
             and block_m == BLOCK_M and 32 <= block_n <= block_size and num_stages >= 2
             and shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages)
             <= SHARED_MEMORY_LIMIT)
