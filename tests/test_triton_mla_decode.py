@@ -349,8 +349,8 @@ def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int]
     # The Triton kernel with TMA tile loads (the Gluon pass off, as off sm_90) and the
     # warp-specialised Gluon split pass: whole tiles by TMA, the partial last tile of each split
     # masked or zeroed in shared memory; lengths end mid-tile, mid-page and on page ends, with
-    # NaN in every page tail. (16, 1) has 16-row programs, which both flags leave to the
-    # Triton kernel's pointer loads.
+    # NaN in every page tail. (16, 1) has 16-row programs: the Gluon flag leaves them to the
+    # Triton kernel, the TMA flag gives them TMA loads (not a default: they spill there).
     num_heads, q_len = heads_and_q_len
     lens = [4096, q_len, 1000, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
     changes = {"tma_loads": dict(tma_loads=True, warp_specialized=False),
