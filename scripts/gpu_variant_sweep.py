@@ -40,10 +40,25 @@ def _tile(tile: tuple[int, int, int, int]) -> dict:
 def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     """(name, config changes, forced split count or None) for one cell."""
     if shape.batch == 1:
-        return [("default", {}, None),
-                ("no programmatic launch", dict(programmatic_launch=False), None),
-                ("warp-specialized n32 s4", dict(block_m=64, warp_specialized=True, block_n=32,
-                                                 num_stages=4), None)]
+        out = [("default", {}, None),
+               ("no programmatic launch", dict(programmatic_launch=False), None),
+               ("warp-specialized n32 s4", dict(block_m=64, warp_specialized=True, seesaw=False,
+                                                block_n=32, num_stages=4), None),
+               ("seesaw n32 s4", dict(block_m=64, warp_specialized=True, seesaw=True,
+                                      block_n=32, num_stages=4), None)]
+        if shape.num_heads >= 64:  # the seesaw pass at more splits (shorter ones allowed)
+            seesaw = dict(block_m=64, warp_specialized=True, seesaw=True, block_n=32,
+                          num_stages=4, min_split_len=64)
+            for count in (16, 33, 66):
+                out.append((f"seesaw n32 s4 min64 splits{count}", seesaw, count))
+        if shape.num_heads >= 64:  # head groups against splits at one request
+            for tile, counts in (((16, 32, 4, 3), (8, 16)), ((32, 32, 4, 3), (16, 24, 33)),
+                                 ((64, 64, 8, 2), (33, 66))):
+                for count in counts:
+                    name = f"m{tile[0]} n{tile[1]} s{tile[3]} splits{count}"
+                    out.append((name, _tile(tile) | dict(warp_specialized=tile[0] == 64),
+                                count))
+        return out
     rows = shape.num_heads * shape.q_len
     tiles, splits = {16: (TILES_16_ROWS, (2, 4) if shape.batch == 64 else (1, 2)),
                      32: (TILES_32_ROWS, (2, 4)),
@@ -56,11 +71,22 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     for block_n, stages in ((32, 4), (64, 2)):  # the Gluon pass: 64-row programs (rows padded)
         if block_n > shape.block_size:
             continue
-        ring = dict(block_m=64, warp_specialized=True, block_n=block_n, num_stages=stages)
+        ring = dict(block_m=64, warp_specialized=True, seesaw=False, block_n=block_n,
+                    num_stages=stages)
         name = f"warp-specialized n{block_n} s{stages}"
         out.append((name, ring, None))
         for count in (1, 2, 4):
             out.append((f"{name} splits{count}", ring, count))
+        if block_n == 32:  # the seesaw schedule: 32-token tiles only
+            seesaw = ring | dict(seesaw=True)
+            out.append(("seesaw n32 s4", seesaw, None))
+            for count in (1, 2, 4):
+                out.append((f"seesaw n32 s4 splits{count}", seesaw, count))
+    if shape.num_heads <= 16 and rows > 16:  # one 16-row program per token: KV shared in L2
+        for tile, counts in (((16, 32, 4, 3), (2, 4)), ((16, 64, 4, 2), (2, 4))):
+            for count in counts:
+                out.append((f"token groups m{tile[0]} n{tile[1]} s{tile[3]} splits{count}",
+                            _tile(tile), count))
     for tile in tiles:
         for count in splits:
             name = f"m{tile[0]} n{tile[1]} w{tile[2]} s{tile[3]} splits{count}"
@@ -74,7 +100,7 @@ CELLS = [Shape(16, 64, 1024, 64, 1), Shape(16, 64, 4096, 64, 1), Shape(16, 512, 
          Shape(16, 512, 4096, 32, 1), Shape(16, 64, 4096, 64, 2), Shape(16, 64, 4096, 64, 4),
          Shape(128, 64, 4096, 64, 1), Shape(16, 1, 8192, 64, 1), Shape(16, 1, 1024, 64, 1),
          Shape(128, 1, 8192, 64, 1), Shape(16, 512, 4096, 64, 1), Shape(128, 64, 1024, 64, 1),
-         Shape(128, 512, 1024, 64, 1)]
+         Shape(128, 512, 1024, 64, 1), Shape(128, 1, 4096, 64, 1)]
 
 
 def main() -> None:
@@ -84,6 +110,8 @@ def main() -> None:
                         help="only cells with at least this many query rows (q_len x heads)")
     parser.add_argument("--match", default="",
                         help="comma-separated variant names (a trailing * matches a prefix)")
+    parser.add_argument("--cells", default="",
+                        help="comma-separated cells as printed, e.g. 'H16 B64 kv4096 blk64 q2'")
     parser.add_argument("--full-scores", action="store_true",
                         help="Gluon pass: each warpgroup computes all of S (FULL_SCORES)")
     parser.add_argument("--release-first", action="store_true",
@@ -99,7 +127,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_gbs:.0f} GB/s, matmul {mm_tflops:.0f} "
           f"TFLOP/s", flush=True)
     results = []
-    for shape in [c for c in CELLS if c.num_heads * c.q_len >= args.min_rows]:
+    cells = [c for c in CELLS if c.num_heads * c.q_len >= args.min_rows
+             and (not args.cells or str(c) in args.cells.split(","))]
+    for shape in cells:
         if sweep.over_budget():
             print(f"budget over: skipped {shape} and after")
             break

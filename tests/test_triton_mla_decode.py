@@ -210,12 +210,17 @@ def test_plan_is_host_side_and_sized() -> None:
     assert long.workspace_lse_numel == long.num_splits * 16
     # batch 1: the best split counts of scripts/gpu_split_sweep.py on the H200
     assert [plan(1, n, 16).num_splits for n in (1024, 4096, 8192)] == [16, 32, 64]
-    assert [plan(1, n, 128).num_splits for n in (1024, 8192)] == [16, 32]
+    # 128 heads: the seesaw pass's 64-row groups, at most 32 splits (33 beat 66 at batch 1)
+    assert [plan(1, n, 128).num_splits for n in (1024, 4096, 8192)] == [16, 32, 32]
     wide = plan(64, 8192, 128)
-    assert wide.num_head_groups == 2 and wide.config.block_m == 64
-    narrow = plan(1, 8192, 128)  # a lone request: 32-row groups give more programs
-    assert narrow.num_head_groups == 4 and narrow.config.block_m == 32
+    assert wide.num_head_groups == 2 and wide.config.block_m == 64 and wide.num_splits == 1
+    lone = plan(1, 8192, 128)
+    assert lone.num_head_groups == 2 and lone.config.seesaw
     assert plan(8, 1024, 128, q_len=2).num_head_groups == 4
+    # 32 rows (16 heads x q_len 2) are padded to one 64-row seesaw program, 2 splits at 64 x 4k
+    padded = plan(64, 4096, 16, q_len=2)
+    assert padded.config.block_m == 64 and padded.num_splits == 2
+    assert plan(64, 4096, 16, q_len=2, block_size=16).config.block_m == 32  # pages < 32 tokens
     assert plan(4, 100, 16).num_splits == 1  # shorter than one minimum split
     assert plan(3, 4096, 16, num_splits=5).num_splits == 5
     fill = plan(1, 8192, 16, config=MLADecodeConfig(16, 64, 4, 2, split_policy="fill",
@@ -343,7 +348,8 @@ def test_large_batch_defaults(block_size: int) -> None:
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 4), (64, 2), (16, 1)])
 @pytest.mark.parametrize("block_size", [64, 128])
-@pytest.mark.parametrize("path", ["tma_loads", "warp_specialized", "warp_specialized_n32"])
+@pytest.mark.parametrize("path", ["tma_loads", "warp_specialized", "warp_specialized_n32",
+                                  "seesaw"])
 def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int],
                     num_splits: int, dtype: torch.dtype) -> None:
     # The Triton kernel with TMA tile loads (the Gluon pass off, as off sm_90) and the
@@ -355,7 +361,8 @@ def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int]
     lens = [4096, q_len, 1000, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
     changes = {"tma_loads": dict(tma_loads=True, warp_specialized=False),
                "warp_specialized": dict(warp_specialized=True),
-               "warp_specialized_n32": dict(warp_specialized=True, block_n=32, num_stages=4)}
+               "warp_specialized_n32": dict(warp_specialized=True, block_n=32, num_stages=4),
+               "seesaw": dict(warp_specialized=True, seesaw=True, block_n=32, num_stages=4)}
     config = dataclasses.replace(
         default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
         **changes[path])

@@ -43,6 +43,9 @@ class MLADecodeConfig:
             32 or more tokens within a page, run the split pass as the warp-specialised Gluon
             kernel of `mla_decode_sm90.py` (a TMA loader warp, two compute warpgroups);
             block_n and num_stages size its ring of KV tiles; num_warps does not apply.
+        seesaw: with warp_specialized, run the Gluon pass with the seesaw schedule of
+            `mla_decode_sm90_seesaw.py` (each warpgroup its own tiles and half of O) where it
+            applies (32-token tiles, an even ring, R >= 64).
     """
 
     block_m: int
@@ -58,6 +61,7 @@ class MLADecodeConfig:
     programmatic_launch: bool = True
     tma_loads: bool = False
     warp_specialized: bool = False
+    seesaw: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -128,6 +132,16 @@ def default_config(
       aim at one program per SM (216-220 KB of shared memory allow no more): q_len 4 at 16
       heads x 64 x 4096 then takes 2 splits (146 µs against 157 with 4).
     - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
+    - Supersedes the two items above where it applies: more than 16 query rows with 16-bit data,
+      L = 512, 64 <= R <= 256 and pages of 32 or more tokens take 64-row programs of the seesaw
+      Gluon pass (`mla_decode_sm90_seesaw.py`, benchmarks/2026-12-02-h200-mla-decode-seesaw/):
+      32-token tiles x 4 buffers, one program per SM, at most 32 splits of 64 or more tokens.
+      On the H200 it ran 150.8 / 49.6 / 372.2 µs against the split-S pass's 164.6 / 54.7 /
+      376.1 at 128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024, 93.6 against 102.3 at 16
+      heads x q_len 4, and 17.1 / 20.6 against the 32-row Triton program's 23.0 / 25.3 at 128
+      heads x batch 1 x 4096 / 8192 (33 splits; 66 took 20.8 / 23.3). Rows padded to 64 still
+      win: 84.0 against 97.2 µs at 16 heads x q_len 2 x 64 x 4096 (2 splits). Off sm_90 the
+      Triton kernel runs the same tile.
     """
     head_dim = kv_lora_rank + qk_rope_head_dim
     itemsize = dtype.itemsize
@@ -142,6 +156,12 @@ def default_config(
         return MLADecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2,
                                min_split_len=max(2 * block_n, 64),
                                merge_block_rows=max(1, min(next_pow2(rows), 2048 // kv_lora_rank)))
+    if (rows > 16 and kv_lora_rank == 512 and 64 <= qk_rope_head_dim <= 256
+            and (block_size is None or block_size >= 32)):
+        return MLADecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=4,
+                               programs_per_sm=1.0, min_split_len=64, max_num_splits=32,
+                               merge_block_rows=max(1, min(next_pow2(rows), 2048 // kv_lora_rank)),
+                               tma_loads=True, warp_specialized=True, seesaw=True)
     block_m = min(max(16, next_pow2(rows)), 64)
     if block_m == 64 and num_heads >= 64 and batch_size is not None and batch_size < 8:
         block_m = 32
