@@ -42,15 +42,13 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     if shape.batch == 1:
         out = [("default", {}, None),
                ("no programmatic launch", dict(programmatic_launch=False), None),
-               ("warp-specialized n32 s4", dict(block_m=64, warp_specialized=True, seesaw=False,
-                                                block_n=32, num_stages=4), None),
-               ("seesaw n32 s4", dict(block_m=64, warp_specialized=True, seesaw=True,
-                                      block_n=32, num_stages=4), None)]
+               ("warp-specialized n32 s4", dict(block_m=64, warp_specialized=True, block_n=32,
+                                                num_stages=4), None)]
         if shape.num_heads >= 64:  # the seesaw pass at more splits (shorter ones allowed)
-            seesaw = dict(block_m=64, warp_specialized=True, seesaw=True, block_n=32,
-                          num_stages=4, min_split_len=64)
+            ring = dict(block_m=64, warp_specialized=True, block_n=32, num_stages=4,
+                        min_split_len=64)
             for count in (16, 33, 66):
-                out.append((f"seesaw n32 s4 min64 splits{count}", seesaw, count))
+                out.append((f"warp-specialized n32 s4 min64 splits{count}", ring, count))
         if shape.num_heads >= 64:  # head groups against splits at one request
             for tile, counts in (((16, 32, 4, 3), (8, 16)), ((32, 32, 4, 3), (16, 24, 33)),
                                  ((64, 64, 8, 2), (33, 66))):
@@ -68,25 +66,12 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     out = [("default", {}, None)]
     if tiles is TILES_64_ROWS:
         out.append(("default + TMA loads", dict(tma_loads=True), None))
-    for block_n, stages in ((32, 4), (64, 2)):  # the Gluon pass: 64-row programs (rows padded)
-        if block_n > shape.block_size:
-            continue
-        ring = dict(block_m=64, warp_specialized=True, seesaw=False, block_n=block_n,
-                    num_stages=stages)
-        name = f"warp-specialized n{block_n} s{stages}"
+    if rows > 16:  # the Gluon pass: 64-row programs (rows padded)
+        ring = dict(block_m=64, warp_specialized=True, block_n=32, num_stages=4)
+        name = "warp-specialized n32 s4"
         out.append((name, ring, None))
         for count in (1, 2, 4):
             out.append((f"{name} splits{count}", ring, count))
-        if block_n == 32:  # the seesaw schedule: 32-token tiles only
-            seesaw = ring | dict(seesaw=True)
-            out.append(("seesaw n32 s4", seesaw, None))
-            for count in (1, 2, 4):
-                out.append((f"seesaw n32 s4 splits{count}", seesaw, count))
-    if shape.num_heads <= 16 and rows > 16:  # one 16-row program per token: KV shared in L2
-        for tile, counts in (((16, 32, 4, 3), (2, 4)), ((16, 64, 4, 2), (2, 4))):
-            for count in counts:
-                out.append((f"token groups m{tile[0]} n{tile[1]} s{tile[3]} splits{count}",
-                            _tile(tile), count))
     for tile in tiles:
         for count in splits:
             name = f"m{tile[0]} n{tile[1]} w{tile[2]} s{tile[3]} splits{count}"
@@ -112,16 +97,7 @@ def main() -> None:
                         help="comma-separated variant names (a trailing * matches a prefix)")
     parser.add_argument("--cells", default="",
                         help="comma-separated cells as printed, e.g. 'H16 B64 kv4096 blk64 q2'")
-    parser.add_argument("--full-scores", action="store_true",
-                        help="Gluon pass: each warpgroup computes all of S (FULL_SCORES)")
-    parser.add_argument("--release-first", action="store_true",
-                        help="Gluon pass: P_j V_j before S_{j+1} (OVERLAP_SOFTMAX off)")
     args = parser.parse_args()
-    if args.full_scores or args.release_first:
-        from mlaserve.kernels import mla_decode_sm90
-
-        mla_decode_sm90.FULL_SCORES = args.full_scores
-        mla_decode_sm90.OVERLAP_SOFTMAX = not args.release_first
     sweep = Sweep(smoke=False, budget_s=args.budget_s)
     copy_gbs, mm_tflops = sweep.ceilings()
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_gbs:.0f} GB/s, matmul {mm_tflops:.0f} "

@@ -91,17 +91,17 @@ def main() -> None:
 
 
 def warp_specialized() -> None:
-    """The Gluon split pass (`mla_decode_sm90`): its compute partition's register budget is set
-    by setmaxnreg, so that is printed next to the launch limit."""
+    """The Gluon split pass (`mla_decode_sm90`): its partitions' register budgets are set by
+    setmaxnreg, so those are printed next to the launch limit."""
     from mlaserve.kernels import mla_decode_sm90
 
-    for (block_n, num_stages), direct in itertools.product(((64, 2), (32, 4)), (False, True)):
+    for (block_n, num_stages), direct in itertools.product(((32, 4),), (False, True)):
         compiled = mla_decode_sm90.compile_for_sm90(block_n=block_n, num_stages=num_stages,
                                                     direct_output=direct)
         ptx = compiled.asm["ptx"]
         setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)",
                                            ptx)))
-        print(f"warp-specialized sm_90 pass n{block_n} s{num_stages} "
+        print(f"seesaw sm_90 pass n{block_n} s{num_stages} "
               f"({'direct' if direct else 'partials'}): {compiled.metadata.num_warps} warps | "
               f"launch {resources(compiled.asm['cubin'])}, setmaxnreg "
               f"{' '.join(f'{op} {n}' for op, n in setmaxnreg)} | shared "

@@ -215,7 +215,7 @@ def test_plan_is_host_side_and_sized() -> None:
     wide = plan(64, 8192, 128)
     assert wide.num_head_groups == 2 and wide.config.block_m == 64 and wide.num_splits == 1
     lone = plan(1, 8192, 128)
-    assert lone.num_head_groups == 2 and lone.config.seesaw
+    assert lone.num_head_groups == 2 and lone.config.warp_specialized
     assert plan(8, 1024, 128, q_len=2).num_head_groups == 4
     # 32 rows (16 heads x q_len 2) are padded to one 64-row seesaw program, 2 splits at 64 x 4k
     padded = plan(64, 4096, 16, q_len=2)
@@ -346,23 +346,22 @@ def test_large_batch_defaults(block_size: int) -> None:
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dtype_id)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 4), (64, 2), (16, 1)])
+@pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 4), (64, 2), (16, 2), (16, 1)])
 @pytest.mark.parametrize("block_size", [64, 128])
-@pytest.mark.parametrize("path", ["tma_loads", "warp_specialized", "warp_specialized_n32",
-                                  "seesaw"])
+@pytest.mark.parametrize("path", ["tma_loads", "warp_specialized"])
 def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int],
                     num_splits: int, dtype: torch.dtype) -> None:
-    # The Triton kernel with TMA tile loads (the Gluon pass off, as off sm_90) and the
-    # warp-specialised Gluon split pass: whole tiles by TMA, the partial last tile of each split
-    # masked or zeroed in shared memory; lengths end mid-tile, mid-page and on page ends, with
-    # NaN in every page tail. (16, 1) has 16-row programs: the Gluon flag leaves them to the
-    # Triton kernel, the TMA flag gives them TMA loads (not a default: they spill there).
+    # The Triton kernel with TMA tile loads (64-token tiles, the Gluon pass off, as off sm_90)
+    # and the seesaw Gluon split pass: whole tiles by TMA, the partial last tile of each split
+    # masked or zeroed in shared memory; odd and even tile counts, lengths that end mid-tile,
+    # mid-page and on page ends, NaN in every page tail. (16, 1) has 16-row programs, which
+    # the Gluon flag leaves to the Triton kernel; the TMA flag gives them TMA loads (not a
+    # default: they spill there).
     num_heads, q_len = heads_and_q_len
     lens = [4096, q_len, 1000, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
-    changes = {"tma_loads": dict(tma_loads=True, warp_specialized=False),
-               "warp_specialized": dict(warp_specialized=True),
-               "warp_specialized_n32": dict(warp_specialized=True, block_n=32, num_stages=4),
-               "seesaw": dict(warp_specialized=True, seesaw=True, block_n=32, num_stages=4)}
+    changes = {"tma_loads": dict(tma_loads=True, warp_specialized=False, block_m=min(
+                   64, max(16, num_heads * q_len)), block_n=64, num_stages=2),
+               "warp_specialized": dict(warp_specialized=True)}
     config = dataclasses.replace(
         default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
         **changes[path])

@@ -314,26 +314,21 @@ def _kv_descriptors(
 def _warp_specialized_pass(
     q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, config: MLADecodeConfig
 ) -> types.ModuleType | None:
-    """The Gluon split pass (`mla_decode_sm90_seesaw`, else `mla_decode_sm90`) where the
-    configuration asks for it and it serves the shape: q's rows back to back, the cache's pages
-    back to back, 16-byte aligned bases; else None."""
+    """`mla_decode_sm90` where the configuration asks for it and it serves the shape: q's rows
+    back to back, the cache's pages back to back, 16-byte aligned bases; else None."""
     if not config.warp_specialized or kv_cache.device.type != "cuda":
         return None
-    from mlaserve.kernels import (  # Gluon: imported only for a CUDA launch
-        mla_decode_sm90,
-        mla_decode_sm90_seesaw,
-    )
+    from mlaserve.kernels import mla_decode_sm90  # Gluon: imported only for a CUDA launch
 
     num_tokens, num_heads, head_dim = q.shape
-    if not (q.is_contiguous() and _pages_back_to_back(kv_cache)
+    if not (mla_decode_sm90.supported(q.device, q.dtype, kv_lora_rank, head_dim - kv_lora_rank,
+                                      config.block_m, config.block_n, config.num_stages,
+                                      kv_cache.shape[1])
+            and q.is_contiguous() and _pages_back_to_back(kv_cache)
             and kv_cache.stride(1) == head_dim and q.data_ptr() % 16 == 0
             and kv_cache.data_ptr() % 16 == 0):
         return None
-    shape = (q.device, q.dtype, kv_lora_rank, head_dim - kv_lora_rank, config.block_m,
-             config.block_n, config.num_stages, kv_cache.shape[1])
-    if config.seesaw and mla_decode_sm90_seesaw.supported(*shape):
-        return mla_decode_sm90_seesaw
-    return mla_decode_sm90 if mla_decode_sm90.supported(*shape) else None
+    return mla_decode_sm90
 
 
 def mla_decode_triton(

@@ -39,13 +39,10 @@ class MLADecodeConfig:
         tma_loads: on sm_90 and newer, load whole KV tiles with TMA (tensor descriptors over
             the cache) where a tile lies inside one page; the partial last tile of a split
             always uses masked loads.
-        warp_specialized: on sm_90 with L = 512, 16-bit data, 64-row programs and tiles of
-            32 or more tokens within a page, run the split pass as the warp-specialised Gluon
-            kernel of `mla_decode_sm90.py` (a TMA loader warp, two compute warpgroups);
-            block_n and num_stages size its ring of KV tiles; num_warps does not apply.
-        seesaw: with warp_specialized, run the Gluon pass with the seesaw schedule of
-            `mla_decode_sm90_seesaw.py` (each warpgroup its own tiles and half of O) where it
-            applies (32-token tiles, an even ring, R >= 64).
+        warp_specialized: on sm_90 with L = 512, R >= 64, 16-bit data, 64-row programs and
+            32-token tiles within a page in an even ring (num_stages), run the split pass as the
+            warp-specialised Gluon kernel of `mla_decode_sm90.py` (a TMA loader warp, two
+            compute warpgroups in the seesaw schedule); num_warps does not apply.
     """
 
     block_m: int
@@ -61,7 +58,6 @@ class MLADecodeConfig:
     programmatic_launch: bool = True
     tma_loads: bool = False
     warp_specialized: bool = False
-    seesaw: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -111,8 +107,17 @@ def default_config(
     """A launch configuration for the shape, from the H200 sweep (`scripts/gpu_kernel_sweep.py`,
     results in benchmarks/); batch_size and max_seq_len refine it when given.
 
-    - Query rows per program (block_m): all rows up to 64 with 16-bit inputs. At 128 heads
-      small batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
+    - More than 16 query rows with 16-bit data, L = 512, 64 <= R <= 256 and pages of 32 or more
+      tokens: 64-row programs of the seesaw Gluon pass on sm_90 (`mla_decode_sm90.py`,
+      benchmarks/2026-12-02-h200-mla-decode-seesaw/), 32-token tiles x 4 buffers, one program
+      per SM, at most 32 splits of 64 or more tokens. On the H200: 147.7 / 49.3 / 345.1 µs at
+      128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024, against 165.8 / 54.7 / 376.1 for
+      the earlier pass with both warpgroups on one tile; 17.1 / 20.6 µs at 128 heads x batch 1 x
+      4096 / 8192 against 23.0 / 25.3 for 32-row Triton programs (33 splits; 66 took 20.8 /
+      23.3). Rows are padded to 64: 84.0 against 97.2 µs for 32-row Triton programs at 16 heads
+      x q_len 2 x 64 x 4096 (2 splits). Off sm_90 the Triton kernel runs the same tile.
+    - Otherwise, query rows per program (block_m): all rows up to 64; at 128 heads small
+      batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
     - KV tile and pipelining depth, from `scripts/gpu_variant_sweep.py` on the H200
       (benchmarks/2026-12-02-h200-mla-decode-pipelined/). Triton's pipeliner gives a 16- or 32-row
       program (mma.sync) num_stages - 1 KV buffers and a 64-row program (wgmma) num_stages.
@@ -121,27 +126,10 @@ def default_config(
       against 34.1 / 85.5 / 168.5 / 614.2 with 64-token tiles and 2 stages, which stay for
       small batches. Pages of 32 tokens take 32-token tiles with 3 stages (606.5 µs at 16 heads
       x 512 x 4096, against 823.6 with 4 stages: one program per SM). Otherwise 64-token tiles
-      with 2 stages where they fit (~220 KB at 64 rows x 576), else 32-token tiles, 3 stages.
-    - 64-row programs run as the warp-specialised Gluon pass on sm_90 (`mla_decode_sm90.py`,
-      benchmarks/2026-12-02-h200-mla-decode-gluon/): 165 / 54 / 392 µs against the Triton
-      kernel's 259 / 74 / 541 at 128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024, and 101
-      against 147 at 16 heads x q_len 4 x 64 x 4096. Its 64-token tiles x 2 buffers beat
-      32-token tiles x 4 (164 against 223 µs at 128 x 64 x 4096) and are also the Triton
-      kernel's best 64-row tile, which the same configuration gets where the Gluon pass does
-      not apply; there the Triton kernel loads 64-row tiles by TMA (7-9% at 128 heads). Both
-      aim at one program per SM (216-220 KB of shared memory allow no more): q_len 4 at 16
-      heads x 64 x 4096 then takes 2 splits (146 µs against 157 with 4).
+      with 2 stages where they fit (~220 KB at 64 rows x 576), else 32-token tiles, 3 stages;
+      64-row Triton programs load whole tiles by TMA (7-9% at 128 heads) and aim at one
+      program per SM.
     - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
-    - Supersedes the two items above where it applies: more than 16 query rows with 16-bit data,
-      L = 512, 64 <= R <= 256 and pages of 32 or more tokens take 64-row programs of the seesaw
-      Gluon pass (`mla_decode_sm90_seesaw.py`, benchmarks/2026-12-02-h200-mla-decode-seesaw/):
-      32-token tiles x 4 buffers, one program per SM, at most 32 splits of 64 or more tokens.
-      On the H200 it ran 150.8 / 49.6 / 372.2 µs against the split-S pass's 164.6 / 54.7 /
-      376.1 at 128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024, 93.6 against 102.3 at 16
-      heads x q_len 4, and 17.1 / 20.6 against the 32-row Triton program's 23.0 / 25.3 at 128
-      heads x batch 1 x 4096 / 8192 (33 splits; 66 took 20.8 / 23.3). Rows padded to 64 still
-      win: 84.0 against 97.2 µs at 16 heads x q_len 2 x 64 x 4096 (2 splits). Off sm_90 the
-      Triton kernel runs the same tile.
     """
     head_dim = kv_lora_rank + qk_rope_head_dim
     itemsize = dtype.itemsize
@@ -161,7 +149,7 @@ def default_config(
         return MLADecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=4,
                                programs_per_sm=1.0, min_split_len=64, max_num_splits=32,
                                merge_block_rows=max(1, min(next_pow2(rows), 2048 // kv_lora_rank)),
-                               tma_loads=True, warp_specialized=True, seesaw=True)
+                               tma_loads=True, warp_specialized=True)
     block_m = min(max(16, next_pow2(rows)), 64)
     if block_m == 64 and num_heads >= 64 and batch_size is not None and batch_size < 8:
         block_m = 32

@@ -1,28 +1,39 @@
 """Warp-specialised split pass of the paged MLA decode for 64-row programs on sm_90 (Gluon).
 
 The same problem, split arithmetic and output layout as `_mla_decode_split_kernel` in
-`mla_decode.py` (whose merge kernel finishes the job), for the compute-bound shapes: 64 query
-rows per program (128 heads, or 16 heads x q_len 4) with kv_lora_rank 512 and 16-bit data.
-Triton's pipeliner keeps such a program's two warpgroups in lockstep with the loads and leaves
-the tensor cores idle during the softmax; here the work is laid out by hand:
+`mla_decode.py` (whose merge kernel finishes the job), for 64 query rows per program (128
+heads, or 16 heads x q_len 2-4 padded to 64 rows) with kv_lora_rank 512 and 16-bit data.
+Triton's pipeliner keeps a 64-row program's two warpgroups in lockstep and leaves the tensor
+cores idle during the softmax; here the work is laid out by hand, in three partitions:
 
-- A 1-warp loader partition issues TMA copies: the program's Q rows [64, L] and [64, R] once,
-  then each KV tile [BLOCK_N, L] and [BLOCK_N, R] of the split (one page id per tile) into a
-  ring of NUM_STAGES shared buffers guarded by ready / empty mbarriers.
-- The 8-warp default partition (two warpgroups) owns the accumulator [64, L] float32, each
-  warpgroup 256 of the L columns, and keeps the tensor cores fed over the tiles j:
-      issue O += P_j V_j (wgmma, async)    issue S_{j+1} = Q K_{j+1}^T (wgmma, async)
-      wait for P_j V_j; release tile j's buffer to the loader (S_{j+1} still runs)
-      wait for S_{j+1}; its online softmax -> P_{j+1}; rescale O by the new maximum
-  With two 64-token buffers the loader can refill a buffer only once its P V product is done,
-  so releasing it before S_{j+1} finishes hides most of the next load: 164 against 220 µs at
-  128 heads x 64 x 4096 for the other order (OVERLAP_SOFTMAX: S_{j+1} first, its softmax beside
-  P_j V_j), benchmarks/2026-12-02-h200-mla-decode-gluon/. S is split by columns over the two
-  warpgroups ([4, 2] warps), so its row max and sum and the conversion of P to the wgmma
-  register operand go through shared memory.
+- A 1-warp loader issues TMA copies: the program's Q rows [64, L] and [64, R] once, then each
+  KV tile [BLOCK_N, L] and [BLOCK_N, R] of the split (one page id per tile) into a ring of
+  NUM_STAGES shared buffers guarded by ready / empty mbarriers.
+- Two compute warpgroups, each its own partition, alternate over pairs of tiles (the "seesaw"
+  schedule of FlashMLA's sm_90 kernel, written here for Gluon):
+  - The output O [64, L] is split by columns: warpgroup 0 holds O_L = O[:, :L/2], warpgroup 1
+    O_R = O[:, L/2:], both float32 in registers. Both keep the running row max m.
+  - Tiles come in pairs (a = 2i, b = 2i + 1). Warpgroup 0 computes S_a = Q K_a^T, warpgroup 1
+    S_b = Q K_b^T, each the whole [64, BLOCK_N] product (no exchange inside a product).
+  - Warpgroup 0: m_a = max(m, rowmax S_a) (published), P_a = exp2(S_a - m_a),
+    O_L = O_L exp2(m - m_a) + P_a V_aL. Warpgroup 1 reads m_a: m_b = max(m_a, rowmax S_b)
+    (published), P_b = exp2(S_b - m_b), O_R = O_R exp2(m - m_b) + P_b V_bR, and shares P_b.
+  - Warpgroup 0 reads m_b, c = exp2(m_a - m_b), shares P_a c and sets O_L = O_L c + P_b V_bL;
+    warpgroup 1 adds O_R += (P_a c) V_aR. Both end the pair at m = m_b.
+  - The shared P tiles [64, BLOCK_N] are written over the tile's own rope columns K_pe
+    [BLOCK_N, R] (the same bytes for R >= 64): S is done with them, and the buffer goes back
+    to the loader only once both warpgroups are done with the pair.
+  - The row sums l are kept per warpgroup (l_L over the a tiles, l_R over the b tiles, in the
+    same frame m) and added at the end. An odd last tile is a pair without b.
+  While one warpgroup runs its softmax, the other's products keep the tensor cores busy; with
+  32-token tiles and 4 buffers the next pair's tiles load while the current pair is computed.
+  On the H200 this took 128 heads x 64 x 4096 from 165.8 µs (both warpgroups on one tile, S
+  split by columns, 64-token tiles x 2 buffers) to 147.7 (benchmarks/
+  2026-12-02-h200-mla-decode-seesaw/).
 - V is the [BLOCK_N, L] buffer of the tile itself. A split's partial last tile has its rows
-  past the length zeroed in shared memory before its P V product (the page tail may hold NaN,
-  and P = 0 times NaN is NaN); their scores are masked to -inf like every invisible key.
+  past the length zeroed in shared memory (each warpgroup its half) before any product reads
+  it: the page tail may hold NaN, and P = 0 times NaN is NaN. Their scores are masked to -inf
+  like every invisible key.
 
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
 log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; `supported` says when.
@@ -44,13 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_M = 64  # query rows per program
-NUM_WARPS = 8  # the default (compute) partition: two warpgroups
+NUM_WARPS = 4  # per compute partition: one warpgroup
 SHARED_MEMORY_LIMIT = 227 * 1024
-# Scores split by columns over the two warpgroups (False) or computed whole by each (True).
-FULL_SCORES = False
-# Issue S_{j+1} before P_j V_j and run the softmax of S_{j+1} beside that product (True), or
-# issue P_j V_j first and release tile j's buffer before S_{j+1} is done (False).
-OVERLAP_SOFTMAX = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -97,116 +103,233 @@ def _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready, j,
                          is_async=True)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(columns):
+    """Accumulator layout of one warpgroup over 64 rows x `columns` (<= 256)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, columns, 16])
+
+
+@gluon.constexpr_function
+def _nvmma_layout(rows, columns, dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, columns], dtype)
+
+
 @gluon.jit
-def _softmax_step(scores, m_i, l_i, tile_start, split_end, last_key, qk_scale,
-                  S_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, dtype: gl.constexpr):
-    """Online softmax (base 2) of one tile's scores [64, BLOCK_N]: returns P in the wgmma
-    register-operand layout, the rescale factor alpha [64] and the new m_i, l_i [64]."""
+def _masked_scores(scores, tile_start, split_end, last_key, qk_scale):
+    """Scores [64, BLOCK_N] times qk_scale, -inf past the split or after the row's last key."""
     TILE: gl.constexpr = scores.type.shape[1]
-    pos = tile_start + gl.arange(0, TILE, layout=gl.SliceLayout(0, S_LAYOUT))  # [BLOCK_N]
+    pos = tile_start + gl.arange(0, TILE, layout=gl.SliceLayout(0, scores.type.layout))
     visible = (gl.expand_dims(pos < split_end, 0)
                & (gl.expand_dims(pos, 0) <= gl.expand_dims(last_key, 1)))  # [64, BLOCK_N]
-    scores = gl.where(visible, scores * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-    # Rows that have seen no key yet keep m = -inf; subtract 0 there instead (no inf - inf).
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(scores - gl.expand_dims(m_safe, 1))
-    l_new = l_i * alpha + gl.sum(p, axis=1)
-    return gl.convert_layout(p.to(dtype), P_LAYOUT), alpha, m_new, l_new
+    return gl.where(visible, scores * qk_scale, float("-inf"))
 
 
 @gluon.jit
-def _zero_rows_past(kv_nope_smem, stage, num_valid, num_warps: gl.constexpr):
-    """Zero rows >= num_valid of buffer `stage`'s [BLOCK_N, L] tile, 64 columns at a time."""
+def _zero_half_past(kv_nope_smem, stage, num_valid, HALF: gl.constexpr):
+    """Zero rows >= num_valid of the warpgroup's L/2 columns of buffer `stage` (NaN in page
+    tails must not meet P = 0 in the P V product), 64 columns at a time."""
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
-    L: gl.constexpr = kv_nope_smem.type.shape[2]
-    CHUNK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    COLS: gl.constexpr = kv_nope_smem.type.shape[2] // 2
+    CHUNK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = gl.expand_dims(gl.arange(0, TILE, layout=gl.SliceLayout(1, CHUNK)), 1)
     tile = kv_nope_smem.index(stage)
-    for c in gl.static_range(L // 64):
-        piece = tile.slice(c * 64, 64, dim=1)  # [BLOCK_N, 64]
+    for c in gl.static_range(COLS // 64):
+        piece = tile.slice(HALF * COLS + c * 64, 64, dim=1)  # [BLOCK_N, 64]
         values = piece.load(CHUNK)
         piece.store(gl.where(rows < num_valid, values, gl.zeros_like(values)))
-    fence_async_shared()  # make the generic-proxy stores visible to wgmma
+    fence_async_shared()
     gl.thread_barrier()
 
 
 @gluon.jit
-def _compute_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, kv_ready,
-                       kv_empty, o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows, group,
-                       out_base, seq_len, split_start, split_end, num_tiles,
-                       S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
-                       DIRECT_OUTPUT: gl.constexpr, OVERLAP_SOFTMAX: gl.constexpr,
-                       num_warps: gl.constexpr):
-    """8 warps: the pipelined tile loop (module docstring) and the output of the split."""
+def _zero_tail(kv_nope_smem, kv_ready, num_tiles, split_start, split_end, HALF: gl.constexpr):
+    """Wait for the split's last tile, and zero this warpgroup's half of its rows past the
+    split if it is partial. Done before any product touches the tile: S only masks those rows,
+    and each warpgroup's P V product reads only its own half."""
+    TILE: gl.constexpr = kv_nope_smem.type.shape[1]
+    STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
+    last = num_tiles - 1
+    num_valid = split_end - (split_start + last * TILE)
+    if num_valid < TILE:
+        mbarrier.wait(kv_ready.index(last % STAGES), (last // STAGES) & 1)
+        _zero_half_past(kv_nope_smem, last % STAGES, num_valid, HALF)
+
+
+@gluon.jit
+def _shared_p(kv_pe_smem, stage, ROWS: gl.constexpr):
+    """Tile `stage`'s rope buffer [BLOCK_N, R] seen as P [64, BLOCK_N] (same bytes)."""
+    TILE: gl.constexpr = kv_pe_smem.type.shape[1]
+    dtype: gl.constexpr = kv_pe_smem.type.element_ty
+    return kv_pe_smem.index(stage)._reinterpret(dtype, [ROWS, TILE],
+                                                _nvmma_layout(ROWS, TILE, dtype))
+
+
+@gluon.jit
+def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_ready, kv_empty,
+               max_ready, p_ready, acc, m_i, l_i, i, last_key, qk_scale, split_start, split_end,
+               num_tiles, HALF: gl.constexpr, ZERO_TAIL: gl.constexpr):
+    """Pair i (tiles 2i, 2i + 1) for one warpgroup: returns its acc, m_i, l_i. ZERO_TAIL: the
+    pair holds the split's partial last tile (kept out of the loop body: its zeroing would
+    cost registers the loop needs)."""
+    STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
+    TILE: gl.constexpr = kv_nope_smem.type.shape[1]
+    COLS: gl.constexpr = kv_nope_smem.type.shape[2] // 2
+    ROWS: gl.constexpr = q_nope_smem.type.shape[0]
+    dtype: gl.constexpr = kv_nope_smem.type.element_ty
+    S_LAYOUT: gl.constexpr = _wgmma_layout(TILE)
+    O_LAYOUT: gl.constexpr = _wgmma_layout(COLS)
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    if ZERO_TAIL:  # once tile 2i + 1 has landed (S sees zeros only in rows it masks)
+        _zero_tail(kv_nope_smem, kv_ready, num_tiles, split_start, split_end, HALF)
+    own = 2 * i + HALF
+    other = 2 * i + 1 - HALF
+    own_stage = own % STAGES
+    other_stage = other % STAGES
+    token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready, own,
+                          S_LAYOUT)
+    scores = _masked_scores(warpgroup_mma_wait(0, deps=[token]), split_start + own * TILE,
+                            split_end, last_key, qk_scale)
+    if HALF == 0:
+        m_own = gl.maximum(m_i, gl.max(scores, axis=1))
+        stats_smem.index(0).store(m_own)
+        mbarrier.arrive(max_ready.index(0))
+    else:
+        mbarrier.wait(max_ready.index(0), i & 1)
+        m_own = gl.maximum(stats_smem.index(0).load(ROW_S), gl.max(scores, axis=1))
+        stats_smem.index(1).store(m_own)
+        mbarrier.arrive(max_ready.index(1))
+    # Rows that have seen no key keep m = -inf; subtract 0 there instead (no inf - inf).
+    m_safe = gl.where(m_own == float("-inf"), 0.0, m_own)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(scores - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+    p_regs = gl.convert_layout(p.to(dtype), P_LAYOUT)
+    own_v = kv_nope_smem.index(own_stage).slice(HALF * COLS, COLS, dim=1)
+    o_token = warpgroup_mma(p_regs, own_v, acc, is_async=True)
+    if HALF == 0:
+        mbarrier.wait(max_ready.index(1), i & 1)
+        m_pair = stats_smem.index(1).load(ROW_S)
+        # m_pair = -inf only where m_own is too (the product is 0 there).
+        c = gl.exp2(m_own - gl.where(m_pair == float("-inf"), 0.0, m_pair))
+        _shared_p(kv_pe_smem, own_stage, ROWS).store(
+            (p * gl.expand_dims(c, 1)).to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(p_ready.index(0))
+        acc, p_regs = warpgroup_mma_wait(0, deps=[o_token, p_regs])
+        acc = acc * gl.expand_dims(gl.convert_layout(c, ROW_O), 1)
+        l_i = l_i * c
+        m_i = m_pair
+    else:
+        _shared_p(kv_pe_smem, own_stage, ROWS).store(p.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(p_ready.index(1))
+        acc, p_regs = warpgroup_mma_wait(0, deps=[o_token, p_regs])
+        m_i = m_own
+    mbarrier.wait(p_ready.index(1 - HALF), i & 1)
+    other_v = kv_nope_smem.index(other_stage).slice(HALF * COLS, COLS, dim=1)
+    p_other = _shared_p(kv_pe_smem, other_stage, ROWS)
+    o_token = warpgroup_mma(p_other, other_v, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[o_token])
+    mbarrier.arrive(kv_empty.index(own_stage))
+    mbarrier.arrive(kv_empty.index(other_stage))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _seesaw_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, q_ready,
+                      kv_ready, kv_empty, max_ready, p_ready, sum_ready, o_ptr, lse_ptr,
+                      qk_scale, q_len, num_heads, num_rows, group, out_base, seq_len,
+                      split_start, split_end, num_tiles, HALF: gl.constexpr,
+                      DIRECT_OUTPUT: gl.constexpr):
+    """One compute warpgroup (HALF 0: the a tiles and O_L; 1: the b tiles and O_R)."""
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
     L: gl.constexpr = kv_nope_smem.type.shape[2]
+    COLS: gl.constexpr = L // 2
     ROWS: gl.constexpr = q_nope_smem.type.shape[0]
     dtype: gl.constexpr = kv_nope_smem.type.element_ty
+    S_LAYOUT: gl.constexpr = _wgmma_layout(TILE)
+    O_LAYOUT: gl.constexpr = _wgmma_layout(COLS)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
 
     rows_s = group * ROWS + gl.arange(0, ROWS, layout=ROW_S)  # row r = t * H + h
-    # Token t of the request sits at position seq_len - q_len + t and sees keys up to there.
     last_key = seq_len - q_len + rows_s // num_heads  # [64]
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-    l_i = gl.zeros([ROWS], gl.float32, ROW_S)
-    acc = gl.zeros([ROWS, L], gl.float32, O_LAYOUT)
+    l_i = gl.zeros([ROWS], gl.float32, ROW_S)  # this warpgroup's tiles only
+    acc = gl.zeros([ROWS, COLS], gl.float32, O_LAYOUT)
     mbarrier.wait(q_ready, 0)
-    if num_tiles > 0:
-        token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready, 0,
-                              S_LAYOUT)
-        scores = warpgroup_mma_wait(0, deps=[token])
-        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, split_start, split_end, last_key,
-                                           qk_scale, S_LAYOUT, P_LAYOUT, dtype)
-        for j in range(num_tiles - 1):
-            stage = j % STAGES
-            if OVERLAP_SOFTMAX:
-                s_token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem,
-                                        kv_ready, j + 1, S_LAYOUT)
-                o_token = warpgroup_mma(p, kv_nope_smem.index(stage), acc, is_async=True)
-                scores = warpgroup_mma_wait(1, deps=[s_token])  # S_{j+1} done; P_j V_j runs on
-                p_next, alpha, m_i, l_i = _softmax_step(
-                    scores, m_i, l_i, split_start + (j + 1) * TILE, split_end, last_key,
-                    qk_scale, S_LAYOUT, P_LAYOUT, dtype)
-                # P_j (a register operand) stays live until its product is done.
-                acc, p = warpgroup_mma_wait(0, deps=[o_token, p])
-                mbarrier.arrive(kv_empty.index(stage))  # the loader may refill tile j's buffer
-            else:  # P_j V_j first: tile j's buffer is released one S product earlier
-                o_token = warpgroup_mma(p, kv_nope_smem.index(stage), acc, is_async=True)
-                s_token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem,
-                                        kv_ready, j + 1, S_LAYOUT)
-                acc, p = warpgroup_mma_wait(2, deps=[o_token, p])  # S_{j+1}'s two may run on
-                mbarrier.arrive(kv_empty.index(stage))
-                scores = warpgroup_mma_wait(0, deps=[s_token])
-                p_next, alpha, m_i, l_i = _softmax_step(
-                    scores, m_i, l_i, split_start + (j + 1) * TILE, split_end, last_key,
-                    qk_scale, S_LAYOUT, P_LAYOUT, dtype)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-            p = p_next
+    # Pairs of whole tiles; a partial last tile comes after the loop (in the last pair, or
+    # alone when the count is odd).
+    num_pairs = num_tiles // 2
+    tail_pair = (num_tiles % 2 == 0) & ((split_end - split_start) % TILE != 0)
+    for i in range(num_pairs - tail_pair.to(gl.int32)):
+        acc, m_i, l_i = _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                   kv_ready, kv_empty, max_ready, p_ready, acc, m_i, l_i, i,
+                                   last_key, qk_scale, split_start, split_end, num_tiles, HALF,
+                                   False)
+    if tail_pair & (num_pairs > 0):
+        acc, m_i, l_i = _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                   kv_ready, kv_empty, max_ready, p_ready, acc, m_i, l_i,
+                                   num_pairs - 1, last_key, qk_scale, split_start, split_end,
+                                   num_tiles, HALF, True)
+
+    if num_tiles % 2 == 1:  # a last pair without b: warpgroup 0 computes, both add P_a V_a
         last = num_tiles - 1
         stage = last % STAGES
-        num_valid = split_end - (split_start + last * TILE)
-        if num_valid < TILE:
-            _zero_rows_past(kv_nope_smem, stage, num_valid, num_warps)
-        o_token = warpgroup_mma(p, kv_nope_smem.index(stage), acc, is_async=True)
-        acc, p = warpgroup_mma_wait(0, deps=[o_token, p])
+        phase = num_pairs & 1
+        _zero_tail(kv_nope_smem, kv_ready, num_tiles, split_start, split_end, HALF)
+        if HALF == 0:
+            token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready,
+                                  last, S_LAYOUT)
+            scores = _masked_scores(warpgroup_mma_wait(0, deps=[token]),
+                                    split_start + last * TILE, split_end, last_key, qk_scale)
+            m_own = gl.maximum(m_i, gl.max(scores, axis=1))
+            stats_smem.index(0).store(m_own)
+            mbarrier.arrive(max_ready.index(0))
+            m_safe = gl.where(m_own == float("-inf"), 0.0, m_own)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(scores - gl.expand_dims(m_safe, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            _shared_p(kv_pe_smem, stage, ROWS).store(p.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(0))
+            m_i = m_own
+        else:
+            mbarrier.wait(max_ready.index(0), phase)
+            m_own = stats_smem.index(0).load(ROW_S)
+            alpha = gl.exp2(m_i - gl.where(m_own == float("-inf"), 0.0, m_own))
+            l_i = l_i * alpha
+            m_i = m_own
+            mbarrier.wait(p_ready.index(0), phase)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        v = kv_nope_smem.index(stage).slice(HALF * COLS, COLS, dim=1)
+        o_token = warpgroup_mma(_shared_p(kv_pe_smem, stage, ROWS), v, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[o_token])
         mbarrier.arrive(kv_empty.index(stage))
 
+    # l = l_L + l_R: each warpgroup publishes its sum, then reads the other's.
+    stats_smem.index(2 + HALF).store(l_i)
+    mbarrier.arrive(sum_ready)
+    mbarrier.wait(sum_ready, 0)
+    l_i = l_i + stats_smem.index(3 - HALF).load(ROW_S)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, ROW_O), 1)
     rows_o = group * ROWS + gl.arange(0, ROWS, layout=ROW_O)
-    cols = gl.arange(0, L, layout=gl.SliceLayout(0, O_LAYOUT))
+    cols = HALF * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, O_LAYOUT))
     o_offs = gl.expand_dims((out_base + rows_o) * L, 1) + gl.expand_dims(cols, 0)
     row_ok = rows_o < num_rows
     if not DIRECT_OUTPUT:
         row_ok = row_ok & (gl.convert_layout(l_i, ROW_O) > 0.0)  # the merge skips empty splits
     o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < L, 0)
     gl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
-    gl.store(lse_ptr + out_base + rows_s, lse, mask=rows_s < num_rows)
+    if HALF == 0:
+        lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
+        gl.store(lse_ptr + out_base + rows_s, lse, mask=rows_s < num_rows)
 
 
 @gluon.jit
@@ -228,26 +351,10 @@ def _mla_decode_split_kernel_sm90(
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
-    FULL_SCORES: gl.constexpr,
-    OVERLAP_SOFTMAX: gl.constexpr,
-    num_warps: gl.constexpr,
 ):
     ROWS: gl.constexpr = q_nope_desc.block_type.shape[0]
     L: gl.constexpr = q_nope_desc.block_type.shape[1]
     TILE: gl.constexpr = kv_nope_desc.block_type.shape[0]
-    gl.static_assert(num_warps == 8)
-    # wgmma layouts: 4 warps x 16 rows cover the 64 rows, the two warpgroups split the columns
-    # (or, FULL_SCORES, each warpgroup computes all of S: twice the Q K^T work, no exchange).
-    if FULL_SCORES:
-        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                           instr_shape=[16, TILE, 16])
-    else:
-        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                           instr_shape=[16, TILE // 2, 16])
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, L // 2, 16])
-    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-
     group = gl.program_id(0)
     split = gl.program_id(1)
     req = gl.program_id(2)
@@ -259,8 +366,7 @@ def _mla_decode_split_kernel_sm90(
     split_end = gl.minimum(split_start + split_len, seq_len)
     num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), TILE)
     q_row = req * num_rows + group * ROWS
-    # First output row of this (request, split).
-    out_base = (req.to(gl.int64) * num_splits + split) * num_rows
+    out_base = (req.to(gl.int64) * num_splits + split) * num_rows  # first output row
     bt_row = block_table_ptr + req.to(gl.int64) * stride_bt
 
     dtype: gl.constexpr = kv_nope_desc.dtype
@@ -270,25 +376,41 @@ def _mla_decode_split_kernel_sm90(
     kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE, L], kv_nope_desc.layout)
     kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + kv_pe_desc.block_type.shape,
                                            kv_pe_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # Row statistics between the warpgroups: m_a, m_b, l_L, l_R.
+    stats_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    max_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    sum_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     mbarrier.init(q_ready, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both warpgroups release a tile
+    for i in gl.static_range(2):
+        mbarrier.init(max_ready.index(i), count=1)
+        mbarrier.init(p_ready.index(i), count=1)
+    mbarrier.init(sum_ready, count=2)
     fence_async_shared()
 
+    LEFT: gl.constexpr = 0
+    RIGHT: gl.constexpr = 1
     gl.warp_specialize([
-        (_compute_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready,
-                              kv_ready, kv_empty, o_ptr, lse_ptr, qk_scale, q_len, num_heads,
-                              num_rows, group, out_base, seq_len, split_start, split_end,
-                              num_tiles, S_LAYOUT, O_LAYOUT, P_LAYOUT, DIRECT_OUTPUT,
-                              OVERLAP_SOFTMAX, num_warps)),
+        (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                             q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready, o_ptr,
+                             lse_ptr, qk_scale, q_len, num_heads, num_rows, group, out_base,
+                             seq_len, split_start, split_end, num_tiles, LEFT, DIRECT_OUTPUT)),
+        (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                             q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready, o_ptr,
+                             lse_ptr, qk_scale, q_len, num_heads, num_rows, group, out_base,
+                             seq_len, split_start, split_end, num_tiles, RIGHT, DIRECT_OUTPUT)),
         (_loader_partition, (q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem,
                              q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty,
                              bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
-    ], [1], [24])
+    ], [4, 1], [224, 24])  # the second warpgroup and the loader warp: warps, registers
 
 
 @functools.cache
@@ -297,8 +419,8 @@ def _shared_layout(dtype: torch.dtype, rows: int, width: int) -> gl.NVMMASharedL
 
 
 def shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int, num_stages: int) -> int:
-    """Q [64, L + R] plus num_stages KV tiles [block_n, L + R] (16-bit), plus 8 KB for barriers
-    and layout-conversion scratch (4.1 KB compiled at L 512, R 64)."""
+    """Q [64, L + R] plus num_stages KV tiles [block_n, L + R] (16-bit), plus 8 KB for the row
+    statistics, barriers and layout-conversion scratch."""
     return 2 * (kv_lora_rank + rope_dim) * (BLOCK_M + num_stages * block_n) + 8192
 
 
@@ -309,12 +431,13 @@ def _is_sm90(device: torch.device) -> bool:
 
 def supported(device: torch.device, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
               block_m: int, block_n: int, num_stages: int, block_size: int) -> bool:
-    """Whether `launch_split_pass` serves the shape: sm_90, 16-bit data, L = 512 (two warpgroups
-    of 256 columns), R <= 256, 64-row programs, tiles of 32 or more tokens within a page, and
-    the ring of num_stages tiles in shared memory."""
+    """Whether `launch_split_pass` serves the shape: sm_90, 16-bit data, L = 512 (two halves of
+    256 columns), 64 <= R <= 256 (P [64, BLOCK_N] fits in a tile's rope buffer), 64-row
+    programs, 32-token tiles within a page, an even ring of tiles (pairs) in shared
+    memory."""
     return (_is_sm90(device) and dtype in _GL_DTYPES and kv_lora_rank == 512
-            and 16 <= rope_dim <= 256
-            and block_m == BLOCK_M and 32 <= block_n <= block_size and num_stages >= 2
+            and 64 <= rope_dim <= 256 and block_m == BLOCK_M and block_n == 32
+            and block_n <= block_size and num_stages >= 2 and num_stages % 2 == 0
             and shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages)
             <= SHARED_MEMORY_LIMIT)
 
@@ -354,31 +477,16 @@ def launch_split_pass(
              for tensor, rows in ((q_rows, BLOCK_M), (kv_rows, block_n))
              for width in (kv_lora_rank, rope_dim)]
     batch = block_table.shape[0]
-    rows = q_len * num_heads
-    grid = (triton.cdiv(rows, BLOCK_M), num_splits, batch)
+    grid = (triton.cdiv(q_len * num_heads, BLOCK_M), num_splits, batch)
     _mla_decode_split_kernel_sm90[grid](
         *descs, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len, num_heads,
         num_splits, min_split_len, block_table.stride(0), BLOCK_SIZE=block_size,
-        NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1, FULL_SCORES=FULL_SCORES,
-        OVERLAP_SOFTMAX=OVERLAP_SOFTMAX, num_warps=NUM_WARPS)
+        NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS)
 
 
-def compile_for_sm90(
-    dtype: torch.dtype = torch.bfloat16,
-    kv_lora_rank: int = 512,
-    rope_dim: int = 64,
-    block_n: int = 64,
-    num_stages: int = 2,
-    block_size: int = 64,
-    direct_output: bool = False,
-):
-    """Compile the split pass for sm_90 without a GPU (Triton's bundled ptxas), with the
-    argument specialisation a launch gets; returns Triton's CompiledKernel (asm["ptx"],
-    asm["cubin"], metadata.shared). For resource checks in tests and scripts."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    kernel = _mla_decode_split_kernel_sm90
+@functools.cache
+def _signature(dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, block_n: int,
+               direct_output: bool) -> dict:
     type_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     signature = {}
     for name, rows, width in (("q_nope_desc", BLOCK_M, kv_lora_rank),
@@ -387,13 +495,30 @@ def compile_for_sm90(
                               ("kv_pe_desc", block_n, rope_dim)):
         layout = _shared_layout(dtype, rows, width)
         signature[name] = f"tensordesc<{type_name}[{rows}, {width}],{layout!r}>"
-    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output,
-                      FULL_SCORES=FULL_SCORES, OVERLAP_SOFTMAX=OVERLAP_SOFTMAX,
-                      num_warps=NUM_WARPS)
-    signature |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                  "o_ptr": f"*{type_name}" if direct_output else "*fp32", "lse_ptr": "*fp32",
-                  "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
-                  "min_split_len": "i32", "stride_bt": "i32"}
+    return signature | {
+        "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "o_ptr": f"*{type_name}" if direct_output else "*fp32", "lse_ptr": "*fp32",
+        "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
+        "min_split_len": "i32", "stride_bt": "i32"}
+
+
+def compile_for_sm90(
+    dtype: torch.dtype = torch.bfloat16,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    block_n: int = 32,
+    num_stages: int = 4,
+    block_size: int = 64,
+    direct_output: bool = False,
+):
+    """Compile the split pass for sm_90 without a GPU (Triton's bundled ptxas), with the
+    specialisation a launch gets; returns Triton's CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = _mla_decode_split_kernel_sm90
+    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output)
+    signature = dict(_signature(dtype, kv_lora_rank, rope_dim, block_n, direct_output))
     signature |= {name: "constexpr" for name in constexprs}
     aligned = ["block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_bt"]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
