@@ -110,7 +110,7 @@ def default_config(
     - More than 16 query rows with 16-bit data, L = 512, 64 <= R <= 256 and pages of 32 or more
       tokens: 64-row programs of the seesaw Gluon pass on sm_90 (`mla_decode_sm90.py`,
       benchmarks/2026-12-02-h200-mla-decode-seesaw/), 32-token tiles x 4 buffers, one program
-      per SM, at most 32 splits of 64 or more tokens. On the H200: 147.7 / 49.3 / 345.1 µs at
+      per SM, at most 32 splits of 64 or more tokens. On the H200: 147.7 / 48.9 / 359.5 µs at
       128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024, against 165.8 / 54.7 / 376.1 for
       the earlier pass with both warpgroups on one tile; 17.1 / 20.6 µs at 128 heads x batch 1 x
       4096 / 8192 against 23.0 / 25.3 for 32-row Triton programs (33 splits; 66 took 20.8 /
