@@ -174,7 +174,7 @@ def default_config(
     return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                            num_stages=num_stages, split_policy=policy, programs_per_sm=per_sm,
                            min_split_len=min_split_len, merge_block_rows=merge_block_rows,
-                           tma_loads=block_m >= 64, warp_specialized=block_m >= 64)
+                           tma_loads=block_m >= 64)
 
 
 def _choose_num_splits(
