@@ -44,18 +44,16 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
                ("no programmatic launch", dict(programmatic_launch=False), None),
                ("warp-specialized n32 s4", dict(block_m=64, warp_specialized=True, block_n=32,
                                                 num_stages=4), None)]
-        if shape.num_heads >= 64:  # the seesaw pass at more splits (shorter ones allowed)
+        if shape.num_heads >= 64:  # head groups against splits at one request
             ring = dict(block_m=64, warp_specialized=True, block_n=32, num_stages=4,
-                        min_split_len=64)
+                        min_split_len=64)  # the Gluon pass, shorter splits allowed
             for count in (16, 33, 66):
                 out.append((f"warp-specialized n32 s4 min64 splits{count}", ring, count))
-        if shape.num_heads >= 64:  # head groups against splits at one request
             for tile, counts in (((16, 32, 4, 3), (8, 16)), ((32, 32, 4, 3), (16, 24, 33)),
-                                 ((64, 64, 8, 2), (33, 66))):
+                                 ((64, 64, 8, 2), (33, 66))):  # Triton programs
                 for count in counts:
                     name = f"m{tile[0]} n{tile[1]} s{tile[3]} splits{count}"
-                    out.append((name, _tile(tile) | dict(warp_specialized=tile[0] == 64),
-                                count))
+                    out.append((name, _tile(tile) | dict(warp_specialized=False), count))
         return out
     rows = shape.num_heads * shape.q_len
     tiles, splits = {16: (TILES_16_ROWS, (2, 4) if shape.batch == 64 else (1, 2)),

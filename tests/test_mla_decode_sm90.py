@@ -21,9 +21,9 @@ from mlaserve.kernels import mla_decode_sm90  # noqa: E402
 _COMPILE = """
 import json, os, subprocess, sys, tempfile
 import torch, triton
-from mlaserve.kernels import mla_decode_sm90
+from mlaserve.kernels.mla_decode_sm90_aot import compile_for_sm90
 dtype, block_n, num_stages = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-compiled = mla_decode_sm90.compile_for_sm90(dtype=dtype, block_n=block_n, num_stages=num_stages)
+compiled = compile_for_sm90(dtype=dtype, block_n=block_n, num_stages=num_stages)
 tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     f.write(compiled.asm["cubin"]); f.flush()

@@ -80,6 +80,30 @@ def _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale, 
 
 
 @triton.jit
+def split_bounds(seq_len, split, num_splits, min_split_len, BLOCK_N: tl.constexpr):
+    """KV positions [split_start, split_end) of one split of a request of seq_len keys, and the
+    split length: max(min_split_len, round_up(ceil(seq_len / num_splits), BLOCK_N)). Shared
+    with the Gluon pass (`mla_decode_sm90`), which calls it from its kernel."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split_len)
+    split_start = split * split_len
+    return split_len, split_start, tl.minimum(split_start + split_len, seq_len)
+
+
+@triton.jit
+def _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr):
+    """Pointer loads of one KV tile at row offsets kv_offs [BLOCK_N]: k_nope [BLOCK_N, L] (also
+    V) and k_pe [BLOCK_N, R], zeros where key_mask is off (page tails may hold NaN)."""
+    offs_l = tl.arange(0, KV_LORA_RANK)
+    offs_r = tl.arange(0, ROPE_DIM)
+    k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :], mask=key_mask[:, None],
+                     other=0.0)
+    k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
+                   mask=key_mask[:, None], other=0.0)
+    return k_nope, k_pe
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_ptr,  # [B * q_len, H, L + R]
     kv_ptr,  # [num_blocks, BLOCK_SIZE, L + R]
@@ -121,10 +145,8 @@ def _mla_decode_split_kernel(
     num_rows = q_len * num_heads
 
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, min_split_len)
-    split_start = split * split_len
-    split_end = tl.minimum(split_start + split_len, seq_len)
+    split_len, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len,
+                                                     BLOCK_N)
 
     rows = group * BLOCK_M + tl.arange(0, BLOCK_M)  # row r = t * H + h of this request
     row_mask = rows < num_rows
@@ -183,10 +205,7 @@ def _mla_decode_split_kernel(
                 k_nope = kv_nope_desc.load([row, 0])  # [BLOCK_N, L], also V
                 k_pe = kv_pe_desc.load([row, 0])  # [BLOCK_N, R]
             else:
-                k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :],
-                                 mask=key_mask[:, None], other=0.0)  # [BLOCK_N, L], also V
-                k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
-                               mask=key_mask[:, None], other=0.0)  # [BLOCK_N, R]
+                k_nope, k_pe = _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK, ROPE_DIM)
             acc, m_i, l_i = _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
                                          qk_scale, acc, m_i, l_i, DOT_PRECISION)
     if USE_TMA and whole_end < split_end:
@@ -196,10 +215,7 @@ def _mla_decode_split_kernel(
         key_mask = pos < split_end
         page = tl.load(bt_row + whole_end // BLOCK_SIZE).to(tl.int64)
         kv_offs = page * stride_kv_block + (whole_end % BLOCK_SIZE + offs_n) * stride_kv_slot
-        k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :], mask=key_mask[:, None],
-                         other=0.0)  # [BLOCK_N, L]
-        k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
-                       mask=key_mask[:, None], other=0.0)  # [BLOCK_N, R]
+        k_nope, k_pe = _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK, ROPE_DIM)
         acc, m_i, l_i = _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
                                      qk_scale, acc, m_i, l_i, DOT_PRECISION)
 

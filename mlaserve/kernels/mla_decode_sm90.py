@@ -54,6 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mlaserve.kernels.mla_decode import split_bounds
+
 BLOCK_M = 64  # query rows per program
 NUM_WARPS = 4  # per compute partition: one warpgroup
 SHARED_MEMORY_LIMIT = 227 * 1024
@@ -360,10 +362,7 @@ def _mla_decode_split_kernel_sm90(
     req = gl.program_id(2)
     num_rows = q_len * num_heads
     seq_len = gl.load(seq_lens_ptr + req)
-    split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
-    split_len = gl.maximum(split_len, min_split_len)
-    split_start = split * split_len
-    split_end = gl.minimum(split_start + split_len, seq_len)
+    _, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len, TILE)
     num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), TILE)
     q_row = req * num_rows + group * ROWS
     out_base = (req.to(gl.int64) * num_splits + split) * num_rows  # first output row
@@ -484,46 +483,4 @@ def launch_split_pass(
         NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS)
 
 
-@functools.cache
-def _signature(dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, block_n: int,
-               direct_output: bool) -> dict:
-    type_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    signature = {}
-    for name, rows, width in (("q_nope_desc", BLOCK_M, kv_lora_rank),
-                              ("q_pe_desc", BLOCK_M, rope_dim),
-                              ("kv_nope_desc", block_n, kv_lora_rank),
-                              ("kv_pe_desc", block_n, rope_dim)):
-        layout = _shared_layout(dtype, rows, width)
-        signature[name] = f"tensordesc<{type_name}[{rows}, {width}],{layout!r}>"
-    return signature | {
-        "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-        "o_ptr": f"*{type_name}" if direct_output else "*fp32", "lse_ptr": "*fp32",
-        "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
-        "min_split_len": "i32", "stride_bt": "i32"}
-
-
-def compile_for_sm90(
-    dtype: torch.dtype = torch.bfloat16,
-    kv_lora_rank: int = 512,
-    rope_dim: int = 64,
-    block_n: int = 32,
-    num_stages: int = 4,
-    block_size: int = 64,
-    direct_output: bool = False,
-):
-    """Compile the split pass for sm_90 without a GPU (Triton's bundled ptxas), with the
-    specialisation a launch gets; returns Triton's CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    kernel = _mla_decode_split_kernel_sm90
-    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output)
-    signature = dict(_signature(dtype, kv_lora_rank, rope_dim, block_n, direct_output))
-    signature |= {name: "constexpr" for name in constexprs}
-    aligned = ["block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_bt"]
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    return triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-
-
-__all__ = ["compile_for_sm90", "launch_split_pass", "supported"]
+__all__ = ["launch_split_pass", "shared_memory_bytes", "supported"]

@@ -1,0 +1,59 @@
+"""Compile the sm_90 Gluon split pass (`mla_decode_sm90`) without a GPU, through Triton's bundled
+ptxas and with the argument specialisation a launch gets: for resource checks (registers,
+spills, shared memory, instruction mix) in CPU tests and scripts/kernel_resources.py."""
+
+import functools
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from mlaserve.kernels.mla_decode_sm90 import (
+    BLOCK_M,
+    NUM_WARPS,
+    _mla_decode_split_kernel_sm90,
+    _shared_layout,
+)
+
+
+@functools.cache
+def _signature(dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, block_n: int,
+               direct_output: bool) -> dict:
+    type_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    signature = {}
+    for name, rows, width in (("q_nope_desc", BLOCK_M, kv_lora_rank),
+                              ("q_pe_desc", BLOCK_M, rope_dim),
+                              ("kv_nope_desc", block_n, kv_lora_rank),
+                              ("kv_pe_desc", block_n, rope_dim)):
+        layout = _shared_layout(dtype, rows, width)
+        signature[name] = f"tensordesc<{type_name}[{rows}, {width}],{layout!r}>"
+    return signature | {
+        "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "o_ptr": f"*{type_name}" if direct_output else "*fp32", "lse_ptr": "*fp32",
+        "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
+        "min_split_len": "i32", "stride_bt": "i32"}
+
+
+def compile_for_sm90(
+    dtype: torch.dtype = torch.bfloat16,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    block_n: int = 32,
+    num_stages: int = 4,
+    block_size: int = 64,
+    direct_output: bool = False,
+):
+    """The split pass compiled for sm_90; returns Triton's CompiledKernel (asm["ptx"],
+    asm["cubin"], metadata.shared)."""
+    kernel = _mla_decode_split_kernel_sm90
+    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output)
+    signature = dict(_signature(dtype, kv_lora_rank, rope_dim, block_n, direct_output))
+    signature |= {name: "constexpr" for name in constexprs}
+    aligned = ["block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_bt"]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+
+
+__all__ = ["compile_for_sm90"]
