@@ -2,7 +2,7 @@
 
 Usage (GPU): ncu --section SpeedOfLight -k regex:sm90 \\
     python3 scripts/gpu_probe_call.py --heads 128 --batch 64 --kv-len 4096 [--q-len 1] \\
-    [--block-size 64] [--set warp_specialized=1,block_n=32,num_stages=4]
+    [--block-size 64] [--splits N] [--set warp_specialized=1,block_n=32,num_stages=4]
 The plan is the default one for the shape, with the --set changes to its configuration.
 """
 
@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--kv-len", type=int, default=4096)
     parser.add_argument("--q-len", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--splits", type=int, default=None, help="force this split count")
     parser.add_argument("--set", default="", help="config changes, e.g. block_n=32,num_stages=4")
     args = parser.parse_args()
     q, kv_cache, block_table, seq_lens = poisoned_paged_batch(
@@ -31,7 +32,8 @@ def main() -> None:
         torch.bfloat16, 0, device=torch.device("cuda"))
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = plan_mla_decode(args.batch, args.kv_len, args.heads, args.q_len, 512, 64,
-                           torch.bfloat16, num_sms, block_size=args.block_size)
+                           torch.bfloat16, num_sms, block_size=args.block_size,
+                           num_splits=args.splits)
     changes = {}
     for item in filter(None, args.set.split(",")):
         name, value = item.split("=")

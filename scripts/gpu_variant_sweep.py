@@ -64,11 +64,13 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     out = [("default", {}, None)]
     if tiles is TILES_64_ROWS:
         out.append(("default + TMA loads", dict(tma_loads=True), None))
-    if rows > 16:  # the Gluon pass: 64-row programs (rows padded)
-        ring = dict(block_m=64, warp_specialized=True, block_n=32, num_stages=4)
+    if shape.block_size >= 32:  # the Gluon pass: 64-row programs (rows padded)
+        ring = dict(block_m=64, warp_specialized=True, block_n=32, num_stages=4,
+                    min_split_len=64, max_num_splits=32, programs_per_sm=1.0,
+                    split_policy="waves", tma_loads=True)
         name = "warp-specialized n32 s4"
         out.append((name, ring, None))
-        for count in (1, 2, 4):
+        for count in (1, 2, 3, 4):
             out.append((f"{name} splits{count}", ring, count))
     for tile in tiles:
         for count in splits:

@@ -34,6 +34,7 @@ from mlaserve.attention.triton_backend import (  # noqa: E402
 from mlaserve.kernels.mla_decode import mla_decode_triton  # noqa: E402
 from mlaserve.kernels.mla_decode_plan import (  # noqa: E402
     MLADecodeConfig,
+    alloc_workspace,
     default_config,
     merge_tile,
     page_chunk,
@@ -116,15 +117,23 @@ def run_and_check(
     config: MLADecodeConfig | None = None,
     num_splits: int | None = None,
     seed: int = 0,
+    poison_workspace: bool = False,
 ) -> None:
+    """Run the kernel on a poisoned batch and check it; poison_workspace fills the partial
+    workspace with NaN first (what the merge must never read from an empty split)."""
     q, kv_cache, block_table, lens = make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim,
                                                 block_size, q_len, dtype, seed)
     scale = 1.5 / math.sqrt(kv_lora_rank + rope_dim)  # peakier than 1/sqrt(192) at small sizes
     plan = plan_mla_decode(len(seq_lens), block_table.shape[1] * block_size, num_heads, q_len,
                            kv_lora_rank, rope_dim, dtype, NUM_SMS, config=config,
                            num_splits=num_splits)
+    workspace = None
+    if poison_workspace:
+        workspace = alloc_workspace(plan, q.device)
+        for buffer in workspace:
+            buffer.fill_(float("nan"))
     o, lse = mla_decode_triton(q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len,
-                               plan.num_splits, config=plan.config)
+                               plan.num_splits, workspace=workspace, config=plan.config)
     check(o, lse, q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len)
 
 
@@ -169,6 +178,14 @@ def test_long_and_short_together(dtype: torch.dtype, num_splits: int | None) -> 
 def test_any_split_count_is_exact(num_splits: int) -> None:
     # Far more splits than tiles (64) is what a graph captured for long lengths sees at replay.
     run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, torch.float32, SMALL_TILES, num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_empty_splits_never_read(dtype: torch.dtype) -> None:
+    # 7 splits of >= 16 keys: the short requests leave most of theirs empty, and the merge
+    # must drop those without reading the NaN the workspace holds there.
+    run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, dtype, SMALL_TILES, 7, seed=7,
+                  poison_workspace=True)
 
 
 def test_split_longer_than_one_page_chunk() -> None:
@@ -354,14 +371,15 @@ def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int]
     # The Triton kernel with TMA tile loads (64-token tiles, the Gluon pass off, as off sm_90)
     # and the seesaw Gluon split pass: whole tiles by TMA, the partial last tile of each split
     # masked or zeroed in shared memory; odd and even tile counts, lengths that end mid-tile,
-    # mid-page and on page ends, NaN in every page tail. (16, 1) has 16-row programs, which
-    # the Gluon flag leaves to the Triton kernel; the TMA flag gives them TMA loads (not a
-    # default: they spill there).
+    # mid-page and on page ends, NaN in every page tail. The Gluon pass takes 64-row programs
+    # (16 and 32 rows padded); the TMA flag gives the 16-row Triton programs of (16, 1) TMA
+    # loads (not a default: they spill there).
     num_heads, q_len = heads_and_q_len
     lens = [4096, q_len, 1000, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
     changes = {"tma_loads": dict(tma_loads=True, warp_specialized=False, block_m=min(
                    64, max(16, num_heads * q_len)), block_n=64, num_stages=2),
-               "warp_specialized": dict(warp_specialized=True)}
+               "warp_specialized": dict(warp_specialized=True, tma_loads=True, block_m=64,
+                                        block_n=32, num_stages=4)}
     config = dataclasses.replace(
         default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
         **changes[path])
