@@ -53,7 +53,6 @@ from mlaserve.kernels.mla_decode_plan import (
     default_config,
     merge_tile,
     page_chunk,
-    partial_dtype_of,
 )
 
 _LOG2E = 1.4426950408889634
@@ -277,8 +276,7 @@ def _mla_decode_merge_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet
         weight = tl.exp(lse_chunk - m_safe[None, :])  # [SPLIT_CHUNK, BLOCK_R]; 0 when empty
         part = tl.load(partial_o_ptr + flat[:, :, None] * KV_LORA_RANK + offs_l[None, None, :],
-                       mask=valid[:, :, None], other=0.0)  # [SPLIT_CHUNK, BLOCK_R, BLOCK_L]
-        part = tl.where((weight > 0.0)[:, :, None], part.to(tl.float32), 0.0)
+                       mask=(weight > 0.0)[:, :, None], other=0.0)  # [CHUNK, BLOCK_R, BLOCK_L]
         rescale = tl.exp(m - m_safe)  # [BLOCK_R]
         acc = acc * rescale[:, None] + tl.sum(weight[:, :, None] * part, 0)
         weight_sum = weight_sum * rescale + tl.sum(weight, 0)
@@ -422,13 +420,10 @@ def mla_decode_triton(
     else:
         o_numel = batch * num_splits * rows * kv_lora_rank
         lse_numel = batch * num_splits * rows
-        partial_dtype = partial_dtype_of(config, q.dtype)
         if workspace is None:
-            workspace = (torch.empty(o_numel, dtype=partial_dtype, device=q.device),
+            workspace = (torch.empty(o_numel, dtype=torch.float32, device=q.device),
                          torch.empty(lse_numel, dtype=torch.float32, device=q.device))
         partial_o, partial_lse = workspace
-        if partial_o.dtype != partial_dtype:  # float32 storage viewed as 16-bit partials
-            partial_o = partial_o.view(partial_dtype)
         if partial_o.numel() < o_numel or partial_lse.numel() < lse_numel:
             raise ValueError(f"workspace too small: need {o_numel} and {lse_numel} float32, got "
                              f"{partial_o.numel()} and {partial_lse.numel()}")

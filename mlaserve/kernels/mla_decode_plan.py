@@ -43,8 +43,6 @@ class MLADecodeConfig:
             32-token tiles within a page in an even ring (num_stages), run the split pass as the
             warp-specialised Gluon kernel of `mla_decode_sm90.py` (a TMA loader warp, two
             compute warpgroups in the seesaw schedule); num_warps does not apply.
-        partial_dtype: element type of the split pass's partial outputs: "float32", or
-            "input" (q's dtype when 16-bit).
     """
 
     block_m: int
@@ -60,7 +58,6 @@ class MLADecodeConfig:
     programmatic_launch: bool = True
     tma_loads: bool = False
     warp_specialized: bool = False
-    partial_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -147,8 +144,7 @@ def default_config(
         return MLADecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2,
                                min_split_len=max(2 * block_n, 64),
                                merge_block_rows=max(1, min(next_pow2(rows), 2048 // kv_lora_rank)))
-    wide_or_batched = rows > 16 or rows == 16 and batch_size is not None and batch_size >= 32
-    if (wide_or_batched and kv_lora_rank == 512 and 64 <= qk_rope_head_dim <= 256
+    if (rows > 16 and kv_lora_rank == 512 and 64 <= qk_rope_head_dim <= 256
             and (block_size is None or block_size >= 32)):
         return MLADecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=4,
                                programs_per_sm=1.0, min_split_len=64, max_num_splits=32,
@@ -253,18 +249,9 @@ def plan_mla_decode(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     o_numel = batch_size * num_splits * rows * kv_lora_rank if num_splits > 1 else 0
-    if partial_dtype_of(config, dtype) != torch.float32:
-        o_numel = -(-o_numel // 2)  # 16-bit partials: float32 storage viewed as q's dtype
     lse_numel = batch_size * num_splits * rows if num_splits > 1 else 0
     return MLADecodePlan(num_splits=num_splits, num_head_groups=num_head_groups, config=config,
                          workspace_o_numel=o_numel, workspace_lse_numel=lse_numel)
-
-
-def partial_dtype_of(config: MLADecodeConfig, dtype: torch.dtype) -> torch.dtype:
-    """The element type of the partial outputs for inputs of `dtype` under `config`."""
-    if config.partial_dtype == "input" and dtype.itemsize == 2:
-        return dtype
-    return torch.float32
 
 
 def merge_tile(config: MLADecodeConfig, batch_size: int, num_rows: int, num_splits: int,
