@@ -114,7 +114,7 @@ class Sweep:
 
     def launcher(self, plan: planning.MLADecodePlan, q: torch.Tensor, cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
-                 workspace: planning.Workspace
+                 workspace: tuple[torch.Tensor, torch.Tensor]
                  ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         def call() -> tuple[torch.Tensor, torch.Tensor]:
             return kernels.mla_decode_triton(

@@ -62,10 +62,6 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     if shape.block_size < 64:
         tiles = [t for t in tiles if t[1] <= shape.block_size]
     out = [("default", {}, None)]
-    if rows == 16:  # the split pass merging its own splits, against the merge kernel
-        out.append(("merge kernel", dict(fused_merge=False), None))
-        for count in (2, 3, 4, 6, 8):
-            out.append((f"fused merge splits{count}", dict(fused_merge=True), count))
     if tiles is TILES_64_ROWS:
         out.append(("default + TMA loads", dict(tma_loads=True), None))
     if shape.block_size >= 32:  # the Gluon pass: 64-row programs (rows padded)

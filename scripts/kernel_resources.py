@@ -22,24 +22,17 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from mlaserve.kernels import mla_decode  # noqa: E402
-from mlaserve.kernels.mla_decode_plan import (  # noqa: E402
-    MAX_FUSED_MERGE_SPLITS,
-    fused_merge_tile,
-    page_chunk,
-    plan_mla_decode,
-)
+from mlaserve.kernels.mla_decode_plan import page_chunk, plan_mla_decode  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 SIGNATURE = {
     "q_ptr": "*bf16", "kv_ptr": "*bf16", "kv_nope_desc": "constexpr", "kv_pe_desc": "constexpr",
     "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-    "o_ptr": "*fp32", "lse_ptr": "*fp32", "final_o_ptr": "*bf16", "final_lse_ptr": "*fp32",
-    "counters_ptr": "*i32", "qk_scale": "fp32", "q_len": "i32",
+    "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32", "q_len": "i32",
     "num_heads": "i32", "num_splits": "i32", "min_split_len": "i32", "stride_q_token": "i32",
     "stride_q_head": "i32", "stride_kv_block": "i32", "stride_kv_slot": "i32", "stride_bt": "i32",
 }
-ALIGNED = ["q_ptr", "kv_ptr", "block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr",
-           "final_o_ptr", "final_lse_ptr", "counters_ptr", "num_heads",
+ALIGNED = ["q_ptr", "kv_ptr", "block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "num_heads",
            "min_split_len", "stride_q_token", "stride_q_head", "stride_kv_block",
            "stride_kv_slot", "stride_bt"]
 # (heads, q_len, batch, kv_len, block_size)
@@ -67,9 +60,6 @@ def main() -> None:
         plan = plan_mla_decode(batch, kv_len, heads, q_len, KV_LORA_RANK, ROPE_DIM,
                                torch.bfloat16, 132, block_size=block_size)
         config = plan.config
-        fused = config.fused_merge and 1 < plan.num_splits <= MAX_FUSED_MERGE_SPLITS
-        merge_splits, merge_block_l = (
-            fused_merge_tile(plan.num_splits, config.block_m, KV_LORA_RANK) if fused else (1, 16))
         signature = dict(SIGNATURE)
         constexprs = dict(kv_nope_desc=None, kv_pe_desc=None)
         if tma:
@@ -79,8 +69,7 @@ def main() -> None:
         constexprs |= dict(KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, BLOCK_SIZE=block_size,
                           BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
-                          DIRECT_OUTPUT=False, FUSED_MERGE=fused, MERGE_SPLITS=merge_splits,
-                          MERGE_BLOCK_L=merge_block_l, USE_PDL=not fused, USE_TMA=tma,
+                          DIRECT_OUTPUT=False, USE_PDL=True, USE_TMA=tma,
                           PAGE_CHUNK=page_chunk(config, kv_len, plan.num_splits))
         if q_len == 1:
             constexprs["q_len"] = 1  # the launcher specialises integer arguments equal to 1
@@ -92,7 +81,7 @@ def main() -> None:
             options={"num_warps": config.num_warps, "num_stages": config.num_stages})
         ptx = compiled.asm["ptx"]
         print(f"H{heads:<3} q{q_len} B{batch:<3} kv{kv_len:<5} blk{block_size:<2} "
-              f"{'TMA ' if tma else 'ptrs'}{' fused' if fused else ''}: "
+              f"{'TMA ' if tma else 'ptrs'}: "
               f"block_m {config.block_m:>2} block_n {config.block_n} warps {config.num_warps} "
               f"stages {config.num_stages} | {resources(compiled.asm['cubin'])}  shared "
               f"{compiled.metadata.shared // 1024:>3} KB | wgmma "

@@ -33,7 +33,6 @@ from mlaserve.attention.triton_backend import (  # noqa: E402
 )
 from mlaserve.kernels.mla_decode import mla_decode_triton  # noqa: E402
 from mlaserve.kernels.mla_decode_plan import (  # noqa: E402
-    MAX_FUSED_MERGE_SPLITS,
     MLADecodeConfig,
     alloc_workspace,
     default_config,
@@ -121,8 +120,7 @@ def run_and_check(
     poison_workspace: bool = False,
 ) -> None:
     """Run the kernel on a poisoned batch and check it; poison_workspace fills the partial
-    outputs and LSEs of the workspace with NaN first (what a merge must never read from an
-    empty split)."""
+    workspace with NaN first (what the merge must never read from an empty split)."""
     q, kv_cache, block_table, lens = make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim,
                                                 block_size, q_len, dtype, seed)
     scale = 1.5 / math.sqrt(kv_lora_rank + rope_dim)  # peakier than 1/sqrt(192) at small sizes
@@ -132,7 +130,7 @@ def run_and_check(
     workspace = None
     if poison_workspace:
         workspace = alloc_workspace(plan, q.device)
-        for buffer in workspace[:2]:  # the partials; the arrival counters must start at zero
+        for buffer in workspace:
             buffer.fill_(float("nan"))
     o, lse = mla_decode_triton(q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len,
                                plan.num_splits, workspace=workspace, config=plan.config)
@@ -182,50 +180,12 @@ def test_any_split_count_is_exact(num_splits: int) -> None:
     run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, torch.float32, SMALL_TILES, num_splits)
 
 
-@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-def test_empty_splits_never_read(dtype: torch.dtype, fused_merge: bool) -> None:
+def test_empty_splits_never_read(dtype: torch.dtype) -> None:
     # 7 splits of >= 16 keys: the short requests leave most of theirs empty, and the merge
-    # (kernel or fused) must drop those without taking in the NaN the workspace holds there.
-    config = dataclasses.replace(SMALL_TILES, fused_merge=fused_merge)
-    run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, dtype, config, 7, seed=7,
+    # must drop those without reading the NaN the workspace holds there.
+    run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, dtype, SMALL_TILES, 7, seed=7,
                   poison_workspace=True)
-
-
-@pytest.mark.parametrize("num_splits", [2, 3, MAX_FUSED_MERGE_SPLITS, MAX_FUSED_MERGE_SPLITS + 1])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-def test_fused_merge_counts_and_resets(dtype: torch.dtype, num_splits: int) -> None:
-    # The split pass merges its own splits (up to MAX_FUSED_MERGE_SPLITS, else the merge
-    # kernel runs): three calls on one workspace agree with the reference and with the merge
-    # kernel's result, and leave every arrival counter at zero for the next launch. Empty
-    # splits (the short requests) arrive too.
-    lens = [0, 5, 100, 33, 260]
-    q, kv_cache, block_table, seq_lens = make_batch(lens, 16, 64, 16, 16, 2, dtype, 3)
-    scale = 1.5 / math.sqrt(80)
-    fused = dataclasses.replace(SMALL_TILES, fused_merge=True)
-    plan = plan_mla_decode(len(lens), block_table.shape[1] * 16, 16, 2, 64, 16, dtype, NUM_SMS,
-                           config=fused, num_splits=num_splits)
-    workspace = alloc_workspace(plan, q.device)
-    assert workspace[2].numel() == len(lens) * plan.num_head_groups
-    unfused_o, unfused_lse = mla_decode_triton(q, kv_cache, block_table, seq_lens, scale, 64, 2,
-                                               num_splits, config=SMALL_TILES)
-    # The two merges add the same float32 terms in another order: one rounding step of o's dtype.
-    ulp = 1e-5 if dtype == torch.float32 else 2.0 ** -10
-    for _ in range(3):
-        o, lse = mla_decode_triton(q, kv_cache, block_table, seq_lens, scale, 64, 2, num_splits,
-                                   workspace=workspace, config=plan.config)
-        check(o, lse, q, kv_cache, block_table, seq_lens, scale, 64, 2)
-        torch.testing.assert_close(o, unfused_o, atol=1e-5, rtol=ulp)
-        torch.testing.assert_close(lse, unfused_lse, atol=1e-5, rtol=1e-5)
-        assert torch.count_nonzero(workspace[2]) == 0
-
-
-def test_workspace_is_checked() -> None:
-    q, kv_cache, block_table, seq_lens = make_batch([40, 9], 16, 64, 16, 16, 1, torch.float32)
-    small = (torch.empty(1), torch.empty(1), torch.zeros(0, dtype=torch.int32))
-    with pytest.raises(ValueError, match="workspace too small"):
-        mla_decode_triton(q, kv_cache, block_table, seq_lens, 0.1, 64, 1, 2, workspace=small,
-                          config=SMALL_TILES)
 
 
 def test_split_longer_than_one_page_chunk() -> None:

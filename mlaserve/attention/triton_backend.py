@@ -14,27 +14,10 @@ from types import ModuleType
 import torch
 
 from mlaserve.attention.base import BackendCapabilities, MLABackend, MLAShape
-from mlaserve.kernels.mla_decode_plan import (
-    MLADecodeConfig,
-    MLADecodePlan,
-    Workspace,
-    plan_mla_decode,
-)
+from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, MLADecodePlan, plan_mla_decode
 
 # SM count assumed on CPU, where the kernel only runs in Triton's interpreter (tests).
 _CPU_NUM_SMS = 4
-
-
-def _workspace_sizes(plan: MLADecodePlan) -> tuple[int, int, int]:
-    return plan.workspace_o_numel, plan.workspace_lse_numel, plan.workspace_counters_numel
-
-
-def _alloc_workspace(sizes: list[int], device: torch.device) -> Workspace:
-    """Partial o and lse (float32) and the fused merge's arrival counters (int32 zeros)."""
-    num_o, num_lse, num_counters = sizes
-    return (torch.empty(num_o, dtype=torch.float32, device=device),
-            torch.empty(num_lse, dtype=torch.float32, device=device),
-            torch.zeros(num_counters, dtype=torch.int32, device=device))
 
 
 def _is_pow2(value: int) -> bool:
@@ -118,8 +101,8 @@ class TritonMLABackend(MLABackend):
         # A launch configuration to use instead of the per-shape default (e.g. from a sweep).
         self.config: MLADecodeConfig | None = None
         self._plans: dict[tuple, MLADecodePlan] = {}
-        self._eager_workspace: Workspace | None = None
-        self._graph_workspace: Workspace | None = None
+        self._eager_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def _kernels(self) -> ModuleType:
@@ -151,17 +134,18 @@ class TritonMLABackend(MLABackend):
         batch, width = block_table.shape
         bound = width * self.shape.block_size if max_seq_len is None else max_seq_len
         plan = self._make_plan(batch, bound, q_len)
-        need = _workspace_sizes(plan)
+        need_o, need_lse = plan.workspace_o_numel, plan.workspace_lse_numel
         workspace = self._eager_workspace
-        if workspace is None or any(w.numel() < n for w, n in zip(workspace, need, strict=True)):
-            have = (0, 0, 0) if workspace is None else (w.numel() for w in workspace)
-            workspace = _alloc_workspace([max(n, h) for n, h in zip(need, have, strict=True)],
-                                         self.shape.device)
+        if workspace is None or workspace[0].numel() < need_o or workspace[1].numel() < need_lse:
+            have_o, have_lse = (0, 0) if workspace is None else (w.numel() for w in workspace)
+            device = self.shape.device
+            workspace = (torch.empty(max(need_o, have_o), dtype=torch.float32, device=device),
+                         torch.empty(max(need_lse, have_lse), dtype=torch.float32, device=device))
             self._eager_workspace = workspace
         self._set_step(block_table, seq_lens, q_len, plan, workspace)
 
     def _set_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
-                  plan: MLADecodePlan, workspace: Workspace) -> None:
+                  plan: MLADecodePlan, workspace: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.block_table = block_table
         self.seq_lens = seq_lens
         self.q_len = q_len
@@ -182,12 +166,15 @@ class TritonMLABackend(MLABackend):
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
         super().init_graph_buffers(max_batch_size, max_blocks_per_seq)
         self._graph_max_seq_len = max_blocks_per_seq * self.shape.block_size
-        need = [0, 0, 0]
+        need_o = need_lse = 0
         for batch in range(1, max_batch_size + 1):
             for q_len in range(1, self.shape.max_q_len + 1):
                 plan = self._make_plan(batch, self._graph_max_seq_len, q_len)
-                need = [max(n, m) for n, m in zip(need, _workspace_sizes(plan), strict=True)]
-        self._graph_workspace = _alloc_workspace(need, self.shape.device)
+                need_o = max(need_o, plan.workspace_o_numel)
+                need_lse = max(need_lse, plan.workspace_lse_numel)
+        device = self.shape.device
+        self._graph_workspace = (torch.empty(need_o, dtype=torch.float32, device=device),
+                                 torch.empty(need_lse, dtype=torch.float32, device=device))
 
     def _plan_static(self, batch_size: int, q_len: int) -> None:
         if self._graph_workspace is None:

@@ -21,11 +21,8 @@ Kernel design:
   lse = -inf). This is what lets a CUDA graph keep one fixed split count.
 - Stage 2 (`_mla_decode_merge_kernel`): per block of output rows, merge the splits' partial
   (o, lse) by log-sum-exp, a chunk of splits per wide load; empty splits are skipped without
-  reading their partial output. With one split, stage 1 writes the final output directly and
-  stage 2 is not launched. With `config.fused_merge` and a few splits, stage 1 merges instead:
-  the last program of each (request, head group) to finish (an atomic arrival counter in the
-  workspace) merges its splits' partials, which are still in L2, so the merge overlaps the
-  other requests' splits and no second kernel runs.
+  reading their partial output. With one split,
+  stage 1 writes the final output directly and stage 2 is not launched.
 - Pages: with block_size >= block_n a tile lies inside one page (one page id per tile); the page
   ids of a split are loaded as a vector before its tile loop, up to 64 tiles at a time, so no
   load in the loop depends on another load of the loop and Triton's pipeliner gives the KV
@@ -52,11 +49,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mlaserve.kernels.mla_decode_plan import (
-    MAX_FUSED_MERGE_SPLITS,
     MLADecodeConfig,
-    Workspace,
     default_config,
-    fused_merge_tile,
     merge_tile,
     page_chunk,
 )
@@ -119,9 +113,6 @@ def _mla_decode_split_kernel(
     seq_lens_ptr,  # [B] int32
     o_ptr,  # [B, num_splits, q_len * H, L]: partial (float32) or final (q dtype) output
     lse_ptr,  # [B, num_splits, q_len * H] float32
-    final_o_ptr,  # FUSED_MERGE: [B, q_len * H, L] q dtype
-    final_lse_ptr,  # FUSED_MERGE: [B, q_len * H] float32
-    counters_ptr,  # FUSED_MERGE: [B, num_head_groups] int32, zero between launches
     qk_scale,  # softmax_scale * log2(e)
     q_len,
     num_heads,
@@ -141,9 +132,6 @@ def _mla_decode_split_kernel(
     PAGE_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DIRECT_OUTPUT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr,  # FUSED_MERGE: num_splits rounded up to a power of two
-    MERGE_BLOCK_L: tl.constexpr,  # FUSED_MERGE: columns merged per load
     USE_PDL: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
@@ -242,55 +230,6 @@ def _mla_decode_split_kernel(
         o_mask = row_mask & (l_i > 0.0)  # the merge never reads an empty split's output
     tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=o_mask[:, None])
     tl.store(lse_ptr + base * num_rows + rows, lse, mask=row_mask)
-    if FUSED_MERGE:
-        _merge_if_last(o_ptr, lse_ptr, final_o_ptr, final_lse_ptr,
-                       counters_ptr + req * tl.num_programs(0) + group, req, rows, row_mask,
-                       num_rows, num_splits, KV_LORA_RANK, MERGE_SPLITS, MERGE_BLOCK_L)
-
-
-@triton.jit
-def _merge_if_last(partial_o_ptr, partial_lse_ptr, o_ptr, lse_ptr, counter_ptr, req, rows,
-                   row_mask, num_rows, num_splits, KV_LORA_RANK: tl.constexpr,
-                   MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_L: tl.constexpr):
-    """The fused merge: count this split's arrival; the last split of the (request, head group)
-    to arrive merges all of its partials [num_splits, BLOCK_M, L] (by log-sum-exp, read back
-    from L2) into the final o [BLOCK_M, L] and lse, then resets the counter.
-
-    The LSEs of all splits [MERGE_SPLITS, BLOCK_M] and the partial outputs, MERGE_BLOCK_L
-    columns of every split at a time ([MERGE_SPLITS, BLOCK_M, MERGE_BLOCK_L]), are loaded with
-    no load waiting on another, so the merge costs about one L2 round trip after the counter's.
-    Empty splits never stored a partial (the workspace holds stale values there): they get
-    weight 0 and are dropped by a select. The barrier orders every thread's partial stores
-    before the counter's release; the acquiring program reads past L1 (.cg), which may hold
-    lines of an earlier launch."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        offs_s = tl.arange(0, MERGE_SPLITS)
-        valid = (offs_s < num_splits)[:, None] & row_mask[None, :]  # [MERGE_SPLITS, BLOCK_M]
-        flat = (req.to(tl.int64) * num_splits + offs_s)[:, None] * num_rows + rows[None, :]
-        lse_all = tl.load(partial_lse_ptr + flat, mask=valid, other=float("-inf"),
-                          cache_modifier=".cg")  # [MERGE_SPLITS, BLOCK_M]
-        m = tl.max(lse_all, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)  # rows no split saw a key for
-        weight = tl.exp(lse_all - m_safe[None, :])  # [MERGE_SPLITS, BLOCK_M]; 0 when empty
-        weight_sum = tl.sum(weight, 0)
-        no_key = weight_sum == 0.0  # every split was empty
-        inv_sum = 1.0 / tl.where(no_key, 1.0, weight_sum)
-        out_rows = (req.to(tl.int64) * num_rows + rows) * KV_LORA_RANK  # [BLOCK_M]
-        for first in tl.static_range(0, KV_LORA_RANK, MERGE_BLOCK_L):
-            offs_l = first + tl.arange(0, MERGE_BLOCK_L)
-            part = tl.load(partial_o_ptr + flat[:, :, None] * KV_LORA_RANK
-                           + offs_l[None, None, :], mask=valid[:, :, None], other=0.0,
-                           cache_modifier=".cg")  # [MERGE_SPLITS, BLOCK_M, MERGE_BLOCK_L]
-            part = tl.where((weight > 0.0)[:, :, None], part, 0.0)
-            out = tl.sum(weight[:, :, None] * part, 0) * inv_sum[:, None]
-            tl.store(o_ptr + out_rows[:, None] + offs_l[None, :],
-                     out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
-        tl.store(lse_ptr + req.to(tl.int64) * num_rows + rows,
-                 tl.where(no_key, float("-inf"), m + tl.log(tl.where(no_key, 1.0, weight_sum))),
-                 mask=row_mask)
-        tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch (and graph replay)
 
 
 @triton.jit
@@ -417,7 +356,7 @@ def mla_decode_triton(
     kv_lora_rank: int,
     q_len: int,
     num_splits: int,
-    workspace: Workspace | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: MLADecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode (split-KV + merge); launches one or two kernels and never syncs.
@@ -434,10 +373,8 @@ def mla_decode_triton(
         kv_lora_rank: L (a power of two >= 16); R = q.shape[-1] - L (a power of two >= 16).
         q_len: new tokens per request, causal among themselves.
         num_splits: KV splits per request (from `plan_mla_decode`; any value >= 1 is correct).
-        workspace: (partial_o, partial_lse, counters) buffers of at least the plan's sizes,
-            from `alloc_workspace` (counters zero); allocated here when None. Unused with
-            num_splits == 1. Launches that share one workspace must run one after another
-            (one stream): the fused merge's counters are per workspace.
+        workspace: (partial_o, partial_lse) float32 buffers of at least the plan's sizes, from
+            `alloc_workspace`; allocated here when None. Unused with num_splits == 1.
         config: launch configuration (normally the plan's); `default_config` of the shape when
             None. Any configuration is correct with any split count.
 
@@ -483,28 +420,16 @@ def mla_decode_triton(
     else:
         o_numel = batch * num_splits * rows * kv_lora_rank
         lse_numel = batch * num_splits * rows
-        counters_numel = batch * num_head_groups
         if workspace is None:
             workspace = (torch.empty(o_numel, dtype=torch.float32, device=q.device),
-                         torch.empty(lse_numel, dtype=torch.float32, device=q.device),
-                         torch.zeros(counters_numel, dtype=torch.int32, device=q.device))
-        partial_o, partial_lse, counters = workspace
-        if (partial_o.numel() < o_numel or partial_lse.numel() < lse_numel
-                or counters.numel() < counters_numel or counters.dtype != torch.int32):
-            raise ValueError(
-                f"workspace too small: need {o_numel} and {lse_numel} float32 and "
-                f"{counters_numel} int32, got {partial_o.numel()} and {partial_lse.numel()} "
-                f"{partial_o.dtype}, {counters.numel()} {counters.dtype}")
+                         torch.empty(lse_numel, dtype=torch.float32, device=q.device))
+        partial_o, partial_lse = workspace
+        if partial_o.numel() < o_numel or partial_lse.numel() < lse_numel:
+            raise ValueError(f"workspace too small: need {o_numel} and {lse_numel} float32, got "
+                             f"{partial_o.numel()} and {partial_lse.numel()}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    use_pdl = not direct and config.programmatic_launch and _sm90_or_newer(q.device)
     sm90_pass = _warp_specialized_pass(q, kv_cache, kv_lora_rank, config)
-    fused = (not direct and sm90_pass is None and config.fused_merge
-             and num_splits <= MAX_FUSED_MERGE_SPLITS)
-    use_pdl = (not direct and not fused and config.programmatic_launch
-               and _sm90_or_newer(q.device))
-    if direct:
-        counters = lse  # a placeholder pointer: neither read nor written
-    merge_splits, merge_block_l = (fused_merge_tile(num_splits, config.block_m, kv_lora_rank)
-                                   if fused else (1, 16))
     if sm90_pass is not None:
         sm90_pass.launch_split_pass(q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
                                     softmax_scale * _LOG2E, kv_lora_rank, q_len, num_splits,
@@ -513,19 +438,17 @@ def mla_decode_triton(
         nope_desc, pe_desc = _kv_descriptors(kv_cache, kv_lora_rank, config)
         _mla_decode_split_kernel[(num_head_groups, num_splits, batch)](
             q, kv_cache, nope_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse,
-            o, lse, counters, softmax_scale * _LOG2E, q_len, num_heads, num_splits,
-            min_split_len,
+            softmax_scale * _LOG2E, q_len, num_heads, num_splits, min_split_len,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             block_table.stride(0), KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
             BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             NUM_STAGES=config.num_stages,
             PAGE_CHUNK=page_chunk(config, block_table.shape[1] * block_size, num_splits),
-            DOT_PRECISION=precision, DIRECT_OUTPUT=direct, FUSED_MERGE=fused,
-            MERGE_SPLITS=merge_splits, MERGE_BLOCK_L=merge_block_l, USE_PDL=use_pdl,
+            DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=use_pdl,
             USE_TMA=nope_desc is not None, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-    if not direct and not fused:
+    if not direct:
         block_rows, block_l, split_chunk = merge_tile(config, batch, rows, num_splits,
                                                       kv_lora_rank)
         grid = (triton.cdiv(rows, block_rows), batch, kv_lora_rank // block_l)

@@ -11,9 +11,6 @@ import torch
 
 # Most splits the merge kernel reads in one load (more take further rounds of loads).
 MAX_MERGE_CHUNK = 64
-# Most splits the split pass merges itself (config.fused_merge): its last program loads all of
-# them at once, where the merge kernel spreads many splits over many programs.
-MAX_FUSED_MERGE_SPLITS = 8
 
 
 @dataclass(frozen=True)
@@ -46,10 +43,6 @@ class MLADecodeConfig:
             32-token tiles within a page in an even ring (num_stages), run the split pass as the
             warp-specialised Gluon kernel of `mla_decode_sm90.py` (a TMA loader warp, two
             compute warpgroups in the seesaw schedule); num_warps does not apply.
-        fused_merge: with 2 to MAX_FUSED_MERGE_SPLITS splits, the Triton split pass merges
-            them itself: each program counts its arrival on a per-(request, head group) counter
-            in the workspace, and the last to arrive merges the partials (from L2) into the
-            final output, so no merge kernel runs. The Gluon pass keeps the merge kernel.
     """
 
     block_m: int
@@ -65,7 +58,6 @@ class MLADecodeConfig:
     programmatic_launch: bool = True
     tma_loads: bool = False
     warp_specialized: bool = False
-    fused_merge: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -79,10 +71,6 @@ class MLADecodeConfig:
                 f"merge_block_rows must be a power of two, got {self.merge_block_rows}")
 
 
-# (partial_o float32, partial_lse float32, arrival counters int32), flat.
-Workspace = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
 @dataclass(frozen=True)
 class MLADecodePlan:
     """What one decode step launches; built by `plan_mla_decode` from host-side ints only.
@@ -93,8 +81,6 @@ class MLADecodePlan:
         config: the launch configuration (its `min_split_len` rounded up to whole tiles).
         workspace_o_numel: float32 elements of the partial-output workspace (0 with one split).
         workspace_lse_numel: float32 elements of the partial-LSE workspace (0 with one split).
-        workspace_counters_numel: int32 arrival counters of the fused merge, one per (request,
-            head group) (0 with one split); zero between launches.
     """
 
     num_splits: int
@@ -102,7 +88,6 @@ class MLADecodePlan:
     config: MLADecodeConfig
     workspace_o_numel: int
     workspace_lse_numel: int
-    workspace_counters_numel: int = 0
 
 
 def next_pow2(value: int) -> int:
@@ -158,8 +143,7 @@ def default_config(
                         if q_bytes + 2 * n * head_dim * itemsize <= smem_budget), 16)
         return MLADecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2,
                                min_split_len=max(2 * block_n, 64),
-                               merge_block_rows=max(1, min(next_pow2(rows), 2048 // kv_lora_rank)),
-                               fused_merge=True)
+                               merge_block_rows=max(1, min(next_pow2(rows), 2048 // kv_lora_rank)))
     if (rows > 16 and kv_lora_rank == 512 and 64 <= qk_rope_head_dim <= 256
             and (block_size is None or block_size >= 32)):
         return MLADecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=4,
@@ -266,10 +250,8 @@ def plan_mla_decode(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     o_numel = batch_size * num_splits * rows * kv_lora_rank if num_splits > 1 else 0
     lse_numel = batch_size * num_splits * rows if num_splits > 1 else 0
-    counters_numel = batch_size * num_head_groups if num_splits > 1 else 0
     return MLADecodePlan(num_splits=num_splits, num_head_groups=num_head_groups, config=config,
-                         workspace_o_numel=o_numel, workspace_lse_numel=lse_numel,
-                         workspace_counters_numel=counters_numel)
+                         workspace_o_numel=o_numel, workspace_lse_numel=lse_numel)
 
 
 def merge_tile(config: MLADecodeConfig, batch_size: int, num_rows: int, num_splits: int,
@@ -292,14 +274,6 @@ def merge_tile(config: MLADecodeConfig, batch_size: int, num_rows: int, num_spli
     return block_rows, block_l, split_chunk
 
 
-def fused_merge_tile(num_splits: int, block_m: int, kv_lora_rank: int) -> tuple[int, int]:
-    """(splits, columns) per load of the fused merge: num_splits rounded up to a power of two,
-    and as many of the L columns as keep a [splits, block_m, columns] float32 load within 8192
-    elements (64 registers a thread at 4 warps)."""
-    splits = next_pow2(num_splits)
-    return splits, max(16, min(kv_lora_rank, 8192 // (splits * block_m)))
-
-
 def page_chunk(config: MLADecodeConfig, max_seq_len: int, num_splits: int) -> int:
     """Page ids the split pass reads at once: the tiles of the longest possible split (from the
     host-side bound on the lengths), as a power of two from 1 to 64; longer splits read them 64
@@ -312,15 +286,12 @@ def page_chunk(config: MLADecodeConfig, max_seq_len: int, num_splits: int) -> in
     return min(next_pow2(-(-split_len // config.block_n)), 64)
 
 
-def alloc_workspace(plan: MLADecodePlan, device: torch.device) -> Workspace:
-    """The workspace a plan needs (may be empty).
+def alloc_workspace(plan: MLADecodePlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial-output and partial-LSE buffers a plan needs (float32, flat; may be empty).
 
     Returns:
-        partial_o [workspace_o_numel] float32, partial_lse [workspace_lse_numel] float32 and the
-        fused merge's arrival counters [workspace_counters_numel] int32 (zeros; every launch
-        leaves them at zero). Larger buffers are fine (the front is used), so one allocation
-        can serve many plans.
+        partial_o [workspace_o_numel] float32 and partial_lse [workspace_lse_numel] float32; a
+        larger buffer is fine (the front is used), so one allocation can serve many plans.
     """
     return (torch.empty(plan.workspace_o_numel, dtype=torch.float32, device=device),
-            torch.empty(plan.workspace_lse_numel, dtype=torch.float32, device=device),
-            torch.zeros(plan.workspace_counters_numel, dtype=torch.int32, device=device))
+            torch.empty(plan.workspace_lse_numel, dtype=torch.float32, device=device))
