@@ -5,7 +5,8 @@ Usage: python scripts/kernel_resources.py
 Compiles the stage-1 kernel (`_mla_decode_split_kernel`) with each anchor shape's default
 configuration through Triton's bundled ptxas, with the argument specialisation a real launch
 gets (16-byte aligned pointers and strides, q_len 1 folded in), and reads the cubin's resource
-usage with the bundled cuobjdump. STACK > 0 means local memory (spills).
+usage with the bundled cuobjdump. STACK > 0 means local memory (spills). Then the Gluon pass's
+partitions, and the merge kernel's load layout with float32 and 16-bit partials.
 """
 
 import itertools
@@ -109,6 +110,33 @@ def warp_specialized() -> None:
               f"TMA {ptx.count('cp.async.bulk.tensor')}  bar.sync {ptx.count('bar.sync')}")
 
 
+def merge_kernel() -> None:
+    """The merge kernel at 16 heads x batch 64 x 4 splits (4 rows x 512 columns a program), with
+    float32 partials and, for comparison, 16-bit ones: the blocked layout of its [splits, rows,
+    columns] load (warps along the split axis make the sum over splits cross warps, through
+    shared memory), shared memory and barriers."""
+    kernel = mla_decode._mla_decode_merge_kernel
+    names = kernel.arg_names
+    for partial in ("fp32", "bf16"):
+        signature = {"partial_o_ptr": f"*{partial}", "partial_lse_ptr": "*fp32",
+                     "o_ptr": "*bf16", "lse_ptr": "*fp32", "num_rows": "i32",
+                     "num_splits": "i32"}
+        constexprs = dict(KV_LORA_RANK=KV_LORA_RANK, BLOCK_R=4, BLOCK_L=KV_LORA_RANK,
+                          SPLIT_CHUNK=4, USE_PDL=True)
+        signature |= {name: "constexpr" for name in constexprs}
+        attrs = {(names.index(name),): [["tt.divisibility", 16]]
+                 for name in ("partial_o_ptr", "partial_lse_ptr", "o_ptr", "lse_ptr", "num_rows")}
+        compiled = triton.compile(
+            ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        layouts = re.findall(r"blocked<\{sizePerThread = \[1, 1, \d+\][^>]*warpsPerCTA = "
+                             r"(\[[\d, ]+\])", compiled.asm["ttgir"])
+        print(f"merge kernel, {partial} partials: 3-d load warpsPerCTA {' '.join(layouts)} | "
+              f"shared {compiled.metadata.shared // 1024} KB | bar.sync "
+              f"{compiled.asm['ptx'].count('bar.sync')}")
+
+
 if __name__ == "__main__":
     main()
     warp_specialized()
+    merge_kernel()
