@@ -180,11 +180,16 @@ def test_any_split_count_is_exact(num_splits: int) -> None:
     run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, torch.float32, SMALL_TILES, num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [7, 20])
+@pytest.mark.parametrize("partial_dtype", ["float32", "input"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-def test_empty_splits_never_read(dtype: torch.dtype) -> None:
-    # 7 splits of >= 16 keys: the short requests leave most of theirs empty, and the merge
-    # must drop those without reading the NaN the workspace holds there.
-    run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, dtype, SMALL_TILES, 7, seed=7,
+def test_empty_splits_never_read(dtype: torch.dtype, partial_dtype: str, num_splits: int) -> None:
+    # Splits of >= 16 keys: the short requests leave most of theirs empty, and the merge (one
+    # load per split up to 8 splits a chunk, one wide load above) must drop those without
+    # taking in the NaN the workspace holds there. 16-bit partials store each split's
+    # normalised output in q's dtype (float32 inputs keep float32).
+    config = dataclasses.replace(SMALL_TILES, partial_dtype=partial_dtype)
+    run_and_check([0, 5, 100, 33], 16, 64, 16, 16, 2, dtype, config, num_splits, seed=7,
                   poison_workspace=True)
 
 
@@ -238,6 +243,8 @@ def test_plan_is_host_side_and_sized() -> None:
     padded = plan(64, 4096, 16, q_len=2)
     assert padded.config.block_m == 64 and padded.num_splits == 2
     assert plan(64, 4096, 16, q_len=2, block_size=16).config.block_m == 32  # pages < 32 tokens
+    assert plan(64, 1024, 16).config.partial_dtype == "input"  # 16-bit partials at batch 64
+    assert plan(512, 4096, 16).config.partial_dtype == "float32"
     assert plan(4, 100, 16).num_splits == 1  # shorter than one minimum split
     assert plan(3, 4096, 16, num_splits=5).num_splits == 5
     fill = plan(1, 8192, 16, config=MLADecodeConfig(16, 64, 4, 2, split_policy="fill",

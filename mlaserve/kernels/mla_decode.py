@@ -53,6 +53,7 @@ from mlaserve.kernels.mla_decode_plan import (
     default_config,
     merge_tile,
     page_chunk,
+    partial_dtype_of,
 )
 
 _LOG2E = 1.4426950408889634
@@ -275,10 +276,25 @@ def _mla_decode_merge_kernel(
         m_new = tl.maximum(m, tl.max(lse_chunk, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet
         weight = tl.exp(lse_chunk - m_safe[None, :])  # [SPLIT_CHUNK, BLOCK_R]; 0 when empty
-        part = tl.load(partial_o_ptr + flat[:, :, None] * KV_LORA_RANK + offs_l[None, None, :],
-                       mask=(weight > 0.0)[:, :, None], other=0.0)  # [CHUNK, BLOCK_R, BLOCK_L]
         rescale = tl.exp(m - m_safe)  # [BLOCK_R]
-        acc = acc * rescale[:, None] + tl.sum(weight[:, :, None] * part, 0)
+        acc = acc * rescale[:, None]
+        if SPLIT_CHUNK <= 8:
+            # One [BLOCK_R, BLOCK_L] load per split, none waiting on another: the sum over
+            # splits stays inside each thread (a 3-d load of 16-bit partials puts warps on the
+            # split axis and sums through shared memory).
+            for s in tl.static_range(SPLIT_CHUNK):
+                weight_s = tl.sum(tl.where((offs_s == s)[:, None], weight, 0.0), 0)  # [BLOCK_R]
+                row_s = (split_base + first + s) * num_rows + rows  # [BLOCK_R]
+                part = tl.load(partial_o_ptr + row_s[:, None] * KV_LORA_RANK + offs_l[None, :],
+                               mask=row_mask[:, None] & (first + s < num_splits), other=0.0)
+                # Empty splits never stored a partial: dropped by the select.
+                acc += tl.where((weight_s > 0.0)[:, None],
+                                weight_s[:, None] * part.to(tl.float32), 0.0)
+        else:  # many splits (small batches): one wide load, empty splits masked off
+            part = tl.load(partial_o_ptr + flat[:, :, None] * KV_LORA_RANK
+                           + offs_l[None, None, :], mask=(weight > 0.0)[:, :, None],
+                           other=0.0).to(tl.float32)  # [SPLIT_CHUNK, BLOCK_R, BLOCK_L]
+            acc += tl.sum(weight[:, :, None] * part, 0)
         weight_sum = weight_sum * rescale + tl.sum(weight, 0)
         m = m_new
 
@@ -420,10 +436,13 @@ def mla_decode_triton(
     else:
         o_numel = batch * num_splits * rows * kv_lora_rank
         lse_numel = batch * num_splits * rows
+        partial_dtype = partial_dtype_of(config, q.dtype)
         if workspace is None:
-            workspace = (torch.empty(o_numel, dtype=torch.float32, device=q.device),
+            workspace = (torch.empty(o_numel, dtype=partial_dtype, device=q.device),
                          torch.empty(lse_numel, dtype=torch.float32, device=q.device))
         partial_o, partial_lse = workspace
+        if partial_o.dtype != partial_dtype:  # float32 storage viewed as 16-bit partials
+            partial_o = partial_o.view(partial_dtype)
         if partial_o.numel() < o_numel or partial_lse.numel() < lse_numel:
             raise ValueError(f"workspace too small: need {o_numel} and {lse_numel} float32, got "
                              f"{partial_o.numel()} and {partial_lse.numel()}")
