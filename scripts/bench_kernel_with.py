@@ -19,6 +19,7 @@ from mlaserve.kernels import mla_decode_plan
 
 
 def parse_changes(text: str) -> dict[str, int | str]:
+    """'name=value,...' as configuration field changes (ints where the value is one)."""
     changes: dict[str, int | str] = {}
     for item in filter(None, text.split(",")):
         name, value = item.split("=")

@@ -9,12 +9,18 @@ The plan is the default one for the shape, with the --set changes to its configu
 import argparse
 import dataclasses
 import math
+import sys
+from pathlib import Path
 
 import torch
 
-from mlaserve.kernels.mla_decode import mla_decode_triton
-from mlaserve.kernels.mla_decode_plan import plan_mla_decode
-from mlaserve.kernels.reference import poisoned_paged_batch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernel_with import parse_changes  # noqa: E402
+
+from mlaserve.kernels.mla_decode import mla_decode_triton  # noqa: E402
+from mlaserve.kernels.mla_decode_plan import plan_mla_decode  # noqa: E402
+from mlaserve.kernels.reference import poisoned_paged_batch  # noqa: E402
 
 
 def main() -> None:
@@ -34,11 +40,7 @@ def main() -> None:
     plan = plan_mla_decode(args.batch, args.kv_len, args.heads, args.q_len, 512, 64,
                            torch.bfloat16, num_sms, block_size=args.block_size,
                            num_splits=args.splits)
-    changes = {}
-    for item in filter(None, args.set.split(",")):
-        name, value = item.split("=")
-        changes[name] = int(value) if value.isdigit() else value
-    config = dataclasses.replace(plan.config, **changes)
+    config = dataclasses.replace(plan.config, **parse_changes(args.set))
     for _ in range(2):
         mla_decode_triton(q, kv_cache, block_table, seq_lens, 1 / math.sqrt(576), 512,
                           args.q_len, plan.num_splits, config=config)

@@ -111,18 +111,19 @@ def warp_specialized() -> None:
 
 
 def merge_kernel() -> None:
-    """The merge kernel at 16 heads x batch 64 x 4 splits (4 rows x 512 columns a program), with
-    float32 partials and, for comparison, 16-bit ones: the blocked layout of its [splits, rows,
-    columns] load (warps along the split axis make the sum over splits cross warps, through
-    shared memory), shared memory and barriers."""
+    """The merge kernel at 4 rows x 512 columns a program, float32 and 16-bit partials: with 4
+    splits a chunk (one load per split, the batch-64 case) and 16 (one wide [splits, rows,
+    columns] load, the batch-1 case, whose blocked layout is printed: warps along the split
+    axis make the sum over splits cross warps, through shared memory); shared memory and
+    barriers of each."""
     kernel = mla_decode._mla_decode_merge_kernel
     names = kernel.arg_names
-    for partial in ("fp32", "bf16"):
+    for split_chunk, partial in itertools.product((4, 16), ("fp32", "bf16")):
         signature = {"partial_o_ptr": f"*{partial}", "partial_lse_ptr": "*fp32",
                      "o_ptr": "*bf16", "lse_ptr": "*fp32", "num_rows": "i32",
                      "num_splits": "i32"}
         constexprs = dict(KV_LORA_RANK=KV_LORA_RANK, BLOCK_R=4, BLOCK_L=KV_LORA_RANK,
-                          SPLIT_CHUNK=4, USE_PDL=True)
+                          SPLIT_CHUNK=split_chunk, USE_PDL=True)
         signature |= {name: "constexpr" for name in constexprs}
         attrs = {(names.index(name),): [["tt.divisibility", 16]]
                  for name in ("partial_o_ptr", "partial_lse_ptr", "o_ptr", "lse_ptr", "num_rows")}
@@ -131,7 +132,8 @@ def merge_kernel() -> None:
             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         layouts = re.findall(r"blocked<\{sizePerThread = \[1, 1, \d+\][^>]*warpsPerCTA = "
                              r"(\[[\d, ]+\])", compiled.asm["ttgir"])
-        print(f"merge kernel, {partial} partials: 3-d load warpsPerCTA {' '.join(layouts)} | "
+        load = f"3-d load warpsPerCTA {' '.join(layouts)}" if layouts else "a load per split"
+        print(f"merge kernel, {split_chunk} splits a chunk, {partial} partials: {load} | "
               f"shared {compiled.metadata.shared // 1024} KB | bar.sync "
               f"{compiled.asm['ptx'].count('bar.sync')}")
 

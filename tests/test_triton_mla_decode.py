@@ -254,6 +254,8 @@ def test_plan_is_host_side_and_sized() -> None:
     assert rounded.config.min_split_len == 128  # whole tiles
     with pytest.raises(ValueError):
         MLADecodeConfig(block_m=24, block_n=64, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="partial_dtype"):
+        MLADecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, partial_dtype="bf16")
 
 
 def test_entry_point_with_lse() -> None:

@@ -20,9 +20,10 @@ Kernel design:
   so any split count is valid for any lengths (splits past the end do no work and write
   lse = -inf). This is what lets a CUDA graph keep one fixed split count.
 - Stage 2 (`_mla_decode_merge_kernel`): per block of output rows, merge the splits' partial
-  (o, lse) by log-sum-exp, a chunk of splits per wide load; empty splits are skipped without
-  reading their partial output. With one split,
-  stage 1 writes the final output directly and stage 2 is not launched.
+  (o, lse) by log-sum-exp, a chunk of splits at a time; empty splits (whose partial output was
+  never stored) get weight 0 and never reach the sum. With one split, stage 1 writes the final
+  output directly and stage 2 is not launched. Partial outputs are float32, or q's dtype where
+  the configuration asks (`MLADecodeConfig.partial_dtype`); LSEs are always float32.
 - Pages: with block_size >= block_n a tile lies inside one page (one page id per tile); the page
   ids of a split are loaded as a vector before its tile loop, up to 64 tiles at a time, so no
   load in the loop depends on another load of the loop and Triton's pipeliner gives the KV
@@ -249,10 +250,12 @@ def _mla_decode_merge_kernel(
 ):
     """Log-sum-exp merge of BLOCK_R output rows x BLOCK_L columns, SPLIT_CHUNK splits per load.
 
-    One pass with a running maximum: each iteration loads the LSEs [SPLIT_CHUNK, BLOCK_R] and
-    partial outputs [SPLIT_CHUNK, BLOCK_R, BLOCK_L] of a chunk of splits at once, so at batch 1
-    with many splits the merge waits on a few wide loads instead of one dependent load per split;
-    the column blocks (grid axis 2) spread a small batch's merge over more SMs.
+    One pass with a running maximum: each iteration loads the LSEs [SPLIT_CHUNK, BLOCK_R] of a
+    chunk of splits and their partial outputs, none of those loads waiting on another. Up to 8
+    splits a chunk, one [BLOCK_R, BLOCK_L] load per split, so the sum over splits stays inside
+    each thread; more splits (batch 1) take one wide [SPLIT_CHUNK, BLOCK_R, BLOCK_L] load, so
+    the merge waits on a few loads instead of one per split. The column blocks (grid axis 2)
+    spread a small batch's merge over more SMs.
     """
     if USE_PDL:
         gdc_wait()  # launched before the split pass ended: wait for it and its stores
@@ -390,7 +393,8 @@ def mla_decode_triton(
         q_len: new tokens per request, causal among themselves.
         num_splits: KV splits per request (from `plan_mla_decode`; any value >= 1 is correct).
         workspace: (partial_o, partial_lse) float32 buffers of at least the plan's sizes, from
-            `alloc_workspace`; allocated here when None. Unused with num_splits == 1.
+            `alloc_workspace` (partial_o is viewed as q's dtype for 16-bit partials); allocated
+            here when None. Unused with num_splits == 1.
         config: launch configuration (normally the plan's); `default_config` of the shape when
             None. Any configuration is correct with any split count.
 
@@ -444,8 +448,9 @@ def mla_decode_triton(
         if partial_o.dtype != partial_dtype:  # float32 storage viewed as 16-bit partials
             partial_o = partial_o.view(partial_dtype)
         if partial_o.numel() < o_numel or partial_lse.numel() < lse_numel:
-            raise ValueError(f"workspace too small: need {o_numel} and {lse_numel} float32, got "
-                             f"{partial_o.numel()} and {partial_lse.numel()}")
+            raise ValueError(f"workspace too small: need {o_numel} {partial_dtype} partial "
+                             f"outputs and {lse_numel} float32 LSEs, got {partial_o.numel()} and "
+                             f"{partial_lse.numel()}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     use_pdl = not direct and config.programmatic_launch and _sm90_or_newer(q.device)
     sm90_pass = _warp_specialized_pass(q, kv_cache, kv_lora_rank, config)

@@ -69,6 +69,9 @@ class MLADecodeConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.split_policy not in ("waves", "fill"):
             raise ValueError(f"split_policy must be 'waves' or 'fill', got {self.split_policy!r}")
+        if self.partial_dtype not in ("float32", "input"):
+            raise ValueError(
+                f"partial_dtype must be 'float32' or 'input', got {self.partial_dtype!r}")
         if self.merge_block_rows < 1 or self.merge_block_rows & (self.merge_block_rows - 1):
             raise ValueError(
                 f"merge_block_rows must be a power of two, got {self.merge_block_rows}")
@@ -82,7 +85,8 @@ class MLADecodePlan:
         num_splits: KV splits per request (1: no merge kernel, no workspace).
         num_head_groups: stage-1 programs per (request, split), ceil(q_len * H / block_m).
         config: the launch configuration (its `min_split_len` rounded up to whole tiles).
-        workspace_o_numel: float32 elements of the partial-output workspace (0 with one split).
+        workspace_o_numel: float32 elements of the partial-output workspace (0 with one split;
+            half the partial outputs' count when they are 16-bit, viewed in their dtype).
         workspace_lse_numel: float32 elements of the partial-LSE workspace (0 with one split).
     """
 
@@ -132,6 +136,7 @@ def default_config(
       with 2 stages where they fit (~220 KB at 64 rows x 576), else 32-token tiles, 3 stages;
       64-row Triton programs load whole tiles by TMA (7-9% at 128 heads) and aim at one
       program per SM.
+    - Partial outputs: 16-bit for 16-row programs over 32-255 requests, else float32.
     - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
     """
     head_dim = kv_lora_rank + qk_rope_head_dim
@@ -174,8 +179,9 @@ def default_config(
     else:
         min_split_len = 256 if block_m == 64 or long_requests else 64
     merge_block_rows = max(1, min(next_pow2(rows), 2048 // kv_lora_rank))
-    # 16-bit partials at 16 rows x 32-255 requests: 29.1 / 80.1 µs against 33.2 / 83.3 for
-    # float32 at batch 64 x 1024 / 4096 (4 splits); 630.8 against 613.7 at 512 x 4096.
+    # 16-bit partials at 16 rows x 32-255 requests (benchmarks/2026-12-02-h200-mla-decode-16-heads,
+    # section 4): 29.1 / 80.1 µs against 33.2 / 83.3 for float32 at batch 64 x 1024 / 4096
+    # (4 splits); float32 stays at 512 x 4096 (613.7 against 630.8 µs, 2 splits).
     medium_batch = batch_size is not None and 32 <= batch_size < 256
     partial_dtype = "input" if block_m == 16 and medium_batch else "float32"
     return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
