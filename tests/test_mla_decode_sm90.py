@@ -69,15 +69,3 @@ def test_supported_shapes() -> None:
     assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 64, 2, 64)
     assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 32, 4, 16)
     assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 32, 3, 64)
-
-
-def test_persistent_grid() -> None:
-    # One program per item up to the cap; past it, a multiple of the head groups, so that
-    # each program keeps one head group and a request's groups run side by side.
-    assert mla_decode_sm90.persistent_grid(64, 2, 132) == 64
-    assert mla_decode_sm90.persistent_grid(132, 2, 132) == 132
-    assert mla_decode_sm90.persistent_grid(1024, 2, 132) == 132
-    assert mla_decode_sm90.persistent_grid(1024, 8, 132) == 128
-    assert mla_decode_sm90.persistent_grid(1024, 2, 6) == 6
-    assert mla_decode_sm90.persistent_grid(1024, 4, 3) == 4
-    assert mla_decode_sm90.persistent_grid(0, 1, 132) == 1

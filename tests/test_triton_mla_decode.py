@@ -394,23 +394,3 @@ def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int]
         **changes[path])
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
                   seed=block_size + num_heads)
-
-
-@gpu_only
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 2)])
-def test_sm90_persistent_programs(heads_and_q_len: tuple[int, int], num_splits: int) -> None:
-    # Fewer Gluon programs than work items (6 programs on the H200): each program takes items
-    # in turn, its KV ring, barrier phases and Q buffer carried from item to item, through odd
-    # and even tile counts, partial last tiles, empty splits and empty requests.
-    num_heads, q_len = heads_and_q_len
-    lens = [4096, q_len, 1000, 3 * 1024 + 17, 128, 65, 63 + q_len, q_len, 31 + q_len, 32, 33,
-            2000, 96]
-    if q_len == 1:
-        lens[1] = 0
-    config = dataclasses.replace(
-        default_config(num_heads, q_len, 512, 64, torch.bfloat16, len(lens), 8192, 64),
-        programs_per_sm=0.05)
-    assert config.warp_specialized
-    run_and_check(lens, num_heads, 512, 64, 64, q_len, torch.bfloat16, config, num_splits,
-                  seed=num_heads + num_splits)

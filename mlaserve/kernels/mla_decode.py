@@ -321,19 +321,6 @@ def _sm90_or_newer(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _max_programs(device: torch.device, config: MLADecodeConfig) -> int:
-    """Most programs of the Gluon split pass: config.programs_per_sm on each SM (at least 1)
-    when persistent, else no limit (one program per work item)."""
-    if not config.persistent:
-        return 2**31 - 1
-    return max(1, int(_num_sms(device) * config.programs_per_sm))
-
-
 def _pages_back_to_back(kv_cache: torch.Tensor) -> bool:
     """Whether the cache's rows form one [num_blocks * block_size, L + R] matrix."""
     return kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
@@ -470,8 +457,7 @@ def mla_decode_triton(
     if sm90_pass is not None:
         sm90_pass.launch_split_pass(q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
                                     softmax_scale * _LOG2E, kv_lora_rank, q_len, num_splits,
-                                    min_split_len, config.block_n, config.num_stages,
-                                    _max_programs(q.device, config))
+                                    min_split_len, config.block_n, config.num_stages)
     else:
         nope_desc, pe_desc = _kv_descriptors(kv_cache, kv_lora_rank, config)
         _mla_decode_split_kernel[(num_head_groups, num_splits, batch)](

@@ -45,10 +45,6 @@ class MLADecodeConfig:
             compute warpgroups in the seesaw schedule); num_warps does not apply.
         partial_dtype: element type of the split pass's partial outputs: "float32", or
             "input" (q's dtype when 16-bit).
-        persistent: the Gluon pass launches at most programs_per_sm programs per SM, each
-            taking work items (head group, split, request) in turn, so that a program's loads
-            for its next item overlap the end of its current one; False: one program per
-            item.
     """
 
     block_m: int
@@ -65,7 +61,6 @@ class MLADecodeConfig:
     tma_loads: bool = False
     warp_specialized: bool = False
     partial_dtype: str = "float32"
-    persistent: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):

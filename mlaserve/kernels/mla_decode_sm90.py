@@ -63,86 +63,30 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
-def _in_partition(value):
-    """value (an int32 scalar), as an asm result that is not pure: what a partition computes
-    from it stays inside the partition. Without this the compiler hoists the partitions'
-    common index arithmetic to the kernel's entry, and ptxas spills it across the partitions'
-    register split."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [value], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _program_items(q_len, num_heads, num_splits, min_split_len, num_items):
-    """This partition's copies of the launch's sizes, and its item range: (num_rows,
-    num_groups, num_splits, min_split_len, num_items, first item, item step)."""
-    ROWS: gl.constexpr = 64
-    num_rows = _in_partition(q_len) * num_heads
-    first = gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-    step = gl.inline_asm_elementwise("mov.u32 $0, %nctaid.x;", "=r", [], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-    return (num_rows, gl.cdiv(num_rows, ROWS), _in_partition(num_splits),
-            _in_partition(min_split_len), _in_partition(num_items), first, step)
-
-
-@gluon.jit
-def _work_item(w, seq_lens_ptr, num_groups, num_splits, min_split_len, TILE: gl.constexpr):
-    """Work item w -> (head group, split, request, seq_len, split_start, split_end, tiles);
-    head groups vary fastest, so the programs of one request's groups run side by side and
-    the second read of each KV tile hits the L2."""
-    group = w % num_groups
-    split = (w // num_groups) % num_splits
-    req = w // (num_groups * num_splits)
-    seq_len = gl.load(seq_lens_ptr + req)
-    _, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len, TILE)
-    num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), TILE)
-    return group, split, req, seq_len, split_start, split_end, num_tiles
-
-
-@gluon.jit
 def _loader_partition(q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem, q_pe_smem,
-                      kv_nope_smem, kv_pe_smem, q_ready, q_empty, kv_ready, kv_empty,
-                      block_table_ptr, seq_lens_ptr, stride_bt, q_len, num_heads, num_splits,
-                      min_split_len, num_items, BLOCK_SIZE: gl.constexpr):
-    """1 warp: for each of the program's work items, a TMA copy of its Q rows (once both
-    warpgroups are done with the last item's Q) and of each of its KV tiles into the ring
-    (the program's t-th tile, counted over all its items, -> buffer t % S)."""
+                      kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty, bt_row, q_row,
+                      split_start, num_tiles, BLOCK_SIZE: gl.constexpr):
+    """1 warp: TMA copies of Q once and of each KV tile into the ring (tile j -> buffer j % S)."""
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
     L: gl.constexpr = kv_nope_smem.type.shape[2]
-    ROWS: gl.constexpr = q_nope_smem.type.shape[0]
-    q_bytes: gl.constexpr = q_nope_desc.block_type.nbytes + q_pe_desc.block_type.nbytes
+    mbarrier.expect(q_ready, q_nope_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_nope_desc, [q_row, 0], q_ready, q_nope_smem)
+    tma.async_copy_global_to_shared(q_pe_desc, [q_row, L], q_ready, q_pe_smem)
     tile_bytes: gl.constexpr = kv_nope_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes
-    num_rows, num_groups, num_splits, min_split_len, num_items, first_item, item_step = (
-        _program_items(q_len, num_heads, num_splits, min_split_len, num_items))
-    tile_base = 0  # tiles of the program's earlier items
-    item = 0
-    for w in range(first_item, num_items, item_step):
-        group, _, req, _, split_start, _, num_tiles = _work_item(
-            w, seq_lens_ptr, num_groups, num_splits, min_split_len, TILE)
-        bt_row = block_table_ptr + req.to(gl.int64) * stride_bt
-        q_row = req * num_rows + group * ROWS
+    for j in range(num_tiles):
+        stage = j % STAGES
+        start = split_start + j * TILE
+        page = gl.load(bt_row + start // BLOCK_SIZE)
+        cache_row = page * BLOCK_SIZE + start % BLOCK_SIZE
         # A fresh barrier counts as having completed the phase before phase 0: parity 1 passes.
-        mbarrier.wait(q_empty, (item & 1) ^ 1)
-        mbarrier.expect(q_ready, q_bytes)
-        tma.async_copy_global_to_shared(q_nope_desc, [q_row, 0], q_ready, q_nope_smem)
-        tma.async_copy_global_to_shared(q_pe_desc, [q_row, L], q_ready, q_pe_smem)
-        for j in range(num_tiles):
-            t = tile_base + j
-            stage = t % STAGES
-            start = split_start + j * TILE
-            page = gl.load(bt_row + start // BLOCK_SIZE)
-            cache_row = page * BLOCK_SIZE + start % BLOCK_SIZE
-            mbarrier.wait(kv_empty.index(stage), ((t // STAGES) & 1) ^ 1)
-            ready = kv_ready.index(stage)
-            mbarrier.expect(ready, tile_bytes)
-            tma.async_copy_global_to_shared(kv_nope_desc, [cache_row, 0], ready,
-                                            kv_nope_smem.index(stage))
-            tma.async_copy_global_to_shared(kv_pe_desc, [cache_row, L], ready,
-                                            kv_pe_smem.index(stage))
-        tile_base += num_tiles
-        item += 1
+        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        ready = kv_ready.index(stage)
+        mbarrier.expect(ready, tile_bytes)
+        tma.async_copy_global_to_shared(kv_nope_desc, [cache_row, 0], ready,
+                                        kv_nope_smem.index(stage))
+        tma.async_copy_global_to_shared(kv_pe_desc, [cache_row, L], ready,
+                                        kv_pe_smem.index(stage))
 
 
 @gluon.jit
@@ -201,20 +145,17 @@ def _zero_half_past(kv_nope_smem, stage, num_valid, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _zero_tail(kv_nope_smem, kv_ready, tile_base, num_tiles, split_start, split_end,
-               HALF: gl.constexpr):
-    """Wait for the split's last tile (the program's tile tile_base + num_tiles - 1), and zero
-    this warpgroup's half of its rows past the split if it is partial. Done before any product
-    touches the tile: S only masks those rows, and each warpgroup's P V product reads only its
-    own half."""
+def _zero_tail(kv_nope_smem, kv_ready, num_tiles, split_start, split_end, HALF: gl.constexpr):
+    """Wait for the split's last tile, and zero this warpgroup's half of its rows past the
+    split if it is partial. Done before any product touches the tile: S only masks those rows,
+    and each warpgroup's P V product reads only its own half."""
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     last = num_tiles - 1
     num_valid = split_end - (split_start + last * TILE)
     if num_valid < TILE:
-        t = tile_base + last
-        mbarrier.wait(kv_ready.index(t % STAGES), (t // STAGES) & 1)
-        _zero_half_past(kv_nope_smem, t % STAGES, num_valid, HALF)
+        mbarrier.wait(kv_ready.index(last % STAGES), (last // STAGES) & 1)
+        _zero_half_past(kv_nope_smem, last % STAGES, num_valid, HALF)
 
 
 @gluon.jit
@@ -228,14 +169,10 @@ def _shared_p(kv_pe_smem, stage, ROWS: gl.constexpr):
 
 @gluon.jit
 def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_ready, kv_empty,
-               max_ready, p_ready, q_empty, acc, m_i, l_i, i, tile_base, phase_a, phase_b,
-               release_q, last_key, qk_scale, split_start, split_end, num_tiles,
-               HALF: gl.constexpr, ZERO_TAIL: gl.constexpr):
-    """Pair i of the item (its tiles 2i, 2i + 1; the program's tiles tile_base + 2i, + 1) for
-    one warpgroup: returns its acc, m_i, l_i. phase_a / phase_b: the parities of this pair's
-    phases of the index-0 (a) and index-1 (b) max_ready and p_ready barriers. release_q: this
-    is the warpgroup's last S of the item (Q may be overwritten once it is done). ZERO_TAIL:
-    the pair holds the split's partial last tile (kept out of the loop body: its zeroing would
+               max_ready, p_ready, acc, m_i, l_i, i, last_key, qk_scale, split_start, split_end,
+               num_tiles, HALF: gl.constexpr, ZERO_TAIL: gl.constexpr):
+    """Pair i (tiles 2i, 2i + 1) for one warpgroup: returns its acc, m_i, l_i. ZERO_TAIL: the
+    pair holds the split's partial last tile (kept out of the loop body: its zeroing would
     cost registers the loop needs)."""
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
@@ -248,23 +185,21 @@ def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     if ZERO_TAIL:  # once tile 2i + 1 has landed (S sees zeros only in rows it masks)
-        _zero_tail(kv_nope_smem, kv_ready, tile_base, num_tiles, split_start, split_end, HALF)
-    own = tile_base + 2 * i + HALF
-    other = tile_base + 2 * i + 1 - HALF
+        _zero_tail(kv_nope_smem, kv_ready, num_tiles, split_start, split_end, HALF)
+    own = 2 * i + HALF
+    other = 2 * i + 1 - HALF
     own_stage = own % STAGES
     other_stage = other % STAGES
     token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready, own,
                           S_LAYOUT)
-    scores = _masked_scores(warpgroup_mma_wait(0, deps=[token]),
-                            split_start + (2 * i + HALF) * TILE, split_end, last_key, qk_scale)
-    if release_q:
-        mbarrier.arrive(q_empty)
+    scores = _masked_scores(warpgroup_mma_wait(0, deps=[token]), split_start + own * TILE,
+                            split_end, last_key, qk_scale)
     if HALF == 0:
         m_own = gl.maximum(m_i, gl.max(scores, axis=1))
         stats_smem.index(0).store(m_own)
         mbarrier.arrive(max_ready.index(0))
     else:
-        mbarrier.wait(max_ready.index(0), phase_a)
+        mbarrier.wait(max_ready.index(0), i & 1)
         m_own = gl.maximum(stats_smem.index(0).load(ROW_S), gl.max(scores, axis=1))
         stats_smem.index(1).store(m_own)
         mbarrier.arrive(max_ready.index(1))
@@ -278,7 +213,7 @@ def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_
     own_v = kv_nope_smem.index(own_stage).slice(HALF * COLS, COLS, dim=1)
     o_token = warpgroup_mma(p_regs, own_v, acc, is_async=True)
     if HALF == 0:
-        mbarrier.wait(max_ready.index(1), phase_b)
+        mbarrier.wait(max_ready.index(1), i & 1)
         m_pair = stats_smem.index(1).load(ROW_S)
         # m_pair = -inf only where m_own is too (the product is 0 there).
         c = gl.exp2(m_own - gl.where(m_pair == float("-inf"), 0.0, m_pair))
@@ -290,14 +225,13 @@ def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_
         acc = acc * gl.expand_dims(gl.convert_layout(c, ROW_O), 1)
         l_i = l_i * c
         m_i = m_pair
-        mbarrier.wait(p_ready.index(1), phase_b)
     else:
         _shared_p(kv_pe_smem, own_stage, ROWS).store(p.to(dtype))
         fence_async_shared()
         mbarrier.arrive(p_ready.index(1))
         acc, p_regs = warpgroup_mma_wait(0, deps=[o_token, p_regs])
         m_i = m_own
-        mbarrier.wait(p_ready.index(0), phase_a)
+    mbarrier.wait(p_ready.index(1 - HALF), i & 1)
     other_v = kv_nope_smem.index(other_stage).slice(HALF * COLS, COLS, dim=1)
     p_other = _shared_p(kv_pe_smem, other_stage, ROWS)
     o_token = warpgroup_mma(p_other, other_v, acc, is_async=True)
@@ -309,143 +243,82 @@ def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_
 
 @gluon.jit
 def _seesaw_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, q_ready,
-                      q_empty, kv_ready, kv_empty, max_ready, p_ready, sum_ready, o_ptr, lse_ptr,
-                      seq_lens_ptr, qk_scale, q_len, num_heads, num_splits, min_split_len,
-                      num_items, HALF: gl.constexpr,
+                      kv_ready, kv_empty, max_ready, p_ready, sum_ready, o_ptr, lse_ptr,
+                      qk_scale, q_len, num_heads, num_rows, group, out_base, seq_len,
+                      split_start, split_end, num_tiles, HALF: gl.constexpr,
                       DIRECT_OUTPUT: gl.constexpr):
-    """One compute warpgroup (HALF 0: the a tiles and O_L; 1: the b tiles and O_R), over the
-    program's work items."""
+    """One compute warpgroup (HALF 0: the a tiles and O_L; 1: the b tiles and O_R)."""
+    STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
     L: gl.constexpr = kv_nope_smem.type.shape[2]
     COLS: gl.constexpr = L // 2
-    ROWS: gl.constexpr = q_nope_smem.type.shape[0]
-    S_LAYOUT: gl.constexpr = _wgmma_layout(TILE)
-    O_LAYOUT: gl.constexpr = _wgmma_layout(COLS)
-    ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    num_rows, num_groups, num_splits, min_split_len, num_items, first_item, item_step = (
-        _program_items(q_len, num_heads, num_splits, min_split_len, num_items))
-    # Over the program's earlier items: their tiles (ring buffers and parities) and how many
-    # had an odd tile count. Each pair takes a phase of the index-0 (a) and index-1 (b)
-    # max_ready / p_ready barriers, an odd last tile one of the index-0 ones; each item one
-    # of q_ready and sum_ready.
-    tile_base = 0
-    odd_items = 0
-    for w in range(first_item, num_items, item_step):
-        group, split, req, seq_len, split_start, split_end, num_tiles = _work_item(
-            w, seq_lens_ptr, num_groups, num_splits, min_split_len, TILE)
-        item = (w - first_item) // item_step
-        count_b = (tile_base - odd_items) // 2  # pairs so far
-        count_a = count_b + odd_items
-        out_base = (req.to(gl.int64) * num_splits + split) * num_rows  # first output row
-        rows_s = group * ROWS + gl.arange(0, ROWS, layout=ROW_S)  # row r = t * H + h
-        last_key = seq_len - q_len + rows_s // num_heads  # [64]
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-        l_i = gl.zeros([ROWS], gl.float32, ROW_S)  # this warpgroup's tiles only
-        acc = gl.zeros([ROWS, COLS], gl.float32, O_LAYOUT)
-        # Pairs of whole tiles; a partial last tile comes after the loop (in the last pair, or
-        # alone when the count is odd).
-        num_pairs = num_tiles // 2
-        odd = num_tiles % 2
-        tail_pair = (odd == 0) & ((split_end - split_start) % TILE != 0)
-        last_scores = num_pairs - 1 + odd * (1 - HALF)  # this warpgroup's last S of the item
-        mbarrier.wait(q_ready, item & 1)
-        if last_scores < 0:  # no S here: Q is free at once
-            mbarrier.arrive(q_empty)
-        for i in range(num_pairs - tail_pair.to(gl.int32)):
-            acc, m_i, l_i = _pair_step(
-                q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_ready,
-                kv_empty, max_ready, p_ready, q_empty, acc, m_i, l_i, i, tile_base,
-                (count_a + i) & 1, (count_b + i) & 1, i == last_scores, last_key, qk_scale,
-                split_start, split_end, num_tiles, HALF, False)
-        if tail_pair & (num_pairs > 0):
-            last_pair = num_pairs - 1
-            acc, m_i, l_i = _pair_step(
-                q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_ready,
-                kv_empty, max_ready, p_ready, q_empty, acc, m_i, l_i, last_pair, tile_base,
-                (count_a + last_pair) & 1, (count_b + last_pair) & 1,
-                last_pair == last_scores, last_key, qk_scale, split_start, split_end,
-                num_tiles, HALF, True)
-        if odd == 1:
-            acc, m_i, l_i = _odd_tile(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem,
-                                      stats_smem, kv_ready, kv_empty, max_ready, p_ready,
-                                      q_empty, acc, m_i, l_i, tile_base, num_tiles,
-                                      (count_a + num_pairs) & 1, last_key, qk_scale,
-                                      split_start, split_end, HALF)
-        _store_item(stats_smem, sum_ready, o_ptr, lse_ptr, acc, m_i, l_i, item, group,
-                    out_base, num_rows, HALF, DIRECT_OUTPUT)
-        tile_base += num_tiles
-        odd_items += odd
-
-
-@gluon.jit
-def _odd_tile(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_ready, kv_empty,
-              max_ready, p_ready, q_empty, acc, m_i, l_i, tile_base, num_tiles, phase_a,
-              last_key, qk_scale, split_start, split_end, HALF: gl.constexpr):
-    """An odd count's last tile, a pair without b: warpgroup 0 computes S and P, both add
-    P_a V_a (their halves). phase_a: the parity of this tile's index-0 barrier phases."""
-    STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
-    TILE: gl.constexpr = kv_nope_smem.type.shape[1]
-    COLS: gl.constexpr = kv_nope_smem.type.shape[2] // 2
     ROWS: gl.constexpr = q_nope_smem.type.shape[0]
     dtype: gl.constexpr = kv_nope_smem.type.element_ty
     S_LAYOUT: gl.constexpr = _wgmma_layout(TILE)
     O_LAYOUT: gl.constexpr = _wgmma_layout(COLS)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    last = num_tiles - 1
-    stage = (tile_base + last) % STAGES
-    _zero_tail(kv_nope_smem, kv_ready, tile_base, num_tiles, split_start, split_end, HALF)
-    if HALF == 0:
-        token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready,
-                              tile_base + last, S_LAYOUT)
-        scores = _masked_scores(warpgroup_mma_wait(0, deps=[token]),
-                                split_start + last * TILE, split_end, last_key, qk_scale)
-        mbarrier.arrive(q_empty)  # warpgroup 0's last S of the item
-        m_own = gl.maximum(m_i, gl.max(scores, axis=1))
-        stats_smem.index(0).store(m_own)
-        mbarrier.arrive(max_ready.index(0))
-        m_safe = gl.where(m_own == float("-inf"), 0.0, m_own)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(scores - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        _shared_p(kv_pe_smem, stage, ROWS).store(p.to(dtype))
-        fence_async_shared()
-        mbarrier.arrive(p_ready.index(0))
-        m_i = m_own
-    else:
-        mbarrier.wait(max_ready.index(0), phase_a)
-        m_own = stats_smem.index(0).load(ROW_S)
-        alpha = gl.exp2(m_i - gl.where(m_own == float("-inf"), 0.0, m_own))
-        l_i = l_i * alpha
-        m_i = m_own
-        mbarrier.wait(p_ready.index(0), phase_a)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-    v = kv_nope_smem.index(stage).slice(HALF * COLS, COLS, dim=1)
-    o_token = warpgroup_mma(_shared_p(kv_pe_smem, stage, ROWS), v, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[o_token])
-    mbarrier.arrive(kv_empty.index(stage))
-    return acc, m_i, l_i
 
+    rows_s = group * ROWS + gl.arange(0, ROWS, layout=ROW_S)  # row r = t * H + h
+    last_key = seq_len - q_len + rows_s // num_heads  # [64]
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
+    l_i = gl.zeros([ROWS], gl.float32, ROW_S)  # this warpgroup's tiles only
+    acc = gl.zeros([ROWS, COLS], gl.float32, O_LAYOUT)
+    mbarrier.wait(q_ready, 0)
+    # Pairs of whole tiles; a partial last tile comes after the loop (in the last pair, or
+    # alone when the count is odd).
+    num_pairs = num_tiles // 2
+    tail_pair = (num_tiles % 2 == 0) & ((split_end - split_start) % TILE != 0)
+    for i in range(num_pairs - tail_pair.to(gl.int32)):
+        acc, m_i, l_i = _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                   kv_ready, kv_empty, max_ready, p_ready, acc, m_i, l_i, i,
+                                   last_key, qk_scale, split_start, split_end, num_tiles, HALF,
+                                   False)
+    if tail_pair & (num_pairs > 0):
+        acc, m_i, l_i = _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                   kv_ready, kv_empty, max_ready, p_ready, acc, m_i, l_i,
+                                   num_pairs - 1, last_key, qk_scale, split_start, split_end,
+                                   num_tiles, HALF, True)
 
-@gluon.jit
-def _store_item(stats_smem, sum_ready, o_ptr, lse_ptr, acc, m_i, l_i, item, group, out_base,
-                num_rows, HALF: gl.constexpr, DIRECT_OUTPUT: gl.constexpr):
-    """l = l_L + l_R (each warpgroup publishes its sum in the item's slot of two, then reads
-    the other's), then this warpgroup's half of the item's output rows (and warpgroup 0 the
-    LSE)."""
-    ROWS: gl.constexpr = acc.type.shape[0]
-    COLS: gl.constexpr = acc.type.shape[1]
-    L: gl.constexpr = 2 * COLS
-    O_LAYOUT: gl.constexpr = acc.type.layout
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    ROW_S: gl.constexpr = l_i.type.layout
-    # Two slots: a warpgroup writes slot s again only after the other has arrived on the next
-    # item's sum_ready, which it does after reading slot s.
-    slot = 2 + 2 * (item & 1)
-    stats_smem.index(slot + HALF).store(l_i)
+    if num_tiles % 2 == 1:  # a last pair without b: warpgroup 0 computes, both add P_a V_a
+        last = num_tiles - 1
+        stage = last % STAGES
+        phase = num_pairs & 1
+        _zero_tail(kv_nope_smem, kv_ready, num_tiles, split_start, split_end, HALF)
+        if HALF == 0:
+            token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready,
+                                  last, S_LAYOUT)
+            scores = _masked_scores(warpgroup_mma_wait(0, deps=[token]),
+                                    split_start + last * TILE, split_end, last_key, qk_scale)
+            m_own = gl.maximum(m_i, gl.max(scores, axis=1))
+            stats_smem.index(0).store(m_own)
+            mbarrier.arrive(max_ready.index(0))
+            m_safe = gl.where(m_own == float("-inf"), 0.0, m_own)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(scores - gl.expand_dims(m_safe, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            _shared_p(kv_pe_smem, stage, ROWS).store(p.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(0))
+            m_i = m_own
+        else:
+            mbarrier.wait(max_ready.index(0), phase)
+            m_own = stats_smem.index(0).load(ROW_S)
+            alpha = gl.exp2(m_i - gl.where(m_own == float("-inf"), 0.0, m_own))
+            l_i = l_i * alpha
+            m_i = m_own
+            mbarrier.wait(p_ready.index(0), phase)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        v = kv_nope_smem.index(stage).slice(HALF * COLS, COLS, dim=1)
+        o_token = warpgroup_mma(_shared_p(kv_pe_smem, stage, ROWS), v, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[o_token])
+        mbarrier.arrive(kv_empty.index(stage))
+
+    # l = l_L + l_R: each warpgroup publishes its sum, then reads the other's.
+    stats_smem.index(2 + HALF).store(l_i)
     mbarrier.arrive(sum_ready)
-    mbarrier.wait(sum_ready, item & 1)
-    l_i = l_i + stats_smem.index(slot + 1 - HALF).load(ROW_S)
+    mbarrier.wait(sum_ready, 0)
+    l_i = l_i + stats_smem.index(3 - HALF).load(ROW_S)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, ROW_O), 1)
     rows_o = group * ROWS + gl.arange(0, ROWS, layout=ROW_O)
@@ -457,7 +330,6 @@ def _store_item(stats_smem, sum_ready, o_ptr, lse_ptr, acc, m_i, l_i, item, grou
     o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < L, 0)
     gl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
     if HALF == 0:
-        rows_s = group * ROWS + gl.arange(0, ROWS, layout=ROW_S)
         lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
         gl.store(lse_ptr + out_base + rows_s, lse, mask=rows_s < num_rows)
 
@@ -478,7 +350,6 @@ def _mla_decode_split_kernel_sm90(
     num_splits,
     min_split_len,  # a multiple of BLOCK_N
     stride_bt,
-    num_items,  # B * num_splits * head groups; program p takes items p, p + grid, ...
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
@@ -486,6 +357,16 @@ def _mla_decode_split_kernel_sm90(
     ROWS: gl.constexpr = q_nope_desc.block_type.shape[0]
     L: gl.constexpr = q_nope_desc.block_type.shape[1]
     TILE: gl.constexpr = kv_nope_desc.block_type.shape[0]
+    group = gl.program_id(0)
+    split = gl.program_id(1)
+    req = gl.program_id(2)
+    num_rows = q_len * num_heads
+    seq_len = gl.load(seq_lens_ptr + req)
+    _, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len, TILE)
+    num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), TILE)
+    q_row = req * num_rows + group * ROWS
+    out_base = (req.to(gl.int64) * num_splits + split) * num_rows  # first output row
+    bt_row = block_table_ptr + req.to(gl.int64) * stride_bt
 
     dtype: gl.constexpr = kv_nope_desc.dtype
     q_nope_smem = gl.allocate_shared_memory(dtype, q_nope_desc.block_type.shape,
@@ -494,19 +375,17 @@ def _mla_decode_split_kernel_sm90(
     kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE, L], kv_nope_desc.layout)
     kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + kv_pe_desc.block_type.shape,
                                            kv_pe_desc.layout)
-    # Row statistics between the warpgroups: m_a, m_b, then l_L, l_R in two slots (by item).
-    stats_smem = gl.allocate_shared_memory(gl.float32, [6, ROWS],
+    # Row statistics between the warpgroups: m_a, m_b, l_L, l_R.
+    stats_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     max_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     sum_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # both warpgroups are done with an item's Q
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both warpgroups release a tile
@@ -520,19 +399,16 @@ def _mla_decode_split_kernel_sm90(
     RIGHT: gl.constexpr = 1
     gl.warp_specialize([
         (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
-                             q_ready, q_empty, kv_ready, kv_empty, max_ready, p_ready,
-                             sum_ready, o_ptr, lse_ptr, seq_lens_ptr, qk_scale, q_len,
-                             num_heads, num_splits, min_split_len, num_items, LEFT,
-                             DIRECT_OUTPUT)),
+                             q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready, o_ptr,
+                             lse_ptr, qk_scale, q_len, num_heads, num_rows, group, out_base,
+                             seq_len, split_start, split_end, num_tiles, LEFT, DIRECT_OUTPUT)),
         (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
-                             q_ready, q_empty, kv_ready, kv_empty, max_ready, p_ready,
-                             sum_ready, o_ptr, lse_ptr, seq_lens_ptr, qk_scale, q_len,
-                             num_heads, num_splits, min_split_len, num_items, RIGHT,
-                             DIRECT_OUTPUT)),
+                             q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready, o_ptr,
+                             lse_ptr, qk_scale, q_len, num_heads, num_rows, group, out_base,
+                             seq_len, split_start, split_end, num_tiles, RIGHT, DIRECT_OUTPUT)),
         (_loader_partition, (q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem,
-                             q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, q_empty, kv_ready,
-                             kv_empty, block_table_ptr, seq_lens_ptr, stride_bt, q_len,
-                             num_heads, num_splits, min_split_len, num_items, BLOCK_SIZE)),
+                             q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty,
+                             bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
     ], [4, 1], [224, 24])  # the second warpgroup and the loader warp: warps, registers
 
 
@@ -579,7 +455,6 @@ def launch_split_pass(
     min_split_len: int,
     block_n: int,
     num_stages: int,
-    max_programs: int,
 ) -> None:
     """Stage 1 of `mla_decode_triton` for a shape where `supported` holds.
 
@@ -590,8 +465,6 @@ def launch_split_pass(
             (flat): float32 partials, or with num_splits == 1 the final o (q's dtype) and lse.
         qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of
             block_n, the KV tokens per tile; num_stages: KV tiles in the shared ring.
-        max_programs: most programs to launch (`persistent_grid`); each takes every
-            grid-th work item.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
@@ -603,23 +476,11 @@ def launch_split_pass(
              for tensor, rows in ((q_rows, BLOCK_M), (kv_rows, block_n))
              for width in (kv_lora_rank, rope_dim)]
     batch = block_table.shape[0]
-    num_groups = triton.cdiv(q_len * num_heads, BLOCK_M)
-    num_items = num_groups * num_splits * batch
-    grid = (persistent_grid(num_items, num_groups, max_programs),)
+    grid = (triton.cdiv(q_len * num_heads, BLOCK_M), num_splits, batch)
     _mla_decode_split_kernel_sm90[grid](
         *descs, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len, num_heads,
-        num_splits, min_split_len, block_table.stride(0), num_items, BLOCK_SIZE=block_size,
+        num_splits, min_split_len, block_table.stride(0), BLOCK_SIZE=block_size,
         NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS)
 
 
-def persistent_grid(num_items: int, num_groups: int, max_programs: int) -> int:
-    """Programs for num_items work items (head group fastest): all of them up to
-    max_programs, else max_programs rounded down to a multiple of num_groups (at least
-    num_groups), so that each program keeps one head group and a request's groups are taken
-    side by side."""
-    if num_items <= max_programs:
-        return max(num_items, 1)
-    return max(num_groups, max_programs // num_groups * num_groups)
-
-
-__all__ = ["launch_split_pass", "persistent_grid", "shared_memory_bytes", "supported"]
+__all__ = ["launch_split_pass", "shared_memory_bytes", "supported"]

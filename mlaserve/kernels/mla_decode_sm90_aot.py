@@ -32,7 +32,7 @@ def _signature(dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, block_n: in
         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
         "o_ptr": f"*{type_name}" if direct_output else "*fp32", "lse_ptr": "*fp32",
         "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
-        "min_split_len": "i32", "stride_bt": "i32", "num_items": "i32"}
+        "min_split_len": "i32", "stride_bt": "i32"}
 
 
 def compile_for_sm90(
