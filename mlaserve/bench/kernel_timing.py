@@ -105,10 +105,8 @@ def time_cpu(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int) 
 
 @dataclass
 class GraphRounds:
-    """One backend's CUDA graphs for one cell; a round replays every graph once. Holds the
-    backend too: the graphs read its static buffers, which must outlive them."""
+    """One backend's CUDA graphs for one cell; a round replays every graph once."""
 
-    backend: MLABackend
     graphs: list[torch.cuda.CUDAGraph]
     outputs: list[list[torch.Tensor]]  # kept alive with the graphs that write them
     calls_per_round: int
@@ -116,11 +114,6 @@ class GraphRounds:
     def replay(self) -> None:
         for graph in self.graphs:
             graph.replay()
-
-    @property
-    def first_output(self) -> torch.Tensor:
-        """The output of the first captured call (copy 0), as the last round left it."""
-        return self.outputs[0][0]
 
 
 def capture_graphs(backend: MLABackend, inputs: CellInputs, q_len: int,
@@ -130,8 +123,7 @@ def capture_graphs(backend: MLABackend, inputs: CellInputs, q_len: int,
     every KV copy is used; plan them for replay.
 
     `check` gets the replayed output of a call on copy 0 ([B * q_len, H, L]) after one round,
-    before any timing; it raises if the output is wrong. `GraphRounds.first_output` is that
-    output after later rounds.
+    before any timing; it raises if the output is wrong.
     """
     batch, width = inputs.block_table.shape
     backend.init_graph_buffers(batch, width)
@@ -152,10 +144,10 @@ def capture_graphs(backend: MLABackend, inputs: CellInputs, q_len: int,
                             for c in order[g * calls_per_graph:(g + 1) * calls_per_graph]])
         graphs.append(graph)
     backend.plan_for_replay(inputs.block_table, inputs.seq_lens, q_len)
-    rounds = GraphRounds(backend, graphs, outputs, num_graphs * calls_per_graph)
+    rounds = GraphRounds(graphs, outputs, num_graphs * calls_per_graph)
     rounds.replay()
     torch.cuda.synchronize()
-    check(rounds.first_output)
+    check(outputs[0][0])
     return rounds
 
 
