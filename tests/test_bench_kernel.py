@@ -277,23 +277,3 @@ def test_sweep_with_the_triton_interpreter(tmp_path, dtype):
     assert any("flashinfer left out" in note for note in record["notes"])
     for result in _results(record).values():
         assert result["status"] == "ok", result
-
-
-@pytest.mark.skipif(not ON_GPU, reason="CUDA events")
-def test_backends_are_timed_in_turn():
-    # Warm-up rounds, then one round of each backend per repeat, in alternating order; each
-    # median is divided by that backend's calls per round.
-    from mlaserve.bench.kernel_timing import time_rounds
-
-    replays: list[str] = []
-
-    class Rounds:
-        def __init__(self, name: str, calls_per_round: int) -> None:
-            self.name, self.calls_per_round = name, calls_per_round
-
-        def replay(self) -> None:
-            replays.append(self.name)
-
-    seconds = time_rounds([Rounds("a", 1), Rounds("b", 4)], repeats=3, warmup_rounds=1)
-    assert replays == ["a", "b", "a", "b", "b", "a", "a", "b"]
-    assert len(seconds) == 2 and all(value >= 0 for value in seconds)

@@ -4,11 +4,10 @@ For every cell of the grid (heads x batch x kv length x block size x q_len, or t
 of DeepSeek decode shapes) this builds random q and a paged cache with shuffled pages
 and NaN in every unused page and block tail, checks each backend against the float32 reference
 (a backend that fails is reported and never timed), then times it: CUDA-graph replay of 16
-calls per graph by default (the cell's backends captured together and their rounds timed in
-turn, so a drift of clocks during the cell reaches them alike), or eager `do_bench`, with KV
-copies rotated past the L2 cache. The copy and matmul ceilings are measured in the same run;
-each time is reported as µs, GB/s, TFLOP/s, % of the floor and as a ratio to the best peer
-(FlashInfer). The table is printed; JSON and a bandwidth plot go to --out. Without CUDA it still runs (tiny shapes, for tests): wall-clock
+calls per graph by default, or eager `do_bench`, with KV copies rotated past the L2 cache. The
+copy and matmul ceilings are measured in the same run; each time is reported as µs, GB/s,
+TFLOP/s, % of the floor and as a ratio to the best peer (FlashInfer). The table is printed; JSON
+and a bandwidth plot go to --out. Without CUDA it still runs (tiny shapes, for tests): wall-clock
 timing, no graphs, no ceilings.
 """
 
@@ -47,12 +46,10 @@ from mlaserve.bench.kernel_report import (
 )
 from mlaserve.bench.kernel_timing import (
     Ceilings,
-    GraphRounds,
-    capture_graphs,
     measure_ceilings,
     time_cpu,
     time_eager,
-    time_rounds,
+    time_graph,
 )
 
 DEFAULT_BACKENDS = ("torch", "triton", "flashinfer")
@@ -173,13 +170,6 @@ class _GateError(RuntimeError):
     pass
 
 
-def _failure(exc: Exception) -> str:
-    """A backend's failure reason, on one line."""
-    if isinstance(exc, _GateError):
-        return f"gate under graph replay: {exc}"
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-
-
 class Sweep:
     """One run of the sweep: its settings, the ceilings, and the per-backend work."""
 
@@ -219,41 +209,11 @@ class Sweep:
                                   self.ceilings.matmul_flops_per_s)
         return CellResult(cell, num_bytes, flops, floor, num_copies)
 
-    def bench_cell(self, cell: Cell, inputs: CellInputs, names: list[str]) -> list[BackendResult]:
-        """Gate, then time, each backend on one cell. Under graph timing the backends that
-        pass are captured first and their rounds timed in turn (`time_rounds`)."""
-        results, captured = [], []
-        for name in names:
-            result, backend = self._gate(name, cell, inputs)
-            results.append(result)
-            if backend is None:
-                continue
-            try:
-                if result.timing == "graph":
-                    captured.append((result, self._capture(backend, cell, inputs)))
-                    continue
-                result.seconds = self._time(backend, cell, inputs, result.timing)
-                result.status = "ok"
-            except Exception as exc:  # a crash is reported as this backend's failure
-                result.reason = _failure(exc)
-        if captured:
-            try:
-                seconds = time_rounds([rounds for _, rounds in captured], self.repeats)
-            except Exception as exc:  # a crash in replay fails every backend timed with it
-                for result, _ in captured:
-                    result.reason = _failure(exc)
-                return results
-            for (result, _), value in zip(captured, seconds, strict=True):
-                result.seconds, result.status = value, "ok"
-        return results
-
-    def _gate(self, name: str, cell: Cell,
-              inputs: CellInputs) -> tuple[BackendResult, MLABackend | None]:
-        """The backend's result so far and the planned backend, or None where it is skipped
-        or failed the float32-reference gate."""
+    def bench(self, name: str, cell: Cell, inputs: CellInputs) -> BackendResult:
+        """Gate, then time, one backend on one cell."""
         reason = self.unsupported(name, cell)
         if reason:
-            return BackendResult(name, "skipped", reason), None
+            return BackendResult(name, "skipped", reason)
         cls = load_backend(name)
         timing = self.mode
         if timing == "graph" and not cls.capabilities.supports_cuda_graphs:
@@ -267,27 +227,34 @@ class Sweep:
             except NotImplementedError:  # a kernel that returns no LSE: check o alone
                 o, lse = backend.run(inputs.queries[0], inputs.caches[0]), None
             gate = check_output(o, lse, inputs.ref_o, inputs.ref_lse, self.dtype)
-        except Exception as exc:
-            result.reason = _failure(exc)
-            return result, None
-        result.gate = gate.metrics
-        if not gate.passed:
-            result.reason = f"gate: {gate.message}"
-            return result, None
-        return result, backend
+            result.gate = gate.metrics
+            if not gate.passed:
+                result.reason = f"gate: {gate.message}"
+                return result
+            del o, lse
+            result.seconds = self._time(backend, cell, inputs, timing)
+        except _GateError as exc:
+            result.reason = f"gate under graph replay: {exc}"
+            return result
+        except Exception as exc:  # a crash is reported as this backend's failure
+            result.reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            return result
+        result.status = "ok"
+        return result
 
-    def _capture(self, backend: MLABackend, cell: Cell, inputs: CellInputs) -> GraphRounds:
+    def _time(self, backend: MLABackend, cell: Cell, inputs: CellInputs, timing: str) -> float:
+        if timing == "cpu":
+            return time_cpu(backend, inputs, cell.q_len, self.repeats)
+        if timing == "eager":
+            return time_eager(backend, inputs, cell.q_len, self.repeats)
+
         def check(o: torch.Tensor) -> None:
             gate = check_output(o, None, inputs.ref_o, inputs.ref_lse, self.dtype)
             if not gate.passed:
                 raise _GateError(gate.message)
 
-        return capture_graphs(backend, inputs, cell.q_len, check, self.calls_per_graph)
-
-    def _time(self, backend: MLABackend, cell: Cell, inputs: CellInputs, timing: str) -> float:
-        if timing == "cpu":
-            return time_cpu(backend, inputs, cell.q_len, self.repeats)
-        return time_eager(backend, inputs, cell.q_len, self.repeats)
+        return time_graph(backend, inputs, cell.q_len, self.repeats, check,
+                          calls_per_graph=self.calls_per_graph)
 
     def header(self, args: argparse.Namespace) -> dict[str, Any]:
         """The JSON record's run-wide fields."""
@@ -394,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
         inputs = make_inputs(cell, args.kv_lora_rank, args.rope_dim, sweep.dtype, device,
                              sweep.softmax_scale, num_copies, seed=args.seed + index)
         cell_result = sweep.cell_result(cell, num_copies)
-        cell_result.results.extend(sweep.bench_cell(cell, inputs, names))
+        for name in names:
+            cell_result.results.append(sweep.bench(name, cell, inputs))
         del inputs
         if sweep.on_gpu:
             torch.cuda.empty_cache()

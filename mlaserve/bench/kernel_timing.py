@@ -4,7 +4,6 @@
   `plan_for_capture`, `plan_for_replay`); each graph captures `calls_per_graph` calls (16 by
   default), graphs are captured until every KV copy is used, and one timed round replays them
   all between two CUDA events. Time per call = round time / calls; the median of the rounds.
-  The backends of one cell are captured together and their rounds timed in turn.
 - Eager on CUDA: `triton.testing.do_bench` (median, L2 flushed between calls) over calls that
   rotate the KV copies; CUDA events around each call when Triton is missing.
 - CPU: `time.perf_counter` around each call, median (for tests on tiny shapes).
@@ -103,27 +102,13 @@ def time_cpu(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int) 
     return statistics.median(times)
 
 
-@dataclass
-class GraphRounds:
-    """One backend's CUDA graphs for one cell; a round replays every graph once."""
+def time_graph(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int,
+               check: Callable[[torch.Tensor], None], calls_per_graph: int = 16,
+               warmup_rounds: int = 2) -> float:
+    """Median seconds per call under CUDA-graph replay, through the backend's graph hooks.
 
-    graphs: list[torch.cuda.CUDAGraph]
-    outputs: list[list[torch.Tensor]]  # kept alive with the graphs that write them
-    calls_per_round: int
-
-    def replay(self) -> None:
-        for graph in self.graphs:
-            graph.replay()
-
-
-def capture_graphs(backend: MLABackend, inputs: CellInputs, q_len: int,
-                   check: Callable[[torch.Tensor], None],
-                   calls_per_graph: int = 16) -> GraphRounds:
-    """Capture the backend's calls through its graph hooks, calls_per_graph per graph, until
-    every KV copy is used; plan them for replay.
-
-    `check` gets the replayed output of a call on copy 0 ([B * q_len, H, L]) after one round,
-    before any timing; it raises if the output is wrong.
+    `check` gets the replayed output of a call on copy 0 ([B * q_len, H, L]) after the first
+    round, before any timing; it raises if the output is wrong.
     """
     batch, width = inputs.block_table.shape
     backend.init_graph_buffers(batch, width)
@@ -144,37 +129,13 @@ def capture_graphs(backend: MLABackend, inputs: CellInputs, q_len: int,
                             for c in order[g * calls_per_graph:(g + 1) * calls_per_graph]])
         graphs.append(graph)
     backend.plan_for_replay(inputs.block_table, inputs.seq_lens, q_len)
-    rounds = GraphRounds(graphs, outputs, num_graphs * calls_per_graph)
-    rounds.replay()
+
+    def round_() -> None:
+        for graph in graphs:
+            graph.replay()
+
+    round_()
     torch.cuda.synchronize()
     check(outputs[0][0])
-    return rounds
-
-
-def time_rounds(rounds: list[GraphRounds], repeats: int, warmup_rounds: int = 2) -> list[float]:
-    """Median seconds per call of each backend's graphs, timed in turn: every repeat times one
-    round of each backend between two CUDA events, in alternating order, so that a drift of
-    clocks or temperature during the cell reaches all backends alike."""
-    for _ in range(warmup_rounds):
-        for backend_rounds in rounds:
-            backend_rounds.replay()
-    times: list[list[float]] = [[] for _ in rounds]
-    for repeat in range(repeats):
-        order = range(len(rounds)) if repeat % 2 == 0 else reversed(range(len(rounds)))
-        for index in order:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            rounds[index].replay()
-            end.record()
-            end.synchronize()
-            times[index].append(start.elapsed_time(end) / 1e3)
-    return [statistics.median(t) / r.calls_per_round for t, r in zip(times, rounds, strict=True)]
-
-
-def time_graph(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int,
-               check: Callable[[torch.Tensor], None], calls_per_graph: int = 16,
-               warmup_rounds: int = 2) -> float:
-    """Median seconds per call of one backend under CUDA-graph replay (`capture_graphs`, then
-    `time_rounds`)."""
-    rounds = capture_graphs(backend, inputs, q_len, check, calls_per_graph)
-    return time_rounds([rounds], repeats, warmup_rounds)[0]
+    seconds = _event_median(round_, repeats, warmup=warmup_rounds)
+    return seconds / (num_graphs * calls_per_graph)
