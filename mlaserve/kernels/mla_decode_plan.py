@@ -142,6 +142,7 @@ def default_config(
     head_dim = kv_lora_rank + qk_rope_head_dim
     itemsize = dtype.itemsize
     rows = q_len * num_heads
+    merge_block_rows = max(1, min(next_pow2(rows), 2048 // kv_lora_rank))
     long_requests = max_seq_len is not None and max_seq_len > 2048
     if itemsize > 2:  # float32: tests under the interpreter and FMA dots on a GPU
         block_m = 16
@@ -151,12 +152,12 @@ def default_config(
                         if q_bytes + 2 * n * head_dim * itemsize <= smem_budget), 16)
         return MLADecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2,
                                min_split_len=max(2 * block_n, 64),
-                               merge_block_rows=max(1, min(next_pow2(rows), 2048 // kv_lora_rank)))
+                               merge_block_rows=merge_block_rows)
     if (rows > 16 and kv_lora_rank == 512 and 64 <= qk_rope_head_dim <= 256
             and (block_size is None or block_size >= 32)):
         return MLADecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=4,
                                programs_per_sm=1.0, min_split_len=64, max_num_splits=32,
-                               merge_block_rows=max(1, min(next_pow2(rows), 2048 // kv_lora_rank)),
+                               merge_block_rows=merge_block_rows,
                                tma_loads=True, warp_specialized=True)
     block_m = min(max(16, next_pow2(rows)), 64)
     if block_m == 64 and num_heads >= 64 and batch_size is not None and batch_size < 8:
@@ -178,7 +179,6 @@ def default_config(
         min_split_len = 128 if long_requests else 64
     else:
         min_split_len = 256 if block_m == 64 or long_requests else 64
-    merge_block_rows = max(1, min(next_pow2(rows), 2048 // kv_lora_rank))
     # 16-bit partials at 16 rows x 32-255 requests (benchmarks/2026-12-02-h200-mla-decode-16-heads,
     # section 4): 29.1 / 80.1 µs against 33.2 / 83.3 for float32 at batch 64 x 1024 / 4096
     # (4 splits); float32 stays at 512 x 4096 (613.7 against 630.8 µs, 2 splits).

@@ -168,6 +168,18 @@ def _shared_p(kv_pe_smem, stage, ROWS: gl.constexpr):
 
 
 @gluon.jit
+def _exp_scores(scores, m_i, m_own, l_i):
+    """Online softmax (base 2) of one tile's masked scores [64, BLOCK_N] in the frame m_own
+    [64] (this warpgroup's new running max): the rescale alpha = exp2(m_i - m_own), P =
+    exp2(S - m_own) and the updated row sum l_i. Rows that have seen no key keep m = -inf;
+    0 is subtracted there instead (no inf - inf)."""
+    m_safe = gl.where(m_own == float("-inf"), 0.0, m_own)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(scores - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]
+    return alpha, p, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_ready, kv_empty,
                max_ready, p_ready, acc, m_i, l_i, i, last_key, qk_scale, split_start, split_end,
                num_tiles, HALF: gl.constexpr, ZERO_TAIL: gl.constexpr):
@@ -203,11 +215,7 @@ def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_
         m_own = gl.maximum(stats_smem.index(0).load(ROW_S), gl.max(scores, axis=1))
         stats_smem.index(1).store(m_own)
         mbarrier.arrive(max_ready.index(1))
-    # Rows that have seen no key keep m = -inf; subtract 0 there instead (no inf - inf).
-    m_safe = gl.where(m_own == float("-inf"), 0.0, m_own)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(scores - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    alpha, p, l_i = _exp_scores(scores, m_i, m_own, l_i)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
     p_regs = gl.convert_layout(p.to(dtype), P_LAYOUT)
     own_v = kv_nope_smem.index(own_stage).slice(HALF * COLS, COLS, dim=1)
@@ -293,10 +301,7 @@ def _seesaw_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_sm
             m_own = gl.maximum(m_i, gl.max(scores, axis=1))
             stats_smem.index(0).store(m_own)
             mbarrier.arrive(max_ready.index(0))
-            m_safe = gl.where(m_own == float("-inf"), 0.0, m_own)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(scores - gl.expand_dims(m_safe, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
+            alpha, p, l_i = _exp_scores(scores, m_i, m_own, l_i)
             _shared_p(kv_pe_smem, stage, ROWS).store(p.to(dtype))
             fence_async_shared()
             mbarrier.arrive(p_ready.index(0))
