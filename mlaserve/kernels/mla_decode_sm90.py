@@ -181,14 +181,11 @@ def _exp_scores(scores, m_i, m_own, l_i):
 
 @gluon.jit
 def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_ready, kv_empty,
-               max_ready, p_ready, acc, m_i, l_i, raw_scores, i, last_key, qk_scale, split_start,
-               split_end, num_tiles, HALF: gl.constexpr, PREFETCH: gl.constexpr):
-    """Pair i (tiles 2i, 2i + 1) for one warpgroup, given S [64, BLOCK_N] of its own tile
-    (raw_scores, unscaled); returns its acc, m_i, l_i and, with PREFETCH, S of its own tile of
-    pair i + 1, whose product runs on the tensor cores while the pair's P tiles are exchanged
-    (else raw_scores back, unused). Without PREFETCH (the last pair) it first zeroes the
-    split's partial last tile if that tile is in the pair; kept out of the loop body, whose
-    registers it would cost."""
+               max_ready, p_ready, acc, m_i, l_i, i, last_key, qk_scale, split_start, split_end,
+               num_tiles, HALF: gl.constexpr, ZERO_TAIL: gl.constexpr):
+    """Pair i (tiles 2i, 2i + 1) for one warpgroup: returns its acc, m_i, l_i. ZERO_TAIL: the
+    pair holds the split's partial last tile (kept out of the loop body: its zeroing would
+    cost registers the loop needs)."""
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
     COLS: gl.constexpr = kv_nope_smem.type.shape[2] // 2
@@ -199,14 +196,16 @@ def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    if not PREFETCH:
-        if num_tiles % 2 == 0:  # the last tile is this pair's b tile (S masks its zeroed rows)
-            _zero_tail(kv_nope_smem, kv_ready, num_tiles, split_start, split_end, HALF)
+    if ZERO_TAIL:  # once tile 2i + 1 has landed (S sees zeros only in rows it masks)
+        _zero_tail(kv_nope_smem, kv_ready, num_tiles, split_start, split_end, HALF)
     own = 2 * i + HALF
     other = 2 * i + 1 - HALF
     own_stage = own % STAGES
     other_stage = other % STAGES
-    scores = _masked_scores(raw_scores, split_start + own * TILE, split_end, last_key, qk_scale)
+    token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready, own,
+                          S_LAYOUT)
+    scores = _masked_scores(warpgroup_mma_wait(0, deps=[token]), split_start + own * TILE,
+                            split_end, last_key, qk_scale)
     if HALF == 0:
         m_own = gl.maximum(m_i, gl.max(scores, axis=1))
         stats_smem.index(0).store(m_own)
@@ -226,37 +225,28 @@ def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_
         m_pair = stats_smem.index(1).load(ROW_S)
         # m_pair = -inf only where m_own is too (the product is 0 there).
         c = gl.exp2(m_own - gl.where(m_pair == float("-inf"), 0.0, m_pair))
-        _shared_p(kv_pe_smem, own_stage, ROWS).store((p * gl.expand_dims(c, 1)).to(dtype))
+        _shared_p(kv_pe_smem, own_stage, ROWS).store(
+            (p * gl.expand_dims(c, 1)).to(dtype))
         fence_async_shared()
         mbarrier.arrive(p_ready.index(0))
-    else:
-        _shared_p(kv_pe_smem, own_stage, ROWS).store(p.to(dtype))
-        fence_async_shared()
-        mbarrier.arrive(p_ready.index(1))
-    next_scores = raw_scores
-    if PREFETCH:  # queued behind P_own V_own; wgmma groups complete in order
-        s_token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready,
-                                own + 2, S_LAYOUT)
-        acc, p_regs = warpgroup_mma_wait(1, deps=[o_token, p_regs])
-    else:
         acc, p_regs = warpgroup_mma_wait(0, deps=[o_token, p_regs])
-    if HALF == 0:
         acc = acc * gl.expand_dims(gl.convert_layout(c, ROW_O), 1)
         l_i = l_i * c
         m_i = m_pair
     else:
+        _shared_p(kv_pe_smem, own_stage, ROWS).store(p.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(p_ready.index(1))
+        acc, p_regs = warpgroup_mma_wait(0, deps=[o_token, p_regs])
         m_i = m_own
     mbarrier.wait(p_ready.index(1 - HALF), i & 1)
     other_v = kv_nope_smem.index(other_stage).slice(HALF * COLS, COLS, dim=1)
     p_other = _shared_p(kv_pe_smem, other_stage, ROWS)
     o_token = warpgroup_mma(p_other, other_v, acc, is_async=True)
-    if PREFETCH:
-        acc, next_scores = warpgroup_mma_wait(0, deps=[o_token, s_token])
-    else:
-        acc = warpgroup_mma_wait(0, deps=[o_token])
+    acc = warpgroup_mma_wait(0, deps=[o_token])
     mbarrier.arrive(kv_empty.index(own_stage))
     mbarrier.arrive(kv_empty.index(other_stage))
-    return acc, m_i, l_i, next_scores
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -283,24 +273,20 @@ def _seesaw_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_sm
     l_i = gl.zeros([ROWS], gl.float32, ROW_S)  # this warpgroup's tiles only
     acc = gl.zeros([ROWS, COLS], gl.float32, O_LAYOUT)
     mbarrier.wait(q_ready, 0)
-    # Pairs of tiles, each given S of this warpgroup's tile (issued by the pair before); the
-    # last pair holds a partial last tile if the count is even, an odd last tile comes after.
+    # Pairs of whole tiles; a partial last tile comes after the loop (in the last pair, or
+    # alone when the count is odd).
     num_pairs = num_tiles // 2
-    raw_scores = gl.zeros([ROWS, TILE], gl.float32, S_LAYOUT)
-    if num_pairs > 0:
-        token = _issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready, HALF,
-                              S_LAYOUT)
-        raw_scores = warpgroup_mma_wait(0, deps=[token])
-    for i in range(num_pairs - 1):
-        acc, m_i, l_i, raw_scores = _pair_step(
-            q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_ready, kv_empty,
-            max_ready, p_ready, acc, m_i, l_i, raw_scores, i, last_key, qk_scale, split_start,
-            split_end, num_tiles, HALF, True)
-    if num_pairs > 0:
-        acc, m_i, l_i, raw_scores = _pair_step(
-            q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_ready, kv_empty,
-            max_ready, p_ready, acc, m_i, l_i, raw_scores, num_pairs - 1, last_key, qk_scale,
-            split_start, split_end, num_tiles, HALF, False)
+    tail_pair = (num_tiles % 2 == 0) & ((split_end - split_start) % TILE != 0)
+    for i in range(num_pairs - tail_pair.to(gl.int32)):
+        acc, m_i, l_i = _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                   kv_ready, kv_empty, max_ready, p_ready, acc, m_i, l_i, i,
+                                   last_key, qk_scale, split_start, split_end, num_tiles, HALF,
+                                   False)
+    if tail_pair & (num_pairs > 0):
+        acc, m_i, l_i = _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                   kv_ready, kv_empty, max_ready, p_ready, acc, m_i, l_i,
+                                   num_pairs - 1, last_key, qk_scale, split_start, split_end,
+                                   num_tiles, HALF, True)
 
     if num_tiles % 2 == 1:  # a last pair without b: warpgroup 0 computes, both add P_a V_a
         last = num_tiles - 1
