@@ -1,6 +1,7 @@
 """Split count and tile size of the Triton decode kernel at small batches, under graph replay.
 
-Usage (GPU): python3 scripts/gpu_split_sweep.py [--out FILE.json]
+Usage (GPU): python3 scripts/gpu_split_sweep.py [--cells 16x96x1024,...] [--splits 1,2,4]
+    [--block-ns 32,64] [--out FILE.json]
 For each cell (heads x batch x kv length, block 64, q_len 1) and each (block_n, num_splits),
 checks the output against the float32 reference, then times CUDA-graph replay with KV copies
 rotated past L2; prints the default plan's time beside the best forced configuration.
@@ -42,21 +43,38 @@ def time_config(cell: Cell, inputs, config) -> float:
     return time_graph(backend, inputs, 1, repeats=20, check=check)
 
 
+def _cells(text: str) -> list[Cell]:
+    """'HxBxKV,...' (heads x batch x kv length; block 64) as cells."""
+    cells = []
+    for item in filter(None, text.split(",")):
+        heads, batch, kv_len = (int(part) for part in item.split("x"))
+        cells.append(Cell(heads, batch, kv_len, 64))
+    return cells
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--cells", type=_cells, default=CELLS,
+                        help="heads x batch x kv length, comma-separated (default: small batches)")
+    parser.add_argument("--splits", type=_ints, default=SPLITS)
+    parser.add_argument("--block-ns", type=_ints, default=(32, 64))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     records = []
-    for cell in CELLS:
+    for cell in args.cells:
         copies = copies_needed(cell, L, R, 2, device)
         inputs = make_inputs(cell, L, R, DTYPE, device, SCALE, copies, seed=0)
         base = default_config(cell.num_heads, 1, L, R, DTYPE, cell.batch_size, cell.kv_len,
                               cell.block_size)
         default_us = time_config(cell, inputs, None) * 1e6
         results = []
-        for block_n in (32, 64):
-            for splits in SPLITS:
+        for block_n in args.block_ns:
+            for splits in args.splits:
                 if splits * block_n > cell.kv_len:
                     continue
                 config = dataclasses.replace(base, block_n=block_n, min_split_len=block_n,
