@@ -82,7 +82,7 @@ def format_table(cells: list[CellResult]) -> str:
                 f"{cell.block_size:>4} {cell.q_len:>2} {_fmt(floor_us, 9, 1)}  "
                 f"{result.backend:<15}{_fmt(m['time_us'], 9, 1)} {_fmt(m['gbps'], 7, 0)} "
                 f"{_fmt(m['tflops'], 8, 1)} {_fmt(m['pct_floor'], 7, 0, '%')} "
-                f"{_fmt(m['vs_best_peer'], 7, 2)}  {note}".rstrip())
+                f"{_fmt(m['vs_best_peer'], 7, 3)}  {note}".rstrip())
     return "\n".join(lines)
 
 
