@@ -51,7 +51,16 @@ def test_compiles_for_sm90_without_spills(dtype: str) -> None:
     assert "wgmma.mma_async.sync.aligned.m64n32k16" in ptx
     assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
     assert "cp.async.bulk.tensor" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # the output leaves by TMA
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+
+
+def test_stores_by_tma_only_whole_groups_that_fit_the_ring() -> None:
+    stores_by_tma = mla_decode_sm90.stores_by_tma
+    assert stores_by_tma(512, 32, 4, 128, torch.bfloat16)  # 128 heads: two whole groups
+    assert stores_by_tma(512, 32, 4, 64, torch.float32)  # float32 partials fill the ring
+    assert not stores_by_tma(512, 32, 4, 32, torch.bfloat16)  # 16 heads x q_len 2: padded
+    assert not stores_by_tma(512, 32, 2, 64, torch.float32)  # a 2-tile ring is too small
 
 
 def test_supported_shapes() -> None:

@@ -28,9 +28,13 @@ def _signature(dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, block_n: in
                               ("kv_pe_desc", block_n, rope_dim)):
         layout = _shared_layout(dtype, rows, width)
         signature[name] = f"tensordesc<{type_name}[{rows}, {width}],{layout!r}>"
+    output_type = type_name if direct_output else "fp32"
+    output_layout = _shared_layout(dtype if direct_output else torch.float32, BLOCK_M,
+                                   kv_lora_rank // 2)
     return signature | {
         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-        "o_ptr": f"*{type_name}" if direct_output else "*fp32", "lse_ptr": "*fp32",
+        "o_desc": f"tensordesc<{output_type}[{BLOCK_M}, {kv_lora_rank // 2}],{output_layout!r}>",
+        "o_ptr": f"*{output_type}", "lse_ptr": "*fp32",
         "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
         "min_split_len": "i32", "stride_bt": "i32"}
 
@@ -43,11 +47,13 @@ def compile_for_sm90(
     num_stages: int = 4,
     block_size: int = 64,
     direct_output: bool = False,
+    tma_store: bool = True,
 ):
     """The split pass compiled for sm_90; returns Triton's CompiledKernel (asm["ptx"],
     asm["cubin"], metadata.shared)."""
     kernel = _mla_decode_split_kernel_sm90
-    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output)
+    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output,
+                      TMA_STORE=tma_store)
     signature = dict(_signature(dtype, kv_lora_rank, rope_dim, block_n, direct_output))
     signature |= {name: "constexpr" for name in constexprs}
     aligned = ["block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_bt"]
