@@ -101,9 +101,9 @@ def _pair_step(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem, kv_
     own_stage = own % STAGES
     other_stage = other % STAGES
     token = issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready, own,
-                          S_LAYOUT)
+                         S_LAYOUT)
     scores = masked_scores(warpgroup_mma_wait(0, deps=[token]), split_start + own * TILE,
-                            split_end, last_key, qk_scale)
+                           split_end, last_key, qk_scale)
     if HALF == 0:
         m_own = gl.maximum(m_i, gl.max(scores, axis=1))
         stats_smem.index(0).store(m_own)
@@ -193,9 +193,9 @@ def _seesaw_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_sm
         zero_tail(kv_nope_smem, kv_ready, num_tiles, split_start, split_end, HALF)
         if HALF == 0:
             token = issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready,
-                                  last, S_LAYOUT)
+                                 last, S_LAYOUT)
             scores = masked_scores(warpgroup_mma_wait(0, deps=[token]),
-                                    split_start + last * TILE, split_end, last_key, qk_scale)
+                                   split_start + last * TILE, split_end, last_key, qk_scale)
             m_own = gl.maximum(m_i, gl.max(scores, axis=1))
             stats_smem.index(0).store(m_own)
             mbarrier.arrive(max_ready.index(0))
@@ -318,8 +318,8 @@ def _mla_decode_split_kernel_sm90(
                              out_base, seq_len, split_start, split_end, num_tiles, RIGHT,
                              DIRECT_OUTPUT, TMA_STORE)),
         (loader_partition, (q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem,
-                             q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty,
-                             bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
+                            q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty,
+                            bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
     ], [4, 1], [224, 24])  # the second warpgroup and the loader warp: warps, registers
 
 

@@ -16,8 +16,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 @gluon.jit
 def loader_partition(q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem, q_pe_smem,
-                      kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty, bt_row, q_row,
-                      split_start, num_tiles, BLOCK_SIZE: gl.constexpr):
+                     kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty, bt_row, q_row,
+                     split_start, num_tiles, BLOCK_SIZE: gl.constexpr):
     """1 warp: TMA copies of Q once and of each KV tile into the ring (tile j -> buffer j % S)."""
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
@@ -43,7 +43,7 @@ def loader_partition(q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_sm
 
 @gluon.jit
 def issue_scores(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, kv_ready, j,
-                  S_LAYOUT: gl.constexpr):
+                 S_LAYOUT: gl.constexpr):
     """Wait for tile j and issue S = Q_nope K_nope^T + Q_pe K_pe^T [64, BLOCK_N] (async)."""
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
