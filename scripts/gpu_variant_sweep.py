@@ -62,6 +62,9 @@ def variants(shape: Shape) -> list[tuple[str, dict, int | None]]:
     if shape.block_size < 64:
         tiles = [t for t in tiles if t[1] <= shape.block_size]
     out = [("default", {}, None)]
+    if tiles is TILES_16_ROWS:  # 64-token tiles x 2 buffers fill an SM: splits for one per SM
+        out.append(("m16 n64 w8 s3 one per SM", dict(block_n=64, num_warps=8, num_stages=3,
+                                                      programs_per_sm=1.0), None))
     if tiles is TILES_64_ROWS:
         out.append(("default + TMA loads", dict(tma_loads=True), None))
     if shape.block_size >= 32:  # the Gluon pass: 64-row programs (rows padded)
@@ -85,7 +88,8 @@ CELLS = [Shape(16, 64, 1024, 64, 1), Shape(16, 64, 4096, 64, 1), Shape(16, 512, 
          Shape(16, 512, 4096, 32, 1), Shape(16, 64, 4096, 64, 2), Shape(16, 64, 4096, 64, 4),
          Shape(128, 64, 4096, 64, 1), Shape(16, 1, 8192, 64, 1), Shape(16, 1, 1024, 64, 1),
          Shape(128, 1, 8192, 64, 1), Shape(16, 512, 4096, 64, 1), Shape(128, 64, 1024, 64, 1),
-         Shape(128, 512, 1024, 64, 1), Shape(128, 1, 4096, 64, 1)]
+         Shape(128, 512, 1024, 64, 1), Shape(128, 1, 4096, 64, 1), Shape(16, 32, 1024, 64, 1),
+         Shape(16, 128, 1024, 64, 1), Shape(16, 64, 2048, 64, 1), Shape(16, 200, 1024, 64, 1)]
 
 
 def main() -> None:

@@ -230,6 +230,10 @@ def test_plan_is_host_side_and_sized() -> None:
     assert -(-8192 // long.num_splits) >= long.config.min_split_len
     assert long.workspace_o_numel == long.num_splits * 16 * 512
     assert long.workspace_lse_numel == long.num_splits * 16
+    # 16 rows over 32-255 requests of <= 1024 tokens: 64-token tiles, one program per SM
+    short = plan(64, 1024, 16)
+    assert (short.config.block_n, short.config.programs_per_sm, short.num_splits) == (64, 1.0, 2)
+    assert plan(64, 2048, 16).config.block_n == 32 and plan(512, 1024, 16).config.block_n == 32
     # batch 1: the best split counts of scripts/gpu_split_sweep.py on the H200
     assert [plan(1, n, 16).num_splits for n in (1024, 4096, 8192)] == [16, 32, 64]
     # 128 heads: the seesaw pass's 64-row groups, at most 32 splits (33 beat 66 at batch 1)

@@ -119,10 +119,12 @@ def default_config(
       benchmarks/2026-12-02-h200-mla-decode-seesaw/), 32-token tiles x 4 buffers, one program
       per SM, at most 32 splits of 64 or more tokens. On the H200: 147.7 / 48.9 / 359.5 µs at
       128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024, against 165.8 / 54.7 / 376.1 for
-      the earlier pass with both warpgroups on one tile; 17.1 / 20.6 µs at 128 heads x batch 1 x
-      4096 / 8192 against 23.0 / 25.3 for 32-row Triton programs (33 splits; 66 took 20.8 /
-      23.3). Rows are padded to 64: 84.0 against 97.2 µs for 32-row Triton programs at 16 heads
-      x q_len 2 x 64 x 4096 (2 splits). Off sm_90 the Triton kernel runs the same tile.
+      the earlier pass with both warpgroups on one tile, and 142.6 / 43.1 / 328.5 with the
+      output stored by TMA (benchmarks/2026-12-03-h200-mla-decode-tma-store/); 17.1 / 20.6 µs
+      at 128 heads x batch 1 x 4096 / 8192 against 23.0 / 25.3 for 32-row Triton programs (33
+      splits; 66 took 20.8 / 23.3). Rows are padded to 64: 84.0 against 97.2 µs for 32-row
+      Triton programs at 16 heads x q_len 2 x 64 x 4096 (2 splits). Off sm_90 the Triton kernel
+      runs the same tile.
     - Otherwise, query rows per program (block_m): all rows up to 64; at 128 heads small
       batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
     - KV tile and pipelining depth, from `scripts/gpu_variant_sweep.py` on the H200
@@ -131,11 +133,14 @@ def default_config(
       16 rows over 32 or more requests: 32-token tiles with 3 stages (two buffers, two programs
       per SM): 31.8 / 85.2 / 168.2 / 602.7 µs at batch 64 x 1k / 64 x 4k / 512 x 1k / 512 x 4k
       against 34.1 / 85.5 / 168.5 / 614.2 with 64-token tiles and 2 stages, which stay for
-      small batches. Pages of 32 tokens take 32-token tiles with 3 stages (606.5 µs at 16 heads
-      x 512 x 4096, against 823.6 with 4 stages: one program per SM). Otherwise 64-token tiles
-      with 2 stages where they fit (~220 KB at 64 rows x 576), else 32-token tiles, 3 stages;
-      64-row Triton programs load whole tiles by TMA (7-9% at 128 heads) and aim at one
-      program per SM.
+      small batches. Over 32-255 requests of at most 1024 tokens, 64-token tiles x 2 buffers
+      with 8 warps, one program per SM (166 KB): 28.9 / 45.0 / 83.8 µs at batch 64 / 128 / 200
+      x 1024 against 29.2 / 47.4 / 86.1, 19.4 at 32 x 1024 as before, but 47.2 against 46.6
+      at 64 x 2048 (benchmarks/2026-12-03-h200-mla-decode-tma-store/). Pages of 32 tokens
+      take 32-token tiles with 3 stages (606.5 µs at 16 heads x 512 x 4096, against 823.6 with
+      4 stages: one program per SM). Otherwise 64-token tiles with 2 stages where they fit
+      (~220 KB at 64 rows x 576), else 32-token tiles, 3 stages; 64-row Triton programs load
+      whole tiles by TMA (7-9% at 128 heads) and aim at one program per SM.
     - Partial outputs: 16-bit for 16-row programs over 32-255 requests, else float32.
     - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
     """
@@ -164,14 +169,20 @@ def default_config(
         block_m = 32
     q_bytes = block_m * head_dim * itemsize
     fits_64 = q_bytes + 2 * 64 * head_dim * itemsize <= 224 * 1024
+    medium_batch = batch_size is not None and 32 <= batch_size < 256
+    short_requests = max_seq_len is not None and max_seq_len <= 1024
+    one_per_sm = block_m == 16 and medium_batch and short_requests and (
+        block_size is None or block_size >= 64)
     if block_size is not None and block_size < 64:
         block_n, num_stages = max(16, block_size), 3
+    elif one_per_sm:
+        block_n, num_stages = 64, 3
     elif block_m == 16 and batch_size is not None and batch_size >= 32 or not fits_64:
         block_n, num_stages = 32, 3
     else:
         block_n, num_stages = 64, 2
-    num_warps = 8 if block_m >= 64 and kv_lora_rank >= 256 else 4
-    policy, per_sm = "waves", (2.0 if block_m <= 32 else 1.0)
+    num_warps = 8 if (block_m >= 64 or one_per_sm) and kv_lora_rank >= 256 else 4
+    policy, per_sm = "waves", (2.0 if block_m <= 32 and not one_per_sm else 1.0)
     if (block_m == 16 and batch_size is not None and long_requests
             and batch_size >= 264):
         policy, per_sm = "fill", 4.0
@@ -182,7 +193,6 @@ def default_config(
     # 16-bit partials at 16 rows x 32-255 requests (benchmarks/2026-12-02-h200-mla-decode-16-heads,
     # section 4): 29.1 / 80.1 µs against 33.2 / 83.3 for float32 at batch 64 x 1024 / 4096
     # (4 splits); float32 stays at 512 x 4096 (613.7 against 630.8 µs, 2 splits).
-    medium_batch = batch_size is not None and 32 <= batch_size < 256
     partial_dtype = "input" if block_m == 16 and medium_batch else "float32"
     return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                            num_stages=num_stages, split_policy=policy, programs_per_sm=per_sm,
