@@ -135,7 +135,7 @@ def default_config(
       against 34.1 / 85.5 / 168.5 / 614.2 with 64-token tiles and 2 stages, which stay for
       small batches. Over 32-255 requests of at most 1024 tokens, 64-token tiles x 2 buffers
       with 8 warps, one program per SM (166 KB): 28.9 / 45.0 / 83.8 µs at batch 64 / 128 / 200
-      x 1024 against 29.2 / 47.4 / 86.1, 19.4 at 32 x 1024 as before, but 47.2 against 46.6
+      x 1024 against 29.2 / 47.4 / 86.1, 19.5 against 19.5 at 32 x 1024, but 47.3 against 46.6
       at 64 x 2048 (benchmarks/2026-12-03-h200-mla-decode-tma-store/). Pages of 32 tokens
       take 32-token tiles with 3 stages (606.5 µs at 16 heads x 512 x 4096, against 823.6 with
       4 stages: one program per SM). Otherwise 64-token tiles with 2 stages where they fit
