@@ -1,6 +1,6 @@
 """The offline Python API: LLM(...).generate(prompts, sampling_params)."""
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from tqdm import tqdm
 
@@ -55,24 +55,22 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        # only the final output of each request is wanted: no per-token copies
+        params = [replace(p, output_kind="final_only") for p in params]
         engine = self.engine
-        requests = []
+        request_ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                requests.append(engine.add_request(prompt, p))
+                request_ids.append(engine.add_request(prompt, p))
         except ValueError:
-            for request in requests:
-                engine.abort(request.request_id)
-                engine.release(request.request_id)
+            for request_id in request_ids:
+                engine.abort(request_id)
             raise
         finals: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), disable=not use_tqdm, desc="Generating") as bar:
-            while len(finals) < len(requests):
+        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Generating") as bar:
+            while len(finals) < len(request_ids):
                 for output in engine.step():
                     if output.finished:
                         finals[output.request_id] = output
                         bar.update(1)
-        results = [finals[r.request_id] for r in requests]
-        for r in requests:
-            engine.release(r.request_id)
-        return results
+        return [finals[request_id] for request_id in request_ids]

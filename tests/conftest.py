@@ -85,11 +85,11 @@ def read_config(path: Path) -> dict:
 
 @pytest.fixture
 def fail_first_step(monkeypatch):
-    """fail_first_step(runner, message): the runner's next execute raises RuntimeError(message),
+    """fail_first_step(runner, message): the runner's next launch raises RuntimeError(message),
     later ones run normally."""
 
     def install(runner, message: str) -> None:
-        original, calls = runner.execute, {"n": 0}
+        original, calls = runner.launch, {"n": 0}
 
         def flaky(batch):
             calls["n"] += 1
@@ -97,6 +97,6 @@ def fail_first_step(monkeypatch):
                 raise RuntimeError(message)
             return original(batch)
 
-        monkeypatch.setattr(runner, "execute", flaky)
+        monkeypatch.setattr(runner, "launch", flaky)
 
     return install

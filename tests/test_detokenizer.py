@@ -3,7 +3,7 @@
 from transformers import AutoTokenizer
 
 from mlaserve.engine.detokenizer import IncrementalDetokenizer
-from mlaserve.engine.engine import DEMO_MODEL_DIR
+from mlaserve.engine.args import DEMO_MODEL_DIR
 
 TOKENIZER = AutoTokenizer.from_pretrained(str(DEMO_MODEL_DIR))
 

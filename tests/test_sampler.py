@@ -1,9 +1,10 @@
 """Sampler: filters keep exactly the allowed tokens; penalties follow vLLM's definitions."""
 
+import pytest
 import torch
 
 from mlaserve.engine.request import Request, SamplingParams
-from mlaserve.engine.sampler import SamplingBatch, apply_penalties, sample, seeded_uniform
+from mlaserve.engine.sampler import SamplingBatch, sample, seeded_uniform
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
 
@@ -47,7 +48,7 @@ def test_penalties():
     req = Request("0", None, [3], params, sample_seed=0, output_token_ids=[0, 0, 1])
     batch = SamplingBatch.build([req], 5, torch.device("cpu"))
     logits = torch.tensor([[2.0, -1.0, 1.0, 0.5, 0.0]])
-    out = apply_penalties(logits.clone(), batch)[0].tolist()
+    out = batch.penalties.apply(logits.clone())[0].tolist()
     # token 0: seen -> 2/2 = 1, minus 0.25*2 frequency, minus 0.5 presence = 0
     # token 1: seen, negative -> -2, minus 0.25, minus 0.5 = -2.75
     # token 3: prompt only -> 0.5/2 = 0.25; tokens 2 and 4 untouched
@@ -59,3 +60,23 @@ def test_min_tokens_suppresses_eos():
     req = Request("0", None, [3], params, sample_seed=0, eos_token_ids=(0,))
     batch = SamplingBatch.build([req], 5, torch.device("cpu"))
     assert sample(LOGITS[None].clone(), batch).item() == 1
+
+
+def test_sort_free_kernel_draws_what_the_torch_path_draws():
+    """The Triton Gumbel-max pass (interpreted on CPU) hashes the same noise as seeded_uniform
+    and picks the same ids, greedy rows included; a wrong hash bit would change most picks."""
+    pytest.importorskip("triton")
+    from mlaserve.attention.triton_backend import patch_triton_interpreter
+    from mlaserve.kernels.sampling import _gumbel_argmax_triton, gumbel_argmax_torch
+
+    if not torch.cuda.is_available():
+        patch_triton_interpreter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(16, 3001, generator=generator) * 0.5).to(device)  # flat: noise decides
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.5] * 4, device=device)
+    seeds = torch.tensor([i * 7919 + (1 << 62) * (i % 2) for i in range(16)], device=device)
+    positions = torch.arange(16, device=device) * 3
+    expected = gumbel_argmax_torch(logits, temperature, seeds, positions)
+    assert torch.equal(_gumbel_argmax_triton(logits, temperature, seeds, positions), expected)
+    assert torch.equal(expected[2::4], logits[2::4].argmax(dim=-1))

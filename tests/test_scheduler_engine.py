@@ -101,9 +101,9 @@ def test_requests_that_cannot_fit_are_value_errors():
 def test_warm_up_runs_a_request_and_leaves_nothing_behind():
     llm = LLM(device="cpu", attention_backend="torch", num_kv_blocks=32, block_size=4)
     engine = llm.engine
-    before = engine.step
+    before = engine.core.step
     steps = []
-    engine.step = lambda: steps.append(1) or before()
+    engine.core.step = lambda: steps.append(1) or before()
     engine.warm_up()
     assert len(steps) >= 2  # a prefill and a decode step ran
     assert not engine.requests and not engine.has_unfinished

@@ -12,16 +12,14 @@ class PrefillChunk:
     """One request's prompt chunk in this step.
 
     token_start/num_tokens index the step's flat token axis; context_slots [context_len] int64
-    are the cache slots of the tokens computed in earlier steps (or shared prefix blocks).
+    are the cache slots of the context_len tokens computed in earlier steps (or shared prefix
+    blocks).
     """
 
     token_start: int
     num_tokens: int
-    context_slots: torch.Tensor | None
-
-    @property
-    def context_len(self) -> int:
-        return 0 if self.context_slots is None else int(self.context_slots.shape[0])
+    context_len: int = 0
+    context_slots: torch.Tensor | None = None
 
 
 @dataclass

@@ -3,6 +3,8 @@
 import enum
 from dataclasses import dataclass, field
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 @dataclass
 class SamplingParams:
@@ -10,6 +12,8 @@ class SamplingParams:
 
     logprobs / prompt_logprobs: number of most likely tokens to return per position besides the
     chosen one (0 returns only the chosen token's logprob; None returns none).
+    output_kind: what each streamed RequestOutput holds: "cumulative" (everything so far),
+    "delta" (only what is new since the last output) or "final_only" (one output at the end).
     """
 
     max_tokens: int = 16
@@ -29,6 +33,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +64,8 @@ class SamplingParams:
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            (self.output_kind in OUTPUT_KINDS,
+             f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -137,6 +144,10 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # tokens sampled by a step still on the device (pipelined steps): counted, not yet known
+    num_output_placeholders: int = 0
+    batch_row: int | None = None  # row in the runner's persistent batch while it holds one
+    num_synced_blocks: int = 0  # block ids already copied into that row's device block table
     logprobs: Logprobs | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     finish_reason: str | None = None
@@ -162,6 +173,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus those sampled on the device but not yet seen by the host."""
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def num_output_tokens_total(self) -> int:
+        return len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,7 +1,17 @@
-"""ModelRunner: a scheduled batch -> tensors, one backend plan, the forward pass, sampling."""
+"""ModelRunner: a scheduled batch -> device inputs, one backend plan, the forward pass, sampling.
+
+A step is split in two so the host can run ahead of the device: `launch(batch)` enqueues the
+whole step (input copies, forward or CUDA-graph replay, sampling, and the copies of the sampled
+ids to pinned host memory) without waiting, and `collect(pending)` waits for that step's copies
+and returns its results. The next step's `launch` may come before `collect`: a decode row whose
+input token was sampled by the previous step reads it from that step's device tensor.
+
+Per-request state (block tables, sampling parameters) lives in the persistent batch
+(input_batch.py); a decode step sends four ints per request to the device in one copy.
+"""
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -10,10 +20,11 @@ from mlaserve.attention.base import MLAShape
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.config import ModelConfig
 from mlaserve.engine.cuda_graphs import DecodeGraphs
+from mlaserve.engine.input_batch import PersistentBatch
 from mlaserve.engine.request import Request
-from mlaserve.engine.sampler import SamplingBatch, sample, top_logprobs
+from mlaserve.engine.sampler import sample, top_logprobs
 from mlaserve.engine.scheduler import ScheduledBatch
-from mlaserve.kernels.moe import grouped_gemm_supported
+from mlaserve.kernels.moe import moe_graph_capturable
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -21,11 +32,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    """What the step produced, on the host."""
+    """What a step produced, on the host."""
 
-    sampled: dict[int, int]  # id(request) -> new token id
+    sampled: list[int]  # one new token id per ScheduledBatch.sampling_requests entry
     logprobs: dict[int, dict[int, float]]  # id(request) -> {token: logprob} of the new token
     prompt_logprobs: dict[int, list[dict[int, float]]]  # id(request) -> entries in order
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its results as host tensors, valid once `ready` has completed."""
+
+    sampled: torch.Tensor  # [S] int64
+    logprobs: tuple[list[Request], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    prompt_logprobs: list[tuple[Request, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]] = field(default_factory=list)
+    ready: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -33,8 +55,8 @@ class ModelRunner:
 
     def __init__(self, model: DeepseekForCausalLM, config: ModelConfig, *, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
-                 attention_backend: str | None, cuda_graph_batch_size: int = 0,
-                 max_seq_len_to_capture: int = 8192) -> None:
+                 attention_backend: str | None, max_num_seqs: int, max_model_len: int,
+                 cuda_graph_batch_size: int = 0, max_seq_len_to_capture: int = 8192) -> None:
         """
         Args:
             num_blocks: KV blocks the block pool hands out; the caches hold one more, a scratch
@@ -47,6 +69,11 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = block_size
+        self.inputs = PersistentBatch(max_num_seqs, -(-max_model_len // block_size),
+                                      config.vocab_size, device)
+        # the previous launch's sampled ids [S] on the device, and each sampler's row in it
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_sample_rows: dict[int, int] = {}
         shape = (num_blocks + 1, block_size, config.kv_cache_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(config.num_hidden_layers)]
@@ -59,7 +86,7 @@ class ModelRunner:
         wants_graphs = (cuda_graph_batch_size > 0 and device.type == "cuda"
                         and self.backend.capabilities.supports_cuda_graphs)
         has_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        if wants_graphs and has_moe and not grouped_gemm_supported(device, dtype):
+        if wants_graphs and has_moe and not moe_graph_capturable(device, dtype):
             logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
                            "the experts with a host sync (grouped GEMMs are bfloat16 only); "
                            "use --dtype bfloat16 for graphs", dtype)
@@ -74,104 +101,165 @@ class ModelRunner:
                                  "(pass --enforce-eager to skip the capture)")
                 torch.cuda.synchronize()
 
-    def _slot(self, request: Request, position: int) -> int:
-        """Cache slot of one token: block_id * block_size + offset."""
-        return request.block_ids[position // self.block_size] * self.block_size + (
-            position % self.block_size)
 
-    def _slot_range(self, request: Request, start: int, end: int) -> torch.Tensor:
-        """Cache slots [end - start] int64 (host) of positions start .. end - 1, as tensor ops."""
-        positions = torch.arange(start, end)
-        blocks = torch.tensor(request.block_ids, dtype=torch.int64)
-        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+    def release(self, request: Request) -> None:
+        """The request left the running batch (finished, aborted or preempted)."""
+        self.inputs.release(request)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def launch(self, batch: ScheduledBatch) -> PendingStep:
+        """Enqueue the whole step on the device; returns without waiting for it.
+
+        Reads each request's progress as the scheduler left it before `advance`: a decode row
+        computes position num_computed_tokens; a prefill chunk starts there.
+        """
+        inputs, block_size = self.inputs, self.block_size
+        inputs.sync(batch.requests)
+        decodes = batch.decodes
+        num_decodes = len(decodes)
+        # decode rows: persistent row, position, known input token, or its index among the
+        # previous step's samples (-1: known)
+        rows, positions, tokens, sources = [], [], [], []
+        for request in decodes:
+            position = request.num_computed_tokens
+            rows.append(request.batch_row)
+            positions.append(position)
+            if position < request.num_tokens:
+                tokens.append(request.token_at(position))
+                sources.append(-1)
+            else:
+                tokens.append(0)
+                sources.append(self._prev_sample_rows[id(request)])
+        hidden = None
+        width = max((len(r.block_ids) for r in decodes), default=0)
+        if decodes:
+            packed = inputs.to_device([rows, positions, tokens, sources], torch.int64)  # [4, d]
+            decode_rows, decode_positions, decode_ids, decode_sources = packed
+            if any(s >= 0 for s in sources):
+                from_device = self._prev_sampled[decode_sources.clamp(min=0)]
+                decode_ids = torch.where(decode_sources >= 0, from_device, decode_ids)
+            table = inputs.block_table[decode_rows, :width]  # [d, width] int32
+            decode_slots = (table.gather(1, (decode_positions // block_size)[:, None])
+                            .squeeze(1).long() * block_size + decode_positions % block_size)
+            seq_lens = (decode_positions + 1).to(torch.int32)
+        chunks, prefill_inputs = self._prefill_inputs(batch.prefills, num_decodes)
+        graphs = self.graphs
+        if decodes and not chunks and graphs is not None and graphs.covers(num_decodes, width):
+            hidden = graphs.run(decode_ids, decode_positions, decode_slots, table, seq_lens)
+        else:
+            parts = [] if not decodes else [(decode_ids, decode_positions, decode_slots)]
+            if prefill_inputs is not None:
+                parts.append(prefill_inputs)
+            input_ids, position_ids, slot_mapping = (torch.cat(p) for p in zip(*parts,
+                                                                                  strict=True))
+            meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=num_decodes,
+                                     prefills=chunks)
+            if decodes:
+                self.backend.plan(table, seq_lens)
+                meta.decode_backend = self.backend
+            hidden = self.model(input_ids, position_ids, self.kv_caches, meta)
+        return self._sample(batch, hidden, chunks)
+
+    def _prefill_inputs(self, prefills: list[tuple[Request, int]], row0: int
+                        ) -> tuple[list[PrefillChunk], tuple[torch.Tensor, ...] | None]:
+        """Prefill chunks' metadata and their (ids, positions, slots) [P] int64 on the device;
+        the chunks follow `row0` decode rows on the step's token axis."""
+        if not prefills:
+            return [], None
         tokens: list[int] = []
         positions: list[int] = []
-        decode_slots: list[int] = []
-        prefill_slots: list[torch.Tensor] = []
-        sample_rows: list[int] = []
-        samplers: list[Request] = []
-        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, count)
-        for request in batch.decodes:
-            p = request.num_computed_tokens
-            tokens.append(request.token_at(p))
-            positions.append(p)
-            decode_slots.append(self._slot(request, p))
-            sample_rows.append(len(tokens) - 1)
-            samplers.append(request)
+        rows: list[int] = []
         chunks = []
-        for request, count in batch.prefills:
+        for request, count in prefills:
             start = request.num_computed_tokens
-            row0 = len(tokens)
+            chunks.append(PrefillChunk(row0 + len(tokens), count, start))
             tokens.extend(request.all_token_ids[start : start + count])
             positions.extend(range(start, start + count))
-            prefill_slots.append(self._slot_range(request, start, start + count))
-            context = None
-            if start:
-                context = self._slot_range(request, 0, start).to(self.device)
-            chunks.append(PrefillChunk(row0, count, context))
+            rows.extend([request.batch_row] * count)
+        packed = self.inputs.to_device([tokens, positions, rows], torch.int64)  # [3, P]
+        ids, position_ids, table_rows = packed
+        block_size = self.block_size
+        slots = (self.inputs.block_table[table_rows, position_ids // block_size].long()
+                 * block_size + position_ids % block_size)
+        for chunk, (request, _) in zip(chunks, prefills, strict=True):
+            if chunk.context_len:
+                context = torch.arange(chunk.context_len, device=self.device)
+                table = self.inputs.block_table[request.batch_row]
+                chunk.context_slots = (table[context // block_size].long() * block_size
+                                       + context % block_size)
+        return chunks, (ids, position_ids, slots)
+
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor,
+                chunks: list[PrefillChunk]) -> PendingStep:
+        """Sample the step's tokens and start copying them (and any logprobs) to the host."""
+        samplers = batch.sampling_requests
+        num_decodes = len(batch.decodes)
+        sample_rows = list(range(num_decodes))
+        sample_positions = [r.num_computed_tokens + 1 for r in batch.decodes]
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, count)
+        for chunk, (request, count) in zip(chunks, batch.prefills, strict=True):
+            start = request.num_computed_tokens
             if request.prompt_logprobs is not None:
                 # logits at position p score prompt token p + 1
                 first = max(start, len(request.prompt_logprobs) - 1)
                 last = min(start + count, request.num_prompt_tokens - 1)
                 if last > first:
-                    prompt_rows.append((request, row0 + first - start, last - first))
-            if start + count == request.num_tokens:
-                sample_rows.append(len(tokens) - 1)
-                samplers.append(request)
-
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat([torch.tensor(decode_slots, dtype=torch.int64),
-                                    *prefill_slots]).to(device),
-            num_decode_tokens=len(batch.decodes), prefills=chunks)
-        input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=device)
-        hidden = None
-        if batch.decodes:
-            width = max(len(r.block_ids) for r in batch.decodes)
-            table = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids))
-                                  for r in batch.decodes], dtype=torch.int32, device=device)
-            seq_lens = torch.tensor([r.num_computed_tokens + 1 for r in batch.decodes],
-                                    dtype=torch.int32, device=device)
-            graphs = self.graphs
-            if graphs is not None and not chunks and graphs.covers(len(batch.decodes), width):
-                hidden = graphs.run(input_ids, position_ids, meta.slot_mapping, table, seq_lens)
-            else:
-                self.backend.plan(table, seq_lens)
-                meta.decode_backend = self.backend
-        if hidden is None:
-            hidden = self.model(input_ids, position_ids, self.kv_caches, meta)
-        result = StepResult({}, {}, {})
+                    prompt_rows.append((request, chunk.token_start + first - start,
+                                        last - first))
+            if start + count == request.num_total_tokens:
+                sample_rows.append(chunk.token_start + count - 1)
+                sample_positions.append(start + count)
+        pending = PendingStep(sampled=torch.empty(0, dtype=torch.int64))
         if samplers:
-            logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] float32
-            params = SamplingBatch.build(samplers, logits.shape[-1], device)
-            new_ids = sample(logits, params)
-            k = max((r.params.logprobs or 0) for r in samplers)
-            wants = any(r.params.logprobs is not None for r in samplers)
-            if wants:
-                chosen, values, ids = top_logprobs(logits.log_softmax(dim=-1), new_ids, k)
-                chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()
-            new_ids = new_ids.tolist()
-            for i, request in enumerate(samplers):
-                result.sampled[id(request)] = new_ids[i]
-                if request.params.logprobs is not None:
-                    n = request.params.logprobs
-                    entry = dict(zip(ids[i][:n], values[i][:n], strict=True))
-                    entry[new_ids[i]] = chosen[i]
-                    result.logprobs[id(request)] = entry
+            rows = hidden[:num_decodes] if len(sample_rows) == num_decodes else hidden[
+                torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(rows)  # [S, V] float32
+            packed = self.inputs.to_device([[r.batch_row for r in samplers], sample_positions],
+                                           torch.int64)  # [2, S]
+            params = self.inputs.sampling_batch(samplers, packed[0], packed[1])
+            sampled = sample(logits, params)
+            self._prev_sampled = sampled
+            self._prev_sample_rows = {id(r): i for i, r in enumerate(samplers)}
+            pending.sampled = sampled.to("cpu", non_blocking=True)
+            wanting = [r for r in samplers if r.params.logprobs is not None]
+            if wanting:
+                k = max(r.params.logprobs for r in wanting)
+                chosen, values, ids = top_logprobs(logits.log_softmax(dim=-1), sampled, k)
+                pending.logprobs = (samplers, *(t.to("cpu", non_blocking=True)
+                                                for t in (chosen, values, ids)))
         for request, row, count in prompt_rows:
             logprobs = self.model.compute_logits(hidden[row : row + count]).log_softmax(dim=-1)
             start = len(request.prompt_logprobs)
-            targets = torch.tensor(request.prompt_token_ids[start : start + count],
-                                   dtype=torch.int64, device=device)
+            targets = self.inputs.to_device(request.prompt_token_ids[start : start + count],
+                                            torch.int64)
             chosen, values, ids = top_logprobs(logprobs, targets, request.params.prompt_logprobs)
+            pending.prompt_logprobs.append((request, *(t.to("cpu", non_blocking=True)
+                                                       for t in (chosen, values, ids, targets))))
+        if self.device.type == "cuda":
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
+        return pending
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step's copies; its results as Python values."""
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        result = StepResult(pending.sampled.tolist(), {}, {})
+        if pending.logprobs is not None:
+            samplers, chosen, values, ids = pending.logprobs
+            chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()
+            for i, request in enumerate(samplers):
+                n = request.params.logprobs
+                if n is None:
+                    continue
+                entry = dict(zip(ids[i][:n], values[i][:n], strict=True))
+                entry[result.sampled[i]] = chosen[i]
+                result.logprobs[id(request)] = entry
+        for request, chosen, values, ids, targets in pending.prompt_logprobs:
             chosen, values, ids, targets = (chosen.tolist(), values.tolist(), ids.tolist(),
                                             targets.tolist())
             entries = []
-            for j in range(count):
+            for j in range(len(targets)):
                 entry = dict(zip(ids[j], values[j], strict=True))
                 entry[targets[j]] = chosen[j]
                 entries.append(entry)

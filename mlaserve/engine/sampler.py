@@ -1,22 +1,65 @@
 """Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeded noise.
 
-Randomness is counter-based: the noise for a request's token at position p is a hash of
-(request seed, p, vocab index), so a seeded request samples the same tokens whatever else is in
-the batch, and nothing is synchronised with the host per request.
+Per-row parameters come from the persistent batch's device tensors (see input_batch.py), so a
+step builds no per-request tensors. The common case, temperature sampling (or greedy) with no
+top-k / top-p / min-p, runs the sort-free Gumbel-max pass of `kernels/sampling.py`; only a batch
+in which some request asks for a filter sorts the vocabulary. Noise is a pure function of (request
+seed, position, vocabulary index), so a seeded request samples the same tokens in any batch.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from mlaserve.engine.request import Request
+from mlaserve.engine.request import Request, SamplingParams
+from mlaserve.kernels.sampling import gumbel_argmax, seeded_uniform
 
 _MASK63 = (1 << 63) - 1
 
 
 @dataclass
+class Penalties:
+    """vLLM's penalties for the rows that sample: [N] float32 factors and [N, V] token stats."""
+
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    output_counts: torch.Tensor  # [N, V] float32 counts of generated tokens
+    seen_prompt: torch.Tensor  # [N, V] bool: token present in the prompt
+
+    @classmethod
+    def build(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "Penalties":
+        """From the requests' token lists (all generated tokens must be known on the host)."""
+        params = [r.params for r in requests]
+        n = len(requests)
+        output_counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+        out_rows, out_ids = _pairs([r.output_token_ids for r in requests], device)
+        output_counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids,
+                                 dtype=torch.float32), accumulate=True)
+        seen_prompt = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+        seen_prompt[_pairs([r.prompt_token_ids for r in requests], device)] = True
+
+        def factors(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32,
+                                device=device)
+
+        return cls(factors("presence_penalty"), factors("frequency_penalty"),
+                   factors("repetition_penalty"), output_counts, seen_prompt)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """vLLM semantics: repetition over prompt+output tokens, presence/frequency over output."""
+        counts = self.output_counts
+        seen_any = self.seen_prompt | (counts > 0)
+        rep = self.repetition[:, None]
+        logits = torch.where(seen_any, torch.where(logits > 0, logits / rep, logits * rep),
+                             logits)
+        logits = logits - self.frequency[:, None] * counts
+        return logits - self.presence[:, None] * (counts > 0).float()
+
+
+@dataclass
 class SamplingBatch:
-    """Per-row sampling parameters as device tensors (rows = requests that sample this step)."""
+    """Per-row sampling parameters (rows = requests that sample this step), on the device."""
 
     temperature: torch.Tensor  # [N] float32 (0 = greedy)
     top_k: torch.Tensor  # [N] int64 (vocab size = off)
@@ -24,54 +67,50 @@ class SamplingBatch:
     min_p: torch.Tensor  # [N] float32
     seeds: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64: index of the token being sampled
-    presence: torch.Tensor  # [N] float32
-    frequency: torch.Tensor  # [N] float32
-    repetition: torch.Tensor  # [N] float32
-    needs_penalties: bool
-    output_counts: torch.Tensor | None  # [N, V] float32 counts of generated tokens
-    seen_prompt: torch.Tensor | None  # [N, V] bool prompt tokens present
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids): EOS/stop ids before min_tokens
     all_greedy: bool
+    needs_filter: bool  # some row asks for top-k, top-p or min-p
+    penalties: Penalties | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids): EOS/stops too early
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int,
               device: torch.device) -> "SamplingBatch":
+        """Straight from the requests' parameters (tests and tools; the runner gathers the same
+        rows from its persistent batch instead)."""
         params = [r.params for r in requests]
 
-        def tensor(values, dtype):
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        needs_penalties = any(p.presence_penalty or p.frequency_penalty
-                              or p.repetition_penalty != 1.0 for p in params)
-        output_counts = seen_prompt = None
-        if needs_penalties:
-            n = len(requests)
-            output_counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
-            seen_prompt = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-            out_rows, out_ids = _pairs([r.output_token_ids for r in requests], device)
-            output_counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids,
-                                     dtype=torch.float32), accumulate=True)
-            seen_prompt[_pairs([r.prompt_token_ids for r in requests], device)] = True
-        banned_lists = [list(r.eos_token_ids) + r.params.stop_token_ids
-                        if len(r.output_token_ids) < r.params.min_tokens else []
-                        for r in requests]
-        banned = _pairs(banned_lists, device) if any(banned_lists) else None
         return cls(
             temperature=tensor([p.temperature for p in params], torch.float32),
             top_k=tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
             seeds=tensor([r.sample_seed & _MASK63 for r in requests], torch.int64),
-            positions=tensor([r.num_tokens for r in requests], torch.int64),
-            presence=tensor([p.presence_penalty for p in params], torch.float32),
-            frequency=tensor([p.frequency_penalty for p in params], torch.float32),
-            repetition=tensor([p.repetition_penalty for p in params], torch.float32),
-            needs_penalties=needs_penalties,
-            output_counts=output_counts,
-            seen_prompt=seen_prompt,
-            banned=banned,
+            positions=tensor([r.num_total_tokens for r in requests], torch.int64),
             all_greedy=all(p.temperature == 0 for p in params),
-        )
+            needs_filter=any(needs_filter(p) for p in params),
+            penalties=(Penalties.build(requests, vocab_size, device)
+                       if any(needs_penalties(p) for p in params) else None),
+            banned=banned_before_min_tokens(requests, device))
+
+
+def needs_filter(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1 or params.min_p > 0
+
+
+def needs_penalties(params: SamplingParams) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0)
+
+
+def banned_before_min_tokens(requests: list[Request], device: torch.device
+                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, ids) of EOS and stop ids that rows may not sample yet (min_tokens), or None."""
+    lists = [list(r.eos_token_ids) + r.params.stop_token_ids
+             if r.num_output_tokens_total < r.params.min_tokens else [] for r in requests]
+    return _pairs(lists, device) if any(lists) else None
 
 
 def _pairs(rows_of_ids: list[list[int]], device: torch.device
@@ -83,43 +122,21 @@ def _pairs(rows_of_ids: list[list[int]], device: torch.device
             torch.tensor(flat, dtype=torch.int64, device=device))
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A splitmix64-style integer mixer on int64 (wrapping arithmetic, logical shifts)."""
-    x = x ^ ((x >> 31) & ((1 << 33) - 1))
-    x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as signed int64
-    x = x ^ ((x >> 29) & ((1 << 35) - 1))
-    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9 as signed int64
-    return x ^ ((x >> 32) & ((1 << 32) - 1))
-
-
-def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform (0, 1) noise [N, V] float32, a pure function of (seed, position, vocab index)."""
-    row = _mix(seeds * 1000003 + positions * 7919 + 12345)  # [N]
-    cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _mix(row[:, None] ^ (cols[None, :] * -7046029254386353131))  # [N, V]
-    mantissa = (bits >> 40) & ((1 << 24) - 1)  # 24 random bits
-    return (mantissa.float() + 0.5) / float(1 << 24)
-
-
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """vLLM semantics: repetition over prompt+output tokens, presence/frequency over output."""
-    counts, seen = batch.output_counts, batch.seen_prompt
-    seen_any = seen | (counts > 0)
-    rep = batch.repetition[:, None]
-    logits = torch.where(seen_any, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - batch.frequency[:, None] * counts
-    return logits - batch.presence[:, None] * (counts > 0).float()
-
-
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [N, V] float32 -> token ids [N] int64."""
-    if batch.needs_penalties:
-        logits = apply_penalties(logits, batch)
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
-    greedy_ids = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy_ids
+        return logits.argmax(dim=-1)
+    if not batch.needs_filter:
+        return gumbel_argmax(logits, batch.temperature, batch.seeds, batch.positions)
+    return _sample_filtered(logits, batch)
+
+
+def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-k, then top-p and min-p over the sorted probabilities, then an exponential race."""
     vocab = logits.shape[-1]
     temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
     scaled = logits / temperature[:, None]
@@ -136,7 +153,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     probs = torch.zeros_like(scaled).scatter_(1, sorted_ids, sorted_logits.softmax(dim=-1))
     noise = -torch.log(seeded_uniform(batch.seeds, batch.positions, vocab))  # Exp(1)
     sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(batch.temperature > 0, sampled, greedy_ids)
+    return torch.where(batch.temperature > 0, sampled, logits.argmax(dim=-1))
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,

@@ -8,6 +8,13 @@ order they were admitted (a decode costs one token, an unfinished prompt takes w
 budget); then waiting requests are admitted first-come-first-served while the budget, the KV pool
 and `max_num_seqs` allow. When a running request needs a block and none is free, the most recently
 admitted running request is preempted: its blocks are freed and it waits to be recomputed.
+
+Steps are pipelined (see core.py): a step is scheduled while the one before it still runs, so a
+request may own tokens that were sampled on the device but not yet seen here (placeholders). They
+count as tokens for scheduling: a decode's input may be such a token (the runner takes it from
+the device). A request whose placeholders already reach `max_tokens` or `max_model_len` is not
+scheduled again, and a preempted request waits until its placeholders have landed. Only EOS and
+stop tokens, seen a step late, cost one wasted decode row.
 """
 
 from collections import deque
@@ -25,10 +32,17 @@ class ScheduledBatch:
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # the requests that sample a token this step, in logits-row order (decodes, then prefills
+    # whose chunk reaches the end of their known tokens)
+    sampling_requests: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+    @property
+    def requests(self) -> list[Request]:
+        return [*self.decodes, *(r for r, _ in self.prefills)]
 
 
 class Scheduler:
@@ -80,7 +94,11 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            remaining = request.num_tokens - request.num_computed_tokens
+            if self._done_once_landed(request):
+                continue
+            remaining = request.num_total_tokens - request.num_computed_tokens
+            if remaining <= 0:
+                continue
             count = min(remaining, budget)
             while not self._reserve(request, count):
                 victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
@@ -97,9 +115,11 @@ class Scheduler:
             else:
                 batch.prefills.append((request, count))
         if batch.preempted:
-            return batch
+            return self._with_samplers(batch)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token still on the device: recompute once it lands
             if request.num_computed_tokens == 0 and request.params.prompt_logprobs is None:
                 # prompt logprobs need every position's logits, so those requests skip the cache
                 request.block_ids = self.pool.lookup_prefix(request.all_token_ids,
@@ -120,7 +140,36 @@ class Scheduler:
                 batch.decodes.append(request)
             else:
                 batch.prefills.append((request, count))
+        return self._with_samplers(batch)
+
+    @staticmethod
+    def _with_samplers(batch: ScheduledBatch) -> ScheduledBatch:
+        batch.sampling_requests = [*batch.decodes, *(
+            r for r, count in batch.prefills
+            if r.num_computed_tokens + count == r.num_total_tokens)]
         return batch
+
+    def _done_once_landed(self, request: Request) -> bool:
+        """Whether the tokens still on the device already end the request by length."""
+        if not request.num_output_placeholders:
+            return False
+        return (request.num_output_tokens_total >= request.params.max_tokens
+                or request.num_total_tokens >= self.config.max_model_len)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Count a launched step's tokens as computed and its samples as placeholders."""
+        for request in batch.decodes:
+            request.num_computed_tokens += 1
+        for request, count in batch.prefills:
+            request.num_computed_tokens += count
+        for request in batch.sampling_requests:
+            request.num_output_placeholders += 1
+
+    def land(self, request: Request) -> None:
+        """One placeholder of the request became a known token (or was dropped)."""
+        request.num_output_placeholders -= 1
+        if request.status == RequestStatus.RUNNING:
+            self.cache_computed_blocks(request)
 
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request's blocks and forget it."""
@@ -132,10 +181,11 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Enter the request's newly computed full blocks into the prefix cache."""
-        if not self.pool.has_new_full_blocks(request.num_computed_tokens,
-                                             request.num_registered_blocks):
+        """Enter the request's newly computed full blocks of known tokens into the prefix
+        cache."""
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        if not self.pool.has_new_full_blocks(computed, request.num_registered_blocks):
             return  # most decode steps: no need to join the prompt and output token lists
         request.num_registered_blocks = self.pool.cache_full_blocks(
-            request.all_token_ids, request.block_ids, request.num_computed_tokens,
-            request.block_hashes, request.num_registered_blocks)
+            request.all_token_ids, request.block_ids, computed, request.block_hashes,
+            request.num_registered_blocks)

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from mlaserve.config import ModelConfig
-from mlaserve.engine.engine import DEMO_MODEL_DIR, EngineArgs, LLMEngine
+from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
+from mlaserve.engine.engine import LLMEngine
 from mlaserve.engine.request import RequestOutput, SamplingParams
 
 
@@ -43,13 +44,13 @@ def random_prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
 def generate(args: EngineArgs, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
     engine = LLMEngine(args)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
-    requests = [engine.add_request(p, params) for p in prompts]
+    request_ids = [engine.add_request(p, params) for p in prompts]
     finals: dict[str, RequestOutput] = {}
     while engine.has_unfinished:
         for output in engine.step():
             if output.finished:
                 finals[output.request_id] = output
-    del engine, requests
+    del engine, request_ids
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

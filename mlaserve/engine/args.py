@@ -1,0 +1,86 @@
+"""EngineArgs (the engine's options, as the LLM constructor and the CLI name them) and how they
+resolve against the machine: device, dtype, and the number of KV blocks that fit."""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlaserve.config import ModelConfig, parse_dtype
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+# Decode steps of more requests than this run eagerly (capture time and memory grow with it).
+MAX_CUDA_GRAPH_BATCH_SIZE = 512
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything needed to build an engine (the LLM constructor's and the CLI's options)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str | None = "auto"
+    block_size: int = 64
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    hf_overrides: dict | None = None
+    tokenizer: str | None = None
+    enforce_eager: bool = False  # no decode CUDA graphs
+    max_seq_len_to_capture: int = 8192
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device '{name}'; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device '{name}' is not supported; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device '{name}' asked for, but no CUDA GPU is visible; use cpu")
+    return device
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU (bf16 is slow there); the checkpoint's bf16/fp16 on GPU."""
+    if name != "auto":
+        return parse_dtype(name)
+    if device.type == "cpu":
+        return torch.float32
+    dtype = parse_dtype(config.torch_dtype)
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def kv_blocks_for_memory(config: ModelConfig, args: EngineArgs, device: torch.device,
+                         dtype: torch.dtype) -> int:
+    """Number of KV blocks: given, or sized from the memory left after loading."""
+    if args.num_kv_blocks is not None:
+        return args.num_kv_blocks
+    bytes_per_block = (args.block_size * config.kv_cache_dim * dtype.itemsize
+                       * config.num_hidden_layers)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = total * (1 - args.gpu_memory_utilization) + 2 * 1024**3  # activations, graphs
+        budget = max(0.0, free - reserve)
+    else:
+        budget = args.kv_cache_memory
+        if budget is None:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget = min(ram // 8, 4 * 1024**3)
+    blocks = int(budget // bytes_per_block)
+    if blocks < 1:
+        raise ValueError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB free): "
+                         "lower max_model_len or raise gpu_memory_utilization / kv_cache_memory")
+    return blocks
+

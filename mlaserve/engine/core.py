@@ -1,0 +1,245 @@
+"""EngineCore: scheduler + model runner over token ids; requests in, token deltas out.
+
+The core knows no text: frontends tokenize, detokenize and match stop strings (see
+output_processor.py), and send it `EngineCoreRequest`s. It stops a request on EOS, a stop token
+id, `max_tokens` or `max_model_len`; a frontend ends the others with `abort_requests`.
+
+`step()` is pipelined on a GPU: it launches step N and, while the device runs it, finishes step
+N - 1 on the host (its sampled ids arrive in pinned memory) and returns that step's outputs. The
+runner feeds step N's decode rows the ids that step N - 1 sampled straight from the device, so the
+host never waits for the device to build a step. See runner.py for the mechanics.
+"""
+
+import logging
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from mlaserve.attention import resolve_backend_name
+from mlaserve.cache.block_pool import BlockPool
+from mlaserve.config import ModelConfig, SchedulerConfig
+from mlaserve.engine.args import (
+    DEMO_MODEL_DIR,
+    MAX_CUDA_GRAPH_BATCH_SIZE,
+    EngineArgs,
+    kv_blocks_for_memory,
+    resolve_device,
+    resolve_dtype,
+)
+from mlaserve.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInfo,
+    SchedulerStats,
+    validate_prompt,
+)
+from mlaserve.engine.request import Request, SamplingParams
+from mlaserve.engine.runner import ModelRunner, PendingStep, StepResult
+from mlaserve.engine.sampler import needs_penalties
+from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
+from mlaserve.model.loader import build_model
+
+logger = logging.getLogger(__name__)
+
+
+def eos_token_ids(config: ModelConfig, tokenizer) -> list[int]:
+    """The model config's EOS ids, plus the tokenizer's if it names another."""
+    ids = list(config.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def model_dir_of(args: EngineArgs) -> Path:
+    return Path(args.model) if args.model else DEMO_MODEL_DIR
+
+
+class EngineCore:
+    """Loads the model into a paged latent cache and runs scheduler steps over token ids."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        resolve_backend_name(args.attention_backend)  # fail on a bad name before loading
+        model_dir = model_dir_of(args)
+        self.device = resolve_device(args.device)
+        self.config = ModelConfig.from_pretrained(model_dir, args.hf_overrides)
+        self.dtype = resolve_dtype(args.dtype, self.config, self.device)
+        for name in ("block_size", "max_seq_len_to_capture", "max_num_seqs"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+        max_model_len = args.max_model_len or self.config.max_position_embeddings
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.max_model_len = max_model_len
+        budget = args.max_num_batched_tokens or 8192
+        if budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or model_dir))
+        model = build_model(self.config, model_dir, device=self.device, dtype=self.dtype,
+                            load_format=args.load_format, max_positions=max_model_len,
+                            seed=args.seed)
+        num_blocks = kv_blocks_for_memory(self.config, args, self.device, self.dtype)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+            max_model_len=max_model_len)
+        self.runner = ModelRunner(
+            model, self.config, num_blocks=num_blocks, block_size=args.block_size,
+            device=self.device, dtype=self.dtype, attention_backend=args.attention_backend,
+            max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+            cuda_graph_batch_size=0 if args.enforce_eager
+            else min(args.max_num_seqs, MAX_CUDA_GRAPH_BATCH_SIZE),
+            max_seq_len_to_capture=min(args.max_seq_len_to_capture, max_model_len))
+        self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.pool)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens; concurrency %.1fx at "
+                    "max_model_len %d", num_blocks, args.block_size, num_blocks * args.block_size,
+                    num_blocks * args.block_size / max_model_len, max_model_len)
+        self.info = EngineInfo(
+            max_model_len=max_model_len, vocab_size=self.config.vocab_size,
+            kv_capacity_tokens=num_blocks * args.block_size,
+            eos_token_ids=eos_token_ids(self.config, tokenizer),
+            attention_backend=self.runner.backend.name)
+        self.requests: dict[str, Request] = {}
+        self._in_flight: tuple[ScheduledBatch, PendingStep] | None = None
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; ValueError (with what to change) if it can never be served."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id '{request.request_id}' is already in use")
+        validate_prompt(request.prompt_token_ids, request.params, self.info)
+        state = Request(request.request_id, None, list(request.prompt_token_ids),
+                        request.params, sample_seed=request.sample_seed,
+                        eos_token_ids=tuple(self.info.eos_token_ids))
+        self.requests[request.request_id] = state
+        self.scheduler.add(state)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Drop requests (finished by the frontend, or their client left); frees their blocks."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.finish_reason = "abort"
+                self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        """Free everything a finished or aborted request holds, and forget it."""
+        self.scheduler.finish(request)
+        self.runner.release(request)
+        del self.requests[request.request_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or self._in_flight is not None
+
+    def stats(self) -> SchedulerStats:
+        pool = self.pool
+        return SchedulerStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=pool.usage, num_preemptions=self.scheduler.num_preemptions,
+            prefix_queries=pool.num_queries, prefix_hits=pool.num_hits)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Launch the next step and return the outputs of the one before it (see the module
+        docstring); with nothing left to launch, wait for the step in flight."""
+        outputs = []
+        if self._in_flight is not None and self._needs_known_tokens(self._in_flight[0]):
+            outputs = self._finish_in_flight()  # penalties count every generated token
+        batch = self.scheduler.schedule()
+        for request in batch.preempted:
+            self.runner.release(request)
+        launched = None
+        if not batch.is_empty:
+            try:
+                launched = (batch, self.runner.launch(batch))
+            except Exception as exc:  # noqa: BLE001 - the step's requests fail, others go on
+                logger.exception("engine step failed; aborting its requests")
+                return outputs + self._finish_in_flight() + self._fail(batch, exc)
+            self.scheduler.advance(batch)
+        outputs += self._finish_in_flight()
+        self._in_flight = launched
+        return outputs
+
+    @staticmethod
+    def _needs_known_tokens(batch: ScheduledBatch) -> bool:
+        return any(needs_penalties(r.params) for r in batch.sampling_requests)
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
+            return []
+        batch, pending = self._in_flight
+        self._in_flight = None
+        try:
+            result = self.runner.collect(pending)
+        except Exception as exc:  # noqa: BLE001 - as in step()
+            logger.exception("engine step failed; aborting its requests")
+            return self._fail(batch, exc)
+        return self._apply(batch, result)
+
+    def _fail(self, batch: ScheduledBatch, exc: BaseException) -> list[EngineCoreOutput]:
+        outputs = []
+        for request in batch.requests:
+            if self.requests.get(request.request_id) is not request:
+                continue
+            request.finish_reason = "abort"
+            self._finish(request)
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
+                                            error=f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _apply(self, batch: ScheduledBatch, result: StepResult) -> list[EngineCoreOutput]:
+        """Append each sampled token, decide who stopped, and return the deltas."""
+        outputs = []
+        live = self.requests
+        for request, _ in batch.prefills:
+            if live.get(request.request_id) is not request:
+                continue
+            entries = result.prompt_logprobs.get(id(request))
+            if entries:
+                request.prompt_logprobs.extend(entries)
+            self.scheduler.cache_computed_blocks(request)
+        for request, token in zip(batch.sampling_requests, result.sampled, strict=True):
+            self.scheduler.land(request)
+            if live.get(request.request_id) is not request:
+                continue  # aborted or finished while this step ran
+            first = not request.output_token_ids
+            request.output_token_ids.append(token)
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = [result.logprobs[id(request)]]
+                request.logprobs.append(logprobs[0])
+            self._check_stop(request, token)
+            output = EngineCoreOutput(
+                request.request_id, [token], logprobs,
+                prompt_logprobs=request.prompt_logprobs if first else None,
+                finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens if first else 0)
+            outputs.append(output)
+            if request.finish_reason is not None:
+                self._finish(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens and token in params.stop_token_ids:
+            request.finish_reason, request.stop_reason = "stop", token
+        elif (not params.ignore_eos and num_output >= params.min_tokens
+              and token in request.eos_token_ids):
+            request.finish_reason = "stop"
+        elif num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.finish_reason = "length"
+
+    def warm_up(self) -> None:
+        """Run one short request through prefill and decode, then forget it.
+
+        Compiles what compiles on first use (Triton kernels, FlashInfer modules) before a server
+        reports ready, so the first real request's latency is not the compiler's.
+        """
+        vocab = self.config.vocab_size
+        prompt = [1 + i % (vocab - 1) for i in range(8)]
+        self.add_request(EngineCoreRequest("warm-up", prompt, SamplingParams(
+            max_tokens=2, temperature=0, ignore_eos=True), sample_seed=0))
+        while self.has_unfinished:
+            self.step()
+

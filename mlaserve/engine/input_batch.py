@@ -1,0 +1,111 @@
+"""The persistent batch: per-request state that lives on the device across steps.
+
+Each running request holds a row (up to `max_num_seqs` rows). Its block table row and its
+sampling parameters are written to device tensors when it joins and when it gains a block; a
+step then only sends, per scheduled request, its row, position and input token (or where on the
+device to find it), packed into one pinned host buffer and copied once. Everything else is
+gathered on the device by row.
+
+Host writes go through fresh pinned buffers from torch's caching host allocator, which keeps a
+buffer alive until the copy that reads it has run, so the host may prepare step N + 1 while the
+device still copies for step N.
+"""
+
+import torch
+
+from mlaserve.engine.request import Request
+from mlaserve.engine.sampler import (
+    Penalties,
+    SamplingBatch,
+    banned_before_min_tokens,
+    needs_filter,
+    needs_penalties,
+)
+
+_MASK63 = (1 << 63) - 1
+
+
+class PersistentBatch:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, vocab_size: int,
+                 device: torch.device) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.pin = device.type == "cuda"
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32,
+                                       device=device)  # [rows, max_blocks]
+        self.temperature = torch.zeros(max_num_seqs, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(max_num_seqs, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(max_num_seqs, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.seeds = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+
+    def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list -> a device tensor, through a pinned buffer and an asynchronous copy."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.pin:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def release(self, request: Request) -> None:
+        """The request left the batch (finished, aborted or preempted)."""
+        if request.batch_row is not None:
+            self.free_rows.append(request.batch_row)
+        request.batch_row = None
+        request.num_synced_blocks = 0
+
+    def sync(self, requests: list[Request]) -> None:
+        """Give every request a row and copy its new block ids and new parameters over."""
+        joined: list[Request] = []
+        block_rows: list[int] = []
+        block_cols: list[int] = []
+        block_ids: list[int] = []
+        for request in requests:
+            if request.batch_row is None:
+                if not self.free_rows:
+                    raise RuntimeError("the persistent batch has no free row; more requests "
+                                       "are running than max_num_seqs allows")
+                request.batch_row = self.free_rows.pop()
+                request.num_synced_blocks = 0
+                joined.append(request)
+            synced, blocks = request.num_synced_blocks, request.block_ids
+            if len(blocks) > synced:
+                if len(blocks) > self.max_blocks_per_seq:
+                    raise RuntimeError(f"request {request.request_id} holds {len(blocks)} "
+                                       f"blocks, more than the table's {self.max_blocks_per_seq}")
+                block_rows.extend([request.batch_row] * (len(blocks) - synced))
+                block_cols.extend(range(synced, len(blocks)))
+                block_ids.extend(blocks[synced:])
+                request.num_synced_blocks = len(blocks)
+        if block_ids:
+            packed = self.to_device([block_rows, block_cols, block_ids], torch.int64)  # [3, M]
+            self.block_table.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
+        if joined:
+            self._write_params(joined)
+
+    def _write_params(self, joined: list[Request]) -> None:
+        rows = self.to_device([r.batch_row for r in joined], torch.int64)
+        floats = self.to_device([[r.params.temperature, r.params.top_p, r.params.min_p]
+                                 for r in joined], torch.float32)  # [J, 3]
+        ints = self.to_device([[r.params.top_k if r.params.top_k > 0 else self.vocab_size,
+                                r.sample_seed & _MASK63] for r in joined], torch.int64)  # [J, 2]
+        self.temperature[rows] = floats[:, 0]
+        self.top_p[rows] = floats[:, 1]
+        self.min_p[rows] = floats[:, 2]
+        self.top_k[rows] = ints[:, 0]
+        self.seeds[rows] = ints[:, 1]
+
+    def sampling_batch(self, requests: list[Request], rows: torch.Tensor,
+                       positions: torch.Tensor) -> SamplingBatch:
+        """The rows of `requests` (device row indices [N] int64, sampled positions [N] int64)."""
+        params = [r.params for r in requests]
+        penalties = None
+        if any(needs_penalties(p) for p in params):
+            penalties = Penalties.build(requests, self.vocab_size, self.device)
+        return SamplingBatch(
+            temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+            min_p=self.min_p[rows], seeds=self.seeds[rows], positions=positions,
+            all_greedy=all(p.temperature == 0 for p in params),
+            needs_filter=any(needs_filter(p) for p in params), penalties=penalties,
+            banned=banned_before_min_tokens(requests, self.device))

@@ -1,0 +1,87 @@
+"""What crosses the boundary between a frontend (the API server, `LLM`) and the engine core.
+
+The core takes token ids and sampling parameters and gives back only what is new each step:
+token ids, their logprobs, and a finish reason when a request ends. Text is the frontend's
+business (detokenization, stop strings). Every message is a msgspec Struct (or a dataclass that
+msgspec encodes), so the same objects travel in-process and, msgpack-encoded, between processes.
+"""
+
+import msgspec
+
+from mlaserve.engine.request import SamplingParams
+
+Logprobs = list[dict[int, float]]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request for the core: validated and tokenized by the frontend."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sample_seed: int  # the seed of its sampling noise (params.seed, or one the frontend drew)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request gained in one step (a delta, never the whole list so far).
+
+    `prompt_logprobs` arrive once, with the request's first output; `error` is set when the step
+    that carried this request failed (the request is then finished with reason "abort").
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    """Gauges and counters of the core after a step (for /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+class EngineInfo(msgspec.Struct):
+    """What a frontend needs to know of the core to validate requests before sending them."""
+
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int  # num_blocks * block_size
+    eos_token_ids: list[int]
+    attention_backend: str
+
+
+def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineInfo) -> None:
+    """Raise ValueError, saying what to change, for a request the core could never serve."""
+    params.validate()
+    if not token_ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < info.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {info.vocab_size}); "
+                         f"got {bad[:5]}")
+    if len(token_ids) > info.max_model_len:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len="
+                         f"{info.max_model_len}; shorten it or raise max_model_len")
+    total = len(token_ids) + params.max_tokens
+    if total > info.max_model_len:
+        raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens "
+                         f"({params.max_tokens}) = {total} exceeds max_model_len="
+                         f"{info.max_model_len}; lower max_tokens or raise max_model_len")
+    if total > info.kv_capacity_tokens:
+        raise ValueError(f"prompt + max_tokens = {total} tokens cannot fit the KV cache "
+                         f"({info.kv_capacity_tokens} tokens); lower max_tokens or add KV "
+                         "blocks")
