@@ -1,11 +1,17 @@
-"""Mixture-of-experts routing and expert computation (torch implementation).
+"""Mixture-of-experts routing and expert computation.
 
 Routing follows DeepSeek: V2 scores with a softmax and picks the top-k greedily or within the
 best `topk_group` of `n_group` groups (group score = its best expert); V3 scores with a sigmoid,
 adds `e_score_correction_bias` for the choice only, and ranks groups by the sum of their two best
 biased scores. Weights are the unbiased scores of the chosen experts, renormalised if
 `norm_topk_prob`, times `routed_scaling_factor`.
+
+The experts run as the Triton kernels of `fused_moe` on CUDA, as grouped GEMMs on CPU (and bf16
+CUDA without Triton), or as a per-expert loop, which in float32 is the reference.
 """
+
+import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -64,10 +70,15 @@ def _sort_by_expert(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return flat_ids, order, order // topk_ids.shape[1]
 
 
-def grouped_gemm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `fused_experts` runs as grouped GEMMs (no host sync, so CUDA graphs can capture
-    it): on CPU, and on CUDA in bf16 (CUDA's grouped GEMM takes no other dtype)."""
-    return device.type != "cuda" or dtype == torch.bfloat16
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def moe_graph_capturable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `fused_experts` (impl "auto") runs without a host sync, so CUDA graphs can capture
+    it: on CPU, on CUDA with Triton (any dtype), and on CUDA in bf16 through grouped GEMMs."""
+    return device.type != "cuda" or _triton_available() or dtype == torch.bfloat16
 
 
 def fused_experts(
@@ -76,6 +87,7 @@ def fused_experts(
     down_proj: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e = ids_k.
 
@@ -84,14 +96,42 @@ def fused_experts(
         gate_up_proj: [E, 2 * I, D] (gate rows then up rows).
         down_proj: [E, D, I].
         topk_weights: [T, K] float32; topk_ids: [T, K] int64.
+        impl: "triton" (`fused_moe.fused_experts_triton`), "grouped" (two `torch._grouped_mm`
+            calls; CPU, or bf16 on CUDA), "loop" (`fused_experts_loop`, one host sync), or
+            "auto": Triton on CUDA when it is installed, else grouped where it runs, else loop.
 
     Returns:
-        [T, D] in x's dtype. The (token, expert) pairs are sorted by expert and run as two
-        grouped GEMMs (`torch._grouped_mm`): no host sync, a fixed number of launches. CUDA's
-        grouped GEMM takes bf16 only; other CUDA dtypes loop over the experts.
+        [T, D] in x's dtype.
     """
-    if not grouped_gemm_supported(x.device, x.dtype):
+    if impl == "auto":
+        if x.device.type == "cuda" and _triton_available():
+            impl = "triton"
+        else:
+            impl = "grouped" if moe_graph_capturable(x.device, x.dtype) else "loop"
+    if impl == "triton":
+        from mlaserve.kernels.fused_moe import fused_experts_triton  # imports triton
+
+        return fused_experts_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    if impl == "grouped":
+        return fused_experts_grouped(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    if impl == "loop":
         return fused_experts_loop(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    raise ValueError(f"unknown MoE implementation {impl!r}")
+
+
+def fused_experts_grouped(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Grouped GEMMs, same contract as `fused_experts`.
+
+    The (token, expert) pairs are sorted by expert and run as two grouped GEMMs
+    (`torch._grouped_mm`): no host sync, a fixed number of launches. CUDA's grouped GEMM takes
+    bf16 only.
+    """
     num_tokens = topk_ids.shape[0]
     flat_ids, order, token_of = _sort_by_expert(topk_ids)
     experts = torch.arange(gate_up_proj.shape[0], device=x.device, dtype=flat_ids.dtype)
@@ -111,11 +151,16 @@ def fused_experts_loop(
     down_proj: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The per-expert loop, same contract as `fused_experts`.
+    """The per-expert loop, same contract as `fused_experts`; also the float32 reference.
 
-    Loops over the experts that received tokens: one host sync, one GEMM pair per expert.
+    Loops over the experts that received tokens: one host sync, one GEMM pair per expert. With
+    compute_dtype (torch.float32 for the reference: full-precision matmuls, so TF32 must be off,
+    torch's default) each expert's rows and weights are cast to it as the loop reaches that
+    expert, and the result is returned in compute_dtype.
     """
+    dtype = compute_dtype or x.dtype
     num_tokens = topk_ids.shape[0]
     flat_ids, order, token_of = _sort_by_expert(topk_ids)
     counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
@@ -127,8 +172,37 @@ def fused_experts_loop(
         pairs = order[start : start + count]
         tokens = token_of[start : start + count]
         start += count
-        gate, up = F.linear(x[tokens], gate_up_proj[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down_proj[expert])  # [count, D]
+        gate, up = F.linear(x[tokens].to(dtype), gate_up_proj[expert].to(dtype)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down_proj[expert].to(dtype))  # [count, D]
         weights = topk_weights.flatten()[pairs][:, None]
         out.index_add_(0, tokens, (y * weights).float())
-    return out.to(x.dtype)
+    return out.to(dtype)
+
+
+# dtype -> (relative Frobenius error, 1 - least per-row cosine similarity) that `fused_experts`
+# in that dtype may show against the float32 reference. bf16 rounds with a relative error of
+# about 1.6e-3 rms; the Triton path rounds three times (activation, each pair's output, the
+# sum), the grouped path about six (gate, up, silu, product, down output, sum), ~4e-3 in all,
+# so 1 - cos ~ 4e-3^2 / 2 ~ 1e-5: the bounds leave a factor of 2.5 (error) and 5 (cosine).
+# float16 has 8x finer rounding; float32 errors are summation order only.
+REFERENCE_TOLERANCES = {
+    torch.bfloat16: (1e-2, 5e-5),
+    torch.float16: (2e-3, 2e-6),
+    torch.float32: (1e-5, 1e-9),
+}
+
+
+def reference_errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(||out - ref|| / ||ref||, 1 - least per-row cosine similarity), computed in float64 over
+    the rows where ref is not zero; both inf if out has a NaN or inf.
+
+    Args:
+        out: [T, D] any float dtype; ref: [T, D] float32 (`fused_experts_loop` in float32).
+    """
+    if not torch.isfinite(out).all():
+        return float("inf"), float("inf")
+    out, ref = out.double(), ref.double()
+    rel_err = ((out - ref).norm() / ref.norm()).item()
+    rows = ref.norm(dim=-1) > 0  # [T]
+    cosine = F.cosine_similarity(out[rows], ref[rows], dim=-1)  # [rows with output]
+    return rel_err, (1 - cosine.min()).item()

@@ -1,0 +1,483 @@
+"""Triton kernels for the routed experts: sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)).
+
+The T * K (token, slot) pairs are grouped by expert on the device (`align_by_expert`): each
+expert's pairs fill a run of rows padded to a multiple of BLOCK_M, so every M-block of rows
+belongs to one expert and reads that expert's weights once per N-block. Three small launches
+build the layout without a host sync: per-chunk expert counts, one program turning them into
+each chunk's destination offsets (and the expert of every M-block), then the scatter. The
+layout's size is a static bound, so every launch is fixed by host-side shapes and the whole
+computation can be captured in a CUDA graph; programs past the valid rows exit at once.
+
+Then two GEMM kernels:
+- `_gate_up_silu_kernel`: an M-block of one expert against the gate rows and the up rows of the
+  same BLOCK_N columns (two float32 accumulators), silu(gate) * up in the epilogue, stored in
+  x's dtype as the activation [max_padded, I] in the padded row order.
+- `_down_kernel`: the activation's rows against the expert's down projection; the epilogue
+  scales each row by its routing weight and stores it as row (token, slot) of [T, K, D], which
+  one `.sum(dim=1)` reduces (deterministic, no atomics).
+
+Weights are read K-major as stored ([E, 2I, D] and [E, D, I]). Tile sizes come from
+`moe_config` (one place): 16-row M-blocks with wide K tiles while experts get a few rows each
+(decode, weight streaming), 64-128-row blocks as the rows per expert grow (prefill).
+
+On CPU tensors the kernels run in Triton's interpreter (TRITON_INTERPRET=1, for tests), where
+`tl.dot` needs M, N, K >= 16 and is faithful in float32 and float16 only.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Tiles and launch shape of one expert GEMM (N: output columns, K: reduction)."""
+
+    block_n: int  # output columns per program (the gate kernel: gate and up columns each)
+    block_k: int
+    group_size_m: int  # M-blocks that run next to each other on one N-block (L2 reuse)
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Launch configuration of `fused_experts_triton`."""
+
+    block_m: int  # rows per program; each expert's run of rows is padded to a multiple
+    gate_up: GemmTiles
+    down: GemmTiles
+
+
+# (num_experts, hidden_size, moe_intermediate_size) -> {T * K: config}, for 16-bit dtypes,
+# measured on an H200 by `scripts/gpu_moe_bench.py --sweep`; the nearest T * K (in ratio) wins.
+TUNED_CONFIGS: dict[tuple[int, int, int], dict[int, FusedMoEConfig]] = {}
+
+
+def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> FusedMoEConfig:
+    """The heuristic for Hopper, from the mean rows per expert m = T * K / E.
+
+    m <= 24 (decode): each expert's weights are read once for a few rows, so the kernels stream
+    weights: 16- or 32-row blocks (the smallest that hold a typical expert's rows), 64 columns by
+    128-deep K tiles, no grouping (M-blocks are different experts), and as many stages in flight
+    as leave room for two programs per SM (3 for the gate kernel's two weight tiles, 4 for down).
+    m <= 128: 64-row blocks; above, 128-row blocks with 8 warps; both with 64-deep K tiles and
+    8 M-blocks grouped per N-block so an expert's blocks share its weight tiles in L2.
+    float32 halves block_k: the same shared memory per stage.
+    """
+    rows_per_expert = num_pairs / num_experts
+    depth = 2 if dtype == torch.float32 else 1
+    if rows_per_expert <= 24:
+        return FusedMoEConfig(
+            block_m=16 if rows_per_expert <= 12 else 32,
+            gate_up=GemmTiles(block_n=64, block_k=128 // depth, group_size_m=1, num_warps=4,
+                              num_stages=3),
+            down=GemmTiles(block_n=64, block_k=128 // depth, group_size_m=1, num_warps=4,
+                           num_stages=4),
+        )
+    num_warps = 4 if rows_per_expert <= 128 else 8
+    return FusedMoEConfig(
+        block_m=64 if rows_per_expert <= 128 else 128,
+        gate_up=GemmTiles(block_n=64, block_k=64 // depth, group_size_m=8, num_warps=num_warps,
+                          num_stages=4),
+        down=GemmTiles(block_n=128, block_k=64 // depth, group_size_m=8, num_warps=num_warps,
+                       num_stages=4),
+    )
+
+
+def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int,
+               dtype: torch.dtype) -> FusedMoEConfig:
+    """The configuration for T * K = num_pairs pairs: the tuned table's entry for this shape
+    nearest in ratio to num_pairs, else `default_config`."""
+    tuned = TUNED_CONFIGS.get((num_experts, hidden, inter))
+    if tuned and dtype != torch.float32:
+        nearest = min(tuned, key=lambda n: max(n, num_pairs) / min(n, num_pairs))
+        return tuned[nearest]
+    return default_config(num_pairs, num_experts, dtype)
+
+
+class ExpertAlignment(NamedTuple):
+    """The (token, slot) pairs grouped by expert, each expert's run padded to block_m rows.
+
+    sorted_ids: [max_padded] int32, pair ids t * K + k, ascending within an expert; padding
+        rows (and rows past num_padded) hold the sentinel T * K.
+    expert_ids: [ceil(max_padded / block_m)] int32, the expert of each M-block; -1 past
+        num_padded.
+    num_padded: [1] int32, the valid rows (a multiple of block_m).
+    max_padded = T * K + min(E, T * K) * (block_m - 1) bounds the valid rows for any routing.
+    """
+
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+
+
+def _prepare_launch(x: torch.Tensor) -> None:
+    """CPU tensors run in Triton's interpreter: apply its workarounds first (idempotent)."""
+    if x.device.type == "cpu":
+        # Imported here: kernels/ does not depend on the attention package, which owns the patch.
+        from mlaserve.attention.triton_backend import patch_triton_interpreter
+
+        patch_triton_interpreter()
+
+
+@triton.jit
+def _count_kernel(
+    topk_ids_ptr,  # [T * K] int64
+    chunk_counts_ptr,  # [num_chunks, EXPERTS] int32, out
+    sorted_ids_ptr,  # [max_padded] int32, out: this program's share set to the sentinel
+    num_pairs,
+    max_padded,
+    fill_per_chunk,
+    CHUNK: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    FILL_TILE: tl.constexpr,
+):
+    """Pairs per expert in one chunk of CHUNK pairs; fills a share of sorted_ids with T * K."""
+    chunk = tl.program_id(0)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+    experts = tl.arange(0, EXPERTS)
+    hits = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS]
+    tl.store(chunk_counts_ptr + chunk * EXPERTS + experts, tl.sum(hits, axis=0))
+    fill_start = chunk * fill_per_chunk
+    fill_end = tl.minimum(fill_start + fill_per_chunk, max_padded)
+    sentinel = tl.zeros([FILL_TILE], dtype=tl.int32) + num_pairs
+    for start in range(fill_start, fill_end, FILL_TILE):
+        rows = start + tl.arange(0, FILL_TILE)
+        tl.store(sorted_ids_ptr + rows, sentinel, mask=rows < fill_end)
+
+
+@triton.jit
+def _offsets_kernel(
+    chunk_counts_ptr,  # [num_chunks, EXPERTS] int32: counts in, each chunk's first row out
+    expert_ids_ptr,  # [num_m_blocks] int32, out
+    num_padded_ptr,  # [1] int32, out
+    num_chunks,
+    num_experts,
+    num_m_blocks,
+    BLOCK_M: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    CHUNK_TILE: tl.constexpr,
+    M_BLOCK_TILE: tl.constexpr,
+):
+    """One program: the padded run of each expert, the row where each chunk's pairs of each
+    expert start, and the expert of each M-block."""
+    experts = tl.arange(0, EXPERTS)
+    totals = tl.zeros([EXPERTS], dtype=tl.int32)
+    for start in range(0, num_chunks, CHUNK_TILE):
+        chunks = start + tl.arange(0, CHUNK_TILE)
+        ptrs = chunk_counts_ptr + chunks[:, None] * EXPERTS + experts[None, :]
+        totals += tl.sum(tl.load(ptrs, mask=(chunks < num_chunks)[:, None], other=0), axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [EXPERTS] end row of each expert's run
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    next_row = ends - padded  # [EXPERTS] first row of each expert's run not yet given out
+    for start in range(0, num_chunks, CHUNK_TILE):
+        chunks = start + tl.arange(0, CHUNK_TILE)
+        ptrs = chunk_counts_ptr + chunks[:, None] * EXPERTS + experts[None, :]
+        mask = (chunks < num_chunks)[:, None]
+        counts = tl.load(ptrs, mask=mask, other=0)  # [CHUNK_TILE, EXPERTS]
+        tl.store(ptrs, next_row[None, :] + tl.cumsum(counts, axis=0) - counts, mask=mask)
+        next_row += tl.sum(counts, axis=0)
+    # An M-block's expert is the number of runs that end at or before its first row (empty
+    # runs end where they start); past the last run that count reaches EXPERTS.
+    for start in range(0, num_m_blocks, M_BLOCK_TILE):
+        blocks = start + tl.arange(0, M_BLOCK_TILE)
+        ended = (ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32)  # [TILE, EXPERTS]
+        owner = tl.sum(ended, axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.where(owner < num_experts, owner, -1),
+                 mask=blocks < num_m_blocks)
+
+
+@triton.jit
+def _scatter_kernel(
+    topk_ids_ptr,  # [T * K] int64
+    chunk_offsets_ptr,  # [num_chunks, EXPERTS] int32
+    sorted_ids_ptr,  # [max_padded] int32, out
+    num_pairs,
+    CHUNK: tl.constexpr,
+    EXPERTS: tl.constexpr,
+):
+    """Each pair of one chunk to its row: its chunk's first row for the expert plus its rank
+    among the chunk's pairs of that expert (pair order is kept within an expert)."""
+    chunk = tl.program_id(0)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = pairs < num_pairs
+    ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1).to(tl.int32)
+    experts = tl.arange(0, EXPERTS)
+    hits = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS]
+    offsets = tl.load(chunk_offsets_ptr + chunk * EXPERTS + experts)
+    rows = tl.sum(hits * (offsets[None, :] + tl.cumsum(hits, axis=0) - 1), axis=1)
+    tl.store(sorted_ids_ptr + rows, pairs, mask=valid)
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """Group the (token, slot) pairs by expert, each run padded to block_m rows, on the device.
+
+    Args:
+        topk_ids: [T, K] int64 (any integer dtype), every id in [0, num_experts).
+
+    Returns:
+        The `ExpertAlignment`; three launches, no host sync.
+    """
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
+    flat_ids = topk_ids.reshape(num_pairs)  # [T * K]
+    max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    num_m_blocks = triton.cdiv(max_padded, block_m)
+    experts = triton.next_power_of_2(num_experts)
+    # [CHUNK, EXPERTS] and [CHUNK_TILE, EXPERTS] tiles of about 16K elements
+    chunk = max(16, min(1024, 16384 // experts))
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    tile = max(1, 16384 // experts)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_m_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    chunk_counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
+    _prepare_launch(topk_ids)
+    _count_kernel[(num_chunks,)](
+        flat_ids, chunk_counts, sorted_ids, num_pairs, max_padded,
+        triton.cdiv(max_padded, num_chunks), CHUNK=chunk, EXPERTS=experts, FILL_TILE=1024,
+        num_warps=4)
+    _offsets_kernel[(1,)](
+        chunk_counts, expert_ids, num_padded, num_chunks, num_experts, num_m_blocks,
+        BLOCK_M=block_m, EXPERTS=experts, CHUNK_TILE=tile, M_BLOCK_TILE=tile, num_warps=4)
+    _scatter_kernel[(num_chunks,)](
+        flat_ids, chunk_counts, sorted_ids, num_pairs, CHUNK=chunk, EXPERTS=experts,
+        num_warps=4)
+    return ExpertAlignment(sorted_ids, expert_ids, num_padded, block_m)
+
+
+@triton.jit
+def _tile_of_program(pid, num_m_blocks, num_n_blocks, GROUP_SIZE_M: tl.constexpr):
+    """Program id -> (M-block, N-block): GROUP_SIZE_M M-blocks in a row share each N-block."""
+    group_width = GROUP_SIZE_M * num_n_blocks
+    first_m = pid // group_width * GROUP_SIZE_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_SIZE_M)
+    return first_m + pid % group_width % group_rows, pid % group_width // group_rows
+
+
+@triton.jit
+def _gate_up_silu_kernel(
+    x_ptr,  # [T, D]
+    w_ptr,  # [E, 2I, D]: gate rows then up rows
+    act_ptr,  # [max_padded, I], out, unit column stride
+    sorted_ids_ptr,  # [max_padded] int32
+    expert_ids_ptr,  # [num_m_blocks] int32
+    num_padded_ptr,  # [1] int32
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    num_m_blocks,
+    stride_xt,
+    stride_xd,
+    stride_we,
+    stride_wn,
+    stride_wd,
+    stride_am,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile_of_program(tl.program_id(0), num_m_blocks, tl.cdiv(inter, BLOCK_N),
+                                    GROUP_SIZE_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + rows)
+    valid = pairs < num_pairs
+    tokens = pairs // top_k
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past `inter` wrap: their loads stay in bounds and their results are not stored.
+    w_cols = cols % inter
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xd  # [BLOCK_M, BLOCK_K]
+    gate_ptrs = w_ptr + expert * stride_we + w_cols[None, :] * stride_wn + ks[:, None] * stride_wd
+    up_ptrs = gate_ptrs + inter * stride_wn  # [BLOCK_K, BLOCK_N] like gate_ptrs
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
+            w_gate = tl.load(gate_ptrs)
+            w_up = tl.load(up_ptrs)
+        else:
+            in_k = ks < hidden - k
+            a = tl.load(x_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
+            w_gate = tl.load(gate_ptrs, mask=in_k[:, None], other=0.0)
+            w_up = tl.load(up_ptrs, mask=in_k[:, None], other=0.0)
+        gate = tl.dot(a, w_gate, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xd
+        gate_ptrs += BLOCK_K * stride_wd
+        up_ptrs += BLOCK_K * stride_wd
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(act_ptr + rows[:, None] * stride_am + cols[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & (cols < inter)[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,  # [max_padded, I], unit column stride
+    w_ptr,  # [E, D, I]
+    out_ptr,  # [T * K, D], out, unit column stride
+    topk_weights_ptr,  # [T * K] float32
+    sorted_ids_ptr,  # [max_padded] int32
+    expert_ids_ptr,  # [num_m_blocks] int32
+    num_padded_ptr,  # [1] int32
+    num_pairs,
+    hidden,
+    inter,
+    num_m_blocks,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile_of_program(tl.program_id(0), num_m_blocks, tl.cdiv(hidden, BLOCK_N),
+                                    GROUP_SIZE_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + rows)
+    valid = pairs < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_cols = cols % hidden  # wrapped like the gate kernel's columns
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None] * stride_am + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + expert * stride_we + w_cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            in_k = ks < inter - k
+            a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    routing = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)
+    out = acc * routing[:, None]
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < hidden)[None, :])
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    """float32 inputs multiply in full precision (torch's default), not TF32."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def gate_up_silu(x: torch.Tensor, gate_up_proj: torch.Tensor, alignment: ExpertAlignment,
+                 top_k: int, tiles: GemmTiles) -> torch.Tensor:
+    """silu(x gate_e^T) * (x up_e^T) for every aligned row.
+
+    Args:
+        x: [T, D]; gate_up_proj: [E, 2I, D] (gate rows then up rows), x's dtype.
+
+    Returns:
+        [max_padded, I] in x's dtype; row r is pair sorted_ids[r]'s activation (rows of
+        padding are not written).
+    """
+    num_tokens, hidden = x.shape
+    inter = gate_up_proj.shape[1] // 2
+    max_padded = alignment.sorted_ids.shape[0]
+    num_m_blocks = alignment.expert_ids.shape[0]
+    act = torch.empty(max_padded, inter, dtype=x.dtype, device=x.device)
+    grid = (num_m_blocks * triton.cdiv(inter, tiles.block_n),)
+    _gate_up_silu_kernel[grid](
+        x, gate_up_proj, act, alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
+        num_tokens * top_k, top_k, hidden, inter, num_m_blocks,
+        x.stride(0), x.stride(1), *gate_up_proj.stride(), act.stride(0),
+        BLOCK_M=alignment.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_SIZE_M=tiles.group_size_m, EVEN_K=hidden % tiles.block_k == 0,
+        DOT_PRECISION=_dot_precision(x.dtype), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return act
+
+
+def down_weighted(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+                  alignment: ExpertAlignment, tiles: GemmTiles) -> torch.Tensor:
+    """w_k * act down_e^T per pair, in the pairs' original order.
+
+    Args:
+        act: [max_padded, I] from `gate_up_silu`; down_proj: [E, D, I], act's dtype.
+        topk_weights: [T, K] float32.
+
+    Returns:
+        [T, K, D] in act's dtype: row (t, k) is the weighted output of token t's k-th expert.
+    """
+    num_tokens, top_k = topk_weights.shape
+    num_pairs = num_tokens * top_k
+    hidden, inter = down_proj.shape[1:]
+    num_m_blocks = alignment.expert_ids.shape[0]
+    out = torch.empty(num_tokens, top_k, hidden, dtype=act.dtype, device=act.device)
+    grid = (num_m_blocks * triton.cdiv(hidden, tiles.block_n),)
+    _down_kernel[grid](
+        act, down_proj, out, topk_weights.reshape(num_pairs),  # [T * K]
+        alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
+        num_pairs, hidden, inter, num_m_blocks,
+        act.stride(0), *down_proj.stride(), out.stride(1),
+        BLOCK_M=alignment.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_SIZE_M=tiles.group_size_m, EVEN_K=inter % tiles.block_k == 0,
+        DOT_PRECISION=_dot_precision(act.dtype), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return out
+
+
+def fused_experts_triton(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: FusedMoEConfig | None = None,
+) -> torch.Tensor:
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's experts e = ids_k.
+
+    Args:
+        x: [T, D] float32, float16 or bfloat16.
+        gate_up_proj: [E, 2I, D] (gate rows then up rows), x's dtype.
+        down_proj: [E, D, I], x's dtype.
+        topk_weights: [T, K] float32; topk_ids: [T, K] int64, ids in [0, E).
+        config: tiles; `moe_config` when None.
+
+    Returns:
+        [T, D] in x's dtype. Matmuls accumulate in float32; the activation and each pair's
+        weighted output are rounded to x's dtype, the sum over K accumulates in float32.
+        Five launches plus the sum, no host sync (CUDA-graph capturable).
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up_proj.shape
+    top_k = topk_ids.shape[1]
+    if (gate_up_proj.shape[2] != hidden or tuple(down_proj.shape) != (num_experts, hidden,
+                                                                       two_inter // 2)
+            or topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape):
+        raise ValueError(
+            f"fused_experts_triton: x {tuple(x.shape)}, gate_up_proj "
+            f"{tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}, topk_weights "
+            f"{topk_weights.dtype} {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}")
+    if config is None:
+        config = moe_config(num_tokens * top_k, num_experts, hidden, two_inter // 2, x.dtype)
+    alignment = align_by_expert(topk_ids, num_experts, config.block_m)
+    act = gate_up_silu(x, gate_up_proj, alignment, top_k, config.gate_up)
+    return down_weighted(act, down_proj, topk_weights, alignment, config.down).sum(dim=1)
