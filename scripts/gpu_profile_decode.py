@@ -1,21 +1,43 @@
-"""Where a decode step's time goes: host phases, the model forward, and a torch.profiler table.
+"""Where a decode step's time goes: wall time per step, GPU busy time, and the GPU time by kind.
 
 Usage (GPU): python3 scripts/gpu_profile_decode.py MODEL_DIR [--backend triton] [--batch 256]
     [--prompt-len 1024] [--steps 32] [--out DIR] [--enforce-eager]
-Builds the engine with dummy weights, prefills `batch` random prompts, then times decode steps
-with the device synchronised at each phase boundary ("forward" is the graph replay when decode
-CUDA graphs were captured), and writes a torch.profiler table of four more steps.
+Builds the engine core with dummy weights, prefills `batch` random prompts, lets decode settle,
+then times `steps` pipelined decode steps (wall clock), and profiles as many more with
+torch.profiler: the kernels' summed device time per step (the GPU's busy time: one stream, so
+kernels never overlap) against the wall time per step, and that busy time split by kernel name
+into attention, MoE, dense GEMMs, norms/rope, sampling and the rest. Writes the table and the
+profiler's kernel list to --out.
 """
 
 import argparse
 import random
+import re
 import time
 from pathlib import Path
 
 import torch
 
-from mlaserve.engine.engine import EngineArgs, LLMEngine
+from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.core import EngineCore
+from mlaserve.engine.messages import EngineCoreRequest
 from mlaserve.engine.request import SamplingParams
+
+# first match wins; names as CUPTI reports them (Triton kernels keep their Python names)
+KINDS = [
+    ("attention", r"mla_decode|BatchMLA|flashinfer|Mla|merge_kernel"),
+    ("moe", r"gate_up_silu|_down_kernel|moe|grouped|_count_kernel|_offsets_kernel|_scatter"),
+    ("norm/rope", r"rms|rope|norm|latent"),
+    ("sampling", r"gumbel|argmax|softmax|sort|topk|index_put"),
+    ("dense gemm", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|Kernel2"),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
 
 
 def main() -> None:
@@ -25,85 +47,76 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--out", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
-    engine = LLMEngine(EngineArgs(model=args.model, load_format="dummy", block_size=32,
-                                  max_num_seqs=args.batch, attention_backend=args.backend,
-                                  enforce_eager=args.enforce_eager))
-    print(f"engine built in {time.perf_counter() - started:.1f} s")
+    core = EngineCore(EngineArgs(model=args.model, load_format="dummy",
+                                 block_size=args.block_size, max_num_seqs=args.batch,
+                                 attention_backend=args.backend,
+                                 enforce_eager=args.enforce_eager))
+    print(f"engine built in {time.perf_counter() - started:.1f} s "
+          f"(backend {core.info.attention_backend})")
     rng = random.Random(0)
-    vocab = len(engine.tokenizer)
-    for _ in range(args.batch):
+    vocab = core.config.vocab_size
+    for i in range(args.batch):
         ids = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
-        engine.add_request(ids, SamplingParams(max_tokens=args.steps * 4 + 16, temperature=0,
-                                               ignore_eos=True))
+        core.add_request(EngineCoreRequest(str(i), ids, SamplingParams(
+            max_tokens=args.steps * 3 + 64, ignore_eos=True), sample_seed=i))
     started = time.perf_counter()
     steps = 0
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.requests.values()):
+        core.step()
         steps += 1
     torch.cuda.synchronize()
     print(f"prefill: {steps} steps in {time.perf_counter() - started:.2f} s")
-    for _ in range(4):
-        engine.step()
+    for _ in range(8):
+        core.step()
     torch.cuda.synchronize()
 
-    runner = engine.runner
-    # the decode forward: a graph replay when graphs were captured, else the eager model
-    owner = runner.graphs if runner.graphs is not None else runner.model
-    attribute = "run" if runner.graphs is not None else "forward"
-    execute, model_forward = runner.execute, getattr(owner, attribute)
-    phases: dict[str, float] = {"forward": 0.0, "execute": 0.0}
-
-    def timed_forward(*a, **k):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = model_forward(*a, **k)
-        torch.cuda.synchronize()
-        phases["forward"] += time.perf_counter() - t
-        return out
-
-    def timed_execute(batch):
-        t = time.perf_counter()
-        out = execute(batch)
-        phases["execute"] += time.perf_counter() - t
-        return out
-
-    setattr(owner, attribute, timed_forward)
-    runner.execute = timed_execute
     started = time.perf_counter()
     for _ in range(args.steps):
-        engine.step()
-    total = time.perf_counter() - started
-    n = args.steps
-    print(f"decode step (batch {args.batch}, synced phases): {total / n * 1e3:.1f} ms; "
-          f"execute {phases['execute'] / n * 1e3:.1f} ms, forward {phases['forward'] / n * 1e3:.1f}"
-          f" ms, engine bookkeeping {(total - phases['execute']) / n * 1e3:.1f} ms")
-    setattr(owner, attribute, model_forward)
-    runner.execute = execute
-
+        core.step()
     torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    torch.cuda.synchronize()
-    print(f"decode step unsynced: {(time.perf_counter() - started) / n * 1e3:.1f} ms")
+    wall_ms = (time.perf_counter() - started) / args.steps * 1e3
+    print(f"decode step at batch {args.batch} (pipelined, wall): {wall_ms:.2f} ms "
+          f"= {args.batch / wall_ms * 1e3:.0f} tok/s")
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(4):
-            engine.step()
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
         torch.cuda.synchronize()
-    table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    table_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
-    print(table_cpu)
-    print(table_gpu)
+        profiled_wall_ms = (time.perf_counter() - started) / args.steps * 1e3
+    by_kind: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.device_time if hasattr(event, "device_time") else event.cuda_time
+        by_kind[kind_of(event.name)] = by_kind.get(kind_of(event.name), 0.0) + us
+        by_kernel[event.name] = by_kernel.get(event.name, 0.0) + us
+    busy_ms = sum(by_kind.values()) / args.steps / 1e3
+    lines = [f"batch {args.batch}, prompt {args.prompt_len}, backend {core.info.attention_backend}"
+             f", {args.steps} steps",
+             f"wall per step {wall_ms:.2f} ms (under the profiler {profiled_wall_ms:.2f} ms)",
+             f"GPU busy per step {busy_ms:.2f} ms; host gap {profiled_wall_ms - busy_ms:.2f} ms "
+             f"({(profiled_wall_ms - busy_ms) / profiled_wall_ms:.1%} of the profiled step)",
+             "", f"{'kind':<12} {'ms/step':>8} {'share':>7}"]
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        ms = us / args.steps / 1e3
+        lines.append(f"{kind:<12} {ms:8.3f} {ms / busy_ms:7.1%}")
+    lines += ["", "top kernels (ms/step, kind, name):"]
+    for name, us in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]:
+        lines.append(f"{us / args.steps / 1e3:8.3f}  {kind_of(name):<11} {name[:110]}")
+    report = "\n".join(lines)
+    print(report)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"profile-{args.backend}.txt").write_text(table_cpu + "\n" + table_gpu)
+        (out / f"profile-{args.backend}-b{args.batch}.txt").write_text(report + "\n")
 
 
 if __name__ == "__main__":

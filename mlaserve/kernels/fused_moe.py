@@ -234,7 +234,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     # [CHUNK, EXPERTS] and [CHUNK_TILE, EXPERTS] tiles of about 16K elements
     chunk = max(16, min(1024, 16384 // experts))
     num_chunks = triton.cdiv(num_pairs, chunk)
-    tile = max(1, 16384 // experts)
+    # tiles of about 16K elements at most, no larger than the rows they cover
+    chunk_tile = min(max(1, 16384 // experts), triton.next_power_of_2(num_chunks))
+    block_tile = min(max(1, 16384 // experts), triton.next_power_of_2(num_m_blocks))
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_m_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
@@ -246,7 +248,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
         num_warps=4)
     _offsets_kernel[(1,)](
         chunk_counts, expert_ids, num_padded, num_chunks, num_experts, num_m_blocks,
-        BLOCK_M=block_m, EXPERTS=experts, CHUNK_TILE=tile, M_BLOCK_TILE=tile, num_warps=4)
+        BLOCK_M=block_m, EXPERTS=experts, CHUNK_TILE=chunk_tile, M_BLOCK_TILE=block_tile,
+        num_warps=4)
     _scatter_kernel[(num_chunks,)](
         flat_ids, chunk_counts, sorted_ids, num_pairs, CHUNK=chunk, EXPERTS=experts,
         num_warps=4)
