@@ -40,6 +40,41 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def profile_prefill(core: EngineCore, rng: random.Random, args: argparse.Namespace) -> list[str]:
+    """Time a second wave of prompts' prefill (kernels compiled by now), GPU time by kind."""
+    core.abort_requests(list(core.requests))
+    while core.has_unfinished:
+        core.step()
+    vocab = core.config.vocab_size
+    num_prompts = max(8, core.scheduler_config.max_num_batched_tokens // args.prompt_len * 4)
+    for i in range(num_prompts):
+        ids = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+        core.add_request(EngineCoreRequest(f"p{i}", ids, SamplingParams(
+            max_tokens=1, ignore_eos=True), sample_seed=i))
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        started = time.perf_counter()
+        steps = 0
+        while core.has_unfinished:
+            core.step()
+            steps += 1
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    by_kind: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_kind[kind_of(event.name)] = by_kind.get(kind_of(event.name), 0.0) + (
+                event.device_time)
+    tokens = num_prompts * args.prompt_len
+    lines = [f"prefill of {num_prompts} x {args.prompt_len} tokens: {steps} steps, "
+             f"{seconds:.2f} s = {tokens / seconds:.0f} tok/s (profiled); GPU busy "
+             f"{sum(by_kind.values()) / 1e6:.2f} s"]
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {kind:<12} {us / 1e3:9.1f} ms")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -95,7 +130,7 @@ def main() -> None:
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        us = event.device_time if hasattr(event, "device_time") else event.cuda_time
+        us = event.device_time
         by_kind[kind_of(event.name)] = by_kind.get(kind_of(event.name), 0.0) + us
         by_kernel[event.name] = by_kernel.get(event.name, 0.0) + us
     busy_ms = sum(by_kind.values()) / args.steps / 1e3
@@ -111,6 +146,7 @@ def main() -> None:
     lines += ["", "top kernels (ms/step, kind, name):"]
     for name, us in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]:
         lines.append(f"{us / args.steps / 1e3:8.3f}  {kind_of(name):<11} {name[:110]}")
+    lines += ["", *profile_prefill(core, rng, args)]
     report = "\n".join(lines)
     print(report)
     if args.out:

@@ -231,15 +231,20 @@ class EngineCore:
             request.finish_reason = "length"
 
     def warm_up(self) -> None:
-        """Run one short request through prefill and decode, then forget it.
+        """Run short requests through prefill and decode, then forget them.
 
         Compiles what compiles on first use (Triton kernels, FlashInfer modules) before a server
-        reports ready, so the first real request's latency is not the compiler's.
+        reports ready, so the first real request's latency is not the compiler's. On a GPU one
+        prompt fills a whole step's token budget, for the large-token kernel configurations.
         """
+        lengths = [8]
+        if self.device.type == "cuda":
+            lengths.append(min(self.scheduler_config.max_num_batched_tokens,
+                               self.max_model_len, self.info.kv_capacity_tokens) - 2)
         vocab = self.config.vocab_size
-        prompt = [1 + i % (vocab - 1) for i in range(8)]
-        self.add_request(EngineCoreRequest("warm-up", prompt, SamplingParams(
-            max_tokens=2, temperature=0, ignore_eos=True), sample_seed=0))
+        for i, length in enumerate(lengths):
+            prompt = [1 + j % (vocab - 1) for j in range(length)]
+            self.add_request(EngineCoreRequest(f"warm-up-{i}", prompt, SamplingParams(
+                max_tokens=2, temperature=0, ignore_eos=True), sample_seed=0))
         while self.has_unfinished:
             self.step()
-
