@@ -1,0 +1,390 @@
+"""AsyncEngineClient: the API server's handle on the engine-core process (core_process.py).
+
+Design. `start()` spawns the core process, connects to it over two ZeroMQ ipc:// sockets in a
+temporary directory and loads the tokenizer while the core loads the model. Requests are
+validated here (a ValueError before anything is queued), then sent as `EngineCoreRequest`s. One
+asyncio task receives each step's message, turns its token deltas into `RequestOutput`s with a
+single `OutputProcessor` (detokenization and stop strings live in this process), sends the
+requests that a stop string finished back to the core as aborts, and puts each output on its
+request's asyncio queue. Leaving a stream before its end (a client disconnect) aborts the request
+in the core, which frees its blocks. With `output_kind="delta"` each output carries only what is
+new, so a token costs the same at any length. The process's exit is watched through its sentinel
+on the event loop: if it dies, every request in flight fails with `EngineDeadError` and `on_dead`
+is called (the server stops). Sends never block: the input socket connects (it queues), and the
+core never waits for this process. pyzmq and msgspec are used rather than pipes and pickle:
+ZeroMQ gives framing, queueing and asyncio integration, and msgspec typed msgpack decoding is
+fast and checks the schema.
+"""
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+from transformers import AutoTokenizer
+
+from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.core import model_dir_of
+from mlaserve.engine.core_process import (
+    AbortRequests,
+    AddRequest,
+    CoreMessage,
+    Failed,
+    GetStats,
+    Ready,
+    Shutdown,
+    Stats,
+    StepOutputs,
+    run_engine_core,
+)
+from mlaserve.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInfo,
+    SchedulerStats,
+    validate_prompt,
+)
+from mlaserve.engine.output_processor import OutputProcessor
+from mlaserve.engine.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class EngineError(RuntimeError):
+    """The engine step that carried this request failed; the request was aborted."""
+
+
+class EngineDeadError(EngineError):
+    """The engine process is gone: requests in flight fail with this and no new one is taken."""
+
+
+class EngineLoadError(RuntimeError):
+    """The engine process could not load the model; the message says why."""
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    first_token_latency: float | None  # seconds from arrival; None when no token came
+    e2e_latency: float
+
+
+@dataclass
+class IterationStats:
+    """What one message from the core (or an abort) added, for /metrics."""
+
+    num_prompt_tokens: int = 0  # prompts of the requests whose first token came
+    num_generation_tokens: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatsRecorder(Protocol):
+    def record(self, stats: IterationStats) -> None: ...
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A request in flight: its output queue and its timing."""
+
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    last_token: float = 0.0
+    num_generation_tokens: int = 0
+
+    def finished(self, reason: str, now: float) -> FinishedRequestStats:
+        ttft = None if self.first_token is None else self.first_token - self.arrival
+        return FinishedRequestStats(reason, self.num_prompt_tokens, self.num_generation_tokens,
+                                    ttft, now - self.arrival)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"code {code} ({signal.Signals(-code).name})"
+    return f"code {code}"
+
+
+class AsyncEngineClient:
+    """add_request(...) -> async iterator of RequestOutput; abort(request_id); shutdown().
+
+    Build it with `await AsyncEngineClient.start(args)`; use it from that event loop only.
+    """
+
+    def __init__(self, process: multiprocessing.Process, socket_dir: str, context: zmq.Context,
+                 input_socket: zmq.Socket, output_socket: zmq.asyncio.Socket, info: EngineInfo,
+                 tokenizer, seed: int, stats_recorder: StatsRecorder | None,
+                 on_dead: Callable[[EngineDeadError], None] | None) -> None:
+        self.process = process
+        self.info = info
+        self.tokenizer = tokenizer
+        self.scheduler_stats = SchedulerStats()  # the core's, as of its latest message
+        self.output_processor = OutputProcessor(tokenizer)
+        self.loop = asyncio.get_running_loop()
+        self._socket_dir = socket_dir
+        self._context = context
+        self._input = input_socket
+        self._output = output_socket
+        self._encoder = msgspec.msgpack.Encoder()
+        self._stats_recorder = stats_recorder
+        self._on_dead = on_dead
+        self._seed_rng = random.Random(seed)
+        self._streams: dict[str, _Stream] = {}
+        self._stats_waiters: deque[asyncio.Future] = deque()
+        self._fatal: str | None = None  # the reason the core sent before exiting
+        self._dead: EngineDeadError | None = None
+        self._closing = False
+        self.loop.add_reader(process.sentinel, self._on_process_exit)
+        self._receiver = asyncio.create_task(self._receive())
+
+    @classmethod
+    async def start(cls, args: EngineArgs, stats_recorder: StatsRecorder | None = None,
+                    on_dead: Callable[[EngineDeadError], None] | None = None
+                    ) -> "AsyncEngineClient":
+        """Start the core process and wait until it has loaded and warmed up the model.
+
+        Raises EngineLoadError naming the cause when the model cannot be loaded.
+        """
+        loop = asyncio.get_running_loop()
+        socket_dir = tempfile.mkdtemp(prefix="mlaserve-")
+        input_address, output_address = f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output"
+        context = zmq.Context()
+        input_socket = context.socket(zmq.PUSH)
+        input_socket.setsockopt(zmq.SNDHWM, 0)
+        input_socket.connect(input_address)
+        output_socket = zmq.asyncio.Context.shadow(context.underlying).socket(zmq.PULL)
+        output_socket.setsockopt(zmq.RCVHWM, 0)
+        output_socket.bind(output_address)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="mlaserve-engine-core", daemon=True,
+            args=(args, input_address, output_address, os.getpid(),
+                  logging.getLogger().getEffectiveLevel()))
+        try:
+            process.start()
+            tokenizer = await loop.run_in_executor(
+                None, AutoTokenizer.from_pretrained, str(args.tokenizer or model_dir_of(args)))
+            info = await _wait_ready(process, output_socket)
+            return cls(process, socket_dir, context, input_socket, output_socket, info,
+                       tokenizer, args.seed, stats_recorder, on_dead)
+        except BaseException:
+            if process.is_alive():
+                process.kill()
+            if process.pid is not None:
+                process.join()
+            _close(context, socket_dir, input_socket, output_socket)
+            raise
+
+    # ---- requests ------------------------------------------------------------------------
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                          request_id: str, prompt_text: str | None = None
+                          ) -> AsyncIterator[RequestOutput]:
+        """Validate (ValueError here, before anything is queued) and stream the outputs.
+
+        The stream raises EngineError if a step that carried the request failed, and
+        EngineDeadError if the engine process died.
+        """
+        if self._dead is not None:
+            raise self._dead
+        validate_prompt(prompt_token_ids, params, self.info)
+        self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        stream = _Stream(asyncio.Queue(), len(prompt_token_ids), time.perf_counter())
+        self._streams[request_id] = stream
+        self._send(AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params, seed)))
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.abort(request_id)  # a no-op once finished; else the consumer went away
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request in flight as aborted and free what it holds in the core."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        output = self.output_processor.abort(request_id)
+        if output is not None:
+            stream.queue.put_nowait(output)
+        self._send(AbortRequests([request_id]))
+        if self._stats_recorder is not None:
+            self._stats_recorder.record(IterationStats(
+                finished=[stream.finished("abort", time.perf_counter())]))
+
+    async def get_stats(self) -> SchedulerStats:
+        """Ask the core for its stats, as of after every message sent before this call."""
+        if self._dead is not None:
+            raise self._dead
+        waiter = self.loop.create_future()
+        self._stats_waiters.append(waiter)
+        self._send(GetStats())
+        return await waiter
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def _send(self, message: AddRequest | AbortRequests | GetStats | Shutdown) -> None:
+        if self._dead is None:
+            self._input.send(self._encoder.encode(message), copy=False)
+
+    # ---- outputs -------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        decoder = msgspec.msgpack.Decoder(CoreMessage)
+        try:
+            while True:
+                message = decoder.decode((await self._output.recv(copy=False)).buffer)
+                if isinstance(message, StepOutputs):
+                    self.scheduler_stats = message.stats
+                    if message.outputs:
+                        self._deliver(message.outputs)
+                elif isinstance(message, Stats):
+                    self.scheduler_stats = message.stats
+                    waiter = self._stats_waiters.popleft()
+                    if not waiter.done():  # its caller may have given up waiting
+                        waiter.set_result(message.stats)
+                elif isinstance(message, Failed):
+                    self._fatal = message.error
+        except Exception as exc:  # noqa: BLE001 - without outputs the engine is of no use
+            logger.exception("handling the engine's outputs failed")
+            self._die(EngineDeadError(f"handling the engine's outputs failed: {exc}"))
+
+    def _deliver(self, core_outputs: list[EngineCoreOutput]) -> None:
+        """Count and time the step's tokens, then hand each output to its request's stream."""
+        now = time.perf_counter()
+        streams = self._streams
+        stats = IterationStats()
+        for core in core_outputs:
+            stream = streams.get(core.request_id)
+            num_new = len(core.new_token_ids)
+            if stream is None or not num_new:
+                continue
+            stats.num_generation_tokens += num_new
+            if stream.first_token is None:
+                stream.first_token = now
+                stats.num_prompt_tokens += stream.num_prompt_tokens
+            else:
+                stats.inter_token_latencies.append(now - stream.last_token)
+            stream.last_token = now
+            stream.num_generation_tokens += num_new
+        processed = self.output_processor.process(core_outputs)
+        if processed.abort_in_core:
+            self._send(AbortRequests(processed.abort_in_core))
+        errors = processed.errors
+        for output in processed.outputs:
+            stream = streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del streams[output.request_id]
+                stats.finished.append(stream.finished(output.finish_reason, now))
+            error = errors.get(output.request_id)
+            stream.queue.put_nowait(output if error is None else EngineError(error))
+        if self._stats_recorder is not None:
+            self._stats_recorder.record(stats)
+
+    # ---- the process ---------------------------------------------------------------------
+    def _on_process_exit(self) -> None:
+        self.loop.remove_reader(self.process.sentinel)
+        if self._closing:
+            return
+        self.process.join(1)
+        reason = f"the engine process exited with {_describe_exit(self.process.exitcode)}"
+        if self._fatal is not None:
+            reason += f": {self._fatal}"
+        logger.error("%s; failing %d request(s) in flight", reason, len(self._streams))
+        self._die(EngineDeadError(reason))
+
+    def _die(self, error: EngineDeadError) -> None:
+        """The engine is unusable: fail everything in flight and tell the owner."""
+        if self._dead is None:
+            self._fail_all(error)
+            if self._on_dead is not None:
+                self._on_dead(error)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """Fail every request in flight with `error` and refuse new ones from now on."""
+        self._dead = error
+        self._receiver.cancel()
+        for request_id, stream in self._streams.items():
+            self.output_processor.abort(request_id)
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+        while self._stats_waiters:
+            waiter = self._stats_waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    async def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the core process (killed after `timeout` seconds); what is in flight fails."""
+        if self._closing:
+            return
+        self._send(Shutdown())
+        self._closing = True
+        self.loop.remove_reader(self.process.sentinel)
+        if self._dead is None:
+            self._fail_all(EngineDeadError("the engine was shut down"))
+        await asyncio.wait({self._receiver})
+        await self.loop.run_in_executor(None, self.process.join, timeout)
+        if self.process.is_alive():
+            logger.warning("the engine process did not stop in %.0f s; killing it", timeout)
+            self.process.kill()
+            self.process.join()
+        _close(self._context, self._socket_dir, self._input, self._output)
+
+
+def _close(context: zmq.Context, socket_dir: str, *sockets: zmq.Socket) -> None:
+    for socket in sockets:
+        socket.close(linger=0)
+    context.term()
+    shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+async def _wait_ready(process: multiprocessing.Process, output_socket: zmq.asyncio.Socket
+                      ) -> EngineInfo:
+    """The core's first message: its EngineInfo, or why it could not load the model."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(process.sentinel, lambda: exited.done() or exited.set_result(None))
+    received = asyncio.ensure_future(output_socket.recv())
+    try:
+        await asyncio.wait({received, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if not received.done():  # its last words may still be on the way
+            await asyncio.wait({received}, timeout=1.0)
+    finally:
+        loop.remove_reader(process.sentinel)
+        exited.cancel()
+        received.cancel()
+    if received.done() and not received.cancelled():
+        message = msgspec.msgpack.decode(received.result(), type=CoreMessage)
+        if isinstance(message, Ready):
+            return message.info
+        if isinstance(message, Failed):
+            raise EngineLoadError(message.error)
+    await loop.run_in_executor(None, process.join, 5)
+    raise EngineLoadError("the engine process exited with "
+                          f"{_describe_exit(process.exitcode)} while loading the model")

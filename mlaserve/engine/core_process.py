@@ -1,0 +1,209 @@
+"""The engine-core process: an `EngineCore` in a busy loop behind two ZeroMQ sockets.
+
+Design. The API process (core_client.py) starts this process with multiprocessing's "spawn"
+context (CUDA cannot be forked) and two ipc:// addresses. Requests, aborts and control messages
+arrive on a PULL socket that this process binds; each step's outputs leave on a PUSH socket that
+it connects, as one message holding the step's `EngineCoreOutput`s (token deltas) and the core's
+`SchedulerStats`. Each side binds the socket it reads and connects the one it writes, so a send
+never waits for the peer: a connecting socket queues until the connection is up. While there is
+work the loop drains the inbox without blocking between steps; when idle it reports its stats
+once and blocks on the inbox. ZeroMQ brings framing, queueing and liveness for free and msgspec's
+msgpack encodes the typed Structs of messages.py fast, with schema-checked decoding, so no wire
+protocol is written here.
+
+Lifetime. The first message out is `Ready` (with the `EngineInfo`) once the model is loaded and
+warmed up, or `Failed` with the reason. The process ignores SIGINT (a Ctrl-C reaches the whole
+process group; the API process drains its streams, then sends `Shutdown`), and a thread exits it
+when its parent dies, so a killed server leaves no orphan holding the GPU.
+
+Test hook: with MLASERVE_FAULT_FILE=PATH set, the first step launched after PATH appears raises
+RuntimeError(<the file's text>) inside the model runner and deletes the file, so that tests can
+check that a failed step fails only its requests.
+"""
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.core import EngineCore
+from mlaserve.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+FAULT_FILE_ENV = "MLASERVE_FAULT_FILE"
+PARENT_POLL_S = 0.5
+LINGER_MS = 2000  # how long the last messages may take to leave when the process exits
+
+
+# ---- API process -> core ---------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class GetStats(msgspec.Struct, tag=True, array_like=True):
+    """Ask for a `Stats` reply; it reflects every message sent before this one."""
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+ClientMessage = AddRequest | AbortRequests | GetStats | Shutdown
+
+
+# ---- core -> API process ---------------------------------------------------------------------
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    info: EngineInfo
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    """The core cannot go on (the model did not load, or the loop broke); the process exits."""
+
+    error: str
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """One step's outputs (empty when the core reports its stats on going idle)."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+
+
+class Stats(msgspec.Struct, tag=True, array_like=True):
+    stats: SchedulerStats
+
+
+CoreMessage = Ready | Failed | StepOutputs | Stats
+
+
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int,
+                    log_level: int) -> None:
+    """Process entry: load the core, report `Ready` or `Failed`, then serve until `Shutdown`."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(parent_pid)
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    inbox.bind(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)
+    outbox.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        try:
+            core = EngineCore(args)
+            core.warm_up()
+        except Exception as exc:  # noqa: BLE001 - reported to the API process, which stops
+            outbox.send(encoder.encode(Failed(f"{type(exc).__name__}: {exc}")))
+            sys.exit(1)
+        _install_fault_hook(core)
+        outbox.send(encoder.encode(Ready(core.info)))
+        try:
+            CoreLoop(core, inbox, outbox).run()
+        except Exception as exc:
+            logger.exception("the engine core loop failed")
+            outbox.send(encoder.encode(Failed(f"{type(exc).__name__}: {exc}")))
+            sys.exit(1)
+    finally:
+        context.destroy(linger=LINGER_MS)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit this process soon after `parent_pid` is gone (this process is then re-parented)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        logger.error("the API server process (pid %d) is gone; the engine core exits", parent_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _install_fault_hook(core: EngineCore) -> None:
+    """The MLASERVE_FAULT_FILE test hook (see the module docstring); off when the env is unset."""
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path:
+        return
+    launch = core.runner.launch
+
+    def launch_or_fail(batch):
+        try:
+            message = Path(path).read_text()
+        except FileNotFoundError:
+            return launch(batch)
+        os.unlink(path)
+        raise RuntimeError(message)
+
+    core.runner.launch = launch_or_fail
+
+
+class CoreLoop:
+    """Drain the inbox, step, send the step's outputs; block on the inbox when idle."""
+
+    def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.rejected: list[EngineCoreOutput] = []  # requests the core refused, sent next
+        self.changed = False  # something happened since the stats were last sent idle
+
+    def run(self) -> None:
+        core = self.core
+        while True:
+            if not core.has_unfinished:
+                if self.changed:
+                    self.send(StepOutputs([], core.stats()))
+                    self.changed = False
+                self.inbox.poll()  # idle: wait for a message (the parent watch ends a wait)
+            if not self.handle_messages():
+                return
+            outputs = []
+            if core.has_unfinished:
+                outputs = core.step()
+                self.changed = True
+            if self.rejected:
+                outputs, self.rejected = self.rejected + outputs, []
+            if outputs:
+                self.send(StepOutputs(outputs, core.stats()))
+
+    def handle_messages(self) -> bool:
+        """Handle every message waiting, without blocking; False once told to shut down."""
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            message = self.decoder.decode(frame.buffer)
+            if isinstance(message, AddRequest):
+                self.changed = True
+                try:
+                    self.core.add_request(message.request)
+                except ValueError as exc:
+                    self.rejected.append(EngineCoreOutput(
+                        message.request.request_id, [], finish_reason="abort", error=str(exc)))
+            elif isinstance(message, AbortRequests):
+                self.changed = True
+                self.core.abort_requests(message.request_ids)
+            elif isinstance(message, GetStats):
+                self.send(Stats(self.core.stats()))
+            else:
+                return False
+
+    def send(self, message: CoreMessage) -> None:
+        self.outbox.send(self.encoder.encode(message), copy=False)
