@@ -54,7 +54,7 @@ def _bytes(text: str) -> int:
 
 
 def engine_args_from(args: argparse.Namespace):
-    from mlaserve.engine.engine import EngineArgs
+    from mlaserve.engine.args import EngineArgs
 
     return EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device,
@@ -85,26 +85,27 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from mlaserve.server.api import create_app
+    from mlaserve.server.api import build_server, create_app
 
     if args.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is "
                          "supported in this version")
     app = create_app(engine_args_from(args), args.served_model_name, args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=args.log_level.lower(), timeout_graceful_shutdown=30,
-                            access_log=False)
+    server = build_server(app, host=args.host, port=args.port,
+                          log_level=args.log_level.lower(), timeout_graceful_shutdown=30,
+                          access_log=False)
     # uvicorn drains in-flight requests on SIGINT/SIGTERM, then re-raises the signal to the
     # handler found at start; a no-op one there makes a graceful stop exit with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run()
-    error = app.state.server.load_error
-    if error is not None:
-        print(f"mlaserve: error: the model failed to load: {error}", file=sys.stderr)
+    server.run()
+    state = app.state.server
+    if state.load_error is not None:
+        print(f"mlaserve: error: the model failed to load: {state.load_error}", file=sys.stderr)
         return 2
+    if state.engine_error is not None:
+        print(f"mlaserve: error: {state.engine_error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -6,7 +6,7 @@ import asyncio
 import numpy as np
 
 from mlaserve.bench import serve as bench_serve
-from mlaserve.engine.engine import DEMO_MODEL_DIR
+from mlaserve.engine.args import DEMO_MODEL_DIR
 from tests.server_util import RunningServer
 
 
@@ -24,9 +24,8 @@ def test_bench_serve_against_the_real_server(capsys):
     with RunningServer(max_model_len=256) as server:
         result = asyncio.run(bench_serve.run_benchmark(bench_args(server.url)))
         assert "Serving Benchmark Result" in capsys.readouterr().out
-        server.wait_idle()
-        pool = server.state.engine.engine.pool
-        assert pool.num_free_blocks == pool.num_blocks
+        stats = server.wait_idle()
+        assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0)
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["output_lens"] == [8] * 12  # ignore_eos: exactly max_tokens each
     assert result["total_output_tokens"] == 96

@@ -1,5 +1,9 @@
-"""Server lifecycle: 503 while loading, graceful shutdown on SIGTERM/SIGINT with exit code 0."""
+"""Server lifecycle: 503 while loading; graceful SIGTERM/SIGINT with exit code 0 and no child
+process left; a model load error or a killed engine process stops the server with an error; a
+killed server leaves no engine process behind."""
 
+import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -9,19 +13,19 @@ import time
 import pytest
 import requests
 
-from mlaserve.engine.async_engine import AsyncEngine
-from tests.server_util import RunningServer, free_port
+from mlaserve.engine.core_client import AsyncEngineClient
+from tests.server_util import RunningServer, child_pids, engine_core_pids, free_port, is_alive
 
 
 def test_health_is_503_while_the_model_loads(monkeypatch):
     release = threading.Event()
-    original = AsyncEngine.from_args
+    original = AsyncEngineClient.start
 
-    def slow_load(args, warm_up=False):
-        release.wait(60)
-        return original(args, warm_up)
+    async def slow_start(*args, **kwargs):
+        await asyncio.to_thread(release.wait, 60)
+        return await original(*args, **kwargs)
 
-    monkeypatch.setattr(AsyncEngine, "from_args", staticmethod(slow_load))
+    monkeypatch.setattr(AsyncEngineClient, "start", slow_start)
     server = RunningServer()
     server.thread.start()
     try:
@@ -47,37 +51,103 @@ def test_health_is_503_while_the_model_loads(monkeypatch):
         server.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_graceful_shutdown_finishes_in_flight_and_exits_0(sig):
+def serve(*extra: str) -> tuple[subprocess.Popen, str]:
+    """`mlaserve serve` on the demo model in a subprocess, and its URL once healthy."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlaserve", "serve", "--device", "cpu",
-                             "--port", str(port), "--num-kv-blocks", "64", "--block-size", "16"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--port", str(port), "--num-kv-blocks", "64", "--block-size", "16",
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if requests.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except requests.RequestException:  # not listening yet, or busy starting
+            time.sleep(0.2)
+    return proc, url
+
+
+def stream_in_background(url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """POST a streamed completion on a thread; its SSE lines land in result["lines"]."""
+    result = {}
+
+    def run():
+        r = requests.post(url + "/v1/completions", json={
+            "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True},
+            stream=True, timeout=60)
+        result["lines"] = [line for line in r.iter_lines() if line]
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker, result
+
+
+def wait_gone(pids: list[int], timeout: float = 15) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(is_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if is_alive(p)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_graceful_shutdown_finishes_in_flight_and_exits_0(sig):
+    proc, url = serve()
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.2)
-        result = {}
-
-        def in_flight():
-            r = requests.post(url + "/v1/completions", json={
-                "prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True},
-                stream=True, timeout=60)
-            result["lines"] = [line for line in r.iter_lines() if line]
-
-        worker = threading.Thread(target=in_flight)
-        worker.start()
+        children = child_pids(proc.pid)
+        assert len(engine_core_pids(proc.pid)) == 1
+        worker, result = stream_in_background(url, 200)
         time.sleep(1.0)
         proc.send_signal(sig)
         worker.join(60)
         assert proc.wait(60) == 0
         assert result["lines"][-1] == b"data: [DONE]"
         assert sum(1 for line in result["lines"] if b'"text"' in line) == 200  # finished
+        assert wait_gone(children) == []  # the engine core (and any helper) exited too
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_killing_the_engine_process_fails_requests_and_stops_the_server():
+    proc, url = serve()
+    try:
+        (core_pid,) = engine_core_pids(proc.pid)
+        worker, result = stream_in_background(url, 400)
+        time.sleep(1.0)
+        os.kill(core_pid, signal.SIGKILL)
+        worker.join(60)
+        assert proc.wait(60) == 1
+        output = proc.stdout.read().decode()
+        assert "the engine process exited with code -9 (SIGKILL)" in output
+        error_events = [line for line in result["lines"] if b'"error"' in line]
+        assert error_events and b"exited with code -9" in error_events[0]
+        assert result["lines"][-1] == b"data: [DONE]"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_engine_process_exits_when_the_server_is_killed():
+    proc, _ = serve()
+    try:
+        core_pids = engine_core_pids(proc.pid)
+        assert len(core_pids) == 1
+        proc.kill()
+        proc.wait(10)
+        assert wait_gone(core_pids) == []  # it noticed its parent die; no orphan is left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_model_load_error_stops_the_server_with_exit_code_2():
+    proc, _ = serve("--attention-backend", "FLASH_ATTN_MLA")
+    try:
+        assert proc.wait(60) == 2
+        output = proc.stdout.read().decode()
+        assert "the model failed to load" in output
+        assert "FlashAttention MLA is not bundled" in output
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,4 +1,5 @@
-"""The real server driven by the openai package, raw HTTP, and concurrent streams."""
+"""The real server (its engine core in a child process) driven by the openai package, raw HTTP,
+and concurrent streams."""
 
 import asyncio
 import json
@@ -9,7 +10,7 @@ import pytest
 import requests
 
 from mlaserve import LLM, SamplingParams
-from tests.server_util import RunningServer
+from tests.server_util import RunningServer, fail_next_step
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +105,33 @@ def test_models_tokenizer_and_aux_routes(server):
     info = requests.get(server.url + "/tokenizer_info").json()
     eos = requests.post(server.url + "/tokenize", json={"prompt": info["eos_token"],
                                                         "add_special_tokens": False}).json()
-    assert eos["tokens"] == [server.state.engine.engine.tokenizer.eos_token_id]
+    assert eos["tokens"] == [server.engine.tokenizer.eos_token_id]
     detok = requests.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()
     assert detok["prompt"] == "test"
-    metrics = requests.get(server.url + "/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                 "vllm:time_to_first_token_seconds_bucket", "vllm:generation_tokens_total"):
-        assert name in metrics
+
+
+def test_metrics_count_what_was_served(server):
+    def sample(text: str, name: str) -> float:
+        prefix = name if "{" in name else name + "{"
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(prefix))
+
+    before = requests.get(server.url + "/metrics").text
+    for stream in (False, True):
+        r = requests.post(server.url + "/v1/completions", json={
+            "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "stream": stream})
+        assert r.status_code == 200
+    server.wait_idle()
+    after = requests.get(server.url + "/metrics").text
+    for name, added in (("vllm:prompt_tokens_total", 6), ("vllm:generation_tokens_total", 8),
+                        ('vllm:request_success_total{model_name="demo",engine="0",'
+                         'finished_reason="length"', 2),
+                        ("vllm:time_to_first_token_seconds_count", 2),
+                        ("vllm:e2e_request_latency_seconds_count", 2),
+                        ("vllm:inter_token_latency_seconds_count", 6)):
+        assert sample(after, name) - sample(before, name) == added, name
+    for gauge in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert sample(after, gauge) == 0  # the core reports its stats when it goes idle
 
 
 BAD_BODIES = [
@@ -149,12 +170,27 @@ def test_bad_chat_input_is_a_400_naming_the_field(server, body, param):
     assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 
 
-def test_engine_failure_fails_only_that_step(server, fail_first_step):
-    fail_first_step(server.state.engine.engine.runner, "simulated fault")
+def test_engine_failure_fails_only_that_step(server):
+    server.wait_idle()
+    fail_next_step("simulated fault")
     r = requests.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 500 and "simulated fault" in r.json()["error"]["message"]
     r = requests.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 200
+    stats = server.wait_idle()
+    assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0)
+
+
+def test_a_client_disconnect_aborts_its_request_in_the_core(server):
+    server.wait_idle()
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with requests.post(server.url + "/v1/completions", json=body, stream=True) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith(b"data: {")
+        stats = server.core_stats()
+        assert stats.num_running == 1 and stats.kv_usage > 0
+    stats = server.wait_idle()  # the core dropped the request and freed its blocks
+    assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0)
 
 
 def test_64_streams_with_a_quarter_disconnecting(server):
@@ -176,9 +212,8 @@ def test_64_streams_with_a_quarter_disconnecting(server):
 
     results = asyncio.run(main())
     assert all(results[i] == 24 for i in range(64) if i % 4)
-    server.wait_idle()
-    pool = server.state.engine.engine.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    stats = server.wait_idle()
+    assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0)
 
 
 def test_api_key_is_enforced():

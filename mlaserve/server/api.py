@@ -1,20 +1,30 @@
-"""The FastAPI app: OpenAI routes, tokenizer routes, health, metrics, auth and error bodies."""
+"""The FastAPI app: OpenAI routes, tokenizer routes, health, metrics, auth and error bodies.
+
+The app runs in the API process; the model runs in an engine-core process that the app starts
+when it starts (see engine/core_client.py). /health answers 503 until the model is loaded and
+warmed up, and again once the engine is gone. A model that fails to load, or an engine process
+that dies, stops the HTTP server (`ServerState.stop`; `build_server` wires it to uvicorn) after
+the requests in flight have been answered with the error.
+"""
 
 import asyncio
 import logging
 import os
 import signal
 import time
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mlaserve import __version__
-from mlaserve.engine.async_engine import AsyncEngine, EngineStats
-from mlaserve.engine.engine import EngineArgs
+from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.core_client import AsyncEngineClient, EngineDeadError
+from mlaserve.engine.messages import SchedulerStats
 from mlaserve.server.formatting import error_body
 from mlaserve.server.metrics import ServerMetrics
 from mlaserve.server.protocol import (
@@ -28,16 +38,23 @@ from mlaserve.server.serving import APIError, Serving
 logger = logging.getLogger(__name__)
 
 
+def _terminate_this_process() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 @dataclass
 class ServerState:
     engine_args: EngineArgs
     served_model_name: str
     api_key: str | None = None
-    engine: AsyncEngine | None = None
+    engine: AsyncEngineClient | None = None
     serving: Serving | None = None
     load_error: BaseException | None = None
+    engine_error: EngineDeadError | None = None
     metrics: ServerMetrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # stops the HTTP server; SIGTERM suits a server run on the main thread by any runner
+    stop: Callable[[], None] = _terminate_this_process
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -85,25 +102,32 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
     state = ServerState(engine_args, served_model_name or model_root, api_key)
     state.metrics = ServerMetrics(state.served_model_name)
 
-    def load() -> None:
+    def on_engine_dead(error: EngineDeadError) -> None:
+        logger.error("%s; stopping the server", error)
+        state.engine_error = error
+        state.stop()
+
+    async def load() -> None:
         try:
-            engine = AsyncEngine.from_args(engine_args, warm_up=True)
-        except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
+            engine = await AsyncEngineClient.start(engine_args, state.metrics, on_engine_dead)
+        except Exception as exc:  # noqa: BLE001 - reported, then the server stops
             logger.error("model failed to load: %s", exc)
             state.load_error = exc
-            os.kill(os.getpid(), signal.SIGTERM)
+            state.stop()
             return
-        state.serving = Serving(engine, state.served_model_name, model_root, state.metrics)
+        state.serving = Serving(engine, state.served_model_name, model_root)
         state.engine = engine
         logger.info("model loaded; serving %s", state.served_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loader = asyncio.get_running_loop().run_in_executor(None, load)
+        loader = asyncio.create_task(load())
         yield
-        await loader
+        loader.cancel()  # a load still running stops its engine process
+        with suppress(asyncio.CancelledError):
+            await loader
         if state.engine is not None:
-            state.engine.shutdown()
+            await state.engine.shutdown()
 
     app = FastAPI(title="mlaserve", version=__version__, lifespan=lifespan)
     app.state.server = state
@@ -127,7 +151,8 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if state.serving is not None else 503)
+        healthy = state.serving is not None and state.engine_error is None
+        return Response(status_code=200 if healthy else 503)
 
     @app.get("/ping")
     async def ping() -> Response:
@@ -196,8 +221,16 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        stats = state.engine.stats if state.engine is not None else EngineStats()
+        stats = state.engine.scheduler_stats if state.engine is not None else SchedulerStats()
         return PlainTextResponse(state.metrics.render(stats),
                                  media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def build_server(app: FastAPI, **config: object) -> uvicorn.Server:
+    """A uvicorn server for `app` (config: uvicorn.Config's keywords) that a failed model load
+    or a dead engine stops, also when it runs off the main thread."""
+    server = uvicorn.Server(uvicorn.Config(app, **config))
+    app.state.server.stop = lambda: setattr(server, "should_exit", True)
+    return server

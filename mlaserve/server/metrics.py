@@ -1,10 +1,16 @@
-"""Prometheus text exposition of the engine's counters, with vLLM's metric names."""
+"""Prometheus text exposition with vLLM's metric names.
+
+The gauges come from the engine core's latest SchedulerStats; the token and finished-request
+counters and the latency histograms are kept here, in the API process, from the IterationStats
+that the engine client reports for every batch of outputs. Everything runs on the server's event
+loop, so nothing here is locked.
+"""
 
 import bisect
-import threading
 from dataclasses import dataclass, field
 
-from mlaserve.engine.async_engine import EngineStats
+from mlaserve.engine.core_client import IterationStats
+from mlaserve.engine.messages import SchedulerStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -40,29 +46,34 @@ class Histogram:
 
 
 class ServerMetrics:
-    """Latency histograms recorded by the server; counters read from the engine's stats."""
+    """Counters and latency histograms of the requests served (a StatsRecorder)."""
 
     def __init__(self, model_name: str) -> None:
         self.labels = f'model_name="{model_name}",engine="0"'
-        self.lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: dict[str, int] = {}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.itl = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
 
-    def record(self, ttft: float | None, e2e: float, num_output_tokens: int) -> None:
-        with self.lock:
+    def record(self, stats: IterationStats) -> None:
+        self.prompt_tokens += stats.num_prompt_tokens
+        self.generation_tokens += stats.num_generation_tokens
+        for gap in stats.inter_token_latencies:
+            self.itl.observe(gap)
+        for request in stats.finished:
+            self.finished[request.finish_reason] = self.finished.get(request.finish_reason, 0) + 1
+            ttft = request.first_token_latency
             if ttft is not None:
                 self.ttft.observe(ttft)
-                if num_output_tokens > 1:
-                    self.tpot.observe((e2e - ttft) / (num_output_tokens - 1))
-            self.e2e.observe(e2e)
+                if request.num_generation_tokens > 1:
+                    self.tpot.observe((request.e2e_latency - ttft)
+                                      / (request.num_generation_tokens - 1))
+            self.e2e.observe(request.e2e_latency)
 
-    def record_itl(self, gap: float) -> None:
-        with self.lock:
-            self.itl.observe(gap)
-
-    def render(self, stats: EngineStats) -> str:
+    def render(self, stats: SchedulerStats) -> str:
         lab = self.labels
         lines = []
 
@@ -76,9 +87,9 @@ class ServerMetrics:
         metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).",
                [f"vllm:kv_cache_usage_perc{{{lab}}} {stats.kv_usage}"])
         metric("vllm:prompt_tokens_total", "counter", "Prompt tokens processed.",
-               [f"vllm:prompt_tokens_total{{{lab}}} {stats.prompt_tokens}"])
+               [f"vllm:prompt_tokens_total{{{lab}}} {self.prompt_tokens}"])
         metric("vllm:generation_tokens_total", "counter", "Tokens generated.",
-               [f"vllm:generation_tokens_total{{{lab}}} {stats.generation_tokens}"])
+               [f"vllm:generation_tokens_total{{{lab}}} {self.generation_tokens}"])
         metric("vllm:num_preemptions_total", "counter", "Preemptions (recompute).",
                [f"vllm:num_preemptions_total{{{lab}}} {stats.num_preemptions}"])
         metric("vllm:prefix_cache_queries_total", "counter", "Tokens looked up in the prefix "
@@ -87,13 +98,12 @@ class ServerMetrics:
                [f"vllm:prefix_cache_hits_total{{{lab}}} {stats.prefix_hits}"])
         metric("vllm:request_success_total", "counter", "Finished requests by reason.",
                [f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {n}'
-                for reason, n in sorted(stats.finished.items())])
-        with self.lock:
-            for name, hist, text in (
-                    ("vllm:time_to_first_token_seconds", self.ttft, "Time to first token."),
-                    ("vllm:request_time_per_output_token_seconds", self.tpot,
-                     "Time per output token after the first."),
-                    ("vllm:inter_token_latency_seconds", self.itl, "Time between tokens."),
-                    ("vllm:e2e_request_latency_seconds", self.e2e, "End-to-end latency.")):
-                metric(name, "histogram", text, hist.lines(name, lab))
+                for reason, n in sorted(self.finished.items())])
+        for name, hist, text in (
+                ("vllm:time_to_first_token_seconds", self.ttft, "Time to first token."),
+                ("vllm:request_time_per_output_token_seconds", self.tpot,
+                 "Time per output token after the first."),
+                ("vllm:inter_token_latency_seconds", self.itl, "Time between tokens."),
+                ("vllm:e2e_request_latency_seconds", self.e2e, "End-to-end latency.")):
+            metric(name, "histogram", text, hist.lines(name, lab))
         return "\n".join(lines) + "\n"

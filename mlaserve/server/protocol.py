@@ -49,7 +49,7 @@ class SamplingFields(OpenAIModel):
         return n
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
+                        prompt_logprobs: int | None, output_kind: str) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -61,7 +61,7 @@ class SamplingFields(OpenAIModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, output_kind=output_kind)
 
 
 class CompletionRequest(SamplingFields):

@@ -1,4 +1,10 @@
-"""The /v1/completions and /v1/chat/completions handlers."""
+"""The /v1/completions and /v1/chat/completions handlers.
+
+Streams ask the engine for delta outputs (each holds only the text, token ids and logprobs that
+are new), so every SSE chunk is built from what is new, never by slicing what was sent before;
+non-streaming requests ask for the final output only. Latency metrics are taken by the engine
+client, which sees every token.
+"""
 
 import asyncio
 import time
@@ -8,7 +14,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mlaserve.engine.async_engine import AsyncEngine, EngineError
+from mlaserve.engine.core_client import AsyncEngineClient, EngineError
 from mlaserve.engine.request import RequestOutput, SamplingParams
 from mlaserve.server.formatting import (
     TokenText,
@@ -18,7 +24,6 @@ from mlaserve.server.formatting import (
     sse,
     usage,
 )
-from mlaserve.server.metrics import ServerMetrics
 from mlaserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
@@ -51,16 +56,15 @@ class Prepared:
 
 
 class Serving:
-    """Shared by the handlers: the engine, the names, metrics and the token-text cache."""
+    """Shared by the handlers: the engine client, the names and the token-text cache."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, model_root: str,
-                 metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngineClient, served_model_name: str,
+                 model_root: str) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.model_root = model_root
-        self.metrics = metrics
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.info.max_model_len
         self.token_text = TokenText(self.tokenizer)
 
     # ---- shared steps -------------------------------------------------------------------
@@ -85,38 +89,20 @@ class Serving:
             for i, p in enumerate(prepared):
                 streams.append(await self.engine.add_request(p.token_ids, p.params,
                                                              f"{base}-{i}"))
-        except ValueError as exc:
+        except (ValueError, EngineError) as exc:
             for i in range(len(streams)):
                 self.engine.abort(f"{base}-{i}")
+            if isinstance(exc, EngineError):
+                raise APIError(503, f"engine failure: {exc}") from None
             raise APIError(400, str(exc)) from None
         return streams
 
-    async def collect(self, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-        started = time.perf_counter()
-        first = last = None
+    @staticmethod
+    async def collect(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """The last output of a stream (the only one, for output_kind="final_only")."""
         async for output in stream:
             last = output
-            if first is None:
-                first = time.perf_counter() - started
-        self.metrics.record(first, time.perf_counter() - started, len(last.token_ids))
         return last
-
-    async def timed(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Pass a stream through, recording TTFT, ITL, TPOT and E2E latency."""
-        started = previous = time.perf_counter()
-        first = None
-        last = None
-        async for output in stream:
-            now = time.perf_counter()
-            if first is None:
-                first = now - started
-            else:
-                self.metrics.record_itl(now - previous)
-            previous = now
-            last = output
-            yield output
-        if last is not None:
-            self.metrics.record(first, time.perf_counter() - started, len(last.token_ids))
 
     # ---- completions --------------------------------------------------------------------
     def prepare_completion(self, req: CompletionRequest) -> list[Prepared]:
@@ -134,7 +120,7 @@ class Serving:
                 ids = self.tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"]
                 text = item
             else:
-                vocab = self.engine.engine.config.vocab_size
+                vocab = self.engine.info.vocab_size
                 bad = [t for t in item if not 0 <= t < vocab]
                 if bad:
                     raise APIError(400, f"prompt token ids must lie in [0, {vocab}); got "
@@ -148,7 +134,8 @@ class Serving:
             max_tokens = 1 if echo_only else self.fit_max_tokens(len(ids), req.max_tokens)
             prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
             try:
-                params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
+                params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
+                                             output_kind(req.stream))
             except ValueError as exc:
                 raise APIError(400, str(exc)) from None
             prepared.append(Prepared(text, ids, params, echo_only))
@@ -201,36 +188,36 @@ class Serving:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
         n_prompt = sum(len(p.token_ids) for p in prepared)
-        sent_text = [0] * len(prepared)
         sent_tokens = [0] * len(prepared)
+        num_generated = 0
         try:
-            async for index, out in merge([self.timed(s) for s in streams]):
+            async for index, out in merge(streams):  # delta outputs
                 p = prepared[index]
-                delta = out.text[sent_text[index]:]
-                new_ids = out.token_ids[sent_tokens[index]:]
+                first = sent_tokens[index] == 0
+                delta = out.text
                 logprobs = None
                 if want_logprobs:
-                    entries = out.logprobs[sent_tokens[index]:]
-                    if req.echo and sent_tokens[index] == 0:
-                        logprobs = completion_logprobs(p.token_ids + new_ids,
-                                                       out.prompt_logprobs + entries,
+                    if req.echo and first:
+                        logprobs = completion_logprobs(p.token_ids + out.token_ids,
+                                                       out.prompt_logprobs + out.logprobs,
                                                        self.token_text)
                     else:
-                        logprobs = completion_logprobs(new_ids, entries, self.token_text)
-                if req.echo and sent_tokens[index] == 0:
+                        logprobs = completion_logprobs(out.token_ids, out.logprobs,
+                                                       self.token_text)
+                if req.echo and first:
                     delta = p.prompt_text + delta
                 if p.drop_generated:
                     delta = p.prompt_text
-                sent_text[index] = len(out.text)
-                sent_tokens[index] = len(out.token_ids)
+                sent_tokens[index] += len(out.token_ids)
+                num_generated += len(out.token_ids)
                 chunk = {**head, "choices": [{
                     "index": index, "text": delta, "logprobs": logprobs,
                     "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]}
                 if continuous:
-                    chunk["usage"] = usage(n_prompt, sum(sent_tokens))
+                    chunk["usage"] = usage(n_prompt, num_generated)
                 yield sse(chunk)
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(n_prompt, sum(sent_tokens))})
+                yield sse({**head, "choices": [], "usage": usage(n_prompt, num_generated)})
         except EngineError as exc:
             yield sse(error_body(f"engine failure: {exc}", "InternalServerError", 500))
         yield sse("[DONE]")
@@ -263,7 +250,7 @@ class Serving:
         max_tokens = self.fit_max_tokens(len(ids), requested)
         k = (req.top_logprobs or 0) if req.logprobs else None
         try:
-            params = req.sampling_params(max_tokens, k, None)
+            params = req.sampling_params(max_tokens, k, None, output_kind(req.stream))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         return Prepared(text, ids, params)
@@ -301,24 +288,27 @@ class Serving:
         n_prompt = len(prepared.token_ids)
         yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]})
-        sent_text = sent_tokens = 0
+        num_generated = 0
         try:
-            async for out in self.timed(stream):
-                delta = out.text[sent_text:]
+            async for out in stream:  # delta outputs
                 logprobs = None
                 if req.logprobs:
-                    logprobs = chat_logprobs(out.token_ids[sent_tokens:],
-                                             out.logprobs[sent_tokens:], req.top_logprobs or 0,
+                    logprobs = chat_logprobs(out.token_ids, out.logprobs, req.top_logprobs or 0,
                                              self.token_text)
-                sent_text, sent_tokens = len(out.text), len(out.token_ids)
-                yield sse({**head, "choices": [{"index": 0, "delta": {"content": delta},
+                num_generated += len(out.token_ids)
+                yield sse({**head, "choices": [{"index": 0, "delta": {"content": out.text},
                                                 "logprobs": logprobs,
                                                 "finish_reason": out.finish_reason}]})
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(n_prompt, sent_tokens)})
+                yield sse({**head, "choices": [], "usage": usage(n_prompt, num_generated)})
         except EngineError as exc:
             yield sse(error_body(f"engine failure: {exc}", "InternalServerError", 500))
         yield sse("[DONE]")
+
+
+def output_kind(stream: bool) -> str:
+    """Streams take each step's delta; a whole response needs only the final output."""
+    return "delta" if stream else "final_only"
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]

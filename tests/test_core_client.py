@@ -1,0 +1,136 @@
+"""AsyncEngineClient and its engine-core process under load: concurrent streams, aborts
+mid-stream, a failed step, the core's stats, and the process dying."""
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+
+from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.core_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    EngineError,
+    EngineLoadError,
+)
+from mlaserve.engine.request import SamplingParams
+from tests.server_util import fail_next_step, is_alive
+
+ARGS = EngineArgs(device="cpu", num_kv_blocks=128, block_size=8, max_num_seqs=64,
+                  max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def client(loop):
+    client = loop.run_until_complete(AsyncEngineClient.start(ARGS))
+    yield client
+    loop.run_until_complete(client.shutdown())
+
+
+def assert_core_idle(loop, client) -> None:
+    """The core process holds no request and no KV block."""
+    stats = loop.run_until_complete(client.get_stats())
+    assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0), stats
+    assert client.num_in_flight == 0
+
+
+def test_200_streams_with_30_percent_aborted(loop, client):
+    rng = random.Random(0)
+
+    async def one(i: int, abort_after: int | None):
+        prompt = [rng.randrange(4, 1000) for _ in range(rng.randrange(1, 60))]
+        max_tokens = rng.randrange(1, 24)
+        stream = await client.add_request(prompt, SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True,
+            output_kind="delta"), f"r{i}")
+        token_ids = []
+        async for output in stream:
+            token_ids += output.token_ids
+            if abort_after is not None and len(token_ids) >= abort_after and not output.finished:
+                break  # leaving the stream aborts the request
+        return output, token_ids, max_tokens, abort_after
+
+    async def main():
+        jobs = [one(i, rng.randrange(1, 4) if rng.random() < 0.3 else None) for i in range(200)]
+        return await asyncio.gather(*jobs)
+
+    results = loop.run_until_complete(main())
+    completed = [(o, ids, n) for o, ids, n, a in results if a is None]
+    assert len(completed) > 100
+    for output, token_ids, max_tokens in completed:
+        assert output.finish_reason == "length" and len(token_ids) == max_tokens
+    assert_core_idle(loop, client)  # finished and aborted requests freed every block
+
+
+def test_cumulative_and_final_only_outputs(loop, client):
+    async def outputs(kind: str):
+        stream = await client.add_request([5, 6, 7], SamplingParams(
+            max_tokens=4, temperature=0, ignore_eos=True, output_kind=kind), kind)
+        return [o async for o in stream]
+
+    cumulative = loop.run_until_complete(outputs("cumulative"))
+    final = loop.run_until_complete(outputs("final_only"))
+    assert [len(o.token_ids) for o in cumulative] == [1, 2, 3, 4]
+    assert len(final) == 1 and final[0].token_ids == cumulative[-1].token_ids
+    assert final[0].text == cumulative[-1].text
+
+
+def test_validation_errors_raise_before_queueing(loop, client):
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await client.add_request([5] * 5000, SamplingParams(max_tokens=4), "too-long")
+
+    loop.run_until_complete(main())
+    assert client.num_in_flight == 0
+
+
+def test_a_failed_step_fails_only_its_requests(loop, client):
+    fail_next_step("simulated device fault")
+
+    async def main():
+        stream = await client.add_request([5, 6, 7], SamplingParams(max_tokens=3), "doomed")
+        with pytest.raises(EngineError, match="simulated device fault"):
+            async for _ in stream:
+                pass
+        stream = await client.add_request([5, 6, 7], SamplingParams(max_tokens=3), "fine")
+        outputs = [o async for o in stream]
+        assert outputs[-1].finish_reason == "length"
+
+    loop.run_until_complete(main())
+    assert_core_idle(loop, client)
+
+
+def test_killing_the_engine_process_fails_requests_in_flight():
+    dead = []
+
+    async def main():
+        client = await AsyncEngineClient.start(ARGS, on_dead=dead.append)
+        stream = await client.add_request([5, 6, 7], SamplingParams(
+            max_tokens=500, ignore_eos=True, output_kind="delta"), "victim")
+        await anext(stream)
+        os.kill(client.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=r"exited with code -9 \(SIGKILL\)"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await client.add_request([5], SamplingParams(max_tokens=1), "late")
+        await client.shutdown()
+        return client
+
+    client = asyncio.run(main())
+    assert len(dead) == 1 and not is_alive(client.process.pid)
+
+
+def test_a_load_error_names_its_cause():
+    args = EngineArgs(device="cpu", num_kv_blocks=8, attention_backend="FLASH_ATTN_MLA")
+    with pytest.raises(EngineLoadError, match="FlashAttention MLA is not bundled"):
+        asyncio.run(AsyncEngineClient.start(args))
