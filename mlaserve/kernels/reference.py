@@ -97,3 +97,50 @@ def poisoned_paged_batch(
     q = torch.randn(len(seq_lens) * q_len, num_heads, head_dim, generator=gen).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return q.to(device), cache.to(device), table.to(torch.int32).to(device), lens.to(device)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 without intermediate rounding.
+
+    Args:
+        x: [T, N]; weight: [N]. Returns [T, N] float32: x / sqrt(mean(x^2) + eps) * weight.
+    """
+    x = x.float()
+    return x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   interleaved: bool) -> torch.Tensor:
+    """Rotary embedding as complex multiplication, in float32.
+
+    Args:
+        x: [T, ..., R]; cos, sin: [T, R / 2] float32 (the angles of each token).
+        interleaved: pair i is (x_{2i}, x_{2i+1}) (DeepSeek), else (x_i, x_{i + R/2}) (neox).
+
+    Returns:
+        [T, ..., R] float32, pair i rotated by its angle and stored back in x's layout.
+    """
+    x = x.float().contiguous()
+    half = x.shape[-1] // 2
+    rotation = torch.complex(cos, sin).view(cos.shape[0], *([1] * (x.dim() - 2)), half)
+    if interleaved:
+        pairs = x.unflatten(-1, (half, 2))  # [T, ..., R/2, 2]
+        return torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2)
+    rotated = torch.complex(x[..., :half], x[..., half:]) * rotation  # [T, ..., R/2]
+    return torch.cat((rotated.real, rotated.imag), dim=-1)
+
+
+def latent_rows_reference(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The latent cache rows of `kv_a_proj_with_mqa`'s output, in float32.
+
+    Args:
+        kv: [T, L + R] [c_kv | k_pe]; norm_weight: [L]; cos, sin: [T, R / 2] float32.
+
+    Returns:
+        [T, L + R] float32: [rmsnorm(c_kv) | rope(k_pe)].
+    """
+    kv_lora_rank = norm_weight.shape[0]
+    c_kv, k_pe = kv[:, :kv_lora_rank], kv[:, kv_lora_rank:]
+    return torch.cat((rms_norm_reference(c_kv, norm_weight, eps),
+                      rope_reference(k_pe, cos, sin, interleaved)), dim=-1)

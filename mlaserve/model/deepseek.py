@@ -3,6 +3,9 @@
 Parameter names equal the Hugging Face checkpoint names (`model.layers.N.self_attn.q_a_proj.weight`
 ...), except the routed experts, which live stacked in `mlp.experts.gate_up_proj [E, 2I, D]` and
 `mlp.experts.down_proj [E, D, I]` (the loader maps per-expert tensors into them).
+
+The small ops between the GEMMs (norms with the residual adds, rope, the latent cache write) are
+the building blocks of `mlaserve.model.layers`: fused Triton kernels on CUDA, torch on CPU.
 """
 
 import torch
@@ -13,7 +16,7 @@ from mlaserve.attention.metadata import AttentionMetadata
 from mlaserve.attention.prefill import expanded_prefill
 from mlaserve.config import ModelConfig
 from mlaserve.kernels.moe import fused_experts, select_experts
-from mlaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from mlaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, write_latent_cache
 
 
 class MLAAttention(nn.Module):
@@ -23,7 +26,9 @@ class MLAAttention(nn.Module):
     [c_kv | k_pe] = W_kva x, c_kv normalised, rope on q_pe and k_pe; the cache stores [c_kv | k_pe].
     Prefill expands c_kv with kv_b_proj = [W_UK; W_UV] into per-head k_nope, v. Decode absorbs
     W_UK into the query (q_latent = q_nope W_UK, [H, L]) and W_UV into the output
-    (o = o_latent W_UV^T), so attention runs over the latent rows directly.
+    (o = o_latent W_UV^T), so attention runs over the latent rows directly. The absorbed query
+    [q_latent | rope(q_pe)] is assembled in place: the bmm and the rope write its two column
+    ranges, and the output bmm writes straight into the per-head output.
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
@@ -71,24 +76,31 @@ class MLAAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q = q.view(num_tokens, self.num_heads, -1)  # [T, H, P + R]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_pe = self.rotary(q_pe, rope)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        latent = torch.cat((self.kv_a_layernorm(c_kv), self.rotary(k_pe, rope)), dim=-1)
         kv_flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, L + R]
-        kv_flat.index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
+        latent = write_latent_cache(
+            self.kv_a_proj_with_mqa(hidden), self.kv_a_layernorm, self.rotary, rope, kv_flat,
+            meta.slot_mapping, keep_rows=bool(meta.prefills))  # [T, L + R] or None
 
         out = hidden.new_empty(num_tokens, self.num_heads, self.v_head_dim)
+        cos, sin = rope
         d = meta.num_decode_tokens
         if d:
-            q_latent = torch.bmm(q_nope[:d].transpose(0, 1), self.w_uk)  # [H, d, L]
-            q_abs = torch.cat((q_latent.transpose(0, 1), q_pe[:d]), dim=-1)  # [d, H, L + R]
+            rank = self.kv_lora_rank
+            q_abs = hidden.new_empty(d, self.num_heads, rank + self.qk_rope_head_dim)
+            # q_abs = [q_nope W_UK | rope(q_pe)]: the bmm writes q_latent [H, d, L] through a
+            # transposed view of the first L columns, the rope the last R columns
+            torch.bmm(q_nope[:d].transpose(0, 1), self.w_uk,
+                      out=q_abs[..., :rank].transpose(0, 1))  # [d, H, L] viewed [H, d, L]
+            self.rotary(q_pe[:d], (cos[:d], sin[:d]), out=q_abs[..., rank:])  # [d, H, R]
             o_latent = meta.decode_backend.run(q_abs, kv_cache)  # [d, H, L]
-            out[:d] = torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+            torch.bmm(o_latent.transpose(0, 1), self.w_uv_t,
+                      out=out[:d].transpose(0, 1))  # o = o_latent W_UV^T: [d, H, V] as [H, d, V]
+        if num_tokens > d:  # prefill rows: rope in place, so q[rows] = [q_nope | rope(q_pe)]
+            self.rotary(q_pe[d:], (cos[d:], sin[d:]), out=q_pe[d:])
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = expanded_prefill(
-                torch.cat((q_nope[rows], q_pe[rows]), dim=-1), latent[rows], kv_flat, chunk,
+                q[rows], latent[rows], kv_flat, chunk,
                 self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim,
                 self.kv_lora_rank, self.softmax_scale)
         return self.o_proj(out.view(num_tokens, -1))  # [T, H * V] -> [T, D]
@@ -161,9 +173,27 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, rope, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), on a carried residual.
+
+        Args:
+            hidden: [T, D] the previous layer's MLP output (the embeddings for the first layer).
+            residual: [T, D] the stream that output is to be added to (None for the first layer).
+
+        Returns:
+            (mlp_out, residual) [T, D]: the stream is residual + mlp_out. Each residual add is
+            folded into the norm that follows it (`RMSNorm.add_and_norm`), which may update
+            `hidden` and `residual` in place.
+        """
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DeepseekBody(nn.Module):
@@ -195,11 +225,11 @@ class DeepseekForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden [T, D]."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary.angles(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] float32."""

@@ -1,12 +1,48 @@
-"""Building blocks: RMSNorm, DeepSeek YaRN rotary embedding, the SwiGLU MLP."""
+"""Building blocks: RMSNorm, YaRN rotary embedding, the latent cache write, the SwiGLU MLP.
 
+The norms, the rotary embedding and the latent cache write have two implementations: the fused
+Triton kernels of `mlaserve.kernels.fused_norm_rope` (one launch per op, CUDA-graph capturable)
+and the torch code here, which is the CPU path and states the semantics the kernels follow.
+Which one runs is decided in one place, `use_fused_kernels`: the kernels on CUDA tensors, the
+torch code on CPU tensors (tests run the kernels on CPU in Triton's interpreter inside
+`force_fused_kernels()`).
+"""
+
+import contextlib
 import math
+from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config import YarnScaling
+
+_fused_on_cpu = False
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """Whether ops on x run as the fused Triton kernels: on CUDA tensors, or on CPU tensors
+    inside `force_fused_kernels()`; otherwise the torch code runs."""
+    return x.is_cuda or _fused_on_cpu
+
+
+@contextlib.contextmanager
+def force_fused_kernels() -> Iterator[None]:
+    """Run the fused kernels on CPU tensors too (in Triton's interpreter: TRITON_INTERPRET=1)."""
+    global _fused_on_cpu
+    previous, _fused_on_cpu = _fused_on_cpu, True
+    try:
+        yield
+    finally:
+        _fused_on_cpu = previous
+
+
+def _kernels() -> ModuleType:
+    from mlaserve.kernels import fused_norm_rope  # imports triton, needed on this path only
+
+    return fused_norm_rope
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +54,30 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, N] -> [T, N] in x's dtype (a new tensor)."""
+        if use_fused_kernels(x):
+            return _kernels().rms_norm(x, self.weight, self.eps)
+        return self._normalize(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the residual stream: (norm(x + residual), x + residual).
+
+        Args:
+            x: [T, N] a sublayer's output.
+            residual: [T, N] the stream before that sublayer, in x's dtype.
+
+        Returns:
+            (normed, residual) [T, N] in x's dtype. The sum is rounded to x's dtype once and
+            normalised as rounded. The fused kernel writes them into x and residual in place
+            (one launch); the torch code returns new tensors.
+        """
+        if use_fused_kernels(x):
+            return _kernels().fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self._normalize(residual), residual
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -78,8 +138,23 @@ class RotaryEmbedding(nn.Module):
         """cos, sin [T, dim / 2] float32 at positions [T]; gathered once per step for all layers."""
         return self.cos[positions], self.sin[positions]
 
-    def forward(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate x [T, ..., dim] by `angles(positions)`; returns the same shape and dtype."""
+    def forward(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor],
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate x [T, H, dim] or [T, dim] by `angles(positions)`.
+
+        Args:
+            out: optional destination of x's shape (a view into a larger tensor, or x itself).
+
+        Returns:
+            out, or a new tensor in x's dtype: the rotation computed in float32 and rounded to
+            x's dtype.
+        """
+        if use_fused_kernels(x):
+            return _kernels().rotary_embedding(x, *angles, self.interleaved, out=out)
+        rotated = self._rotate(x, angles)
+        return rotated if out is None else out.copy_(rotated)
+
+    def _rotate(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cos, sin = angles
         cos = cos.view(cos.shape[0], *([1] * (x.dim() - 2)), -1)  # [T, 1.., dim/2]
         sin = sin.view(sin.shape[0], *([1] * (x.dim() - 2)), -1)
@@ -91,6 +166,33 @@ class RotaryEmbedding(nn.Module):
         half = self.dim // 2
         x1, x2 = xf[..., :half], xf[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def write_latent_cache(kv: torch.Tensor, norm: RMSNorm, rotary: RotaryEmbedding,
+                       angles: tuple[torch.Tensor, torch.Tensor], kv_cache_flat: torch.Tensor,
+                       slot_mapping: torch.Tensor, keep_rows: bool) -> torch.Tensor | None:
+    """Store a step's latent rows [norm(c_kv) | rope(k_pe)] in the paged cache.
+
+    Args:
+        kv: [T, L + R] kv_a_proj_with_mqa's output [c_kv | k_pe].
+        norm: kv_a_layernorm (its weight is [L]).
+        angles: (cos, sin) [T, R / 2] float32 from `RotaryEmbedding.angles`.
+        kv_cache_flat: [num_slots, L + R] the layer's cache viewed as rows.
+        slot_mapping: [T] int64, the cache row of each token.
+        keep_rows: whether the caller needs the rows back (the prefill path does).
+
+    Returns:
+        The rows [T, L + R] in kv's dtype when keep_rows (the fused kernel writes them over kv),
+        else None. Row t is stored, converted to the cache's dtype, at slot_mapping[t].
+    """
+    if use_fused_kernels(kv):
+        _kernels().write_latent(kv, norm.weight, norm.eps, *angles, rotary.interleaved,
+                                kv_cache_flat, slot_mapping, latent_out=kv if keep_rows else None)
+        return kv if keep_rows else None
+    c_kv, k_pe = kv.split([norm.weight.shape[0], rotary.dim], dim=-1)
+    latent = torch.cat((norm(c_kv), rotary(k_pe, angles)), dim=-1)
+    kv_cache_flat.index_copy_(0, slot_mapping, latent.to(kv_cache_flat.dtype))
+    return latent if keep_rows else None
 
 
 class GatedMLP(nn.Module):

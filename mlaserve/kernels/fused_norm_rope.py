@@ -1,0 +1,340 @@
+"""Triton kernels for the small per-layer ops of MLA: RMSNorm (with the residual add), rotary
+embedding, and the latent cache write.
+
+At a few tokens per step a decoder layer's time goes to launching kernels rather than to reading
+weights, so each of these ops is one launch:
+- `rms_norm`: x [T, N] -> x / rms(x) * weight, one program per row.
+- `fused_add_rms_norm`: the decoder's residual stream; residual <- x + residual and
+  x <- rms_norm(residual), both in place, one program per row.
+- `rotary_embedding`: rope on q_pe [T, H, R] into any [T, H, R] view (the last R columns of the
+  absorbed decode query, or q_pe itself), one program per (token, block of heads).
+- `write_latent`: kv_a_proj_with_mqa's output [c_kv | k_pe] [T, L + R] -> the cache row
+  [rmsnorm(c_kv) | rope(k_pe)] stored at the token's slot of the paged cache, and optionally
+  into a [T, L + R] tensor for the prefill path, one program per token.
+
+Numerics follow the torch code in `mlaserve.model.layers` (HF DeepSeek): the math is float32,
+and results are rounded where that code rounds them (stated per function). Rotary angles are the
+float32 tables of `RotaryEmbedding.angles` (cos, sin [T, R / 2]; YaRN's cos/sin scale is already
+in them). Layouts: DeepSeek's interleaved pairs (x0, x1), (x2, x3), ... or the neox halves
+(x_i, x_{i + R/2}); the output keeps the input's layout.
+
+Every launch is fixed by host-side shapes (no host sync, no data-dependent shape), so the kernels
+can be captured in CUDA graphs. On CPU tensors they run in Triton's interpreter
+(TRITON_INTERPRET=1, for tests).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _prepare_launch(x: torch.Tensor) -> None:
+    """CPU tensors run in Triton's interpreter: apply its workarounds first (idempotent)."""
+    if x.device.type == "cpu":
+        from mlaserve.attention.triton_backend import patch_triton_interpreter
+
+        patch_triton_interpreter()
+
+
+def _check_rows(name: str, x: torch.Tensor, width: int) -> None:
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(f"{name}: expected [rows, {width}] with unit column stride, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+
+
+def _check_angles(cos: torch.Tensor, sin: torch.Tensor, num_tokens: int, rope_dim: int) -> None:
+    for name, table in (("cos", cos), ("sin", sin)):
+        if (table.dtype != torch.float32 or tuple(table.shape) != (num_tokens, rope_dim // 2)
+                or table.stride(1) != 1):
+            raise ValueError(f"{name}: expected float32 [{num_tokens}, {rope_dim // 2}] with unit "
+                             f"column stride, got {table.dtype} {tuple(table.shape)}")
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError("cos and sin must have the same row stride")
+
+
+def _norm_warps(block: int) -> int:
+    """Warps for one row of `block` elements: about 8 elements per thread, 1 to 16 warps."""
+    return max(1, min(16, block // 256))
+
+
+@triton.jit
+def _rms_normalize(x, weight, n_cols, eps, OUT_DTYPE: tl.constexpr):
+    """HF DeepSeek's RMSNorm of one row x [BLOCK] (zero past n_cols): float32 statistics,
+    x * rsqrt(mean(x^2) + eps) rounded to OUT_DTYPE, times weight, rounded to OUT_DTYPE."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * rstd).to(OUT_DTYPE).to(tl.float32)
+    return (normed * weight.to(tl.float32)).to(OUT_DTYPE)
+
+
+@triton.jit
+def _rope_pair_columns(pair, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Columns of the two halves of rotation pair `pair` in a rope vector of ROPE_DIM."""
+    if INTERLEAVED:
+        first = 2 * pair
+        second = first + 1
+    else:
+        first = pair
+        second = pair + ROPE_DIM // 2
+    return first, second
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, X_DTYPE: tl.constexpr):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in float32, rounded to X_DTYPE."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return (x1 * cos - x2 * sin).to(X_DTYPE), (x2 * cos + x1 * sin).to(X_DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, N]
+    residual_ptr,  # [T, N], read and written when ADD_RESIDUAL
+    weight_ptr,  # [N]
+    out_ptr,  # [T, N]
+    n_cols,
+    eps,
+    stride_x,
+    stride_residual,
+    stride_out,
+    BLOCK_N: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        residual_row = residual_ptr + row * stride_residual + offs
+        residual = tl.load(residual_row, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_row, x, mask=mask)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    y = _rms_normalize(x, weight, n_cols, eps, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF DeepSeek computes it, one launch.
+
+    Args:
+        x: [T, N] float32, float16 or bfloat16, unit column stride.
+        weight: [N] (normally in x's dtype).
+
+    Returns:
+        [T, N] in x's dtype, contiguous: x * rsqrt(mean(x^2) + eps) computed in float32 and
+        rounded to x's dtype, then times weight (in float32) and rounded again.
+    """
+    num_tokens, n_cols = x.shape
+    _check_rows("x", x, n_cols)
+    out = torch.empty(num_tokens, n_cols, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        _launch_rms_norm(x, x, weight, out, eps, add_residual=False)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's residual stream step, one launch, both tensors updated in place.
+
+    residual <- x + residual: the sum in float32, rounded once to residual's dtype (what torch's
+    `x + residual` gives in that dtype). x <- rms_norm(residual) of that rounded residual, with
+    `rms_norm`'s rounding.
+
+    Args:
+        x: [T, N] (a sublayer's output), float32, float16 or bfloat16.
+        residual: [T, N] the residual stream, same dtype as x.
+        weight: [N].
+
+    Returns:
+        (x, residual): the same tensors, now holding the normalised rows and the new stream.
+    """
+    num_tokens, n_cols = x.shape
+    _check_rows("x", x, n_cols)
+    _check_rows("residual", residual, n_cols)
+    if residual.shape[0] != num_tokens or residual.dtype != x.dtype:
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match x "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if num_tokens:
+        _launch_rms_norm(x, residual, weight, x, eps, add_residual=True)
+    return x, residual
+
+
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     out: torch.Tensor, eps: float, add_residual: bool) -> None:
+    _prepare_launch(x)
+    num_tokens, n_cols = x.shape
+    block = triton.next_power_of_2(n_cols)
+    _rms_norm_kernel[(num_tokens,)](
+        x, residual, weight, out, n_cols, eps, x.stride(0), residual.stride(0), out.stride(0),
+        BLOCK_N=block, ADD_RESIDUAL=add_residual, num_warps=_norm_warps(block))
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,  # [T, H, R]
+    cos_ptr,  # [T, R / 2] float32
+    sin_ptr,  # [T, R / 2] float32
+    out_ptr,  # [T, H, R]
+    num_heads,
+    stride_x_token,
+    stride_x_head,
+    stride_out_token,
+    stride_out_head,
+    stride_angles,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    pair = tl.arange(0, BLOCK_PAIRS)
+    pair_mask = pair < ROPE_DIM // 2
+    mask = (heads < num_heads)[:, None] & pair_mask[None, :]  # [BLOCK_H, BLOCK_PAIRS]
+    cos = tl.load(cos_ptr + token * stride_angles + pair, mask=pair_mask, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_angles + pair, mask=pair_mask, other=0.0)
+    first, second = _rope_pair_columns(pair, ROPE_DIM, INTERLEAVED)
+    x_row = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head
+    x1 = tl.load(x_row + first[None, :], mask=mask, other=0.0)
+    x2 = tl.load(x_row + second[None, :], mask=mask, other=0.0)
+    y1, y2 = _rotate(x1, x2, cos[None, :], sin[None, :], x_ptr.dtype.element_ty)
+    out_row = out_ptr + token * stride_out_token + heads[:, None] * stride_out_head
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(out_row + first[None, :], y1.to(out_dtype), mask=mask)
+    tl.store(out_row + second[None, :], y2.to(out_dtype), mask=mask)
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate each head of x by its token's angles, one launch.
+
+    Args:
+        x: [T, H, R] or [T, R], float32, float16 or bfloat16; any token and head strides, unit
+            column stride (e.g. the q_pe columns of q [T, H, P + R]).
+        cos, sin: [T, R / 2] float32 from `RotaryEmbedding.angles`.
+        interleaved: pairs (x0, x1), (x2, x3), ... (DeepSeek) or halves (x_i, x_{i + R/2}).
+        out: optional destination of x's shape with unit column stride (e.g. the last R
+            columns of the absorbed query [T, H, L + R], or x itself).
+
+    Returns:
+        out (new in x's dtype when not given): the rotation computed in float32, rounded to x's
+        dtype, then stored in out's dtype.
+    """
+    out = torch.empty_like(x) if out is None else out
+    if tuple(out.shape) != tuple(x.shape) or x.dim() not in (2, 3) or x.stride(-1) != 1 or (
+            out.stride(-1) != 1):
+        raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} must both be [T, H, R] "
+                         "or [T, R] with unit column stride")
+    heads_x = x if x.dim() == 3 else x.unsqueeze(1)  # [T, H, R] (H = 1 for [T, R])
+    heads_out = out if out.dim() == 3 else out.unsqueeze(1)  # [T, H, R]
+    num_tokens, num_heads, rope_dim = heads_x.shape
+    _check_angles(cos, sin, num_tokens, rope_dim)
+    if num_tokens == 0:
+        return out
+    _prepare_launch(x)
+    block_h = min(triton.next_power_of_2(num_heads), 16)
+    _rope_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        heads_x, cos, sin, heads_out, num_heads, heads_x.stride(0), heads_x.stride(1),
+        heads_out.stride(0), heads_out.stride(1), cos.stride(0), ROPE_DIM=rope_dim,
+        BLOCK_H=block_h, BLOCK_PAIRS=triton.next_power_of_2(rope_dim // 2),
+        INTERLEAVED=interleaved, num_warps=4)
+    return out
+
+
+@triton.jit
+def _write_latent_kernel(
+    kv_ptr,  # [T, L + R]: [c_kv | k_pe]
+    weight_ptr,  # [L] kv_a_layernorm weight
+    cos_ptr,  # [T, R / 2] float32
+    sin_ptr,  # [T, R / 2] float32
+    slot_ptr,  # [T] int64
+    cache_ptr,  # [num_slots, L + R]
+    latent_ptr,  # [T, L + R] when STORE_LATENT
+    eps,
+    stride_kv,
+    stride_angles,
+    stride_cache,
+    stride_latent,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    STORE_LATENT: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    kv_dtype = kv_ptr.dtype.element_ty
+    cache_dtype = cache_ptr.dtype.element_ty
+    kv_row = kv_ptr + token * stride_kv
+    cache_row = cache_ptr + tl.load(slot_ptr + token).to(tl.int64) * stride_cache
+
+    cols = tl.arange(0, BLOCK_L)
+    col_mask = cols < KV_LORA_RANK
+    c_kv = tl.load(kv_row + cols, mask=col_mask, other=0.0)
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+    c_kv = _rms_normalize(c_kv, weight, KV_LORA_RANK, eps, kv_dtype)
+
+    pair = tl.arange(0, BLOCK_PAIRS)
+    pair_mask = pair < ROPE_DIM // 2
+    cos = tl.load(cos_ptr + token * stride_angles + pair, mask=pair_mask, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_angles + pair, mask=pair_mask, other=0.0)
+    first, second = _rope_pair_columns(pair, ROPE_DIM, INTERLEAVED)
+    first = first + KV_LORA_RANK
+    second = second + KV_LORA_RANK
+    x1 = tl.load(kv_row + first, mask=pair_mask, other=0.0)
+    x2 = tl.load(kv_row + second, mask=pair_mask, other=0.0)
+    y1, y2 = _rotate(x1, x2, cos, sin, kv_dtype)
+
+    tl.store(cache_row + cols, c_kv.to(cache_dtype), mask=col_mask)
+    tl.store(cache_row + first, y1.to(cache_dtype), mask=pair_mask)
+    tl.store(cache_row + second, y2.to(cache_dtype), mask=pair_mask)
+    if STORE_LATENT:
+        latent_row = latent_ptr + token * stride_latent
+        latent_dtype = latent_ptr.dtype.element_ty
+        tl.store(latent_row + cols, c_kv.to(latent_dtype), mask=col_mask)
+        tl.store(latent_row + first, y1.to(latent_dtype), mask=pair_mask)
+        tl.store(latent_row + second, y2.to(latent_dtype), mask=pair_mask)
+
+
+def write_latent(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor, interleaved: bool, kv_cache_flat: torch.Tensor,
+                 slot_mapping: torch.Tensor, latent_out: torch.Tensor | None = None) -> None:
+    """Normalise c_kv, rotate k_pe and store the latent rows in the paged cache, one launch.
+
+    Row t of the cache at slot_mapping[t] becomes [rmsnorm(c_kv_t) | rope(k_pe_t)]: both parts
+    computed in float32 and rounded to kv's dtype as `rms_norm` and `rotary_embedding` round,
+    then converted to the cache's dtype. No other cache row is touched.
+
+    Args:
+        kv: [T, L + R] kv_a_proj_with_mqa's output [c_kv | k_pe], unit column stride.
+        norm_weight: [L] kv_a_layernorm's weight.
+        cos, sin: [T, R / 2] float32 from `RotaryEmbedding.angles`.
+        interleaved: the rope layout (see `rotary_embedding`).
+        kv_cache_flat: [num_slots, L + R] the layer's paged cache viewed as rows.
+        slot_mapping: [T] int64 cache row of each token.
+        latent_out: optional [T, L + R] (may be kv itself) that also receives the rows, in its
+            own dtype (the prefill path reads them).
+    """
+    num_tokens, width = kv.shape
+    kv_lora_rank = norm_weight.shape[0]
+    rope_dim = width - kv_lora_rank
+    _check_rows("kv", kv, width)
+    _check_rows("kv_cache_flat", kv_cache_flat, width)
+    if latent_out is not None:
+        _check_rows("latent_out", latent_out, width)
+    _check_angles(cos, sin, num_tokens, rope_dim)
+    if tuple(slot_mapping.shape) != (num_tokens,):
+        raise ValueError(f"slot_mapping: expected [{num_tokens}], got "
+                         f"{tuple(slot_mapping.shape)}")
+    if num_tokens == 0:
+        return
+    _prepare_launch(kv)
+    latent = kv if latent_out is None else latent_out  # an unused pointer when not stored
+    _write_latent_kernel[(num_tokens,)](
+        kv, norm_weight, cos, sin, slot_mapping, kv_cache_flat, latent, eps, kv.stride(0),
+        cos.stride(0), kv_cache_flat.stride(0), latent.stride(0), KV_LORA_RANK=kv_lora_rank,
+        ROPE_DIM=rope_dim, BLOCK_L=triton.next_power_of_2(kv_lora_rank),
+        BLOCK_PAIRS=triton.next_power_of_2(rope_dim // 2), INTERLEAVED=interleaved,
+        STORE_LATENT=latent_out is not None, num_warps=4)
