@@ -79,9 +79,34 @@ def test_cumulative_and_final_only_outputs(loop, client):
 
     cumulative = loop.run_until_complete(outputs("cumulative"))
     final = loop.run_until_complete(outputs("final_only"))
-    assert [len(o.token_ids) for o in cumulative] == [1, 2, 3, 4]
+    # a consumer slower than the engine may see fewer cumulative outputs (a newer replaces an
+    # older one it had not taken), each a prefix of the last
+    lengths = [len(o.token_ids) for o in cumulative]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 4
+    assert all(o.token_ids == cumulative[-1].token_ids[: len(o.token_ids)] for o in cumulative)
     assert len(final) == 1 and final[0].token_ids == cumulative[-1].token_ids
     assert final[0].text == cumulative[-1].text
+
+
+def test_a_slow_consumer_gets_merged_deltas(loop, client):
+    """Deltas that pile up while the consumer is busy arrive as one: nothing lost, fewer chunks."""
+    async def outputs(slow: bool):
+        stream = await client.add_request([5, 6, 7], SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, output_kind="delta", logprobs=1),
+            f"delta-{slow}")
+        seen = []
+        async for output in stream:
+            seen.append(output)
+            if slow:
+                await asyncio.sleep(0.2)
+        return seen
+
+    fast, slow = (loop.run_until_complete(outputs(s)) for s in (False, True))
+    for seen in (fast, slow):
+        assert sum((o.token_ids for o in seen), []) == sum((o.token_ids for o in fast), [])
+        assert "".join(o.text for o in seen) == "".join(o.text for o in fast)
+        assert sum(len(o.logprobs) for o in seen) == 12 and seen[-1].finish_reason == "length"
+    assert len(slow) < len(fast)
 
 
 def test_validation_errors_raise_before_queueing(loop, client):

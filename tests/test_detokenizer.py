@@ -2,8 +2,8 @@
 
 from transformers import AutoTokenizer
 
-from mlaserve.engine.detokenizer import IncrementalDetokenizer
 from mlaserve.engine.args import DEMO_MODEL_DIR
+from mlaserve.engine.detokenizer import IncrementalDetokenizer
 
 TOKENIZER = AutoTokenizer.from_pretrained(str(DEMO_MODEL_DIR))
 

@@ -39,7 +39,8 @@ def test_streaming_completion_with_usage(client):
         model="demo", prompt="Hello", max_tokens=6, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     text_chunks = [c for c in chunks if c.choices]
-    assert len(text_chunks) == 6  # one chunk per generated token
+    # one chunk per generated token, unless the stream lagged and deltas merged
+    assert 1 <= len(text_chunks) <= 6
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert text_chunks[-1].choices[0].finish_reason == "length"
     full = client.completions.create(model="demo", prompt="Hello", max_tokens=6, temperature=0,
@@ -196,15 +197,18 @@ def test_a_client_disconnect_aborts_its_request_in_the_core(server):
 def test_64_streams_with_a_quarter_disconnecting(server):
     async def one(session, i):
         body = {"prompt": f"stream {i}", "max_tokens": 24, "stream": True, "ignore_eos": True,
-                "temperature": 0.7, "seed": i}
+                "temperature": 0.7, "seed": i, "stream_options": {"include_usage": True}}
         async with session.post(server.url + "/v1/completions", json=body) as response:
             events = 0
             async for line in response.content:
                 if line.startswith(b"data: ") and b"[DONE]" not in line:
                     events += 1
-                    if i % 4 == 0 and events == 3:
+                    if i % 4 == 0 and events == 2:
                         return None  # disconnect mid-stream
-            return events
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        return usage["completion_tokens"]
+            return None
 
     async def main():
         async with aiohttp.ClientSession() as session:
@@ -230,5 +234,5 @@ def test_api_key_is_enforced():
                                  json={**body, "max_tokens": 4, "stream": True})
         events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
         assert streamed.status_code == 200 and events[-1] == "data: [DONE]"
-        assert len(events) == 4 + 1  # one event per token, then [DONE]
+        assert 2 <= len(events) <= 4 + 1  # an event per token (or merged deltas), then [DONE]
         assert requests.get(keyed.url + "/health").status_code == 200

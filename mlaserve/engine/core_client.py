@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import msgspec
@@ -99,11 +99,48 @@ class StatsRecorder(Protocol):
     def record(self, stats: IterationStats) -> None: ...
 
 
+class OutputCollector:
+    """The outputs of one request that its consumer has not taken yet.
+
+    Delta outputs that pile up (the consumer, e.g. an HTTP stream, is slower than the engine)
+    merge into one, so a lagging stream catches up with fewer, larger chunks instead of falling
+    further behind; a cumulative output replaces the one before it. An exception replaces
+    whatever is pending: the request failed.
+    """
+
+    def __init__(self) -> None:
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        pending = self._pending
+        if (isinstance(item, RequestOutput) and isinstance(pending, RequestOutput)
+                and item.output_kind == "delta"):
+            item = merge_deltas(pending, item)
+        self._pending = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self._pending is None:
+            await self._ready.wait()
+        item, self._pending = self._pending, None
+        self._ready.clear()
+        return item
+
+
+def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
+    """One delta output holding what two consecutive ones hold."""
+    logprobs = None if first.logprobs is None else first.logprobs + second.logprobs
+    return replace(
+        second, text=first.text + second.text, token_ids=first.token_ids + second.token_ids,
+        logprobs=logprobs, prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs)
+
+
 @dataclass(eq=False)
 class _Stream:
-    """A request in flight: its output queue and its timing."""
+    """A request in flight: its pending outputs and its timing."""
 
-    queue: asyncio.Queue
+    queue: OutputCollector
     num_prompt_tokens: int
     arrival: float
     first_token: float | None = None
@@ -205,7 +242,7 @@ class AsyncEngineClient:
         validate_prompt(prompt_token_ids, params, self.info)
         self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        stream = _Stream(asyncio.Queue(), len(prompt_token_ids), time.perf_counter())
+        stream = _Stream(OutputCollector(), len(prompt_token_ids), time.perf_counter())
         self._streams[request_id] = stream
         self._send(AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params, seed)))
         return self._iterate(request_id, stream)

@@ -122,7 +122,8 @@ class OutputProcessor:
                 finish_reason=state.finish_reason,
                 logprobs=None if state.logprobs is None else new_logprobs,
                 prompt_logprobs=state.prompt_logprobs if first else None,
-                stop_reason=state.stop_reason, num_cached_tokens=state.num_cached_tokens)
+                stop_reason=state.stop_reason, num_cached_tokens=state.num_cached_tokens,
+                output_kind=kind)
         # cumulative copies the lists (the consumer may keep each output); final_only hands over
         copy = kind == "cumulative" and not finished
         return RequestOutput(
@@ -133,4 +134,4 @@ class OutputProcessor:
             logprobs=(None if state.logprobs is None
                       else list(state.logprobs) if copy else state.logprobs),
             prompt_logprobs=state.prompt_logprobs, stop_reason=state.stop_reason,
-            num_cached_tokens=state.num_cached_tokens)
+            num_cached_tokens=state.num_cached_tokens, output_kind=kind)

@@ -109,6 +109,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    output_kind: str = "cumulative"  # what text / token_ids / logprobs hold (SamplingParams)
 
     @property
     def finished(self) -> bool:

@@ -4,6 +4,10 @@ import json
 import math
 from typing import Any
 
+import msgspec
+
+_encoder = msgspec.json.Encoder()
+
 LOGPROB_FLOOR = -9999.0
 
 
@@ -69,11 +73,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def sse(payload: dict[str, Any] | str) -> str:
-    """One server-sent event: `data: <compact JSON>` and a blank line."""
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <compact JSON>` and a blank line, as UTF-8.
+
+    msgspec encodes a chunk several times faster than json (every streamed token is one chunk);
+    text it refuses (a lone surrogate) goes through json, which escapes it.
+    """
     if isinstance(payload, str):
-        return f"data: {payload}\n\n"
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+        return f"data: {payload}\n\n".encode()
+    try:
+        body = _encoder.encode(payload)
+    except (TypeError, UnicodeEncodeError, msgspec.EncodeError):
+        body = json.dumps(payload, separators=(",", ":")).encode()
+    return b"data: " + body + b"\n\n"
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
