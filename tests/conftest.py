@@ -1,5 +1,4 @@
-"""Shared fixtures: tiny random DeepSeek checkpoints written by transformers' own classes, and
-a runner whose next step fails."""
+"""Shared fixtures: tiny random DeepSeek checkpoints written by transformers' own classes."""
 
 import json
 import os
@@ -81,22 +80,3 @@ def checkpoint_dir(tmp_path_factory):
 
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
-
-
-@pytest.fixture
-def fail_first_step(monkeypatch):
-    """fail_first_step(runner, message): the runner's next launch raises RuntimeError(message),
-    later ones run normally."""
-
-    def install(runner, message: str) -> None:
-        original, calls = runner.launch, {"n": 0}
-
-        def flaky(batch):
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise RuntimeError(message)
-            return original(batch)
-
-        monkeypatch.setattr(runner, "launch", flaky)
-
-    return install
