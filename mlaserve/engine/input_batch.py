@@ -21,8 +21,7 @@ from mlaserve.engine.sampler import (
     needs_filter,
     needs_penalties,
 )
-
-_MASK63 = (1 << 63) - 1
+from mlaserve.kernels.sampling import SEED_MASK
 
 
 class PersistentBatch:
@@ -89,7 +88,7 @@ class PersistentBatch:
         floats = self.to_device([[r.params.temperature, r.params.top_p, r.params.min_p]
                                  for r in joined], torch.float32)  # [J, 3]
         ints = self.to_device([[r.params.top_k if r.params.top_k > 0 else self.vocab_size,
-                                r.sample_seed & _MASK63] for r in joined], torch.int64)  # [J, 2]
+                                r.sample_seed & SEED_MASK] for r in joined], torch.int64)  # [J, 2]
         self.temperature[rows] = floats[:, 0]
         self.top_p[rows] = floats[:, 1]
         self.min_p[rows] = floats[:, 2]

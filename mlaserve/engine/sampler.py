@@ -12,9 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from mlaserve.engine.request import Request, SamplingParams
-from mlaserve.kernels.sampling import gumbel_argmax, seeded_uniform
-
-_MASK63 = (1 << 63) - 1
+from mlaserve.kernels.sampling import SEED_MASK, gumbel_argmax, seeded_uniform
 
 
 @dataclass
@@ -87,7 +85,7 @@ class SamplingBatch:
             top_k=tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([r.sample_seed & _MASK63 for r in requests], torch.int64),
+            seeds=tensor([r.sample_seed & SEED_MASK for r in requests], torch.int64),
             positions=tensor([r.num_total_tokens for r in requests], torch.int64),
             all_greedy=all(p.temperature == 0 for p in params),
             needs_filter=any(needs_filter(p) for p in params),

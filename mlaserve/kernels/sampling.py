@@ -12,7 +12,7 @@ fly; the torch version (CPU, and the reference) computes the same thing with [N,
 
 import torch
 
-_MASK63 = (1 << 63) - 1
+SEED_MASK = (1 << 63) - 1  # seeds are kept below 2**63 (int64)
 # splitmix64's multipliers, as signed int64 (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, ...)
 _GOLDEN = -7046029254386353131
 _MIX1 = -4658895280553007687
