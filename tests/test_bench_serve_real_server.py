@@ -4,6 +4,7 @@ import argparse
 import asyncio
 
 import numpy as np
+import pytest
 
 from mlaserve.bench import serve as bench_serve
 from mlaserve.engine.args import DEMO_MODEL_DIR
@@ -36,7 +37,11 @@ def test_bench_serve_against_the_real_server(capsys):
     ttfts, latencies = np.array(result["ttfts"]), np.array(result["latencies"])
     tpots = (latencies - ttfts) / (np.array(result["output_lens"]) - 1)
     itls = [gap for gaps in result["itls"] for gap in gaps]
-    assert len(itls) == 12 * 7  # one stream chunk per token after the first
+    # A stream that lags behind the engine gets its token deltas merged into one chunk (as
+    # vLLM's server does), so a request sees at most one gap per token after the first.
+    assert all(1 <= len(gaps) <= 7 for gaps in result["itls"])
+    for gaps, ttft, latency in zip(result["itls"], ttfts, latencies):
+        assert sum(gaps) == pytest.approx(latency - ttft, abs=0.05)
     assert result["mean_ttft_ms"] == np.mean(ttfts) * 1000
     assert result["median_tpot_ms"] == np.median(tpots) * 1000
     assert result["p99_itl_ms"] == np.percentile(itls, 99) * 1000
