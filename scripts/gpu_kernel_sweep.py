@@ -119,7 +119,7 @@ class Sweep:
         def call() -> tuple[torch.Tensor, torch.Tensor]:
             return kernels.mla_decode_triton(
                 q, cache, block_table, seq_lens, self.softmax_scale, self.kv_lora_rank, q_len,
-                plan.num_splits, workspace=workspace, config=plan.config)
+                plan, workspace=workspace)
 
         return call
 

@@ -41,9 +41,12 @@ def main() -> None:
                            torch.bfloat16, num_sms, block_size=args.block_size,
                            num_splits=args.splits)
     config = dataclasses.replace(plan.config, **parse_changes(args.set))
+    plan = plan_mla_decode(args.batch, args.kv_len, args.heads, args.q_len, 512, 64,
+                           torch.bfloat16, num_sms, config=config, block_size=args.block_size,
+                           num_splits=args.splits)
     for _ in range(2):
         mla_decode_triton(q, kv_cache, block_table, seq_lens, 1 / math.sqrt(576), 512,
-                          args.q_len, plan.num_splits, config=config)
+                          args.q_len, plan)
     torch.cuda.synchronize()
     print(f"{config} splits {plan.num_splits}")
 

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from mlaserve.kernels import mla_decode  # noqa: E402
-from mlaserve.kernels.mla_decode_plan import page_chunk, plan_mla_decode  # noqa: E402
+from mlaserve.kernels.mla_decode_plan import plan_mla_decode  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 SIGNATURE = {
@@ -71,7 +71,7 @@ def main() -> None:
                           BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
                           DIRECT_OUTPUT=False, USE_PDL=True, USE_TMA=tma,
-                          PAGE_CHUNK=page_chunk(config, kv_len, plan.num_splits))
+                          PAGE_CHUNK=plan.page_chunk)
         if q_len == 1:
             constexprs["q_len"] = 1  # the launcher specialises integer arguments equal to 1
         signature |= {name: "constexpr" for name in constexprs}

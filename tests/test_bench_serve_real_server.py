@@ -40,7 +40,7 @@ def test_bench_serve_against_the_real_server(capsys):
     # A stream that lags behind the engine gets its token deltas merged into one chunk (as
     # vLLM's server does), so a request sees at most one gap per token after the first.
     assert all(1 <= len(gaps) <= 7 for gaps in result["itls"])
-    for gaps, ttft, latency in zip(result["itls"], ttfts, latencies):
+    for gaps, ttft, latency in zip(result["itls"], ttfts, latencies, strict=True):
         assert sum(gaps) == pytest.approx(latency - ttft, abs=0.05)
     assert result["mean_ttft_ms"] == np.mean(ttfts) * 1000
     assert result["median_tpot_ms"] == np.median(tpots) * 1000

@@ -133,7 +133,7 @@ def run_and_check(
         for buffer in workspace:
             buffer.fill_(float("nan"))
     o, lse = mla_decode_triton(q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len,
-                               plan.num_splits, workspace=workspace, config=plan.config)
+                               plan, workspace=workspace)
     check(o, lse, q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len)
 
 
@@ -327,6 +327,27 @@ def test_graph_hooks_keep_pointers_and_match_plan() -> None:
     # A smaller batch zeroes the lengths of the rows the graph still computes.
     backend.plan_for_replay(block_table[:2], seq_lens[:2], q_len)
     assert backend.graph_seq_lens[2:].count_nonzero() == 0
+
+
+def test_eager_step_planned_like_a_graph() -> None:
+    """A smaller eager batch runs with the captured plan of a larger graph (same compile-time
+    parameters, so nothing compiles), on the static buffers, and stays exact."""
+    dtype, q_len, max_blocks = torch.float32, 1, 8
+    backend = _backend(16, 1, dtype)
+    backend.config = dataclasses.replace(SMALL_TILES, split_policy="fill", programs_per_sm=8.0)
+    backend.init_graph_buffers(max_batch_size=8, max_blocks_per_seq=max_blocks)
+    backend.plan_for_capture(8, q_len)
+    captured = backend.kernel_plan
+    assert captured.num_splits > 1
+    q, kv_cache, block_table, seq_lens = make_batch([5, 77, 30], 16, 64, 16, 16, q_len, dtype, 3)
+    backend.plan(block_table, seq_lens, q_len)
+    assert backend.kernel_plan != captured  # planned for 3 requests of 5 blocks
+    backend.plan_like_graph(block_table, seq_lens, 8, q_len)
+    assert backend.kernel_plan == captured
+    assert backend.block_table.data_ptr() == backend.graph_block_table.data_ptr()
+    assert backend.block_table.shape == (3, max_blocks)
+    o, lse = backend.run(q, kv_cache, return_lse=True)
+    check(o, lse, q, kv_cache, block_table, seq_lens, 0.25, 64, q_len)
 
 
 @gpu_only

@@ -127,6 +127,14 @@ class MLABackend(ABC):
     def plan_for_capture(self, batch_size: int, q_len: int = 1) -> None:
         self.plan(self.graph_block_table[:batch_size], self.graph_seq_lens[:batch_size], q_len)
 
+    def plan_like_graph(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        graph_batch_size: int, q_len: int = 1) -> None:
+        """Prepare an eager step of B <= graph_batch_size requests as the CUDA graph captured
+        for graph_batch_size was planned (e.g. the decode rows of a mixed prefill/decode step),
+        so that the step launches only kernels that capture compiled. Arguments as `plan`;
+        needs `init_graph_buffers`. Backends whose kernels do not specialise per plan: `plan`."""
+        self.plan(block_table, seq_lens, q_len)
+
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         q_len: int = 1) -> None:
         """Copy a batch of B <= the captured size into the static buffers; rows past B get

@@ -6,6 +6,8 @@ static block table, static lengths and a partial-output workspace big enough for
 up to the maximum; `plan_for_capture()` fixes the split count of a batch size from the longest
 possible length (any split count is correct for any lengths), and `plan_for_replay()` only copies
 the new block table and lengths into the static buffers, so every pointer a graph holds stays put.
+`plan_like_graph()` runs an eager step (the decode rows of a mixed prefill/decode step) on those
+buffers with a captured graph's plan: it launches only kernels that capture compiled.
 """
 
 import os
@@ -157,8 +159,7 @@ class TritonMLABackend(MLABackend):
         plan = self.kernel_plan
         o, lse = self._kernels.mla_decode_triton(
             q, kv_cache, self.block_table, self.seq_lens, self.softmax_scale,
-            self.shape.kv_lora_rank, self.q_len, plan.num_splits, workspace=self.workspace,
-            config=plan.config)
+            self.shape.kv_lora_rank, self.q_len, plan, workspace=self.workspace)
         return (o, lse) if return_lse else o
 
     # CUDA-graph hooks: static block table, lengths and workspace; a fixed split count per
@@ -185,6 +186,16 @@ class TritonMLABackend(MLABackend):
 
     def plan_for_capture(self, batch_size: int, q_len: int = 1) -> None:
         self._plan_static(batch_size, q_len)
+
+    def plan_like_graph(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        graph_batch_size: int, q_len: int = 1) -> None:
+        # The captured graph's plan, the static block table (its row stride) and workspace: the
+        # same compiled kernels; the grid covers the B rows only.
+        MLABackend.plan_for_replay(self, block_table, seq_lens, q_len)
+        batch = block_table.shape[0]
+        plan = self._make_plan(graph_batch_size, self._graph_max_seq_len, q_len)
+        self._set_step(self.graph_block_table[:batch], self.graph_seq_lens[:batch], q_len, plan,
+                       self._graph_workspace)
 
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         q_len: int = 1) -> None:

@@ -234,17 +234,23 @@ class EngineCore:
         """Run short requests through prefill and decode, then forget them.
 
         Compiles what compiles on first use (Triton kernels, FlashInfer modules) before a server
-        reports ready, so the first real request's latency is not the compiler's. On a GPU one
-        prompt fills a whole step's token budget, for the large-token kernel configurations.
+        reports ready, so no request waits for the compiler. On a GPU the prompts run one at a
+        time with 16, 32, 64, ... tokens up to a whole step's budget, so every kernel configuration
+        chosen from a step's token count (the fused MoE's buckets, none narrower than a factor
+        of two) is met once. Decode attention compiles while the CUDA graphs are captured, and mixed steps
+        reuse those kernels (`MLABackend.plan_like_graph`). Sampling at temperature 1, the
+        sort-free path that most requests take.
         """
         lengths = [8]
         if self.device.type == "cuda":
-            lengths.append(min(self.scheduler_config.max_num_batched_tokens,
-                               self.max_model_len, self.info.kv_capacity_tokens) - 2)
+            longest = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len,
+                          self.info.kv_capacity_tokens) - 2
+            lengths = [n for n in (2 ** k for k in range(4, longest.bit_length())) if n < longest]
+            lengths.append(longest)
         vocab = self.config.vocab_size
         for i, length in enumerate(lengths):
             prompt = [1 + j % (vocab - 1) for j in range(length)]
             self.add_request(EngineCoreRequest(f"warm-up-{i}", prompt, SamplingParams(
-                max_tokens=2, temperature=0, ignore_eos=True), sample_seed=0))
-        while self.has_unfinished:
-            self.step()
+                max_tokens=2, temperature=1.0, seed=0, ignore_eos=True), sample_seed=0))
+            while self.has_unfinished:
+                self.step()

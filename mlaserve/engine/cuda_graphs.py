@@ -99,6 +99,10 @@ class DecodeGraphs:
     def covers(self, batch_size: int, table_width: int) -> bool:
         return batch_size <= self.sizes[-1] and table_width <= self.max_blocks_per_seq
 
+    def padded_size(self, batch_size: int) -> int:
+        """The captured batch size that runs `batch_size` requests: the smallest one >= it."""
+        return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Replay the decode forward for n requests.
@@ -112,7 +116,7 @@ class DecodeGraphs:
             the next replay).
         """
         n = input_ids.shape[0]
-        batch_size = self.sizes[bisect.bisect_left(self.sizes, n)]  # smallest captured >= n
+        batch_size = self.padded_size(n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)

@@ -154,8 +154,12 @@ class ModelRunner:
                                                                                   strict=True))
             meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=num_decodes,
                                      prefills=chunks)
-            if decodes:
+            if decodes and graphs is not None and graphs.covers(num_decodes, width):
+                # planned as the graph of this size was: no kernel compiles mid-serving
+                self.backend.plan_like_graph(table, seq_lens, graphs.padded_size(num_decodes))
+            elif decodes:
                 self.backend.plan(table, seq_lens)
+            if decodes:
                 meta.decode_backend = self.backend
             hidden = self.model(input_ids, position_ids, self.kv_caches, meta)
         return self._sample(batch, hidden, chunks)

@@ -125,7 +125,10 @@ def _prepare_launch(x: torch.Tensor) -> None:
         patch_triton_interpreter()
 
 
-@triton.jit
+# Integer arguments that vary with the step's token count are not specialised (Triton would
+# compile a variant per value class: equal to 1, divisible by 16, other), so one compiled kernel
+# per configuration serves every step size and a server compiles nothing after its warm-up.
+@triton.jit(do_not_specialize=["num_pairs", "max_padded", "fill_per_chunk"])
 def _count_kernel(
     topk_ids_ptr,  # [T * K] int64
     chunk_counts_ptr,  # [num_chunks, EXPERTS] int32, out
@@ -152,7 +155,7 @@ def _count_kernel(
         tl.store(sorted_ids_ptr + rows, sentinel, mask=rows < fill_end)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_m_blocks"])
 def _offsets_kernel(
     chunk_counts_ptr,  # [num_chunks, EXPERTS] int32: counts in, each chunk's first row out
     expert_ids_ptr,  # [num_m_blocks] int32, out
@@ -194,7 +197,7 @@ def _offsets_kernel(
                  mask=blocks < num_m_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(
     topk_ids_ptr,  # [T * K] int64
     chunk_offsets_ptr,  # [num_chunks, EXPERTS] int32
@@ -216,6 +219,13 @@ def _scatter_kernel(
     tl.store(sorted_ids_ptr + rows, pairs, mask=valid)
 
 
+def _loop_tile(num_rows: int, experts: int) -> int:
+    """Rows of a [rows, EXPERTS] tile that the offsets kernel loops over: 32 for up to 32 rows
+    (decode), else about 16K elements; two sizes, so two compiled variants at most."""
+    large = max(1, 16384 // experts)
+    return min(32, large) if num_rows <= 32 else large
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     """Group the (token, slot) pairs by expert, each run padded to block_m rows, on the device.
 
@@ -234,9 +244,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     # [CHUNK, EXPERTS] and [CHUNK_TILE, EXPERTS] tiles of about 16K elements
     chunk = max(16, min(1024, 16384 // experts))
     num_chunks = triton.cdiv(num_pairs, chunk)
-    # tiles of about 16K elements at most, no larger than the rows they cover
-    chunk_tile = min(max(1, 16384 // experts), triton.next_power_of_2(num_chunks))
-    block_tile = min(max(1, 16384 // experts), triton.next_power_of_2(num_m_blocks))
+    chunk_tile = _loop_tile(num_chunks, experts)
+    block_tile = _loop_tile(num_m_blocks, experts)
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_m_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
@@ -265,7 +274,7 @@ def _tile_of_program(pid, num_m_blocks, num_n_blocks, GROUP_SIZE_M: tl.constexpr
     return first_m + pid % group_width % group_rows, pid % group_width // group_rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_silu_kernel(
     x_ptr,  # [T, D]
     w_ptr,  # [E, 2I, D]: gate rows then up rows
@@ -329,7 +338,7 @@ def _gate_up_silu_kernel(
              act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & (cols < inter)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_kernel(
     act_ptr,  # [max_padded, I], unit column stride
     w_ptr,  # [E, D, I]

@@ -49,13 +49,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mlaserve.kernels.mla_decode_plan import (
-    MLADecodeConfig,
-    default_config,
-    merge_tile,
-    page_chunk,
-    partial_dtype_of,
-)
+from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, MLADecodePlan, partial_dtype_of
 
 _LOG2E = 1.4426950408889634
 
@@ -374,9 +368,8 @@ def mla_decode_triton(
     softmax_scale: float,
     kv_lora_rank: int,
     q_len: int,
-    num_splits: int,
+    plan: MLADecodePlan,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: MLADecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode (split-KV + merge); launches one or two kernels and never syncs.
 
@@ -391,12 +384,12 @@ def mla_decode_triton(
         softmax_scale: multiplies q.k before the softmax.
         kv_lora_rank: L (a power of two >= 16); R = q.shape[-1] - L (a power of two >= 16).
         q_len: new tokens per request, causal among themselves.
-        num_splits: KV splits per request (from `plan_mla_decode`; any value >= 1 is correct).
+        plan: from `plan_mla_decode`: the split count, the configuration and every other
+            compile-time parameter of the launch (any plan is correct for any lengths and
+            batch; one made for other sizes only costs speed).
         workspace: (partial_o, partial_lse) float32 buffers of at least the plan's sizes, from
             `alloc_workspace` (partial_o is viewed as q's dtype for 16-bit partials); allocated
-            here when None. Unused with num_splits == 1.
-        config: launch configuration (normally the plan's); `default_config` of the shape when
-            None. Any configuration is correct with any split count.
+            here when None. Unused with one split.
 
     Returns:
         o: [B * q_len, H, L] in q's dtype (zero for rows that see no key).
@@ -414,9 +407,7 @@ def mla_decode_triton(
     _check_pow2("kv_lora_rank", kv_lora_rank, 16)
     _check_pow2("qk_rope_head_dim", rope_dim, 16)
     _check_pow2("block_size", block_size, 1)
-    if config is None:
-        config = default_config(num_heads, q_len, kv_lora_rank, rope_dim, q.dtype, batch,
-                                block_table.shape[1] * block_size, block_size)
+    config, num_splits = plan.config, plan.num_splits
     # Splits must start on tile boundaries (a tile then never straddles a page).
     min_split_len = triton.cdiv(max(config.min_split_len, 1), config.block_n) * config.block_n
     if q.stride(-1) != 1:
@@ -467,19 +458,18 @@ def mla_decode_triton(
             block_table.stride(0), KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
             BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             NUM_STAGES=config.num_stages,
-            PAGE_CHUNK=page_chunk(config, block_table.shape[1] * block_size, num_splits),
+            PAGE_CHUNK=plan.page_chunk,
             DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=use_pdl,
             USE_TMA=nope_desc is not None, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
     if not direct:
-        block_rows, block_l, split_chunk = merge_tile(config, batch, rows, num_splits,
-                                                      kv_lora_rank)
+        block_rows, block_l = plan.merge_block_rows, plan.merge_block_l
         grid = (triton.cdiv(rows, block_rows), batch, kv_lora_rank // block_l)
         _mla_decode_merge_kernel[grid](
             partial_o, partial_lse, o, lse, rows, num_splits,
             KV_LORA_RANK=kv_lora_rank, BLOCK_R=block_rows, BLOCK_L=block_l,
-            SPLIT_CHUNK=split_chunk, USE_PDL=use_pdl,
+            SPLIT_CHUNK=plan.merge_split_chunk, USE_PDL=use_pdl,
             num_warps=config.merge_num_warps, launch_pdl=use_pdl,
         )
     return o, lse

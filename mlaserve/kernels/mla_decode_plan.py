@@ -88,6 +88,12 @@ class MLADecodePlan:
         workspace_o_numel: float32 elements of the partial-output workspace (0 with one split;
             half the partial outputs' count when they are 16-bit, viewed in their dtype).
         workspace_lse_numel: float32 elements of the partial-LSE workspace (0 with one split).
+        page_chunk: page ids the split pass reads at once (`page_chunk`).
+        merge_block_rows, merge_block_l, merge_split_chunk: the merge kernel's tile
+            (`merge_tile`).
+
+    Every compile-time parameter of the launch comes from here, so two launches with equal plans
+    run one compiled kernel: an eager step planned like a captured CUDA graph compiles nothing.
     """
 
     num_splits: int
@@ -95,6 +101,10 @@ class MLADecodePlan:
     config: MLADecodeConfig
     workspace_o_numel: int
     workspace_lse_numel: int
+    page_chunk: int
+    merge_block_rows: int
+    merge_block_l: int
+    merge_split_chunk: int
 
 
 def next_pow2(value: int) -> int:
@@ -252,7 +262,7 @@ def plan_mla_decode(
         block_size: tokens per KV page (refines the default configuration).
 
     Returns:
-        The plan to pass (its `num_splits` and `config`) to `mla_decode_triton`.
+        The plan to pass to `mla_decode_triton`.
     """
     if config is None:
         config = default_config(num_heads, q_len, kv_lora_rank, qk_rope_head_dim, dtype,
@@ -275,8 +285,13 @@ def plan_mla_decode(
     if partial_dtype_of(config, dtype) != torch.float32:
         o_numel = -(-o_numel // 2)  # 16-bit partials: float32 storage viewed as q's dtype
     lse_numel = batch_size * num_splits * rows if num_splits > 1 else 0
+    merge_rows, merge_l, merge_chunk = merge_tile(config, batch_size, rows, num_splits,
+                                                  kv_lora_rank)
     return MLADecodePlan(num_splits=num_splits, num_head_groups=num_head_groups, config=config,
-                         workspace_o_numel=o_numel, workspace_lse_numel=lse_numel)
+                         workspace_o_numel=o_numel, workspace_lse_numel=lse_numel,
+                         page_chunk=page_chunk(config, max_seq_len, num_splits),
+                         merge_block_rows=merge_rows, merge_block_l=merge_l,
+                         merge_split_chunk=merge_chunk)
 
 
 def partial_dtype_of(config: MLADecodeConfig, dtype: torch.dtype) -> torch.dtype:
