@@ -18,7 +18,10 @@ def _mix(x):
     return x ^ (x >> 32)
 
 
-@triton.jit
+# Per-row parameters are read once per program, so their alignment does not matter; not
+# specialising on it keeps one compiled kernel (the engine passes views at odd offsets).
+@triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "seed_ptr", "position_ptr",
+                                            "out_ptr"])
 def gumbel_argmax_kernel(logits_ptr, row_stride, temperature_ptr, seed_ptr, position_ptr,
                          out_ptr, vocab_size, BLOCK: tl.constexpr):
     """One program per row: argmax_v(logits_v / T - log(-log u_v)), or argmax_v logits_v at T 0.
