@@ -1,0 +1,34 @@
+"""Loading a model's Hugging Face tokenizer, with errors that say which flag to change."""
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Any of these in a directory means it carries a tokenizer that transformers can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "vocab.json", "tiktoken.model")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model directory (or of a tokenizer-only directory).
+
+    Raises:
+        ValueError: the directory holds no tokenizer files, or transformers cannot load them;
+            the message names `--tokenizer`.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"tokenizer directory {directory} does not exist; pass --tokenizer DIR "
+                         "naming a directory with tokenizer.json")
+    if not any((directory / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"{directory} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         "pass --tokenizer DIR naming a directory that has one (for DeepSeek "
+                         "models, the original checkpoint's tokenizer.json and "
+                         "tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError, ImportError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"cannot load the tokenizer in {directory} ({first_line}); pass "
+                         "--tokenizer DIR naming a directory with a tokenizer.json that "
+                         "transformers loads") from None

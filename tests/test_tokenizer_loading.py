@@ -1,0 +1,32 @@
+"""A model directory without a usable tokenizer is refused with a message naming --tokenizer."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mlaserve.engine.args import DEMO_MODEL_DIR
+from mlaserve.engine.tokenizer import load_tokenizer
+
+
+def test_the_demo_tokenizer_loads() -> None:
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    assert tokenizer.decode(tokenizer("latent cache")["input_ids"],
+                            skip_special_tokens=True) == "latent cache"
+
+
+def test_a_directory_without_tokenizer_names_the_flag(tmp_path: Path) -> None:
+    shutil.copy(DEMO_MODEL_DIR / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"holds no tokenizer .*pass --tokenizer DIR"):
+        load_tokenizer(tmp_path)
+
+
+def test_a_missing_directory_names_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"does not exist; pass --tokenizer DIR"):
+        load_tokenizer(tmp_path / "absent")
+
+
+def test_an_unloadable_tokenizer_names_the_flag(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
+    with pytest.raises(ValueError, match=r"cannot load the tokenizer .*pass --tokenizer DIR"):
+        load_tokenizer(tmp_path)
