@@ -1,109 +1,268 @@
-"""Prometheus text exposition with vLLM's metric names.
+"""Prometheus metrics with vLLM's names and labels, and vLLM's periodic stats log line.
 
-The gauges come from the engine core's latest SchedulerStats; the token and finished-request
-counters and the latency histograms are kept here, in the API process, from the IterationStats
-that the engine client reports for every batch of outputs. Everything runs on the server's event
-loop, so nothing here is locked.
+Every family carries the labels `model_name` (the served model name) and `engine` ("0"), as vLLM's
+do, and lives in a `CollectorRegistry` of its own per `ServerMetrics`, so several servers can run
+in one process. prometheus_client writes the text exposition.
+
+Two sources feed it:
+
+- The `IterationStats` that the engine client reports for every message of the core (and for
+  every abort), through `record`: token counters, tokens per step, inter-token latencies and, per
+  finished request, the success counter by finish reason and the per-request histograms.
+- The core's latest `SchedulerStats`, given to `render`: the running / waiting / KV-usage gauges
+  and the core's cumulative preemption and prefix-cache counters, exposed as they are by a
+  collector rather than re-counted here.
+
+Per-request phases. The client knows a request's arrival, first token and finish, so TTFT,
+end-to-end latency, decode time (first token to last) and time per output token come from them;
+decode time and time per output token are taken only for requests that finished on a token
+("stop", "length"), whose finish time is their last token's. The queue / prefill / inference
+split needs the time the core first scheduled the request, which the client does not see: a
+`FinishedRequestStats` that carries `queued_time`, `prefill_time`, `inference_time` (and
+`decode_time`, `max_tokens_param`), as vLLM's does, fills those histograms; one without them
+leaves them empty. As in vLLM, counters and histograms carry no `_created` series (a
+process-wide setting of prometheus_client). Everything runs on the server's event loop.
 """
 
-import bisect
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Iterable, Sequence
 
-from mlaserve.engine.core_client import IterationStats
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mlaserve.engine.core_client import FinishedRequestStats, IterationStats
 from mlaserve.engine.messages import SchedulerStats
+
+LABEL_NAMES = ("model_name", "engine")
+FINISH_REASONS = ("stop", "length", "abort")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_MAX_MODEL_LEN = 1 << 20
+
+# No `_created` series beside the counters and histograms (process-wide, as vLLM does).
+disable_created_metrics()
 
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets for token counts)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
+class _SchedulerStatsCollector(Collector):
+    """The core's gauges and cumulative counters, as of the SchedulerStats last given."""
 
-    def lines(self, name: str, labels: str) -> list[str]:
-        out, cumulative = [], 0
-        for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
-            cumulative += n
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            out.append(f'{name}_bucket{{{labels},le="{le}"}} {cumulative}')
-        out += [f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.count}"]
-        return out
+    def __init__(self, label_values: Sequence[str]) -> None:
+        self.label_values = list(label_values)
+        self.stats = SchedulerStats()
+
+    def _families(self, stats: SchedulerStats | None) -> list[Metric]:
+        families: list[Metric] = []
+        for name, text, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 None if stats is None else stats.num_running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 None if stats is None else stats.num_waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 None if stats is None else stats.kv_usage)):
+            gauge = GaugeMetricFamily(name, text, labels=LABEL_NAMES)
+            if value is not None:
+                gauge.add_metric(self.label_values, value)
+            families.append(gauge)
+        for name, text, value in (
+                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                 None if stats is None else stats.num_preemptions),
+                ("vllm:prefix_cache_queries",
+                 "Prefix cache queries, in terms of number of queried tokens.",
+                 None if stats is None else stats.prefix_queries),
+                ("vllm:prefix_cache_hits",
+                 "Prefix cache hits, in terms of number of cached tokens.",
+                 None if stats is None else stats.prefix_hits)):
+            counter = CounterMetricFamily(name, text, labels=LABEL_NAMES)
+            if value is not None:
+                counter.add_metric(self.label_values, value)
+            families.append(counter)
+        return families
+
+    def describe(self) -> Iterable[Metric]:
+        """The families without samples (the registry checks names with this)."""
+        return self._families(None)
+
+    def collect(self) -> Iterable[Metric]:
+        """The families with the values of the latest stats."""
+        return self._families(self.stats)
 
 
 class ServerMetrics:
-    """Counters and latency histograms of the requests served (a StatsRecorder)."""
+    """vLLM's Prometheus metrics for one served model (a StatsRecorder for the engine client).
 
-    def __init__(self, model_name: str) -> None:
-        self.labels = f'model_name="{model_name}",engine="0"'
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.finished: dict[str, int] = {}
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.itl = Histogram(TPOT_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+    max_model_len sets the top bucket of the token-count histograms, as in vLLM; the default
+    covers any length. clock is the time source of `stats_line`'s intervals.
+    """
+
+    def __init__(self, model_name: str, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        label_values = (model_name, "0")
+        self._scheduler = _SchedulerStatsCollector(label_values)
+        self.registry.register(self._scheduler)
+
+        def counter(name: str, text: str) -> Counter:
+            return Counter(name, text, LABEL_NAMES, registry=self.registry).labels(*label_values)
+
+        def histogram(name: str, text: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, text, LABEL_NAMES, registry=self.registry,
+                             buckets=buckets).labels(*label_values)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          (*LABEL_NAMES, "finished_reason"), registry=self.registry)
+        self._success_family = success
+        self._label_values = label_values
+        self.request_success = {reason: success.labels(*label_values, reason)
+                                for reason in FINISH_REASONS}
+
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            token_buckets)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKEN_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            token_buckets)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", TPOT_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.",
+                                     REQUEST_LATENCY_BUCKETS)
+
+        # Since the previous stats_line.
+        self._clock = clock
+        self._interval_start = clock()
+        self._interval_prompt_tokens = 0
+        self._interval_generation_tokens = 0
+        self._last_stats = SchedulerStats()
+        self._last_throughputs = (0.0, 0.0)
+        self.interval_was_idle = True
 
     def record(self, stats: IterationStats) -> None:
-        self.prompt_tokens += stats.num_prompt_tokens
-        self.generation_tokens += stats.num_generation_tokens
+        """Count what one message of the core (or one abort) added."""
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self._interval_prompt_tokens += stats.num_prompt_tokens
+        self._interval_generation_tokens += stats.num_generation_tokens
+        step_tokens = stats.num_prompt_tokens + stats.num_generation_tokens
+        if step_tokens > 0:  # an abort reports no step
+            self.iteration_tokens.observe(step_tokens)
         for gap in stats.inter_token_latencies:
             self.itl.observe(gap)
         for request in stats.finished:
-            self.finished[request.finish_reason] = self.finished.get(request.finish_reason, 0) + 1
-            ttft = request.first_token_latency
-            if ttft is not None:
-                self.ttft.observe(ttft)
-                if request.num_generation_tokens > 1:
-                    self.tpot.observe((request.e2e_latency - ttft)
-                                      / (request.num_generation_tokens - 1))
-            self.e2e.observe(request.e2e_latency)
+            self._record_finished(request)
+
+    def _record_finished(self, request: FinishedRequestStats) -> None:
+        reason = request.finish_reason
+        if reason not in self.request_success:
+            self.request_success[reason] = self._success_family.labels(*self._label_values,
+                                                                       reason)
+        self.request_success[reason].inc()
+        self.e2e.observe(request.e2e_latency)
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_generation_tokens.observe(request.num_generation_tokens)
+        ttft = request.first_token_latency
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        decode = _optional(request, "decode_time")
+        if decode is None and ttft is not None and reason != "abort":
+            decode = request.e2e_latency - ttft  # the finish came with the last token
+        if decode is not None:
+            self.decode_time.observe(decode)
+            if request.num_generation_tokens > 1:
+                self.tpot.observe(decode / (request.num_generation_tokens - 1))
+        for field_name, hist in (("queued_time", self.queue_time),
+                                 ("prefill_time", self.prefill_time),
+                                 ("inference_time", self.inference_time),
+                                 ("max_tokens_param", self.request_params_max_tokens)):
+            value = _optional(request, field_name)
+            if value is not None:
+                hist.observe(value)
 
     def render(self, stats: SchedulerStats) -> str:
-        lab = self.labels
-        lines = []
+        """The Prometheus text exposition, with the core's gauges and counters from `stats`."""
+        self._scheduler.stats = stats
+        return generate_latest(self.registry).decode()
 
-        def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
+    def stats_line(self, stats: SchedulerStats) -> str:
+        """vLLM's periodic log line over the interval since the previous call (or since start).
 
-        metric("vllm:num_requests_running", "gauge", "Requests in the running batch.",
-               [f"vllm:num_requests_running{{{lab}}} {stats.num_running}"])
-        metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
-               [f"vllm:num_requests_waiting{{{lab}}} {stats.num_waiting}"])
-        metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).",
-               [f"vllm:kv_cache_usage_perc{{{lab}}} {stats.kv_usage}"])
-        metric("vllm:prompt_tokens_total", "counter", "Prompt tokens processed.",
-               [f"vllm:prompt_tokens_total{{{lab}}} {self.prompt_tokens}"])
-        metric("vllm:generation_tokens_total", "counter", "Tokens generated.",
-               [f"vllm:generation_tokens_total{{{lab}}} {self.generation_tokens}"])
-        metric("vllm:num_preemptions_total", "counter", "Preemptions (recompute).",
-               [f"vllm:num_preemptions_total{{{lab}}} {stats.num_preemptions}"])
-        metric("vllm:prefix_cache_queries_total", "counter", "Tokens looked up in the prefix "
-               "cache.", [f"vllm:prefix_cache_queries_total{{{lab}}} {stats.prefix_queries}"])
-        metric("vllm:prefix_cache_hits_total", "counter", "Tokens found in the prefix cache.",
-               [f"vllm:prefix_cache_hits_total{{{lab}}} {stats.prefix_hits}"])
-        metric("vllm:request_success_total", "counter", "Finished requests by reason.",
-               [f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {n}'
-                for reason, n in sorted(self.finished.items())])
-        for name, hist, text in (
-                ("vllm:time_to_first_token_seconds", self.ttft, "Time to first token."),
-                ("vllm:request_time_per_output_token_seconds", self.tpot,
-                 "Time per output token after the first."),
-                ("vllm:inter_token_latency_seconds", self.itl, "Time between tokens."),
-                ("vllm:e2e_request_latency_seconds", self.e2e, "End-to-end latency.")):
-            metric(name, "histogram", text, hist.lines(name, lab))
-        return "\n".join(lines) + "\n"
+        Throughputs are the tokens recorded in the interval over its length; the prefix cache
+        hit rate is the hits over the queries the core counted in the interval (0 without
+        queries). Afterwards `interval_was_idle` says whether this interval and the one before
+        it had no tokens (vLLM then logs the line at debug level only).
+        """
+        now = self._clock()
+        elapsed = now - self._interval_start
+        prompt_tps = self._interval_prompt_tokens / elapsed if elapsed > 0 else 0.0
+        generation_tps = self._interval_generation_tokens / elapsed if elapsed > 0 else 0.0
+        queries = stats.prefix_queries - self._last_stats.prefix_queries
+        hits = stats.prefix_hits - self._last_stats.prefix_hits
+        hit_rate = hits / queries if queries > 0 else 0.0
+        self.interval_was_idle = not any((prompt_tps, generation_tps, *self._last_throughputs))
+        self._last_throughputs = (prompt_tps, generation_tps)
+        self._interval_start = now
+        self._interval_prompt_tokens = self._interval_generation_tokens = 0
+        self._last_stats = stats
+        return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+                f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
+                f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"KV cache usage: {stats.kv_usage * 100:.1f}%, "
+                f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
+
+
+def _optional(request: FinishedRequestStats, name: str) -> float | None:
+    """A per-request field that only some engine clients report (None when absent)."""
+    return getattr(request, name, None)
+
