@@ -2,6 +2,11 @@
 
 import subprocess
 import sys
+import time
+
+import pytest
+
+from mlaserve import LLM, SamplingParams
 
 
 def run(*args):
@@ -13,10 +18,54 @@ def test_generate_prints_a_completion():
     result = run("generate", "--prompt", "The cache", "--max-tokens", "4", "--temperature", "0",
                  "--device", "cpu", "--num-kv-blocks", "16")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() != ""
+    # What it prints is the greedy completion of the prompt by the same (demo) model.
+    expected = LLM(device="cpu", num_kv_blocks=16).generate(
+        ["The cache"], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert expected.token_ids
+    assert result.stdout == expected.text + "\n"
 
 
 def test_bad_flag_values_are_clear_errors():
     result = run("generate", "--prompt", "x", "--attention-backend", "FLASH_ATTN_MLA")
     assert result.returncode == 2
     assert "FlashAttention MLA is not bundled" in result.stderr
+
+
+def timed_run(*args):
+    start = time.perf_counter()
+    result = run(*args)
+    return result, time.perf_counter() - start
+
+
+def test_help_and_a_bad_flag_answer_at_once():
+    result, seconds = timed_run("--help")
+    assert result.returncode == 0, result.stderr
+    assert all(command in result.stdout for command in ("generate", "serve", "bench", "eval"))
+    assert seconds < 1.5, f"mlaserve --help took {seconds:.2f} s"
+    result, seconds = timed_run("generate", "--prompt", "x", "--no-such-flag")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in result.stderr
+    assert seconds < 1.5, f"a bad flag took {seconds:.2f} s to report"
+
+
+def test_the_package_and_the_parser_do_not_import_torch():
+    code = ("import sys, mlaserve, mlaserve.cli\n"
+            "mlaserve.__version__\n"
+            "mlaserve.cli.build_parser()\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_public_names_load_on_first_use():
+    import mlaserve
+    from mlaserve.engine.request import RequestOutput
+    from mlaserve.llm import LLM as LLMClass
+
+    assert (mlaserve.LLM, mlaserve.SamplingParams, mlaserve.RequestOutput) == (
+        LLMClass, SamplingParams, RequestOutput)
+    assert set(mlaserve.__all__) <= set(dir(mlaserve))
+    with pytest.raises(AttributeError, match="no_such_name"):
+        mlaserve.no_such_name  # noqa: B018

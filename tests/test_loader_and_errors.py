@@ -83,9 +83,14 @@ def test_missing_weights_and_config(tmp_path, checkpoint_dir):
     (path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors files"):
         LLM(str(path), device="cpu", num_kv_blocks=8)
+    # Dummy weights need no weight files: the model loads and generates every token asked for.
     llm = LLM(str(path), device="cpu", num_kv_blocks=8, load_format="dummy")
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))[0]
-    assert len(out.token_ids) >= 1
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    out = llm.generate([[1, 2, 3]], params)[0]
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == 3
+    vocab_size = read_config(path)["vocab_size"]
+    assert all(isinstance(t, int) and 0 <= t < vocab_size for t in out.token_ids)
 
 
 @pytest.mark.parametrize("field,value,match", [
