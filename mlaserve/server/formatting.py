@@ -1,10 +1,19 @@
 """Turn engine outputs into the OpenAI wire format (completions and chat, streamed or not)."""
 
+import datetime
 import json
 import math
+import re
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from jinja2 import TemplateError, nodes
+from jinja2.visitor import NodeTransformer
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from markupsafe import Markup
 
 _encoder = msgspec.json.Encoder()
 
@@ -89,4 +98,184 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
+    """The OpenAI error object (the dict form of protocol.ErrorResponse)."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+# ---- request-supplied chat templates ---------------------------------------------------------
+class TemplateLimitError(Exception):
+    """A request-supplied chat template ran past its time or output budget."""
+
+
+class _Budget(threading.local):
+    deadline: float = math.inf
+    max_chars: int = 0
+
+
+_budget = _Budget()
+
+
+def _check_deadline() -> None:
+    if time.monotonic() > _budget.deadline:
+        raise TemplateLimitError("the chat template ran past its time budget")
+
+
+def _bounded_iter(iterable: Any) -> Any:
+    """Every `{% for %}` of a request-supplied template iterates through this: the deadline is
+    checked on each step, so nested loops end when the budget does."""
+    for item in iterable:
+        _check_deadline()
+        yield item
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+
+
+def _over_budget(size: int) -> None:
+    if size > _budget.max_chars:
+        raise TemplateLimitError("the chat template builds a value over its output budget")
+
+
+def _bounded_concat(*parts: Any) -> str:
+    """`a ~ b ~ ...` of a request-supplied template."""
+    _check_deadline()
+    texts = [str(part) for part in parts]
+    _over_budget(sum(map(len, texts)))
+    return "".join(texts)
+
+
+class _BoundTemplate(NodeTransformer):
+    """Route loops and `~` through the budget checks."""
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        self.generic_visit(node)
+        node.iter = nodes.Call(nodes.Name("_bounded_iter", "load"), [node.iter], [], None,
+                               None, lineno=node.lineno)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        self.generic_visit(node)
+        return nodes.Call(nodes.Name("_bounded_concat", "load"), node.nodes, [], None, None,
+                          lineno=node.lineno)
+
+
+class BoundedTemplateEnvironment(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox (what transformers renders chat templates in) with budgets:
+    each loop step, call and arithmetic operation checks a deadline, and sequence repetition,
+    powers and padding filters may not build values over the output budget."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        self.globals["_bounded_iter"] = _bounded_iter
+        self.globals["_bounded_concat"] = _bounded_concat
+        self.globals["raise_exception"] = _raise_template_error
+        self.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        self.filters["tojson"] = _tojson
+        for name in ("center", "indent", "wordwrap", "format", "truncate", "replace"):
+            self.filters[name] = self._bounded_filter(self.filters[name])
+        self.filters["join"] = self._bounded_join(self.filters["join"])
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        return _BoundTemplate().visit(super()._parse(source, name, filename))
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_deadline()
+        values = (*args, *kwargs.values())
+        if any(isinstance(v, int) and v > _budget.max_chars for v in values):
+            raise TemplateLimitError("the chat template passes a number over its output budget")
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and getattr(__obj, "__name__", "") in ("replace", "join"):
+            _over_budget(_size(owner) * max(1, *(_size(v) for v in values)) + sum(
+                _size(v) for v in values))
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_deadline()
+        limit = _budget.max_chars
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(times, int) and _size(seq) * times > limit:
+                    raise TemplateLimitError("the chat template builds a value over the budget")
+        elif operator == "+":
+            _over_budget(_size(left) + _size(right))
+        elif operator == "**":
+            if isinstance(right, (int, float)) and abs(right) > 64:
+                raise TemplateLimitError("the chat template raises a number to a huge power")
+        elif operator == "%" and isinstance(left, str) and _has_wide_field(left, limit):
+            raise TemplateLimitError("the chat template formats a field over the budget")
+        return super().call_binop(context, operator, left, right)
+
+    @staticmethod
+    def _bounded_filter(func: Callable) -> Callable:
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            _check_deadline()
+            numbers = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, int)]
+            if isinstance(args[0], str) and _has_wide_field(args[0], _budget.max_chars):
+                raise TemplateLimitError("the chat template formats a field over the budget")
+            if any(n > _budget.max_chars for n in numbers):
+                raise TemplateLimitError("the chat template pads a value over the budget")
+            sizes = [_size(a) for a in args[1:]]
+            if sizes:
+                _over_budget(_size(args[0]) * max(1, *sizes) + sum(sizes))
+            return func(*args, **kwargs)
+
+        bounded.__dict__.update(func.__dict__)  # keeps jinja's pass_environment marks
+        return bounded
+
+
+    @staticmethod
+    def _bounded_join(func: Callable) -> Callable:
+        def bounded(eval_ctx: Any, value: Any, d: str = "", attribute: Any = None) -> Any:
+            _check_deadline()
+            items = list(value)
+            _over_budget(len(items) * (len(d) + 1) + sum(_size(i) for i in items))
+            return func(eval_ctx, items, d, attribute)
+
+        bounded.__dict__.update(func.__dict__)
+        return bounded
+
+
+def _has_wide_field(fmt: str, limit: int) -> bool:
+    return any(int(n) > limit for n in re.findall(r"\d+", fmt))
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> Markup:
+    return Markup(json.dumps(value, ensure_ascii=False, indent=indent))
+
+
+_environment: BoundedTemplateEnvironment | None = None
+
+
+def render_request_chat_template(source: str, context: dict[str, Any], timeout_s: float,
+                                 max_chars: int) -> str:
+    """Render a chat template that a request supplied, in a bounded sandbox: raise
+    TemplateLimitError once it runs longer than `timeout_s` or writes more than `max_chars`
+    characters, and jinja2's TemplateError for a template that does not compile or render.
+
+    Runs in a worker thread (the budget is per thread); the deadline covers compiling too.
+    """
+    global _environment
+    if _environment is None:
+        _environment = BoundedTemplateEnvironment()
+    _budget.deadline = time.monotonic() + timeout_s
+    _budget.max_chars = max_chars
+    try:
+        template = _environment.from_string(source)
+        parts, written = [], 0
+        for chunk in template.generate(**context):
+            _check_deadline()
+            written += len(chunk)
+            if written > max_chars:
+                raise TemplateLimitError(f"the chat template wrote more than {max_chars} "
+                                         "characters")
+            parts.append(chunk)
+        return "".join(parts)
+    finally:
+        _budget.deadline = math.inf

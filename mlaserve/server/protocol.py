@@ -1,8 +1,10 @@
-"""Pydantic models of the OpenAI-compatible requests (unknown fields are accepted, as vLLM does)."""
+"""Pydantic models of the OpenAI-compatible requests and responses (unknown request fields are
+accepted, as vLLM does)."""
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from mlaserve.engine.request import SamplingParams
 
@@ -13,12 +15,51 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+def invalid_text_path(value: Any) -> str | None:
+    """The path (e.g. `messages[0].content`) of the first string in a parsed JSON body that is
+    not valid Unicode text (a lone surrogate such as "\\ud800"), or None."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and invalid_text_path(key) is not None:
+                    return path or "body"
+                if isinstance(child, (str, dict, list)):
+                    stack.append((child, f"{path}.{key}" if path else str(key)))
+        elif isinstance(item, list):
+            for i, child in enumerate(item):
+                if isinstance(child, (str, dict, list)):
+                    stack.append((child, f"{path}[{i}]"))
+    return None
+
+
+class RequestModel(OpenAIModel):
+    """A request body: every string in it, known field or not, must be valid Unicode text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        path = invalid_text_path(data)
+        if path is not None:
+            raise PydanticCustomError(
+                "invalid_text", "{param}: the text is not valid Unicode (it holds a lone "
+                "surrogate code point)", {"param": path})
+        return data
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestModel):
     """The sampling fields shared by completions and chat."""
 
     model: str | None = None
@@ -104,18 +145,164 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template to use instead of the model's; refused "
+        "unless the server runs with --trust-request-chat-template")
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def request_chat_template(self) -> str | None:
+        """The chat template that the request supplies (`chat_template`, or
+        `chat_template_kwargs.chat_template`), if any."""
+        if self.chat_template is not None:
+            return self.chat_template
+        template = (self.chat_template_kwargs or {}).get("chat_template")
+        return template if template is not None else None
 
-class TokenizeRequest(OpenAIModel):
+
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    request_chat_template = ChatCompletionRequest.request_chat_template
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[NonNegInt]
+
+
+# ---- responses ------------------------------------------------------------------------------
+class ResponseModel(BaseModel):
+    """A response body (fields beyond OpenAI's are vLLM's)."""
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(ResponseModel):
+    """The body of every error answer: `{"error": {message, type, param, code}}`."""
+
+    error: ErrorInfo
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogProbs(ResponseModel):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionResponseChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class ChatTopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogProbs(ResponseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning: str | None = None
+
+
+class ChatCompletionResponseChoice(ResponseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mlaserve"
+    root: str | None = Field(None, description="the model directory as given to `serve` "
+                             "(benchmark clients load the tokenizer from it)")
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class VersionResponse(ResponseModel):
+    version: str
+
+
+class TokenizerInfoResponse(ResponseModel):
+    """The tokenizer's settings (its init kwargs that are plain values) for remote clients."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
