@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 from jinja2 import TemplateError, nodes
-from jinja2.visitor import NodeTransformer
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
 
 _encoder = msgspec.json.Encoder()
@@ -168,7 +168,8 @@ class BoundedTemplateEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "%", "+"})
 
     def __init__(self) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        super().__init__(trim_blocks=True, lstrip_blocks=True,
+                         extensions=["jinja2.ext.loopcontrols"])
         self.globals["_bounded_iter"] = _bounded_iter
         self.globals["_bounded_concat"] = _bounded_concat
         self.globals["raise_exception"] = _raise_template_error
