@@ -5,41 +5,74 @@ when it starts (see engine/core_client.py). /health answers 503 until the model 
 warmed up, and again once the engine is gone. A model that fails to load, or an engine process
 that dies, stops the HTTP server (`ServerState.stop`; `build_server` wires it to uvicorn) after
 the requests in flight have been answered with the error.
+
+Every error is an OpenAI error object with its HTTP status (400 invalid input, 401 API key,
+404 unknown model or route, 405 method, 413 body too large, 503 loading, full or stopping).
+When the server stops, the requests still in flight shortly before the graceful-shutdown
+deadline are aborted, so each stream ends with an error event and `[DONE]`.
 """
 
 import asyncio
+import hmac
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlaserve import __version__
-from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
 from mlaserve.engine.core_client import AsyncEngineClient, EngineDeadError
 from mlaserve.engine.messages import SchedulerStats
-from mlaserve.server.formatting import error_body
 from mlaserve.server.metrics import ServerMetrics
 from mlaserve.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
     TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+    VersionResponse,
 )
-from mlaserve.server.serving import APIError, Serving
+from mlaserve.server.serving import APIError, Serving, ServingOptions
 
 logger = logging.getLogger(__name__)
+
+# The request body limit by default: room for a prompt of MAX_CHARS_PER_TOKEN (32) characters
+# per token of the context, each written as a 6-byte JSON escape, plus 4 MiB for the rest.
+BODY_BYTES_PER_TOKEN = 192
+BODY_BYTES_BASE = 4 * 2**20
+# Requests still in flight this long before the graceful-shutdown deadline are aborted (at most
+# a quarter of the grace period), leaving time to send each its error event.
+SHUTDOWN_ABORT_MARGIN_S = 2.0
 
 
 def _terminate_this_process() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class ServerOptions(ServingOptions):
+    """The API server's options (`mlaserve serve` flags beyond the engine's)."""
+
+    max_request_body_size: int | None = None  # bytes; None: 4 MiB + 192 B per context token
+    stats_interval_s: float = 10.0  # the stats line's period while there is traffic
 
 
 @dataclass
@@ -47,14 +80,34 @@ class ServerState:
     engine_args: EngineArgs
     served_model_name: str
     api_key: str | None = None
+    options: ServerOptions = field(default_factory=ServerOptions)
     engine: AsyncEngineClient | None = None
     serving: Serving | None = None
     load_error: BaseException | None = None
     engine_error: EngineDeadError | None = None
     metrics: ServerMetrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    url: str | None = None  # where the server listens (set by build_server)
     # stops the HTTP server; SIGTERM suits a server run on the main thread by any runner
     stop: Callable[[], None] = _terminate_this_process
+
+    @property
+    def max_request_body_size(self) -> int:
+        if self.options.max_request_body_size is not None:
+            return self.options.max_request_body_size
+        max_model_len = self.serving.max_model_len if self.serving is not None else 0
+        return BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * max_model_len
+
+    def begin_drain(self, grace_s: float | None) -> None:
+        """The server stops accepting requests: refuse new ones now, and abort those in flight
+        in time for their error events to go out before the grace period ends."""
+        serving = self.serving
+        if serving is None:
+            return
+        serving.draining = True
+        if grace_s is not None:
+            delay = max(0.0, grace_s - min(SHUTDOWN_ABORT_MARGIN_S, grace_s / 4))
+            asyncio.get_running_loop().call_later(delay, serving.begin_shutdown)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -62,22 +115,34 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
+    if first.get("type") == "invalid_text":  # a lone surrogate (protocol.RequestModel)
+        return first["msg"], first["ctx"]["param"]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # union members add their type names to the location; keep the field path
     param = ".".join(p for p in loc if not p[:1].isupper() and "[" not in p) or None
     if first.get("type") == "json_invalid":
-        return f"invalid JSON body: {first.get('msg')}", "body"
+        return f"invalid JSON body: {first.get('ctx', {}).get('error') or first.get('msg')}", \
+            "body"
     if not loc:
         return "the request body must be a JSON object (Content-Type: application/json)", "body"
     return f"{param or 'body'}: {first.get('msg')}", param
 
 
+def _error_response(status: int, message: str, param: str | None = None,
+                    headers: dict[str, str] | None = None) -> JSONResponse:
+    return APIError(status, message, param, headers=headers).response()
+
+
+# Paths that need the API key when the server has one (besides everything under /v1).
+KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
 class APIKeyMiddleware:
-    """Answer 401 to /v1 requests without `Authorization: Bearer <key>`.
+    """Answer 401 to /v1 and tokenizer requests without `Authorization: Bearer <key>`.
 
     A plain ASGI middleware: it looks at the headers once and then hands the connection on, so
     streamed responses pass through untouched (Starlette's BaseHTTPMiddleware would re-wrap every
-    chunk of every stream).
+    chunk of every stream). The key is compared in constant time.
     """
 
     def __init__(self, app, api_key: str) -> None:
@@ -85,22 +150,103 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = dict(scope["headers"])
-            if headers.get(b"authorization", b"") != self.expected:
-                response = JSONResponse(error_body("invalid or missing API key",
-                                                   "AuthenticationError", 401), status_code=401)
+        if scope["type"] == "http" and (scope["path"].startswith("/v1")
+                                        or scope["path"] in KEYED_PATHS):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error_response(401, "invalid or missing API key")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
+class RequestBodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` once a body passes the limit; FastAPI re-raises HTTPExceptions met
+    while it reads a body, and the app's handler answers it as an OpenAI 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes "
+                              "(--max-request-body-size)")
+
+
+class BodySizeLimitMiddleware:
+    """Answer 413 to a request whose body is over the limit without reading it: at once when
+    Content-Length says so, else as soon as the bytes received pass the limit.
+
+    A plain ASGI middleware (Starlette's RequestBodyLimitMiddleware answers text/plain and takes
+    a fixed limit; this one's default follows max_model_len, known once the model is loaded).
+    """
+
+    def __init__(self, app, limit: Callable[[], int]) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit()
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _error_response(413, RequestBodyTooLarge(limit).detail)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise RequestBodyTooLarge(limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries of the error codes a route can answer."""
+    text = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
+            413: "request body too large", 500: "engine failure",
+            503: "model loading, server at capacity or stopping"}
+    return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
+
+
+def _openapi_without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The schema as the server behaves: FastAPI's default 422 is answered as a 400 here."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            components.pop("HTTPValidationError", None)
+            components.pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
+def _public_tokenizer_value(key: str, value: Any) -> bool:
+    """Tokenizer settings that are fit to publish: no file system paths."""
+    if key in ("name_or_path", "vocab_file", "merges_file", "tokenizer_file"):
+        return False
+    return not (isinstance(value, str) and os.path.isabs(value))
+
+
 def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, options: ServerOptions | None = None) -> FastAPI:
     """Build the app; the model loads in the background after startup (/health says 503)."""
-    model_root = engine_args.model or "mlaserve-demo"
-    state = ServerState(engine_args, served_model_name or model_root, api_key)
+    # the model directory as given to `serve` (clients load the tokenizer from it)
+    model_root = engine_args.model or str(DEMO_MODEL_DIR)
+    state = ServerState(engine_args, served_model_name or engine_args.model or "mlaserve-demo",
+                        api_key, options or ServerOptions())
     state.metrics = ServerMetrics(state.served_model_name)
+    serving_options = ServingOptions(**{
+        **{f.name: getattr(state.options, f.name) for f in fields(ServingOptions)},
+        "max_num_seqs": engine_args.max_num_seqs})
 
     def on_engine_dead(error: EngineDeadError) -> None:
         logger.error("%s; stopping the server", error)
@@ -115,14 +261,30 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
             state.load_error = exc
             state.stop()
             return
-        state.serving = Serving(engine, state.served_model_name, model_root)
+        state.serving = Serving(engine, state.served_model_name, model_root, serving_options)
         state.engine = engine
-        logger.info("model loaded; serving %s", state.served_model_name)
+        logger.info("model loaded; serving %s on %s", state.served_model_name,
+                    state.url or "the configured address")
+
+    async def log_stats() -> None:
+        """A stats line every stats_interval_s while requests run or tokens were counted."""
+        last = None
+        while True:
+            await asyncio.sleep(state.options.stats_interval_s)
+            stats_line = getattr(state.metrics, "stats_line", None)
+            if state.engine is None or stats_line is None:
+                continue
+            counters = (state.metrics.prompt_tokens, state.metrics.generation_tokens)
+            if state.engine.num_in_flight or counters != last:
+                last = counters
+                logger.info("%s", stats_line(state.engine.scheduler_stats))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loader = asyncio.create_task(load())
+        stats = asyncio.create_task(log_stats())
         yield
+        stats.cancel()
         loader.cancel()  # a load still running stops its engine process
         with suppress(asyncio.CancelledError):
             await loader
@@ -131,95 +293,99 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
 
     app = FastAPI(title="mlaserve", version=__version__, lifespan=lifespan)
     app.state.server = state
+    app.openapi = _openapi_without_422(app)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(message, "BadRequestError", 400, param), status_code=400)
+        return _error_response(400, message, param)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if exc.status_code != 400 else f"invalid request body: {exc.detail}"
+        return _error_response(exc.status_code, str(message), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(request: Request, exc: Exception):
+        logger.exception("unexpected error answering %s", request.url.path)
+        return _error_response(500, f"internal error: {type(exc).__name__}")
+
+    app.add_middleware(BodySizeLimitMiddleware, limit=lambda: state.max_request_body_size)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     def serving() -> Serving:
         if state.serving is None:
-            raise APIError(503, "the model is still loading", err_type="ServiceUnavailableError")
+            raise APIError(503, "the model is still loading")
         return state.serving
 
-    @app.get("/health")
+    health_responses = {200: {"description": "the model is loaded and the engine runs"},
+                        503: {"description": "the model is loading, or the engine is gone"}}
+
+    @app.get("/health", response_class=Response, responses=health_responses)
     async def health() -> Response:
         healthy = state.serving is not None and state.engine_error is None
         return Response(status_code=200 if healthy else 503)
 
-    @app.get("/ping")
+    @app.get("/ping", response_class=Response, responses=health_responses)
     async def ping() -> Response:
         return await health()
 
     @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    @app.get("/v1/models", responses=_errors(401))
+    async def models() -> ModelList:
         max_len = state.serving.max_model_len if state.serving else None
-        return {"object": "list", "data": [{
-            "id": state.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "mlaserve", "root": model_root, "parent": None,
-            "max_model_len": max_len, "permission": []}]}
+        return ModelList(data=[ModelCard(id=state.served_model_name, created=state.created,
+                                         root=model_root, max_model_len=max_len)])
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await serving().completions(req)
+    generate_errors = _errors(400, 401, 404, 413, 500, 503)
+    stream_content = {"text/event-stream": {"schema": {
+        "type": "string", "description": "server-sent events (with `stream: true`)"}}}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return await serving().chat(req)
+    @app.post("/v1/completions", response_model=None, responses={
+        200: {"model": CompletionResponse, "content": stream_content}, **generate_errors})
+    async def completions(req: CompletionRequest, raw_request: Request) -> Response:
+        return await serving().completions(req, raw_request)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict:
+    @app.post("/v1/chat/completions", response_model=None, responses={
+        200: {"model": ChatCompletionResponse, "content": stream_content}, **generate_errors})
+    async def chat_completions(req: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await serving().chat(req, raw_request)
+
+    @app.post("/tokenize", responses=_errors(400, 401, 404, 413, 503))
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        return await serving().tokenize(req)
+
+    @app.post("/detokenize", responses=_errors(400, 401, 404, 413, 503))
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving().detokenize(req)
+
+    @app.get("/tokenizer_info", responses=_errors(401, 503))
+    async def tokenizer_info() -> TokenizerInfoResponse:
         s = serving()
-        s.check_model(req.model)
-        if req.messages is not None:
-            ids = s.chat_prompt_ids(req.messages, req.add_generation_prompt, None)
-        elif req.prompt is not None:
-            ids = s.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
-        else:
-            raise APIError(400, "give either prompt or messages", param="prompt")
-        body = {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = s.tokenizer.convert_ids_to_tokens(ids)
-        return body
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict:
-        s = serving()
-        s.check_model(req.model)
-        vocab = len(s.tokenizer)
-        bad = [t for t in req.tokens if t >= vocab]
-        if bad:
-            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
-        return {"prompt": s.tokenizer.decode(req.tokens)}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
-        tok = serving().tokenizer
-        info = {}
+        tok = s.tokenizer
+        info: dict[str, Any] = {}
         for key, value in tok.init_kwargs.items():
-            if isinstance(value, (str, int, float, bool)) or value is None:
+            if hasattr(value, "content"):  # AddedToken
+                value = value.content
+            if (isinstance(value, (str, int, float, bool)) or value is None) \
+                    and _public_tokenizer_value(key, value):
                 info[key] = value
-            elif hasattr(value, "content"):  # AddedToken
-                info[key] = value.content
         for key in ("eos_token", "bos_token", "pad_token", "unk_token"):
             info[key] = getattr(tok, key, None)
         info["chat_template"] = tok.chat_template
         info["tokenizer_class"] = type(tok).__name__
-        info["model_max_length"] = serving().max_model_len
-        return info
+        info["model_max_length"] = s.max_model_len
+        return TokenizerInfoResponse(**info)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         stats = state.engine.scheduler_stats if state.engine is not None else SchedulerStats()
         return PlainTextResponse(state.metrics.render(stats),
@@ -228,9 +394,23 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when it starts to stop (see ServerState.begin_drain)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.app_state = state
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        self.app_state.begin_drain(self.config.timeout_graceful_shutdown)
+        await super().shutdown(sockets)
+
+
 def build_server(app: FastAPI, **config: object) -> uvicorn.Server:
     """A uvicorn server for `app` (config: uvicorn.Config's keywords) that a failed model load
     or a dead engine stops, also when it runs off the main thread."""
-    server = uvicorn.Server(uvicorn.Config(app, **config))
-    app.state.server.stop = lambda: setattr(server, "should_exit", True)
+    state: ServerState = app.state.server
+    server = _Server(uvicorn.Config(app, **config), state)
+    state.stop = lambda: setattr(server, "should_exit", True)
+    state.url = f"http://{server.config.host}:{server.config.port}"
     return server

@@ -1,48 +1,99 @@
-"""The /v1/completions and /v1/chat/completions handlers.
+"""The /v1/completions, /v1/chat/completions, /tokenize and /detokenize handlers.
 
 Streams ask the engine for delta outputs (each holds only the text, token ids and logprobs that
 are new), so every SSE chunk is built from what is new, never by slicing what was sent before;
 non-streaming requests ask for the final output only. Latency metrics are taken by the engine
 client, which sees every token.
+
+What a request may cost is bounded before the engine sees it: text longer than
+`MAX_CHARS_PER_TOKEN` characters per token of the context is refused before it is tokenized;
+tokenizing and chat-template rendering run in a small thread pool (the event loop keeps serving
+/health and the other streams meanwhile); at most max_num_seqs + max_waiting_requests prompts
+are admitted at once (the next gets 503 with Retry-After); a stream whose client stops reading
+for `stream_send_timeout_s` is aborted; a non-streaming request whose client disconnects is
+aborted; on shutdown the requests still in flight are aborted in time for an error event.
 """
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 
 from mlaserve.engine.core_client import AsyncEngineClient, EngineError
 from mlaserve.engine.request import RequestOutput, SamplingParams
 from mlaserve.server.formatting import (
+    TemplateLimitError,
     TokenText,
     chat_logprobs,
     completion_logprobs,
     error_body,
+    render_request_chat_template,
     sse,
     usage,
 )
-from mlaserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from mlaserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+# Text longer than this many characters per token of max_model_len is refused before it is
+# tokenized: no tokenizer of a served model packs that much text into a token on average, so such
+# a prompt could never fit the context, and tokenizing it would only burn time and memory.
+MAX_CHARS_PER_TOKEN = 32
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+               413: "RequestEntityTooLargeError", 422: "UnprocessableEntityError",
+               429: "RateLimitError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
     """An error answered with an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 err_type: str | None = None) -> None:
+                 err_type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
+        # an error message never carries text that cannot be encoded (a lone surrogate)
+        self.message = message.encode("utf-8", "backslashreplace").decode()
         self.param = param
-        self.err_type = err_type or {400: "BadRequestError", 401: "AuthenticationError",
-                                     404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-            status, "InternalServerError")
+        self.err_type = err_type or ERROR_TYPES.get(status, "InternalServerError")
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.err_type, self.status, self.param),
-                            status_code=self.status)
+                            status_code=self.status, headers=self.headers)
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """The API process's limits (`mlaserve serve` flags)."""
+
+    max_num_seqs: int = 256
+    max_waiting_requests: int = 1024  # admitted prompts beyond max_num_seqs; then 503
+    trust_request_chat_template: bool = False
+    chat_template_timeout_s: float = 2.0
+    stream_send_timeout_s: float = 60.0  # a stream whose client reads nothing this long ends
+    tokenizer_threads: int = 4
 
 
 @dataclass
@@ -55,40 +106,136 @@ class Prepared:
     drop_generated: bool = False  # echo with max_tokens=0: return the prompt only
 
 
-class Serving:
-    """Shared by the handlers: the engine client, the names and the token-text cache."""
+@dataclass(eq=False)
+class Admission:
+    """Prompts admitted for one HTTP request; released once its answer is complete."""
 
-    def __init__(self, engine: AsyncEngineClient, served_model_name: str,
-                 model_root: str) -> None:
+    serving: "Serving"
+    count: int
+    request_ids: list[str] = field(default_factory=list)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.serving.num_admitted -= self.count
+            self.serving.admissions.discard(self)
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that ends (aborting its engine requests) when the client has read nothing
+    for `send_timeout` seconds, and releases its admission however it ends."""
+
+    def __init__(self, content: AsyncIterator[bytes], admission: Admission,
+                 send_timeout: float) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.admission = admission
+        self.send_timeout = send_timeout
+
+    async def stream_response(self, send: Callable) -> None:
+        async def bounded_send(message: dict) -> None:
+            with anyio.fail_after(self.send_timeout):
+                await send(message)
+
+        try:
+            await super().stream_response(bounded_send)
+        except TimeoutError:
+            logger.warning("a stream's client read nothing for %.0f s; ending the stream",
+                           self.send_timeout)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.admission.release()
+            with suppress(Exception):
+                await self.body_iterator.aclose()  # its finally aborts the engine requests
+
+
+class Serving:
+    """Shared by the handlers: the engine client, the names, the limits and the token-text
+    cache."""
+
+    def __init__(self, engine: AsyncEngineClient, served_model_name: str, model_root: str,
+                 options: ServingOptions | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.model_root = model_root
+        self.options = options or ServingOptions()
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.max_model_len
+        self.max_prompt_chars = MAX_CHARS_PER_TOKEN * self.max_model_len
         self.token_text = TokenText(self.tokenizer)
+        self.limiter = anyio.CapacityLimiter(self.options.tokenizer_threads)
+        self.max_admitted = self.options.max_num_seqs + self.options.max_waiting_requests
+        self.num_admitted = 0
+        self.admissions: set[Admission] = set()
+        self.draining = False  # the server is stopping: no new requests
+        self.shutting_down = False  # and the requests in flight were aborted
 
     # ---- shared steps -------------------------------------------------------------------
+    def admit(self, count: int) -> Admission:
+        """Admit `count` prompts, or answer 503 (with Retry-After) when the queue is full."""
+        if self.draining or self.shutting_down:
+            raise APIError(503, "the server is shutting down")
+        if self.num_admitted and self.num_admitted + count > self.max_admitted:
+            raise APIError(503, f"the server is at capacity ({self.num_admitted} requests "
+                           "running or waiting); retry later", headers={"Retry-After": "1"})
+        self.num_admitted += count
+        admission = Admission(self, count)
+        self.admissions.add(admission)
+        return admission
+
+    def begin_shutdown(self) -> None:
+        """Abort every request in flight (their streams end with an error event) and refuse
+        new ones."""
+        self.draining = self.shutting_down = True
+        for admission in list(self.admissions):
+            for request_id in admission.request_ids:
+                self.engine.abort(request_id)
+
+    async def in_thread(self, func: Callable[..., Any], *args: Any) -> Any:
+        """Run tokenizer or template work in the worker pool, off the event loop."""
+        return await anyio.to_thread.run_sync(func, *args, limiter=self.limiter)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.served_model_name, self.model_root):
-            raise APIError(400, f"The model `{model}` does not exist; this server serves "
-                           f"`{self.served_model_name}`.", param="model")
+            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def check_text(self, length: int, param: str) -> None:
+        """Refuse text that could never fit the context, before tokenizing it."""
+        if length > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                           f"tokens. However, your request has {length} characters of text "
+                           f"(more than {self.max_prompt_chars}, {MAX_CHARS_PER_TOKEN} per "
+                           "token of the context). Please reduce the length of the input.",
+                           param=param)
 
     def fit_max_tokens(self, num_prompt: int, requested: int | None) -> int:
-        """vLLM's rule: a prompt over max_model_len is an error; max_tokens is clamped to fit."""
+        """vLLM's rule: a prompt over max_model_len is an error, and so is a max_tokens that
+        does not fit beside the prompt; no max_tokens means all the room left."""
         room = self.max_model_len - num_prompt
         if room <= 0:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
                            f"tokens. However, your request has {num_prompt} input tokens. "
-                           "Please reduce the length of the input.", param="prompt")
-        return room if requested is None else min(requested, room)
+                           "Please reduce the length of the input messages.", param="prompt")
+        if requested is not None and requested > room:
+            raise APIError(400, "'max_tokens' or 'max_completion_tokens' is too large: "
+                           f"{requested}. This model's maximum context length is "
+                           f"{self.max_model_len} tokens and your request has {num_prompt} "
+                           f"input tokens ({requested} > {self.max_model_len} - {num_prompt}).",
+                           param="max_tokens")
+        return room if requested is None else requested
 
-    async def start(self, prepared: list[Prepared]) -> list[AsyncIterator[RequestOutput]]:
+    async def start(self, prepared: list[Prepared], admission: Admission
+                    ) -> list[AsyncIterator[RequestOutput]]:
         streams = []
         base = f"cmpl-{uuid.uuid4().hex}"
         try:
             for i, p in enumerate(prepared):
                 streams.append(await self.engine.add_request(p.token_ids, p.params,
                                                              f"{base}-{i}"))
+                admission.request_ids.append(f"{base}-{i}")
         except (ValueError, EngineError) as exc:
             for i in range(len(streams)):
                 self.engine.abort(f"{base}-{i}")
@@ -104,19 +251,50 @@ class Serving:
             last = output
         return last
 
+    async def collect_all(self, streams: list[AsyncIterator[RequestOutput]],
+                          raw_request: Request | None) -> list[RequestOutput]:
+        """The final outputs; the requests are aborted if the client disconnects first."""
+        gathered = asyncio.ensure_future(asyncio.gather(*(self.collect(s) for s in streams)))
+        watcher = asyncio.ensure_future(wait_for_disconnect(raw_request))
+        try:
+            await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not gathered.done():
+                gathered.cancel()  # the streams' cleanup aborts the engine requests
+                with suppress(asyncio.CancelledError, EngineError):
+                    await gathered
+        if gathered.cancelled():
+            raise APIError(400, "Client disconnected")
+        try:
+            outputs = gathered.result()
+        except EngineError as exc:
+            raise APIError(500, f"engine failure: {exc}") from None
+        if self.shutting_down and any(o.finish_reason == "abort" for o in outputs):
+            raise APIError(503, "the server is shutting down")
+        return outputs
+
+    def shutdown_event(self, finish_reason: str | None) -> bytes | None:
+        """The error event that ends a stream cut short by a shutdown."""
+        if self.shutting_down and finish_reason == "abort":
+            return sse(error_body("the server is shutting down; the request was aborted",
+                                  "ServiceUnavailableError", 503))
+        return None
+
     # ---- completions --------------------------------------------------------------------
-    def prepare_completion(self, req: CompletionRequest) -> list[Prepared]:
-        self.check_model(req.model)
+    @staticmethod
+    def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
         prompt = req.prompt
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif all(isinstance(t, int) for t in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
+        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        return list(prompt)
+
+    def prepare_completion(self, req: CompletionRequest) -> list[Prepared]:
+        """Tokenize and check every prompt (runs in the worker pool)."""
         prepared = []
-        for item in items:
+        for item in self.prompt_items(req):
             if isinstance(item, str):
+                self.check_text(len(item), "prompt")
                 ids = self.tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"]
                 text = item
             else:
@@ -158,28 +336,35 @@ class Serving:
                 "finish_reason": "length" if p.drop_generated else out.finish_reason,
                 "stop_reason": None if p.drop_generated else out.stop_reason}
 
-    async def completions(self, req: CompletionRequest):
-        prepared = self.prepare_completion(req)
-        streams = await self.start(prepared)
-        created = int(time.time())
-        response_id = f"cmpl-{uuid.uuid4().hex}"
-        model = req.model or self.served_model_name
-        want_logprobs = req.logprobs is not None
-        if req.stream:
-            return StreamingResponse(self._stream_completions(
-                req, prepared, streams, response_id, created, model, want_logprobs),
-                media_type="text/event-stream")
+    async def completions(self, req: CompletionRequest, raw_request: Request | None = None
+                          ) -> Response:
+        self.check_model(req.model)
+        admission = self.admit(len(self.prompt_items(req)))
         try:
-            outputs = await asyncio.gather(*(self.collect(s) for s in streams))
-        except EngineError as exc:
-            raise APIError(500, f"engine failure: {exc}") from None
+            prepared = await self.in_thread(self.prepare_completion, req)
+            streams = await self.start(prepared, admission)
+            created = int(time.time())
+            response_id = f"cmpl-{uuid.uuid4().hex}"
+            model = req.model or self.served_model_name
+            want_logprobs = req.logprobs is not None
+            if req.stream:
+                response = EventStreamResponse(self._stream_completions(
+                    req, prepared, streams, response_id, created, model, want_logprobs),
+                    admission, self.options.stream_send_timeout_s)
+                admission = None  # the response releases it
+                return response
+            outputs = await self.collect_all(streams, raw_request)
+        finally:
+            if admission is not None:
+                admission.release()
         choices = [self.completion_choice(i, p, o, req.echo, want_logprobs)
                    for i, (p, o) in enumerate(zip(prepared, outputs, strict=True))]
         n_prompt = sum(len(p.token_ids) for p in prepared)
         n_out = sum(0 if p.drop_generated else len(o.token_ids)
                     for p, o in zip(prepared, outputs, strict=True))
-        return {"id": response_id, "object": "text_completion", "created": created,
-                "model": model, "choices": choices, "usage": usage(n_prompt, n_out)}
+        return json_response(CompletionResponse(
+            id=response_id, created=created, model=model, choices=choices,
+            usage=usage(n_prompt, n_out)))
 
     async def _stream_completions(self, req, prepared, streams, response_id, created, model,
                                   want_logprobs):
@@ -190,6 +375,7 @@ class Serving:
         n_prompt = sum(len(p.token_ids) for p in prepared)
         sent_tokens = [0] * len(prepared)
         num_generated = 0
+        finish_reason = None
         try:
             async for index, out in merge(streams):  # delta outputs
                 p = prepared[index]
@@ -210,38 +396,69 @@ class Serving:
                     delta = p.prompt_text
                 sent_tokens[index] += len(out.token_ids)
                 num_generated += len(out.token_ids)
+                finish_reason = out.finish_reason or finish_reason
                 chunk = {**head, "choices": [{
                     "index": index, "text": delta, "logprobs": logprobs,
                     "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]}
                 if continuous:
                     chunk["usage"] = usage(n_prompt, num_generated)
                 yield sse(chunk)
-            if include_usage:
+            cut = self.shutdown_event(finish_reason)
+            if cut is not None:
+                yield cut
+            elif include_usage:
                 yield sse({**head, "choices": [], "usage": usage(n_prompt, num_generated)})
         except EngineError as exc:
             yield sse(error_body(f"engine failure: {exc}", "InternalServerError", 500))
         yield sse("[DONE]")
 
     # ---- chat ---------------------------------------------------------------------------
-    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                        template_kwargs: dict | None) -> list[int]:
-        """Render the chat template (which carries BOS) and tokenize without special tokens."""
+    def check_chat_template(self, template: str | None) -> None:
+        if template is not None and not self.options.trust_request_chat_template:
+            raise APIError(400, "this server does not accept a chat template in the request "
+                           "(start it with --trust-request-chat-template to allow that)",
+                           param="chat_template")
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    template: str | None, template_kwargs: dict | None) -> str:
+        """The chat template's text for these messages (runs in the worker pool).
+
+        The model's own template renders through the tokenizer; a request-supplied one (only
+        with --trust-request-chat-template) in a sandbox bounded in time and output size.
+        """
         if not messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         plain = [{"role": m.role, "content": m.text()} for m in messages]
+        self.check_text(sum(len(m["content"]) for m in plain) + len(template or ""),
+                        "messages")
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
         try:
-            text = self.tokenizer.apply_chat_template(
-                plain, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **(template_kwargs or {}))
-        except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
+            if template is None:
+                return self.tokenizer.apply_chat_template(
+                    plain, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+            context = {**self.tokenizer.special_tokens_map, **kwargs, "messages": plain,
+                       "add_generation_prompt": add_generation_prompt}
+            return render_request_chat_template(template, context,
+                                                self.options.chat_template_timeout_s,
+                                                self.max_prompt_chars)
+        except TemplateLimitError as exc:
+            raise APIError(400, f"the chat template was stopped: {exc}",
+                           param="chat_template") from None
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             raise APIError(400, f"the chat template cannot render these messages: {exc}",
                            param="messages") from None
+
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                        template: str | None, template_kwargs: dict | None) -> list[int]:
+        """Render the chat template (which carries BOS) and tokenize without special tokens."""
+        text = self.render_chat(messages, add_generation_prompt, template, template_kwargs)
+        self.check_text(len(text), "messages")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        self.check_model(req.model)
+        """Render, tokenize and check the conversation (runs in the worker pool)."""
         ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt,
-                                   req.chat_template_kwargs)
+                                   req.request_chat_template(), req.chat_template_kwargs)
         text = self.tokenizer.decode(ids)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -255,31 +472,37 @@ class Serving:
             raise APIError(400, str(exc)) from None
         return Prepared(text, ids, params)
 
-    async def chat(self, req: ChatCompletionRequest):
-        prepared = self.prepare_chat(req)
-        (stream,) = await self.start([prepared])
-        created = int(time.time())
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        model = req.model or self.served_model_name
-        if req.stream:
-            return StreamingResponse(self._stream_chat(req, prepared, stream, response_id,
-                                                       created, model),
-                                     media_type="text/event-stream")
+    async def chat(self, req: ChatCompletionRequest, raw_request: Request | None = None
+                   ) -> Response:
+        self.check_model(req.model)
+        self.check_chat_template(req.request_chat_template())
+        admission = self.admit(1)
         try:
-            out = await self.collect(stream)
-        except EngineError as exc:
-            raise APIError(500, f"engine failure: {exc}") from None
+            prepared = await self.in_thread(self.prepare_chat, req)
+            (stream,) = await self.start([prepared], admission)
+            created = int(time.time())
+            response_id = f"chatcmpl-{uuid.uuid4().hex}"
+            model = req.model or self.served_model_name
+            if req.stream:
+                response = EventStreamResponse(
+                    self._stream_chat(req, prepared, stream, response_id, created, model),
+                    admission, self.options.stream_send_timeout_s)
+                admission = None  # the response releases it
+                return response
+            (out,) = await self.collect_all([stream], raw_request)
+        finally:
+            if admission is not None:
+                admission.release()
         logprobs = None
         if req.logprobs:
             logprobs = chat_logprobs(out.token_ids, out.logprobs, req.top_logprobs or 0,
                                      self.token_text)
-        return {"id": response_id, "object": "chat.completion", "created": created,
-                "model": model, "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": out.text,
-                                            "reasoning": None},
-                    "logprobs": logprobs, "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason}],
-                "usage": usage(len(prepared.token_ids), len(out.token_ids))}
+        return json_response(ChatCompletionResponse(
+            id=response_id, created=created, model=model, choices=[{
+                "index": 0, "message": {"role": "assistant", "content": out.text},
+                "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}],
+            usage=usage(len(prepared.token_ids), len(out.token_ids))))
 
     async def _stream_chat(self, req, prepared, stream, response_id, created, model):
         head = {"id": response_id, "object": "chat.completion.chunk", "created": created,
@@ -289,6 +512,7 @@ class Serving:
         yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]})
         num_generated = 0
+        finish_reason = None
         try:
             async for out in stream:  # delta outputs
                 logprobs = None
@@ -296,14 +520,60 @@ class Serving:
                     logprobs = chat_logprobs(out.token_ids, out.logprobs, req.top_logprobs or 0,
                                              self.token_text)
                 num_generated += len(out.token_ids)
+                finish_reason = out.finish_reason
                 yield sse({**head, "choices": [{"index": 0, "delta": {"content": out.text},
                                                 "logprobs": logprobs,
                                                 "finish_reason": out.finish_reason}]})
-            if include_usage:
+            cut = self.shutdown_event(finish_reason)
+            if cut is not None:
+                yield cut
+            elif include_usage:
                 yield sse({**head, "choices": [], "usage": usage(n_prompt, num_generated)})
         except EngineError as exc:
             yield sse(error_body(f"engine failure: {exc}", "InternalServerError", 500))
         yield sse("[DONE]")
+
+    # ---- tokenizer routes ---------------------------------------------------------------
+    def _tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        if req.messages is not None:
+            ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt,
+                                       req.request_chat_template(), req.chat_template_kwargs)
+        elif req.prompt is not None:
+            self.check_text(len(req.prompt), "prompt")
+            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)[
+                "input_ids"]
+        else:
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        token_strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs \
+            else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+                                token_strs=token_strs)
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        self.check_chat_template(req.request_chat_template())
+        return await self.in_thread(self._tokenize, req)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+        return DetokenizeResponse(prompt=await self.in_thread(self.tokenizer.decode, req.tokens))
+
+
+def json_response(body: CompletionResponse | ChatCompletionResponse) -> Response:
+    """A JSON response serialized by pydantic-core."""
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def wait_for_disconnect(raw_request: Request | None) -> None:
+    """Return once the client of `raw_request` has disconnected (never, without a request)."""
+    if raw_request is None:
+        await asyncio.Event().wait()
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def output_kind(stream: bool) -> str:
