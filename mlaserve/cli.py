@@ -85,15 +85,21 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from mlaserve.server.api import build_server, create_app
+    from mlaserve.server.api import ServerOptions, build_server, create_app
 
     if args.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is "
                          "supported in this version")
-    app = create_app(engine_args_from(args), args.served_model_name, args.api_key)
+    options = ServerOptions(
+        max_request_body_size=args.max_request_body_size,
+        max_waiting_requests=args.max_waiting_requests,
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_timeout_s=args.chat_template_timeout,
+        stream_send_timeout_s=args.stream_send_timeout)
+    app = create_app(engine_args_from(args), args.served_model_name, args.api_key, options)
     server = build_server(app, host=args.host, port=args.port,
-                          log_level=args.log_level.lower(), timeout_graceful_shutdown=30,
-                          access_log=False)
+                          log_level=args.log_level.lower(),
+                          timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     # uvicorn drains in-flight requests on SIGINT/SIGTERM, then re-raises the signal to the
     # handler found at start; a no-op one there makes a graceful stop exit with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -133,7 +139,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    serve.set_defaults(handler=_serve)
+    serve.add_argument("--max-request-body-size", type=_bytes, default=None,
+                       help="largest request body, e.g. 16MiB; larger ones get 413 (default: "
+                            "4 MiB + 192 bytes per token of max_model_len)")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+                       help="prompts admitted beyond --max-num-seqs; more get 503 with "
+                            "Retry-After")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat template in the request (rendered in a sandbox "
+                            "bounded in time and output size)")
+    serve.add_argument("--chat-template-timeout", type=float, default=2.0,
+                       help="seconds a request-supplied chat template may take to render")
+    serve.add_argument("--stream-send-timeout", type=float, default=60.0,
+                       help="seconds a stream waits for a client that reads nothing before "
+                            "it is aborted")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="graceful-shutdown seconds on SIGTERM/SIGINT; streams still running "
+                            "shortly before the end get an error event and [DONE]")
+    serve.set_defaults(handler=_serve, log_level="INFO")
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True)

@@ -14,7 +14,7 @@ import requests
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.core_process import FAULT_FILE_ENV
 from mlaserve.engine.messages import SchedulerStats
-from mlaserve.server.api import build_server, create_app
+from mlaserve.server.api import ServerOptions, build_server, create_app
 
 # Engine processes started by these tests watch this file (the core_process test hook).
 FAULT_FILE = Path(tempfile.gettempdir()) / f"mlaserve-test-fault-{os.getpid()}"
@@ -70,15 +70,18 @@ def is_alive(pid: int) -> bool:
 
 
 class RunningServer:
-    def __init__(self, api_key: str | None = None, **engine_kwargs) -> None:
+    """The server on the demo model; `options` are the API server's (ServerOptions)."""
+
+    def __init__(self, api_key: str | None = None, options: ServerOptions | None = None,
+                 grace_s: float = 5, **engine_kwargs) -> None:
         engine_kwargs.setdefault("device", "cpu")
         engine_kwargs.setdefault("num_kv_blocks", 512)
         engine_kwargs.setdefault("block_size", 16)
-        self.app = create_app(EngineArgs(**engine_kwargs), "demo", api_key)
+        self.app = create_app(EngineArgs(**engine_kwargs), "demo", api_key, options)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = build_server(self.app, host="127.0.0.1", port=self.port,
-                                   log_level="warning", timeout_graceful_shutdown=5)
+                                   log_level="warning", timeout_graceful_shutdown=grace_s)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -263,8 +263,8 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
             return
         state.serving = Serving(engine, state.served_model_name, model_root, serving_options)
         state.engine = engine
-        logger.info("model loaded; serving %s on %s", state.served_model_name,
-                    state.url or "the configured address")
+        logger.info("serving on %s (model %s)", state.url or "the configured address",
+                    state.served_model_name)
 
     async def log_stats() -> None:
         """A stats line every stats_interval_s while requests run or tokens were counted."""
