@@ -119,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlaserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mlaserve {__version__}")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR")
+    common.add_argument("--log-level", default=None,
+                        help="DEBUG | INFO | WARNING | ERROR (default: INFO for serve, which "
+                             "logs where it listens and a stats line while busy; else WARNING)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", parents=[common],
@@ -156,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="graceful-shutdown seconds on SIGTERM/SIGINT; streams still running "
                             "shortly before the end get an error event and [DONE]")
-    serve.set_defaults(handler=_serve, log_level="INFO")
+    serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True)
@@ -181,6 +183,8 @@ def _add_module_arguments(parser: argparse.ArgumentParser, module_name: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.log_level is None:
+        args.log_level = "INFO" if args.command == "serve" else "WARNING"
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
