@@ -267,17 +267,16 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
                     state.served_model_name)
 
     async def log_stats() -> None:
-        """A stats line every stats_interval_s while requests run or tokens were counted."""
-        last = None
+        """vLLM's stats line every stats_interval_s; at debug level once two intervals in a row
+        had no tokens (ServerMetrics.interval_was_idle)."""
         while True:
             await asyncio.sleep(state.options.stats_interval_s)
             stats_line = getattr(state.metrics, "stats_line", None)
             if state.engine is None or stats_line is None:
                 continue
-            counters = (state.metrics.prompt_tokens, state.metrics.generation_tokens)
-            if state.engine.num_in_flight or counters != last:
-                last = counters
-                logger.info("%s", stats_line(state.engine.scheduler_stats))
+            line = stats_line(state.engine.scheduler_stats)
+            idle = getattr(state.metrics, "interval_was_idle", False)
+            logger.log(logging.DEBUG if idle else logging.INFO, "%s", line)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
