@@ -345,8 +345,12 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
                                          root=model_root, max_model_len=max_len)])
 
     generate_errors = _errors(400, 401, 404, 413, 500, 503)
+    # with `stream: true`: server-sent events, each `data:` a chunk object, an error object or
+    # `[DONE]`
     stream_content = {"text/event-stream": {"schema": {
-        "type": "string", "description": "server-sent events (with `stream: true`)"}}}
+        "type": "object", "description": "one server-sent event",
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+        "required": ["data"]}}}
 
     @app.post("/v1/completions", response_model=None, responses={
         200: {"model": CompletionResponse, "content": stream_content}, **generate_errors})
