@@ -51,13 +51,18 @@ def write_tasks(root) -> None:
         """))
 
 
+API_KEY = "lm-eval-key"
+
+
 def run_lm_eval(tmp_path, model: str, url: str, tasks: str, *extra: str) -> list[dict]:
+    """lm-eval with the server's API key: OPENAI_API_KEY for the completions and
+    auth_token for the remote tokenizer (/tokenizer_info, /tokenize)."""
     out = tmp_path / f"out-{model}-{tasks}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
-           "OPENAI_API_KEY": ""}
+           "OPENAI_API_KEY": API_KEY}
     cmd = [sys.executable, "-m", "lm_eval", "--model", model,
-           "--model_args", f"model=demo,base_url={url},max_length=512",
+           "--model_args", f"model=demo,base_url={url},max_length=512,auth_token={API_KEY}",
            "--tasks", tasks, "--include_path", str(tmp_path), "--output_path", str(out),
            "--log_samples", *extra]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -70,7 +75,7 @@ def run_lm_eval(tmp_path, model: str, url: str, tasks: str, *extra: str) -> list
 
 @pytest.fixture(scope="module")
 def server():
-    with RunningServer(max_model_len=512) as running:
+    with RunningServer(api_key=API_KEY, max_model_len=512) as running:
         yield running
 
 
@@ -107,4 +112,16 @@ def test_generate_until_over_completions_and_chat(server, tmp_path):
         assert sample["resps"][0][0] == out.text
     chat = run_lm_eval(tmp_path, "local-chat-completions", server.url + "/v1/chat/completions",
                        "mini_gen", "--apply_chat_template")
-    assert len(chat) == len(GEN_DOCS) and all(isinstance(s["resps"][0][0], str) for s in chat)
+    assert len(chat) == len(GEN_DOCS)
+    tok = llm.tokenizer
+    for sample in chat:
+        # the conversation lm-eval sent, through the model's chat template, greedily; lm-eval
+        # sends no eos string in `stop` without a tokenizer, and the server stops at EOS
+        messages = json.loads(sample["arguments"]["gen_args_0"]["arg_0"][0])
+        assert messages[-1]["role"] == "user" and sample["doc"]["question"] in \
+            messages[-1]["content"]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0,
+                                                 stop=["Question:", "\n\n"]))[0]
+        assert sample["resps"][0][0] == out.text
