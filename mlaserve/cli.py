@@ -6,6 +6,8 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from mlaserve import __version__
 
@@ -161,24 +163,36 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
-        dest="bench_command", required=True)
+        dest="bench_command", required=True, parser_class=_ModuleParser)
     for name, module, text in (("serve", "mlaserve.bench.serve", "serving benchmark client"),
                                ("kernel", "mlaserve.bench.kernel", "MLA decode kernel sweep")):
-        sub = bench.add_parser(name, parents=[common], help=text)
+        sub = bench.add_parser(name, parents=[common], help=text, module_name=module)
         sub.set_defaults(module=module)
-        _add_module_arguments(sub, module)
-    parity = commands.add_parser("eval", help="accuracy checks").add_subparsers(
-        dest="eval_command", required=True).add_parser(
-        "parity", parents=[common], help="greedy outputs of each backend against torch")
-    _add_module_arguments(parity, "mlaserve.eval.parity")
+    commands.add_parser("eval", help="accuracy checks").add_subparsers(
+        dest="eval_command", required=True, parser_class=_ModuleParser).add_parser(
+        "parity", parents=[common], help="greedy outputs of each backend against torch",
+        module_name="mlaserve.eval.parity")
     return parser
 
 
-def _add_module_arguments(parser: argparse.ArgumentParser, module_name: str) -> None:
-    """Let `module_name` (with add_arguments and run) define and handle a subcommand."""
-    module = importlib.import_module(module_name)
-    module.add_arguments(parser)
-    parser.set_defaults(handler=module.run)
+class _ModuleParser(argparse.ArgumentParser):
+    """A subcommand parser whose arguments and handler come from a module (with add_arguments
+    and run), imported only when that subcommand is parsed: `mlaserve --help`, a bad flag and
+    the other subcommands never import what it needs (torch, numpy)."""
+
+    def __init__(self, *args: Any, module_name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._module_name = module_name
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        if self._module_name is not None:
+            module = importlib.import_module(self._module_name)
+            self._module_name = None
+            module.add_arguments(self)
+            self.set_defaults(handler=module.run)
+        return super().parse_known_args(args, namespace)
 
 
 def main(argv: list[str] | None = None) -> int:
