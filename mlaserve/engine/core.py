@@ -8,6 +8,16 @@ id, `max_tokens` or `max_model_len`; a frontend ends the others with `abort_requ
 N - 1 on the host (its sampled ids arrive in pinned memory) and returns that step's outputs. The
 runner feeds step N's decode rows the ids that step N - 1 sampled straight from the device, so the
 host never waits for the device to build a step. See runner.py for the mechanics.
+
+One request never fails another. Everything a request carries is validated when it is added
+(`messages.validate_prompt`), so no parameter can make a batched step raise. If a step fails
+anyway, it is taken back (the scheduler's `retreat`: its tokens count as not computed, and the
+persistent-batch rows of its requests are given back to be written afresh), together with the
+step launched after it, which read its samples. Its requests then run again in halves, each half
+a step of its own, and a half that fails again is split again (`_rerun_apart`): a request fails,
+with the error, only when a step that carried it alone failed. A fault that does not repeat thus
+fails no request (they are retried, and finish as if nothing happened); a broken engine, whose
+every step fails, fails all of them.
 """
 
 import logging
@@ -33,7 +43,7 @@ from mlaserve.engine.messages import (
     SchedulerStats,
     validate_prompt,
 )
-from mlaserve.engine.request import Request, SamplingParams
+from mlaserve.engine.request import INT64_MIN, Request, RequestStatus, SamplingParams, is_int
 from mlaserve.engine.runner import ModelRunner, PendingStep, StepResult
 from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -43,11 +53,12 @@ logger = logging.getLogger(__name__)
 
 
 def eos_token_ids(config: ModelConfig, tokenizer) -> list[int]:
-    """The model config's EOS ids, plus the tokenizer's if it names another."""
+    """The model config's EOS ids, plus the tokenizer's if it names another; only ids inside
+    the model's vocabulary (others cannot be sampled, and min_tokens bans these ids by index)."""
     ids = list(config.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
-    return ids
+    return [i for i in ids if 0 <= i < config.vocab_size]
 
 
 def model_dir_of(args: EngineArgs) -> Path:
@@ -107,6 +118,8 @@ class EngineCore:
         if request.request_id in self.requests:
             raise ValueError(f"request id '{request.request_id}' is already in use")
         validate_prompt(request.prompt_token_ids, request.params, self.info)
+        if not is_int(request.sample_seed) or not INT64_MIN <= request.sample_seed < 1 << 64:
+            raise ValueError(f"sample_seed must be a 64-bit integer, got {request.sample_seed!r}")
         state = Request(request.request_id, None, list(request.prompt_token_ids),
                         request.params, sample_seed=request.sample_seed,
                         eos_token_ids=tuple(self.info.eos_token_ids))
@@ -144,7 +157,7 @@ class EngineCore:
         docstring); with nothing left to launch, wait for the step in flight."""
         outputs = []
         if self._in_flight is not None and self._needs_known_tokens(self._in_flight[0]):
-            outputs = self._finish_in_flight()  # penalties count every generated token
+            outputs = self._land_in_flight()  # penalties count every generated token
         batch = self.scheduler.schedule()
         for request in batch.preempted:
             self.runner.release(request)
@@ -152,19 +165,27 @@ class EngineCore:
         if not batch.is_empty:
             try:
                 launched = (batch, self.runner.launch(batch))
-            except Exception as exc:  # noqa: BLE001 - the step's requests fail, others go on
-                logger.exception("engine step failed; aborting its requests")
-                return outputs + self._finish_in_flight() + self._fail(batch, exc)
+            except Exception as exc:  # noqa: BLE001 - only the requests that cause it fail
+                logger.exception("an engine step of %d request(s) failed; re-running them "
+                                 "apart", len(batch.requests))
+                outputs += self._land_in_flight()
+                return outputs + self._rerun_apart(batch, exc)
             self.scheduler.advance(batch)
-        outputs += self._finish_in_flight()
-        self._in_flight = launched
+        outputs += self._land_in_flight(successor=launched)
+        self._in_flight = launched if launched is not None and launched[0].is_advanced else None
         return outputs
 
     @staticmethod
     def _needs_known_tokens(batch: ScheduledBatch) -> bool:
         return any(needs_penalties(r.params) for r in batch.sampling_requests)
 
-    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+    def _land_in_flight(self, successor: tuple[ScheduledBatch, PendingStep] | None = None
+                        ) -> list[EngineCoreOutput]:
+        """Collect the step in flight and apply its tokens.
+
+        If it failed, it is taken back, and so is `successor` (the step launched after it, whose
+        decodes read its samples); its requests are then re-run apart (`_rerun_apart`).
+        """
         if self._in_flight is None:
             return []
         batch, pending = self._in_flight
@@ -172,19 +193,73 @@ class EngineCore:
         try:
             result = self.runner.collect(pending)
         except Exception as exc:  # noqa: BLE001 - as in step()
-            logger.exception("engine step failed; aborting its requests")
-            return self._fail(batch, exc)
+            logger.exception("an engine step of %d request(s) failed; re-running them apart",
+                             len(batch.requests))
+            if successor is not None:
+                self._take_back(successor[0])
+            self._take_back(batch)
+            return self._rerun_apart(batch, exc)
         return self._apply(batch, result)
 
-    def _fail(self, batch: ScheduledBatch, exc: BaseException) -> list[EngineCoreOutput]:
-        outputs = []
+    def _take_back(self, batch: ScheduledBatch) -> None:
+        """Undo a failed step: its tokens count as not computed and its requests give their
+        persistent-batch rows back (a failed launch may have half-written them)."""
+        self.scheduler.retreat(batch)
         for request in batch.requests:
-            if self.requests.get(request.request_id) is not request:
+            self.runner.release(request)
+
+    def _run_alone(self, batch: ScheduledBatch) -> list[EngineCoreOutput]:
+        """Launch a step, wait for it and apply it; if it fails, take it back and re-raise."""
+        try:
+            pending = self.runner.launch(batch)
+            self.scheduler.advance(batch)
+            result = self.runner.collect(pending)
+        except Exception:
+            self._take_back(batch)
+            raise
+        return self._apply(batch, result)
+
+    def _rerun_apart(self, batch: ScheduledBatch, exc: Exception) -> list[EngineCoreOutput]:
+        """Find which requests of a failed step fail it, by bisection; the others go on.
+
+        The step's live requests run again in two halves, each as a step of its own that waits
+        for its result; a half that fails again is split again. A request fails (with the error
+        of the step that carried it alone) only when a step that carried it alone failed, so a
+        fault that does not repeat fails no request, and a broken engine (every step fails)
+        fails every request as before. KV slots that a failed step wrote are written again when
+        its tokens are recomputed.
+        """
+        self._take_back(batch)
+        live = [r for r in batch.requests if self._is_running(r)]
+        if len(live) <= 1:
+            return self._fail(live, exc)
+        outputs = []
+        middle = len(live) // 2
+        for half in (live[:middle], live[middle:]):
+            half = [r for r in half if self._is_running(r)]
+            if not half:
                 continue
+            part = batch.subset(half)
+            try:
+                outputs += self._run_alone(part)
+            except Exception as part_exc:  # noqa: BLE001 - narrowed down further
+                outputs += self._rerun_apart(part, part_exc)
+        return outputs
+
+    def _is_running(self, request: Request) -> bool:
+        return (self.requests.get(request.request_id) is request
+                and request.status == RequestStatus.RUNNING)
+
+    def _fail(self, requests: list[Request], exc: BaseException) -> list[EngineCoreOutput]:
+        """Finish requests whose step failed with them alone, with the error."""
+        outputs = []
+        error = f"{type(exc).__name__}: {exc}"
+        for request in requests:
+            logger.error("request %s failed: %s", request.request_id, error)
             request.finish_reason = "abort"
             self._finish(request)
             outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
-                                            error=f"{type(exc).__name__}: {exc}"))
+                                            error=error))
         return outputs
 
     def _apply(self, batch: ScheduledBatch, result: StepResult) -> list[EngineCoreOutput]:
@@ -235,11 +310,11 @@ class EngineCore:
 
         Compiles what compiles on first use (Triton kernels, FlashInfer modules) before a server
         reports ready, so no request waits for the compiler. On a GPU the prompts run one at a
-        time with 16, 32, 64, ... tokens up to a whole step's budget, so every kernel configuration
-        chosen from a step's token count (the fused MoE's buckets, none narrower than a factor
-        of two) is met once. Decode attention compiles while the CUDA graphs are captured, and mixed steps
-        reuse those kernels (`MLABackend.plan_like_graph`). Sampling at temperature 1, the
-        sort-free path that most requests take.
+        time with 16, 32, 64, ... tokens up to a whole step's budget, so every kernel
+        configuration chosen from a step's token count (the fused MoE's buckets, none narrower
+        than a factor of two) is met once. Decode attention compiles while the CUDA graphs are
+        captured, and mixed steps reuse those kernels (`MLABackend.plan_like_graph`). Sampling at
+        temperature 1, the sort-free path that most requests take.
         """
         lengths = [8]
         if self.device.type == "cuda":

@@ -20,6 +20,7 @@ from mlaserve.engine.sampler import (
     banned_before_min_tokens,
     needs_filter,
     needs_penalties,
+    top_k_or_vocab,
 )
 from mlaserve.kernels.sampling import SEED_MASK
 
@@ -87,7 +88,7 @@ class PersistentBatch:
         rows = self.to_device([r.batch_row for r in joined], torch.int64)
         floats = self.to_device([[r.params.temperature, r.params.top_p, r.params.min_p]
                                  for r in joined], torch.float32)  # [J, 3]
-        ints = self.to_device([[r.params.top_k if r.params.top_k > 0 else self.vocab_size,
+        ints = self.to_device([[top_k_or_vocab(r.params.top_k, self.vocab_size),
                                 r.sample_seed & SEED_MASK] for r in joined], torch.int64)  # [J, 2]
         self.temperature[rows] = floats[:, 0]
         self.top_p[rows] = floats[:, 1]

@@ -8,7 +8,7 @@ msgspec encodes), so the same objects travel in-process and, msgpack-encoded, be
 
 import msgspec
 
-from mlaserve.engine.request import SamplingParams
+from mlaserve.engine.request import SamplingParams, is_int
 
 Logprobs = list[dict[int, float]]
 
@@ -25,8 +25,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one request gained in one step (a delta, never the whole list so far).
 
-    `prompt_logprobs` arrive once, with the request's first output; `error` is set when the step
-    that carried this request failed (the request is then finished with reason "abort").
+    `prompt_logprobs` arrive once, with the request's first output; `error` is set when a step
+    that carried this request alone failed (the request is then finished with reason "abort";
+    see core.py on how a failed step's requests are re-run apart).
     """
 
     request_id: str
@@ -65,14 +66,33 @@ class EngineInfo(msgspec.Struct):
 
 
 def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineInfo) -> None:
-    """Raise ValueError, saying what to change, for a request the core could never serve."""
+    """Raise ValueError, saying what to change, for a request the core could never serve.
+
+    Checks the parameters (`SamplingParams.validate`) and everything that depends on the model:
+    prompt and stop token ids inside the vocabulary, logprob counts no larger than it, and the
+    prompt plus `max_tokens` inside `max_model_len` and the KV cache.
+    """
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
     params.validate()
+    if not isinstance(token_ids, list):
+        raise ValueError(f"the prompt must be a list of token ids, got {type(token_ids).__name__}")
     if not token_ids:
         raise ValueError("the prompt is empty; give at least one token")
-    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < info.vocab_size]
+    vocab_size = info.vocab_size
+    bad = [t for t in token_ids if not is_int(t) or not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token ids must be integers in [0, {info.vocab_size}); "
-                         f"got {bad[:5]}")
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}) (the "
+                         f"model's vocabulary); got {bad[:5]}")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the model's "
+                         f"vocabulary); got {bad[:5]}")
+    for name in ("logprobs", "prompt_logprobs"):
+        count = getattr(params, name)
+        if count is not None and count > vocab_size:
+            raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, "
+                             f"got {count}")
     if len(token_ids) > info.max_model_len:
         raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len="
                          f"{info.max_model_len}; shorten it or raise max_model_len")

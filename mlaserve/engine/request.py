@@ -1,19 +1,68 @@
-"""SamplingParams, RequestOutput (the public types) and Request (the engine's state per request)."""
+"""SamplingParams, RequestOutput (the public types) and Request (the engine's state per request).
+
+`SamplingParams.validate` is the door: every field is checked for its type, its range and (floats)
+finiteness, so that nothing a request carries can make a batched step raise or produce NaNs in
+another request's row. The checks that need the model (token ids against the vocabulary) are in
+`messages.validate_prompt`.
+"""
 
 import enum
+import logging
+import math
 from dataclasses import dataclass, field
 
+logger = logging.getLogger(__name__)
+
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MIN_TEMPERATURE = 1e-2  # lower positive temperatures are raised to this (as vLLM does)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's range)
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool (JSON true is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, low: int, high: int = INT64_MAX,
+               note: str = "") -> None:
+    """ValueError unless `value` is an int in [low, high]."""
+    if not is_int(value) or not low <= value <= high:
+        lower = "-2**63" if low == INT64_MIN else str(low)
+        upper = "2**63 - 1" if high == INT64_MAX else str(high)
+        raise ValueError(f"{name} must be an integer in [{lower}, {upper}]{note}, got {value!r}")
+
+
+def _check_float(name: str, value: object, low: float, high: float, *,
+                 low_open: bool = False, note: str = "") -> None:
+    """ValueError unless `value` is a finite number in [low, high] (or (low, high])."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and (low < value if low_open else low <= value)
+          and value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be a finite number in {interval}{note}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request. temperature 0 is greedy.
 
+    top_k: -1 or 0 is off; a value above the vocabulary size keeps every token (as in vLLM).
+    A temperature in (0, 0.01) is raised to 0.01 (as in vLLM: lower ones overflow the logits).
     logprobs / prompt_logprobs: number of most likely tokens to return per position besides the
-    chosen one (0 returns only the chosen token's logprob; None returns none).
+    chosen one (0 returns only the chosen token's logprob; None returns none), at most 20.
     output_kind: what each streamed RequestOutput holds: "cumulative" (everything so far),
     "delta" (only what is new since the last output) or "final_only" (one output at the end).
+    Construction validates (ValueError naming the field and what it may be).
     """
 
     max_tokens: int = 16
@@ -36,40 +85,60 @@ class SamplingParams:
     output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None or isinstance(self.stop, str):
+            self.stop = [self.stop] if self.stop else []
+        if not isinstance(self.stop, (list, tuple)) or not all(
+                isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop = [s for s in self.stop if s]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError("stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
         self.validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g; using %g", self.temperature,
+                           MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
 
     def validate(self) -> None:
-        """Raise ValueError naming the field and the allowed range."""
-        checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 1,
-             f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20,
-             f"logprobs must be in [0, 20] or None, got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-             f"prompt_logprobs must be in [0, 20] or None, got {self.prompt_logprobs}"),
-            (-2 <= self.presence_penalty <= 2,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
-            (self.output_kind in OUTPUT_KINDS,
-             f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        """Raise ValueError naming the field and what it may be (type, range, finiteness).
+
+        Integers must fit int64 (they travel to the device as int64); floats must be finite
+        and fit float32.
+        """
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_float("temperature", self.temperature, 0.0, FLOAT32_MAX, note=" (0 is greedy)")
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        top_k = self.top_k
+        if not is_int(top_k) or not (top_k in (-1, 0) or 1 <= top_k <= INT64_MAX):
+            raise ValueError("top_k must be -1 or 0 (off) or an integer in [1, 2**63 - 1] "
+                             f"(above the vocabulary size keeps every token), got {top_k!r}")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, note=" or null")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            _check_int("every stop_token_ids entry", token, 0)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, note=" or null")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), *PENALTY_RANGE)
+        _check_float("repetition_penalty", self.repetition_penalty, FLOAT32_TINY, FLOAT32_MAX,
+                     note=" (it divides logits in float32; 1 is off)")
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                   note=" (at most max_tokens)")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got "
+                             f"{self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -82,7 +82,7 @@ class SamplingBatch:
 
         return cls(
             temperature=tensor([p.temperature for p in params], torch.float32),
-            top_k=tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
+            top_k=tensor([top_k_or_vocab(p.top_k, vocab_size) for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
             seeds=tensor([r.sample_seed & SEED_MASK for r in requests], torch.int64),
@@ -92,6 +92,11 @@ class SamplingBatch:
             penalties=(Penalties.build(requests, vocab_size, device)
                        if any(needs_penalties(p) for p in params) else None),
             banned=banned_before_min_tokens(requests, device))
+
+
+def top_k_or_vocab(top_k: int, vocab_size: int) -> int:
+    """The number of tokens top-k keeps: the vocabulary when off (-1, 0) or larger than it."""
+    return min(top_k, vocab_size) if top_k > 0 else vocab_size
 
 
 def needs_filter(params: SamplingParams) -> bool:

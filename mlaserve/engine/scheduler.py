@@ -14,7 +14,8 @@ request may own tokens that were sampled on the device but not yet seen here (pl
 count as tokens for scheduling: a decode's input may be such a token (the runner takes it from
 the device). A request whose placeholders already reach `max_tokens` or `max_model_len` is not
 scheduled again, and a preempted request waits until its placeholders have landed. Only EOS and
-stop tokens, seen a step late, cost one wasted decode row.
+stop tokens, seen a step late, cost one wasted decode row. A step that fails is taken back with
+`retreat` (its tokens count as not computed, its placeholders as never sampled).
 """
 
 from collections import deque
@@ -35,6 +36,7 @@ class ScheduledBatch:
     # the requests that sample a token this step, in logits-row order (decodes, then prefills
     # whose chunk reaches the end of their known tokens)
     sampling_requests: list[Request] = field(default_factory=list)
+    is_advanced: bool = False  # counted by `Scheduler.advance` (and not taken back since)
 
     @property
     def is_empty(self) -> bool:
@@ -43,6 +45,14 @@ class ScheduledBatch:
     @property
     def requests(self) -> list[Request]:
         return [*self.decodes, *(r for r, _ in self.prefills)]
+
+    def subset(self, requests: list[Request]) -> "ScheduledBatch":
+        """The same work for only `requests` (each keeps its token count and row order)."""
+        keep = {id(r) for r in requests}
+        return ScheduledBatch(
+            decodes=[r for r in self.decodes if id(r) in keep],
+            prefills=[(r, n) for r, n in self.prefills if id(r) in keep],
+            sampling_requests=[r for r in self.sampling_requests if id(r) in keep])
 
 
 class Scheduler:
@@ -158,12 +168,31 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Count a launched step's tokens as computed and its samples as placeholders."""
+        batch.is_advanced = True
         for request in batch.decodes:
             request.num_computed_tokens += 1
         for request, count in batch.prefills:
             request.num_computed_tokens += count
         for request in batch.sampling_requests:
             request.num_output_placeholders += 1
+
+    def retreat(self, batch: ScheduledBatch) -> None:
+        """Undo `advance` for a step that failed: its tokens are computed again later.
+
+        A request preempted since the step was scheduled has nothing computed to give back.
+        A no-op for a step that was not advanced (its launch failed) or was taken back already.
+        """
+        if not batch.is_advanced:
+            return
+        batch.is_advanced = False
+        for request in batch.decodes:
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens -= 1
+        for request, count in batch.prefills:
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens -= count
+        for request in batch.sampling_requests:
+            request.num_output_placeholders -= 1
 
     def land(self, request: Request) -> None:
         """One placeholder of the request became a known token (or was dropped)."""
