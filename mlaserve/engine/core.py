@@ -43,7 +43,14 @@ from mlaserve.engine.messages import (
     SchedulerStats,
     validate_prompt,
 )
-from mlaserve.engine.request import INT64_MIN, Request, RequestStatus, SamplingParams, is_int
+from mlaserve.engine.request import (
+    INT64_MIN,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    is_int,
+    shown,
+)
 from mlaserve.engine.runner import ModelRunner, PendingStep, StepResult
 from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -119,7 +126,8 @@ class EngineCore:
             raise ValueError(f"request id '{request.request_id}' is already in use")
         validate_prompt(request.prompt_token_ids, request.params, self.info)
         if not is_int(request.sample_seed) or not INT64_MIN <= request.sample_seed < 1 << 64:
-            raise ValueError(f"sample_seed must be a 64-bit integer, got {request.sample_seed!r}")
+            raise ValueError("sample_seed must be a 64-bit integer, got "
+                             f"{shown(request.sample_seed)}")
         state = Request(request.request_id, None, list(request.prompt_token_ids),
                         request.params, sample_seed=request.sample_seed,
                         eos_token_ids=tuple(self.info.eos_token_ids))

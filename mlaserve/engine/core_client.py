@@ -65,7 +65,8 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class EngineError(RuntimeError):
-    """The engine step that carried this request failed; the request was aborted."""
+    """A step that carried this request alone failed; the request was aborted (the others in its
+    step went on)."""
 
 
 class EngineDeadError(EngineError):
@@ -234,7 +235,7 @@ class AsyncEngineClient:
                           ) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError here, before anything is queued) and stream the outputs.
 
-        The stream raises EngineError if a step that carried the request failed, and
+        The stream raises EngineError if a step that carried the request alone failed, and
         EngineDeadError if the engine process died.
         """
         if self._dead is not None:

@@ -9,16 +9,23 @@ never waits for the peer: a connecting socket queues until the connection is up.
 work the loop drains the inbox without blocking between steps; when idle it reports its stats
 once and blocks on the inbox. ZeroMQ brings framing, queueing and liveness for free and msgspec's
 msgpack encodes the typed Structs of messages.py fast, with schema-checked decoding, so no wire
-protocol is written here.
+protocol is written here. The core's `SchedulerStats` leave with every step's outputs and,
+whenever they changed, after a step without outputs or after adds and aborts handled while idle,
+so /metrics never shows a request that is gone. A request that the core refuses (or cannot even
+decode) comes back at once as an output with the error.
 
 Lifetime. The first message out is `Ready` (with the `EngineInfo`) once the model is loaded and
 warmed up, or `Failed` with the reason. The process ignores SIGINT (a Ctrl-C reaches the whole
 process group; the API process drains its streams, then sends `Shutdown`), and a thread exits it
 when its parent dies, so a killed server leaves no orphan holding the GPU.
 
-Test hook: with MLASERVE_FAULT_FILE=PATH set, the first step launched after PATH appears raises
-RuntimeError(<the file's text>) inside the model runner and deletes the file, so that tests can
-check that a failed step fails only its requests.
+Test hook: with MLASERVE_FAULT_FILE=PATH set, the model runner checks for PATH before each step
+it launches. The file's first line is an error message, any further lines are request ids; once
+read, the file is deleted and those requests become poisonous: every step that carries one of
+them raises RuntimeError(message), as a request whose data breaks the step would. With no ids
+listed, the requests of the step being launched are the poisonous ones. So the poisoned requests
+fail (see core.py: a request fails when a step that carried it alone failed) and the others in
+their steps go on.
 """
 
 import logging
@@ -139,14 +146,21 @@ def _install_fault_hook(core: EngineCore) -> None:
     if not path:
         return
     launch = core.runner.launch
+    poisoned: dict[str, str] = {}  # request id -> the error its steps raise
 
     def launch_or_fail(batch):
         try:
-            message = Path(path).read_text()
+            message, *request_ids = Path(path).read_text().splitlines() or [""]
         except FileNotFoundError:
-            return launch(batch)
-        os.unlink(path)
-        raise RuntimeError(message)
+            pass
+        else:
+            os.unlink(path)
+            for request_id in request_ids or [r.request_id for r in batch.requests]:
+                poisoned[request_id] = message
+        for request in batch.requests:
+            if request.request_id in poisoned:
+                raise RuntimeError(poisoned[request.request_id])
+        return launch(batch)
 
     core.runner.launch = launch_or_fail
 
@@ -161,26 +175,22 @@ class CoreLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.rejected: list[EngineCoreOutput] = []  # requests the core refused, sent next
-        self.changed = False  # something happened since the stats were last sent idle
+        self.sent_stats: SchedulerStats | None = None  # the stats last sent
 
     def run(self) -> None:
         core = self.core
         while True:
             if not core.has_unfinished:
-                if self.changed:
-                    self.send(StepOutputs([], core.stats()))
-                    self.changed = False
                 self.inbox.poll()  # idle: wait for a message (the parent watch ends a wait)
             if not self.handle_messages():
                 return
-            outputs = []
-            if core.has_unfinished:
-                outputs = core.step()
-                self.changed = True
+            outputs = core.step() if core.has_unfinished else []
             if self.rejected:
                 outputs, self.rejected = self.rejected + outputs, []
-            if outputs:
-                self.send(StepOutputs(outputs, core.stats()))
+            stats = core.stats()
+            if outputs or stats != self.sent_stats:
+                self.send(StepOutputs(outputs, stats))
+                self.sent_stats = stats
 
     def handle_messages(self) -> bool:
         """Handle every message waiting, without blocking; False once told to shut down."""
@@ -189,21 +199,37 @@ class CoreLoop:
                 frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return True
-            message = self.decoder.decode(frame.buffer)
+            try:
+                message = self.decoder.decode(frame.buffer)
+            except msgspec.DecodeError as exc:  # ValidationError included
+                self.refuse_undecodable(frame.bytes, exc)
+                continue
             if isinstance(message, AddRequest):
-                self.changed = True
                 try:
                     self.core.add_request(message.request)
                 except ValueError as exc:
                     self.rejected.append(EngineCoreOutput(
                         message.request.request_id, [], finish_reason="abort", error=str(exc)))
             elif isinstance(message, AbortRequests):
-                self.changed = True
                 self.core.abort_requests(message.request_ids)
             elif isinstance(message, GetStats):
                 self.send(Stats(self.core.stats()))
             else:
                 return False
+
+    def refuse_undecodable(self, data: bytes, exc: msgspec.DecodeError) -> None:
+        """A message that does not decode: refuse it if it names a request, else drop it."""
+        request_id = None
+        try:
+            tag, (request_id, *_) = msgspec.msgpack.decode(data)
+            request_id = request_id if tag == "AddRequest" and isinstance(request_id, str) else None
+        except (msgspec.DecodeError, TypeError, ValueError):
+            pass
+        if request_id is None:
+            logger.error("dropped a message that does not decode: %s", exc)
+            return
+        self.rejected.append(EngineCoreOutput(request_id, [], finish_reason="abort",
+                                              error=f"the request does not decode: {exc}"))
 
     def send(self, message: CoreMessage) -> None:
         self.outbox.send(self.encoder.encode(message), copy=False)

@@ -18,12 +18,16 @@ from mlaserve.engine.request import RequestOutput, SamplingParams
 
 
 class StepFailed(RuntimeError):
-    """An engine step raised; its requests were aborted and their blocks freed."""
+    """Requests failed in an engine step (each failed a step that carried it alone); they were
+    finished and freed. `outputs` holds the step's outputs, those of the failed requests (reason
+    "abort") included; the other requests carry on at the next call."""
 
-    def __init__(self, errors: dict[str, str]) -> None:
+    def __init__(self, errors: dict[str, str], outputs: list[RequestOutput]) -> None:
         causes = sorted(set(errors.values()))
         super().__init__(f"engine step failed for {len(errors)} request(s): {'; '.join(causes)}")
         self.request_ids = list(errors)
+        self.errors = errors
+        self.outputs = outputs
 
 
 class LLMEngine:
@@ -91,14 +95,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one core step; the outputs of the requests that gained a token.
 
-        Raises StepFailed after a step failed (its requests are finished and freed; the others
-        carry on at the next call).
+        Raises StepFailed when requests failed (they are finished and freed; the exception
+        holds this step's outputs; the others carry on at the next call).
         """
         processed = self.output_processor.process(self.core.step())
         if processed.abort_in_core:
             self.core.abort_requests(processed.abort_in_core)
         if processed.errors:
-            raise StepFailed(processed.errors)
+            raise StepFailed(processed.errors, processed.outputs)
         return processed.outputs
 
     def warm_up(self) -> None:

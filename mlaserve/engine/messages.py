@@ -8,7 +8,7 @@ msgspec encodes), so the same objects travel in-process and, msgpack-encoded, be
 
 import msgspec
 
-from mlaserve.engine.request import SamplingParams, is_int
+from mlaserve.engine.request import SamplingParams, is_int, shown
 
 Logprobs = list[dict[int, float]]
 
@@ -83,11 +83,11 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineIn
     bad = [t for t in token_ids if not is_int(t) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}) (the "
-                         f"model's vocabulary); got {bad[:5]}")
+                         f"model's vocabulary); got {shown(bad[:5], 80)}")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the model's "
-                         f"vocabulary); got {bad[:5]}")
+                         f"vocabulary); got {shown(bad[:5], 80)}")
     for name in ("logprobs", "prompt_logprobs"):
         count = getattr(params, name)
         if count is not None and count > vocab_size:

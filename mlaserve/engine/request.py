@@ -27,29 +27,42 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """A short repr for an error message (a huge int or a long list is cut)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's int -> str digit limit
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check_int(name: str, value: object, low: int, high: int = INT64_MAX,
                note: str = "") -> None:
     """ValueError unless `value` is an int in [low, high]."""
     if not is_int(value) or not low <= value <= high:
         lower = "-2**63" if low == INT64_MIN else str(low)
         upper = "2**63 - 1" if high == INT64_MAX else str(high)
-        raise ValueError(f"{name} must be an integer in [{lower}, {upper}]{note}, got {value!r}")
+        raise ValueError(f"{name} must be an integer in [{lower}, {upper}]{note}, "
+                         f"got {shown(value)}")
 
 
 def _check_float(name: str, value: object, low: float, high: float, *,
                  low_open: bool = False, note: str = "") -> None:
     """ValueError unless `value` is a finite number in [low, high] (or (low, high])."""
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (low < value if low_open else low <= value)
-          and value <= high)
+    try:
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value) and (low < value if low_open else low <= value)
+              and value <= high)
+    except OverflowError:  # an int too large for a float
+        ok = False
     if not ok:
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ValueError(f"{name} must be a finite number in {interval}{note}, got {value!r}")
+        raise ValueError(f"{name} must be a finite number in {interval}{note}, got {shown(value)}")
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise ValueError(f"{name} must be true or false, got {shown(value)}")
 
 
 @dataclass
@@ -89,13 +102,14 @@ class SamplingParams:
             self.stop = [self.stop] if self.stop else []
         if not isinstance(self.stop, (list, tuple)) or not all(
                 isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise ValueError("stop must be a string or a list of strings, got "
+                             f"{shown(self.stop)}")
         self.stop = [s for s in self.stop if s]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError("stop_token_ids must be a list of token ids, got "
-                             f"{self.stop_token_ids!r}")
+                             f"{shown(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
         self.validate()
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -115,14 +129,14 @@ class SamplingParams:
         top_k = self.top_k
         if not is_int(top_k) or not (top_k in (-1, 0) or 1 <= top_k <= INT64_MAX):
             raise ValueError("top_k must be -1 or 0 (off) or an integer in [1, 2**63 - 1] "
-                             f"(above the vocabulary size keeps every token), got {top_k!r}")
+                             f"(above the vocabulary size keeps every token), got {shown(top_k)}")
         _check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, INT64_MIN, note=" or null")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
+            raise ValueError(f"stop must be a list of strings, got {shown(self.stop)}")
         if not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids must be a list, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list, got {shown(self.stop_token_ids)}")
         for token in self.stop_token_ids:
             _check_int("every stop_token_ids entry", token, 0)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
@@ -138,7 +152,7 @@ class SamplingParams:
                    note=" (at most max_tokens)")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got "
-                             f"{self.output_kind!r}")
+                             f"{shown(self.output_kind)}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,163 @@
+"""One request never hurts another: hostile sampling parameters are refused at the door or run
+without touching the innocent requests beside them, and a step that fails because of one request
+fails that request only (the engine core on the demo model, CPU, float32)."""
+
+from dataclasses import dataclass, field
+
+import msgspec
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.core import EngineCore
+from mlaserve.engine.messages import EngineCoreRequest
+from mlaserve.engine.request import OUTPUT_KINDS, SamplingParams
+
+VOCAB = 1024  # the demo model's
+MAX_MODEL_LEN = 64
+ARGS = EngineArgs(device="cpu", num_kv_blocks=96, block_size=8, max_model_len=MAX_MODEL_LEN,
+                  max_num_seqs=16)
+PROMPTS = [[(17 * i + 5 * j) % 1000 + 4 for j in range(3 + 2 * i)] for i in range(10)]
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+@pytest.fixture(scope="module")
+def core() -> EngineCore:
+    return EngineCore(ARGS)
+
+
+@pytest.fixture(scope="module")
+def alone(core) -> list[list[int]]:
+    """Each innocent prompt's greedy tokens, run alone."""
+    return [run(core, [innocent(i)])[f"innocent-{i}"].token_ids for i in range(len(PROMPTS))]
+
+
+def innocent(i: int) -> EngineCoreRequest:
+    return EngineCoreRequest(f"innocent-{i}", PROMPTS[i], GREEDY, sample_seed=i)
+
+
+def run(core: EngineCore, requests: list[EngineCoreRequest], added: list[str] = ()
+        ) -> dict[str, Result]:
+    """Add the requests and step until the core is idle; the result of each of them and of
+    the requests named in `added` (added before)."""
+    for request in requests:
+        core.add_request(request)
+    results = {request_id: Result() for request_id in [*added, *(r.request_id for r in requests)]}
+    while core.has_unfinished:
+        for output in core.step():
+            result = results[output.request_id]
+            assert result.finish_reason is None, "an output after the request finished"
+            result.token_ids += output.new_token_ids
+            result.finish_reason, result.stop_reason = output.finish_reason, output.stop_reason
+            result.error = output.error
+    assert_idle(core)
+    return results
+
+
+def assert_idle(core: EngineCore) -> None:
+    """The core holds no request, no KV block and no persistent-batch row."""
+    assert not core.requests and not core.scheduler.has_unfinished
+    assert core.pool.num_free_blocks == core.pool.num_blocks
+    assert len(core.runner.inputs.free_rows) == ARGS.max_num_seqs
+
+
+def assert_innocents_unharmed(results: dict[str, Result], alone: list[list[int]],
+                              indices: range) -> None:
+    for i in indices:
+        result = results[f"innocent-{i}"]
+        assert (result.token_ids, result.finish_reason, result.error) == (
+            alone[i], "length", None), f"innocent-{i}"
+
+
+# ---- validation at the door ----------------------------------------------------------------
+HOSTILE_INTS = [2**63, 2**63 - 1, -(2**63), -(2**63) - 1, 2**64, 10**30, 10**5000, -1, -2, 0,
+                True, False, 1.5, float("nan"), "3", None, [1]]
+HOSTILE_FLOATS = [float("nan"), float("inf"), -float("inf"), 1e39, -1e39, 1e-40, 5e-324, 0.0,
+                  -0.0, -1e-9, 2.0000001, 10**400, 3, True, "1", None]
+HOSTILE_IDS = [-1, VOCAB, VOCAB - 1, 99999, 2**63, 2**64, True, 1.0]
+TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1), max_size=4)
+HOSTILE_TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1) | st.sampled_from(HOSTILE_IDS),
+                             max_size=4) | st.sampled_from([5, "7", None, (3,)])
+# (valid values, hostile values) of each field
+FIELDS = {
+    "max_tokens": (st.integers(1, 4), HOSTILE_INTS),
+    "temperature": (st.floats(0, 2), HOSTILE_FLOATS),
+    "top_p": (st.floats(0, 1, exclude_min=True), HOSTILE_FLOATS),
+    "top_k": (st.integers(-1, VOCAB + 10), HOSTILE_INTS),
+    "min_p": (st.floats(0, 1), HOSTILE_FLOATS),
+    "seed": (st.integers(-(2**63), 2**63 - 1) | st.none(), HOSTILE_INTS),
+    "stop_token_ids": (TOKEN_IDS, HOSTILE_TOKEN_IDS),
+    "ignore_eos": (st.booleans(), [0, 1, "yes", None]),
+    "logprobs": (st.integers(0, 20) | st.none(), HOSTILE_INTS + [21]),
+    "prompt_logprobs": (st.integers(0, 20) | st.none(), HOSTILE_INTS + [21]),
+    "presence_penalty": (st.floats(-2, 2), HOSTILE_FLOATS + [-2.5, 2.5]),
+    "frequency_penalty": (st.floats(-2, 2), HOSTILE_FLOATS + [-2.5, 2.5]),
+    "repetition_penalty": (st.floats(0.01, 3), HOSTILE_FLOATS),
+    "min_tokens": (st.integers(0, 4), HOSTILE_INTS),
+    "output_kind": (st.sampled_from(OUTPUT_KINDS), ["bogus", None, 3]),
+}
+
+
+def hostile_values(value: object) -> st.SearchStrategy:
+    return value if isinstance(value, st.SearchStrategy) else st.sampled_from(value)
+
+
+@st.composite
+def sampling_kwargs(draw) -> dict:
+    """Valid values for some fields, then hostile ones for up to three of them."""
+    kwargs = draw(st.fixed_dictionaries({}, optional={n: v for n, (v, _) in FIELDS.items()}))
+    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=3, unique=True)):
+        kwargs[name] = draw(hostile_values(FIELDS[name][1]))
+    return kwargs
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(kwargs=sampling_kwargs(), prompt=TOKEN_IDS.filter(bool) | HOSTILE_TOKEN_IDS,
+       sample_seed=st.integers(0, 2**62) | st.sampled_from(HOSTILE_INTS))
+def test_hostile_params_are_refused_or_run_without_touching_innocents(core, alone, kwargs,
+                                                                      prompt, sample_seed):
+    """Every hostile request is refused with a ValueError at the door or runs to a normal end,
+    and three innocent greedy requests beside it get the tokens they get alone."""
+    try:
+        params = SamplingParams(**kwargs)
+        hostile = EngineCoreRequest("hostile", prompt, params, sample_seed)
+        core.add_request(hostile)
+    except ValueError:
+        assert_idle(core)
+        hostile = None
+        event("refused")
+    else:
+        # what the engine process would decode is what was sent
+        wire = msgspec.msgpack.encode(hostile)
+        assert msgspec.msgpack.decode(wire, type=EngineCoreRequest) == hostile
+    results = run(core, [innocent(0), innocent(1), innocent(2)],
+                  added=["hostile"] if hostile is not None else [])
+    assert_innocents_unharmed(results, alone, range(3))
+    if hostile is not None:
+        event("ran")
+        assert_ended_normally(results["hostile"], params, core.info.eos_token_ids)
+
+
+def assert_ended_normally(result: Result, params: SamplingParams,
+                          eos_token_ids: list[int]) -> None:
+    """Finished by length, a stop token id or EOS, as its parameters allow, with no error."""
+    assert result.error is None and result.finish_reason in ("stop", "length"), result
+    tokens = result.token_ids
+    assert 1 <= len(tokens) <= params.max_tokens and all(0 <= t < VOCAB for t in tokens)
+    if result.finish_reason == "length":
+        assert len(tokens) == params.max_tokens
+        return
+    assert len(tokens) >= max(params.min_tokens, 1)
+    if result.stop_reason is not None:
+        assert result.stop_reason == tokens[-1] and tokens[-1] in params.stop_token_ids
+    else:
+        assert not params.ignore_eos and tokens[-1] in eos_token_ids
