@@ -1,22 +1,38 @@
 """AsyncEngineClient and its engine-core process under load: concurrent streams, aborts
-mid-stream, a failed step, the core's stats, and the process dying."""
+mid-stream, failed steps (only the poisoned request fails), the core's stats, and the process
+dying."""
 
 import asyncio
 import os
 import random
 import signal
+import time
+from collections import deque
+from types import SimpleNamespace
 
+import msgspec
 import pytest
+import zmq
 
 from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.core import EngineCore
 from mlaserve.engine.core_client import (
     AsyncEngineClient,
     EngineDeadError,
     EngineError,
     EngineLoadError,
 )
+from mlaserve.engine.core_process import (
+    AbortRequests,
+    AddRequest,
+    CoreLoop,
+    CoreMessage,
+    Shutdown,
+    StepOutputs,
+)
+from mlaserve.engine.messages import EngineCoreRequest
 from mlaserve.engine.request import SamplingParams
-from tests.server_util import fail_next_step, is_alive
+from tests.server_util import FAULT_FILE, fail_next_step, is_alive
 
 ARGS = EngineArgs(device="cpu", num_kv_blocks=128, block_size=8, max_num_seqs=64,
                   max_num_batched_tokens=256)
@@ -119,6 +135,8 @@ def test_validation_errors_raise_before_queueing(loop, client):
 
 
 def test_a_failed_step_fails_only_its_requests(loop, client):
+    """The fault hook poisons the requests of the next step: a request alone in its step fails
+    with the error, and the next one runs."""
     fail_next_step("simulated device fault")
 
     async def main():
@@ -132,6 +150,53 @@ def test_a_failed_step_fails_only_its_requests(loop, client):
 
     loop.run_until_complete(main())
     assert_core_idle(loop, client)
+
+
+def poison_request(request_id: str, message: str) -> None:
+    """Make every step that carries `request_id` raise RuntimeError(message) in the engine
+    process (the fault hook, with the request named)."""
+    FAULT_FILE.write_text(f"{message}\n{request_id}")
+
+
+def test_a_poisoned_request_fails_alone_while_ten_streams_finish(loop, client):
+    prompts = [[5 + i, 6 + 2 * i, 7] for i in range(11)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, output_kind="delta")
+
+    async def tokens(i: int, request_id: str) -> list[int]:
+        stream = await client.add_request(prompts[i], params, request_id)
+        return [t async for output in stream for t in output.token_ids]
+
+    async def main():
+        alone = [await tokens(i, f"alone-{i}") for i in range(11)]
+        poison_request("together-5", "poisonous data")
+        together = await asyncio.gather(*(tokens(i, f"together-{i}") for i in range(11)),
+                                        return_exceptions=True)
+        return alone, together
+
+    alone, together = loop.run_until_complete(main())
+    assert isinstance(together[5], EngineError) and "poisonous data" in str(together[5])
+    assert together[:5] + together[6:] == alone[:5] + alone[6:]
+    assert_core_idle(loop, client)
+
+
+def test_pushed_stats_follow_an_abort(loop, client):
+    """The stats that the core pushes (what /metrics shows) drop an aborted request at once,
+    with nothing left running to carry them in a step's outputs."""
+    async def main():
+        stream = await client.add_request([5, 6, 7], SamplingParams(
+            max_tokens=500, ignore_eos=True, output_kind="delta"), "long")
+        await anext(stream)
+        stats = client.scheduler_stats
+        assert stats.num_running == 1 and stats.kv_usage > 0
+        await stream.aclose()  # the consumer leaves: the request is aborted
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (client.scheduler_stats.num_running
+                                               or client.scheduler_stats.kv_usage):
+            await asyncio.sleep(0.01)
+        return client.scheduler_stats
+
+    stats = loop.run_until_complete(main())
+    assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0)
 
 
 def test_killing_the_engine_process_fails_requests_in_flight():
@@ -159,3 +224,54 @@ def test_a_load_error_names_its_cause():
     args = EngineArgs(device="cpu", num_kv_blocks=8, attention_backend="FLASH_ATTN_MLA")
     with pytest.raises(EngineLoadError, match="FlashAttention MLA is not bundled"):
         asyncio.run(AsyncEngineClient.start(args))
+
+
+class ScriptedInbox:
+    """A stand-in for the core's PULL socket: round i of `CoreLoop.handle_messages` receives
+    the messages of rounds[i]; once the rounds run out, Shutdown."""
+
+    def __init__(self, rounds: list[list]) -> None:
+        self.rounds = deque(rounds)
+        self.current: list | None = None
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def poll(self) -> None:
+        pass
+
+    def recv(self, flags: int, copy: bool) -> SimpleNamespace:
+        if self.current is None:
+            self.current = self.rounds.popleft() if self.rounds else [Shutdown()]
+        if not self.current:
+            self.current = None
+            raise zmq.Again
+        data = self.encoder.encode(self.current.pop(0))
+        return SimpleNamespace(buffer=data, bytes=data)
+
+
+class RecordingOutbox:
+    def __init__(self) -> None:
+        self.messages = []
+        self.decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+    def send(self, data: bytes, copy: bool = True) -> None:
+        self.messages.append(self.decoder.decode(data))
+
+
+def test_the_core_pushes_stats_after_adds_and_aborts_between_outputs():
+    """While a long prompt is prefilled in chunks (steps without outputs), the stats that the
+    core pushes show a request joining the queue and, once aborted, leaving it."""
+    core = EngineCore(EngineArgs(device="cpu", num_kv_blocks=32, block_size=8,
+                                 max_num_batched_tokens=8))
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    rounds = [[AddRequest(EngineCoreRequest("long", list(range(4, 44)), params, 0)),
+               AddRequest(EngineCoreRequest("short", [4, 5], params, 0))],
+              [], [AbortRequests(["short"])]] + [[] for _ in range(20)]
+    outbox = RecordingOutbox()
+    CoreLoop(core, ScriptedInbox(rounds), outbox).run()
+    sent = [m for m in outbox.messages if isinstance(m, StepOutputs)]
+    first_output = next(i for i, m in enumerate(sent) if m.outputs)
+    waiting = [m.stats.num_waiting for m in sent[:first_output]]
+    assert waiting[0] == 1 and 0 in waiting  # both before "long" produced its first token
+    assert [o.request_id for m in sent for o in m.outputs] == ["long", "long"]
+    assert sent[-1].stats.num_running == sent[-1].stats.num_waiting == 0
+    assert sent[-1].stats.kv_usage == 0

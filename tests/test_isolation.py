@@ -6,13 +6,16 @@ from dataclasses import dataclass, field
 
 import msgspec
 import pytest
+import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+import mlaserve.engine.runner as runner_module
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.core import EngineCore
 from mlaserve.engine.messages import EngineCoreRequest
 from mlaserve.engine.request import OUTPUT_KINDS, SamplingParams
+from mlaserve.engine.sampler import SamplingBatch
 
 VOCAB = 1024  # the demo model's
 MAX_MODEL_LEN = 64
@@ -161,3 +164,107 @@ def assert_ended_normally(result: Result, params: SamplingParams,
         assert result.stop_reason == tokens[-1] and tokens[-1] in params.stop_token_ids
     else:
         assert not params.ignore_eos and tokens[-1] in eos_token_ids
+
+
+def test_the_two_requests_of_the_brief_are_refused_naming_their_field(core):
+    with pytest.raises(ValueError, match=r"top_k must be .* got 9223372036854775808"):
+        SamplingParams(max_tokens=4, top_k=2**63)
+    params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[99999])
+    with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 1024\)"):
+        core.add_request(EngineCoreRequest("beyond-vocab", [5, 6], params, sample_seed=0))
+    assert_idle(core)
+
+
+def test_top_k_above_the_vocabulary_keeps_every_token(core):
+    """Accepted and clamped to the vocabulary: the same tokens as top_k = vocabulary size."""
+    def sampled(top_k: int) -> list[int]:
+        params = SamplingParams(max_tokens=6, temperature=1.0, top_k=top_k, ignore_eos=True)
+        return run(core, [EngineCoreRequest("r", PROMPTS[3], params, 7)])["r"].token_ids
+
+    assert sampled(2**63 - 1) == sampled(VOCAB)
+
+
+# ---- a step that fails -----------------------------------------------------------------------
+POISON_SEED = 666
+
+
+def poisoned_request(first_bad_output: int) -> tuple[EngineCoreRequest, int]:
+    """A request that will make the sampler raise, and the first position it may not sample."""
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    return EngineCoreRequest("poisoned", PROMPTS[4], params, sample_seed=POISON_SEED), (
+        len(PROMPTS[4]) + first_bad_output)
+
+
+@pytest.mark.parametrize("first_bad_output", [0, 2])
+def test_a_request_that_breaks_its_step_fails_alone(core, alone, monkeypatch, first_bad_output):
+    """The sampler raises whenever the poisoned request samples its token number
+    `first_bad_output` or later (at its prefill, or mid-decode with a step in flight): it fails
+    with that error after the tokens it had, and ten innocent requests finish unchanged."""
+    request, bad_position = poisoned_request(first_bad_output)
+    sample = runner_module.sample
+    failures = []
+
+    def poisonable_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if ((batch.seeds == POISON_SEED) & (batch.positions >= bad_position)).any():
+            failures.append(len(logits))
+            raise IndexError("poisoned row")
+        return sample(logits, batch)
+
+    monkeypatch.setattr(runner_module, "sample", poisonable_sample)
+    results = run(core, [innocent(i) for i in range(5)] + [request]
+                  + [innocent(i) for i in range(5, 10)])
+    assert_innocents_unharmed(results, alone, range(10))
+    poisoned = results["poisoned"]
+    assert (poisoned.finish_reason, poisoned.error) == ("abort", "IndexError: poisoned row")
+    assert len(poisoned.token_ids) == first_bad_output
+    # found by bisection: the full step, then one half per level down to the request alone
+    assert failures[-1] == 1 and len(failures) <= 1 + 4
+
+
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_a_fault_that_does_not_repeat_fails_no_request(core, alone, monkeypatch, where):
+    """A step of eleven requests fails once (at launch, or when collected with the next step
+    already launched on its samples): it is taken back and re-run, and every request finishes
+    as it does alone."""
+    original = getattr(core.runner, where)
+    calls = []
+
+    def fail_third_call(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("transient fault")
+        return original(*args)
+
+    monkeypatch.setattr(core.runner, where, fail_third_call)
+    results = run(core, [innocent(i) for i in range(10)] + [
+        EngineCoreRequest("seeded", PROMPTS[4], SamplingParams(
+            max_tokens=6, temperature=1.0, top_p=0.9, ignore_eos=True), sample_seed=3)])
+    assert len(calls) > 3
+    assert_innocents_unharmed(results, alone, range(10))
+    monkeypatch.setattr(core.runner, where, original)
+    seeded_alone = run(core, [EngineCoreRequest("seeded", PROMPTS[4], SamplingParams(
+        max_tokens=6, temperature=1.0, top_p=0.9, ignore_eos=True), sample_seed=3)])
+    assert results["seeded"] == seeded_alone["seeded"]
+
+
+def test_a_broken_engine_fails_every_request_and_recovers_nothing_else(core, alone,
+                                                                       monkeypatch):
+    """Every step fails (as after a device fault): all requests fail with the error and the
+    core is left holding nothing; once steps work again, a request runs as it did alone."""
+    launch = core.runner.launch
+    launches = []
+
+    def broken(batch):
+        launches.append(1)
+        if len(launches) > 2:
+            raise RuntimeError("device lost")
+        return launch(batch)
+
+    monkeypatch.setattr(core.runner, "launch", broken)
+    results = run(core, [innocent(i) for i in range(8)])
+    for i in range(8):
+        result = results[f"innocent-{i}"]
+        assert (result.finish_reason, result.error) == ("abort", "RuntimeError: device lost")
+        assert result.token_ids == alone[i][: len(result.token_ids)]
+    monkeypatch.setattr(core.runner, "launch", launch)
+    assert run(core, [innocent(9)])["innocent-9"].token_ids == alone[9]
