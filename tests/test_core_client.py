@@ -228,7 +228,7 @@ def test_a_load_error_names_its_cause():
 
 class ScriptedInbox:
     """A stand-in for the core's PULL socket: round i of `CoreLoop.handle_messages` receives
-    the messages of rounds[i]; once the rounds run out, Shutdown."""
+    the messages (or raw frames) of rounds[i]; once the rounds run out, Shutdown."""
 
     def __init__(self, rounds: list[list]) -> None:
         self.rounds = deque(rounds)
@@ -244,7 +244,8 @@ class ScriptedInbox:
         if not self.current:
             self.current = None
             raise zmq.Again
-        data = self.encoder.encode(self.current.pop(0))
+        message = self.current.pop(0)
+        data = message if isinstance(message, bytes) else self.encoder.encode(message)
         return SimpleNamespace(buffer=data, bytes=data)
 
 
@@ -275,3 +276,19 @@ def test_the_core_pushes_stats_after_adds_and_aborts_between_outputs():
     assert [o.request_id for m in sent for o in m.outputs] == ["long", "long"]
     assert sent[-1].stats.num_running == sent[-1].stats.num_waiting == 0
     assert sent[-1].stats.kv_usage == 0
+
+
+def test_a_request_that_does_not_decode_is_refused_and_the_core_goes_on():
+    """A frame whose sampling parameters fail validation while decoding (a frontend that did
+    not validate) comes back as that request's error; the next request runs."""
+    core = EngineCore(EngineArgs(device="cpu", num_kv_blocks=16, block_size=8))
+    bad = msgspec.msgpack.encode(["AddRequest", ["bad", [5], {"temperature": -1.0}, 0]])
+    good = AddRequest(EngineCoreRequest("good", [5, 6], SamplingParams(max_tokens=2), 0))
+    outbox = RecordingOutbox()
+    rounds = [[bad, b"\xc1", good]] + [[] for _ in range(10)]
+    CoreLoop(core, ScriptedInbox(rounds), outbox).run()
+    outputs = [o for m in outbox.messages if isinstance(m, StepOutputs) for o in m.outputs]
+    assert outputs[0].request_id == "bad" and outputs[0].finish_reason == "abort"
+    assert "temperature must be a finite number" in outputs[0].error
+    assert [o.request_id for o in outputs[1:]] == ["good", "good"]
+    assert outputs[-1].finish_reason == "length"

@@ -175,6 +175,67 @@ def test_the_two_requests_of_the_brief_are_refused_naming_their_field(core):
     assert_idle(core)
 
 
+NAN, INF = float("nan"), float("inf")
+REFUSED = [  # (parameters, what the message must say)
+    ({"top_k": -2}, "top_k must be -1 or 0"),
+    ({"top_k": 2**63}, "top_k must be"),
+    ({"top_k": True}, "top_k must be"),
+    ({"temperature": NAN}, r"temperature must be a finite number in \[0, "),
+    ({"temperature": INF}, "temperature must be a finite number"),
+    ({"temperature": -0.5}, "temperature must be"),
+    ({"temperature": 1e39}, "temperature must be"),
+    ({"top_p": 0.0}, r"top_p must be a finite number in \(0, 1\]"),
+    ({"top_p": NAN}, "top_p must be"),
+    ({"min_p": 1.5}, r"min_p must be a finite number in \[0, 1\]"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be a finite number in \[-2, 2\]"),
+    ({"frequency_penalty": -INF}, "frequency_penalty must be"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty must be"),
+    ({"repetition_penalty": INF}, "repetition_penalty must be"),
+    ({"seed": 2**63}, r"seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"),
+    ({"seed": -(2**63) - 1}, "seed must be"),
+    ({"seed": 1.5}, "seed must be"),
+    ({"max_tokens": 0}, "max_tokens must be"),
+    ({"max_tokens": 10**5000}, "max_tokens must be .* got an integer of 16610 bits"),
+    ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens must be an integer in \[0, 4\]"),
+    ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\]"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs must be"),
+    ({"stop_token_ids": [-1]}, "every stop_token_ids entry must be"),
+    ({"stop_token_ids": [2**64]}, "every stop_token_ids entry must be"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+    ({"stop": 5}, "stop must be a string or a list of strings"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+    ({"output_kind": "bogus"}, "output_kind must be one of"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", REFUSED)
+def test_bad_parameters_are_value_errors_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,prompt,message", [
+    ({"stop_token_ids": [VOCAB]}, [5], r"stop_token_ids must be in \[0, 1024\)"),
+    ({}, [5, VOCAB], r"prompt token ids must be integers in \[0, 1024\)"),
+    ({}, [5, True], "prompt token ids must be integers"),
+    ({}, [], "the prompt is empty"),
+    ({"max_tokens": 60}, [5] * 8, "exceeds max_model_len=64"),
+])
+def test_requests_the_model_cannot_serve_are_value_errors(core, kwargs, prompt, message):
+    request = EngineCoreRequest("bad", prompt, SamplingParams(**kwargs), sample_seed=0)
+    with pytest.raises(ValueError, match=message):
+        core.add_request(request)
+    with pytest.raises(ValueError, match="sample_seed must be a 64-bit integer"):
+        core.add_request(EngineCoreRequest("bad", [5], SamplingParams(), sample_seed=2**64))
+    assert_idle(core)
+
+
+def test_a_tiny_temperature_is_raised_to_one_hundredth():
+    assert SamplingParams(temperature=1e-30).temperature == 0.01
+    assert SamplingParams(temperature=0).temperature == 0
+
+
 def test_top_k_above_the_vocabulary_keeps_every_token(core):
     """Accepted and clamped to the vocabulary: the same tokens as top_k = vocabulary size."""
     def sampled(top_k: int) -> list[int]:

@@ -20,6 +20,7 @@ def test_filters_restrict_the_support():
     assert draw(SamplingParams(temperature=0)) == {0}
     assert draw(SamplingParams(temperature=1.0)) == {0, 1, 2, 3, 4}
     assert draw(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
+    assert draw(SamplingParams(temperature=1.0, top_k=2**63 - 1)) == {0, 1, 2, 3, 4}  # clamped
     assert draw(SamplingParams(temperature=1.0, top_p=0.7)) == {0, 1}  # 0.5 + 0.25 >= 0.7
     assert draw(SamplingParams(temperature=1.0, top_p=0.5)) == {0}
     assert draw(SamplingParams(temperature=1.0, min_p=0.3)) == {0, 1, 2}  # >= 0.15

@@ -1,10 +1,12 @@
 """Engine behaviour with exact expectations: batching, chunking, prefix caching, preemption."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.engine.engine import StepFailed
 
 rng = random.Random(1)
 PROMPTS = [[rng.randrange(4, 1000) for _ in range(rng.randrange(3, 40))] for _ in range(8)]
@@ -108,3 +110,32 @@ def test_warm_up_runs_a_request_and_leaves_nothing_behind():
     assert len(steps) >= 2  # a prefill and a decode step ran
     assert not engine.requests and not engine.has_unfinished
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_a_request_that_fails_its_step_fails_alone_in_llm_engine(reference, monkeypatch):
+    """StepFailed names the failed request and carries the step's outputs; the other requests
+    carry on and end as they do alone."""
+    engine = llm().engine
+    launch = engine.runner.launch
+
+    def launch_or_fail(batch):
+        if any(r.request_id == "bad" for r in batch.requests):
+            raise RuntimeError("bad data")
+        return launch(batch)
+
+    monkeypatch.setattr(engine.runner, "launch", launch_or_fail)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(prompt, replace(GREEDY, output_kind="final_only"), f"ok-{i}")
+    engine.add_request(PROMPTS[4], GREEDY, "bad")
+    finals, failures = {}, []
+    while engine.has_unfinished:
+        try:
+            outputs = engine.step()
+        except StepFailed as exc:
+            failures.append(exc)
+            outputs = exc.outputs
+        finals.update({o.request_id: o for o in outputs if o.finished})
+    assert [f.request_ids for f in failures] == [["bad"]] and "bad data" in str(failures[0])
+    assert finals["bad"].finish_reason == "abort" and finals["bad"].token_ids == []
+    assert [finals[f"ok-{i}"].token_ids for i in range(4)] == [reference[tuple(p)]
+                                                              for p in PROMPTS[:4]]
