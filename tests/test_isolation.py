@@ -329,3 +329,30 @@ def test_a_broken_engine_fails_every_request_and_recovers_nothing_else(core, alo
         assert result.token_ids == alone[i][: len(result.token_ids)]
     monkeypatch.setattr(core.runner, "launch", launch)
     assert run(core, [innocent(9)])["innocent-9"].token_ids == alone[9]
+
+
+def test_an_innocent_is_not_failed_when_the_culprit_finished_meanwhile(core, alone,
+                                                                         monkeypatch):
+    """The culprit stops on a stop token in step N - 1 while step N (holding its wasted row) fails
+    at launch: the innocent left alone in the failed step is re-run, not failed."""
+    stop_token = alone[6][1]
+    assert stop_token != alone[6][0]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                            stop_token_ids=[stop_token])
+    culprit = EngineCoreRequest("culprit", PROMPTS[6], params, sample_seed=POISON_SEED)
+    bad_position = len(PROMPTS[6]) + 2  # the row after its stop token, sampled a step late
+    sample = runner_module.sample
+    failures = []
+
+    def poisonable_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if ((batch.seeds == POISON_SEED) & (batch.positions >= bad_position)).any():
+            failures.append(len(logits))
+            raise IndexError("poisoned row")
+        return sample(logits, batch)
+
+    monkeypatch.setattr(runner_module, "sample", poisonable_sample)
+    results = run(core, [culprit, innocent(7)])
+    assert failures == [2]
+    assert results["culprit"].token_ids == alone[6][:2]
+    assert results["culprit"].finish_reason == "stop"
+    assert_innocents_unharmed(results, alone, [7])

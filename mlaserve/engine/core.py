@@ -239,19 +239,22 @@ class EngineCore:
         """
         self._take_back(batch)
         live = [r for r in batch.requests if self._is_running(r)]
-        if len(live) <= 1:
+        if len(batch.requests) == 1:
             return self._fail(live, exc)
+        if len(live) < len(batch.requests):
+            parts = [live]  # some finished meanwhile: the rest may not fail without them
+        else:
+            parts = [live[: len(live) // 2], live[len(live) // 2 :]]
         outputs = []
-        middle = len(live) // 2
-        for half in (live[:middle], live[middle:]):
-            half = [r for r in half if self._is_running(r)]
-            if not half:
+        for part in parts:
+            part = [r for r in part if self._is_running(r)]
+            if not part:
                 continue
-            part = batch.subset(half)
+            sub_batch = batch.subset(part)
             try:
-                outputs += self._run_alone(part)
+                outputs += self._run_alone(sub_batch)
             except Exception as part_exc:  # noqa: BLE001 - narrowed down further
-                outputs += self._rerun_apart(part, part_exc)
+                outputs += self._rerun_apart(sub_batch, part_exc)
         return outputs
 
     def _is_running(self, request: Request) -> bool:
