@@ -107,6 +107,9 @@ FIELDS = {
     "repetition_penalty": (st.floats(0.01, 3), HOSTILE_FLOATS),
     "min_tokens": (st.integers(0, 4), HOSTILE_INTS),
     "output_kind": (st.sampled_from(OUTPUT_KINDS), ["bogus", None, 3]),
+    "logit_bias": (st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3)
+                   | st.none(),
+                   [{VOCAB: 1.0}, {-1: 1.0}, {3: float("nan")}, {3: 101.0}, {"3": 1.0}, [3]]),
 }
 
 
@@ -206,6 +209,9 @@ REFUSED = [  # (parameters, what the message must say)
     ({"stop": 5}, "stop must be a string or a list of strings"),
     ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
     ({"output_kind": "bogus"}, "output_kind must be one of"),
+    ({"logit_bias": {3: 100.5}}, r"logit_bias\[3\] must be a finite number in \[-100, 100\]"),
+    ({"logit_bias": {-1: 1.0}}, "every logit_bias key must be"),
+    ({"logit_bias": [3]}, "logit_bias must map token ids to numbers"),
 ]
 
 
@@ -217,6 +223,7 @@ def test_bad_parameters_are_value_errors_naming_the_field(kwargs, message):
 
 @pytest.mark.parametrize("kwargs,prompt,message", [
     ({"stop_token_ids": [VOCAB]}, [5], r"stop_token_ids must be in \[0, 1024\)"),
+    ({"logit_bias": {VOCAB: 5.0}}, [5], r"logit_bias keys must be token ids in \[0, 1024\)"),
     ({}, [5, VOCAB], r"prompt token ids must be integers in \[0, 1024\)"),
     ({}, [5, True], "prompt token ids must be integers"),
     ({}, [], "the prompt is empty"),

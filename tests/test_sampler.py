@@ -81,3 +81,20 @@ def test_sort_free_kernel_draws_what_the_torch_path_draws():
     expected = gumbel_argmax_torch(logits, temperature, seeds, positions)
     assert torch.equal(_gumbel_argmax_triton(logits, temperature, seeds, positions), expected)
     assert torch.equal(expected[2::4], logits[2::4].argmax(dim=-1))
+
+
+def test_logit_bias_shifts_the_logits_it_names() -> None:
+    """+100 on one id makes greedy pick it; -100 on the argmax makes greedy skip it; rows
+    without a bias sample as before."""
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    top = logits.argmax(dim=-1)
+    favoured = int((top[0] + 1) % vocab)
+    params = [SamplingParams(temperature=0, logit_bias={favoured: 100.0}),
+              SamplingParams(temperature=0, logit_bias={int(top[1]): -100.0}),
+              SamplingParams(temperature=0)]
+    requests = [Request(f"r{i}", None, [1, 2], p, sample_seed=i) for i, p in enumerate(params)]
+    sampled = sample(logits, SamplingBatch.build(requests, vocab, torch.device("cpu")))
+    second = logits[1].clone()
+    second[top[1]] -= 100.0
+    assert sampled.tolist() == [favoured, int(second.argmax()), int(top[2])]

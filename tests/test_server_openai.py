@@ -34,6 +34,18 @@ def test_completion_matches_the_engine(server, client):
     assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
 
 
+def test_logit_bias_steers_greedy_decoding(server, client):
+    token = server.engine.tokenizer.decode([77])
+    out = client.completions.create(model="demo", prompt="The cache", max_tokens=6,
+                                    temperature=0, logit_bias={"77": 100}, logprobs=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].logprobs.tokens == [token] * 6
+    chat = client.chat.completions.create(model="demo", max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          logit_bias={"77": 100}, logprobs=True)
+    assert [entry.token for entry in chat.choices[0].logprobs.content] == [token] * 4
+
+
 def test_streaming_completion_with_usage(client):
     chunks = list(client.completions.create(
         model="demo", prompt="Hello", max_tokens=6, temperature=0, stream=True,
@@ -145,6 +157,9 @@ BAD_BODIES = [
     ({"prompt": 12}, "prompt"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
 ]
 BAD_CHAT = [
     ({"messages": []}, "messages"),

@@ -18,6 +18,7 @@ from mlaserve.engine.sampler import (
     Penalties,
     SamplingBatch,
     banned_before_min_tokens,
+    logit_bias,
     needs_filter,
     needs_penalties,
     top_k_or_vocab,
@@ -108,4 +109,5 @@ class PersistentBatch:
             min_p=self.min_p[rows], seeds=self.seeds[rows], positions=positions,
             all_greedy=all(p.temperature == 0 for p in params),
             needs_filter=any(needs_filter(p) for p in params), penalties=penalties,
-            banned=banned_before_min_tokens(requests, self.device))
+            banned=banned_before_min_tokens(requests, self.device),
+            bias=logit_bias(requests, self.device))

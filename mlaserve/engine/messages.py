@@ -69,8 +69,8 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineIn
     """Raise ValueError, saying what to change, for a request the core could never serve.
 
     Checks the parameters (`SamplingParams.validate`) and everything that depends on the model:
-    prompt and stop token ids inside the vocabulary, logprob counts no larger than it, and the
-    prompt plus `max_tokens` inside `max_model_len` and the KV cache.
+    prompt, stop and logit_bias token ids inside the vocabulary, logprob counts no larger than
+    it, and the prompt plus `max_tokens` inside `max_model_len` and the KV cache.
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -87,6 +87,10 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineIn
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the model's "
+                         f"vocabulary); got {shown(bad[:5], 80)}")
+    bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}) (the model's "
                          f"vocabulary); got {shown(bad[:5], 80)}")
     for name in ("logprobs", "prompt_logprobs"):
         count = getattr(params, name)

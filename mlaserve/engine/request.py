@@ -20,6 +20,7 @@ FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MIN_TEMPERATURE = 1e-2  # lower positive temperatures are raised to this (as vLLM does)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's range)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range for each logit_bias value
 
 
 def is_int(value: object) -> bool:
@@ -71,6 +72,8 @@ class SamplingParams:
 
     top_k: -1 or 0 is off; a value above the vocabulary size keeps every token (as in vLLM).
     A temperature in (0, 0.01) is raised to 0.01 (as in vLLM: lower ones overflow the logits).
+    logit_bias: token id -> value added to its logit before sampling (greedy included), each
+    in [-100, 100] as OpenAI defines it.
     logprobs / prompt_logprobs: number of most likely tokens to return per position besides the
     chosen one (0 returns only the chosen token's logprob; None returns none), at most 20.
     output_kind: what each streamed RequestOutput holds: "cumulative" (everything so far),
@@ -93,6 +96,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
@@ -139,6 +143,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list, got {shown(self.stop_token_ids)}")
         for token in self.stop_token_ids:
             _check_int("every stop_token_ids entry", token, 0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to numbers, got "
+                                 f"{shown(self.logit_bias)}")
+            for token, bias in self.logit_bias.items():
+                _check_int("every logit_bias key", token, 0, note=" (a token id)")
+                _check_float(f"logit_bias[{token}]", bias, *LOGIT_BIAS_RANGE)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
         for name in ("logprobs", "prompt_logprobs"):

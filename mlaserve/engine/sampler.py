@@ -69,6 +69,7 @@ class SamplingBatch:
     needs_filter: bool  # some row asks for top-k, top-p or min-p
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids): EOS/stops too early
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, values)
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int,
@@ -91,7 +92,8 @@ class SamplingBatch:
             needs_filter=any(needs_filter(p) for p in params),
             penalties=(Penalties.build(requests, vocab_size, device)
                        if any(needs_penalties(p) for p in params) else None),
-            banned=banned_before_min_tokens(requests, device))
+            banned=banned_before_min_tokens(requests, device),
+            bias=logit_bias(requests, device))
 
 
 def top_k_or_vocab(top_k: int, vocab_size: int) -> int:
@@ -116,6 +118,18 @@ def banned_before_min_tokens(requests: list[Request], device: torch.device
     return _pairs(lists, device) if any(lists) else None
 
 
+def logit_bias(requests: list[Request], device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows [M], ids [M], values [M] float32) of the rows' logit_bias entries, or None."""
+    biases = [r.params.logit_bias or {} for r in requests]
+    if not any(biases):
+        return None
+    rows, ids = _pairs([list(b) for b in biases], device)
+    values = torch.tensor([v for b in biases for v in b.values()], dtype=torch.float32,
+                          device=device)
+    return rows, ids, values
+
+
 def _pairs(rows_of_ids: list[list[int]], device: torch.device
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged per-row id lists -> flat (row index [M], id [M]) int64 tensors for one scatter."""
@@ -129,6 +143,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [N, V] float32 -> token ids [N] int64."""
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
+    if batch.bias is not None:
+        rows, ids, values = batch.bias
+        logits = logits.index_put((rows, ids), values, accumulate=True)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.all_greedy:

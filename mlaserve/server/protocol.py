@@ -40,6 +40,18 @@ def invalid_text_path(value: Any) -> str | None:
     return None
 
 
+def token_id_keys(name: str, mapping: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON object keys (strings) that name token ids -> int keys; ValueError naming `name`."""
+    if mapping is None:
+        return None
+    try:
+        return {int(key): value for key, value in mapping.items()}
+    except ValueError:
+        bad = next(key for key in mapping if not key.strip().lstrip("-").isdigit())
+        raise ValueError(f"{name} keys must be token ids (integers as strings), got {bad[:20]!r}"
+                         ) from None
+
+
 class RequestModel(OpenAIModel):
     """A request body: every string in it, known field or not, must be valid Unicode text."""
 
@@ -76,6 +88,7 @@ class SamplingFields(RequestModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: NonNegInt = 0
+    logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -101,6 +114,7 @@ class SamplingFields(RequestModel):
             prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+            logit_bias=token_id_keys("logit_bias", self.logit_bias),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, output_kind=output_kind)
 
