@@ -4,7 +4,7 @@ from dataclasses import fields, replace
 
 from tqdm import tqdm
 
-from mlaserve.engine.engine import EngineArgs, LLMEngine
+from mlaserve.engine.engine import EngineArgs, LLMEngine, StepFailed
 from mlaserve.engine.request import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -46,7 +46,13 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in input order."""
+        """Run every prompt to completion with continuous batching; outputs in input order.
+
+        Raises:
+            StepFailed: after every prompt has finished, if some failed in the engine (each
+                failed a step that carried it alone); its `outputs` hold every prompt's output
+                in input order, the failed ones finished with reason "abort".
+        """
         prompts = self._normalise(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
@@ -67,10 +73,19 @@ class LLM:
                 engine.abort(request_id)
             raise
         finals: dict[str, RequestOutput] = {}
+        errors: dict[str, str] = {}
         with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Generating") as bar:
             while len(finals) < len(request_ids):
-                for output in engine.step():
+                try:
+                    outputs = engine.step()
+                except StepFailed as failed:  # those requests are finished; the rest go on
+                    errors |= failed.errors
+                    outputs = failed.outputs
+                for output in outputs:
                     if output.finished:
                         finals[output.request_id] = output
                         bar.update(1)
-        return [finals[request_id] for request_id in request_ids]
+        results = [finals[request_id] for request_id in request_ids]
+        if errors:
+            raise StepFailed(errors, results)
+        return results

@@ -363,3 +363,31 @@ def test_an_innocent_is_not_failed_when_the_culprit_finished_meanwhile(core, alo
     assert results["culprit"].token_ids == alone[6][:2]
     assert results["culprit"].finish_reason == "stop"
     assert_innocents_unharmed(results, alone, [7])
+
+
+def test_llm_generate_returns_every_result_when_one_prompt_fails(monkeypatch):
+    """Offline: the prompt that breaks its step fails alone; generate finishes the others and
+    then raises StepFailed carrying every output in input order."""
+    from mlaserve.engine.engine import StepFailed
+    from mlaserve.llm import LLM
+
+    llm = LLM(device="cpu", num_kv_blocks=64, block_size=16, max_model_len=64)
+    prompts = [PROMPTS[i] for i in range(4)]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    expected = [out.token_ids for out in llm.generate(prompts, greedy)]
+    sample = runner_module.sample
+
+    def poisonable_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if (batch.seeds == POISON_SEED).any():
+            raise IndexError("poisoned row")
+        return sample(logits, batch)
+
+    monkeypatch.setattr(runner_module, "sample", poisonable_sample)
+    poisoned = SamplingParams(max_tokens=4, temperature=1.0, seed=POISON_SEED, ignore_eos=True)
+    with pytest.raises(StepFailed) as failed:
+        llm.generate(prompts[:2] + [PROMPTS[5]] + prompts[2:], [greedy] * 2 + [poisoned]
+                     + [greedy] * 2)
+    outputs = failed.value.outputs
+    assert [out.token_ids for i, out in enumerate(outputs) if i != 2] == expected
+    assert outputs[2].finish_reason == "abort" and outputs[2].token_ids == []
+    assert list(failed.value.errors.values()) == ["IndexError: poisoned row"]

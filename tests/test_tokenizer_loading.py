@@ -30,3 +30,21 @@ def test_an_unloadable_tokenizer_names_the_flag(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
     with pytest.raises(ValueError, match=r"cannot load the tokenizer .*pass --tokenizer DIR"):
         load_tokenizer(tmp_path)
+
+
+def test_generate_on_a_model_without_tokenizer_says_which_flag(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(DEMO_MODEL_DIR / name, tmp_path / name)
+    done = subprocess.run([sys.executable, "-m", "mlaserve", "generate", str(tmp_path),
+                           "--device", "cpu", "--prompt", "x", "--max-tokens", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "holds no tokenizer" in done.stderr and "pass --tokenizer DIR" in done.stderr
+    with_flag = subprocess.run([sys.executable, "-m", "mlaserve", "generate", str(tmp_path),
+                                "--tokenizer", str(DEMO_MODEL_DIR), "--device", "cpu",
+                                "--prompt", "x", "--max-tokens", "2"],
+                               capture_output=True, text=True, timeout=120)
+    assert with_flag.returncode == 0, with_flag.stderr[-2000:]

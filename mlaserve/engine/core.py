@@ -23,8 +23,6 @@ every step fails, fails all of them.
 import logging
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from mlaserve.attention import resolve_backend_name
 from mlaserve.cache.block_pool import BlockPool
 from mlaserve.config import ModelConfig, SchedulerConfig
@@ -54,6 +52,7 @@ from mlaserve.engine.request import (
 from mlaserve.engine.runner import ModelRunner, PendingStep, StepResult
 from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
+from mlaserve.engine.tokenizer import load_tokenizer
 from mlaserve.model.loader import build_model
 
 logger = logging.getLogger(__name__)
@@ -91,7 +90,7 @@ class EngineCore:
         budget = args.max_num_batched_tokens or 8192
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
-        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or model_dir))
+        tokenizer = load_tokenizer(args.tokenizer or model_dir)
         model = build_model(self.config, model_dir, device=self.device, dtype=self.dtype,
                             load_format=args.load_format, max_positions=max_model_len,
                             seed=args.seed)

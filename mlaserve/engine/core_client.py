@@ -33,7 +33,6 @@ from typing import Protocol
 import msgspec
 import zmq
 import zmq.asyncio
-from transformers import AutoTokenizer
 
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.core import model_dir_of
@@ -58,6 +57,7 @@ from mlaserve.engine.messages import (
 )
 from mlaserve.engine.output_processor import OutputProcessor
 from mlaserve.engine.request import RequestOutput, SamplingParams
+from mlaserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class AsyncEngineClient:
         try:
             process.start()
             tokenizer = await loop.run_in_executor(
-                None, AutoTokenizer.from_pretrained, str(args.tokenizer or model_dir_of(args)))
+                None, load_tokenizer, args.tokenizer or model_dir_of(args))
             info = await _wait_ready(process, output_socket)
             return cls(process, socket_dir, context, input_socket, output_socket, info,
                        tokenizer, args.seed, stats_recorder, on_dead)

@@ -8,13 +8,12 @@ process boundary (see core_client.py).
 import itertools
 import random
 
-from transformers import AutoTokenizer
-
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.core import EngineCore, model_dir_of
 from mlaserve.engine.messages import EngineCoreRequest, validate_prompt
 from mlaserve.engine.output_processor import OutputProcessor
 from mlaserve.engine.request import RequestOutput, SamplingParams
+from mlaserve.engine.tokenizer import load_tokenizer
 
 
 class StepFailed(RuntimeError):
@@ -35,7 +34,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.core = EngineCore(args)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or model_dir_of(args)))
+        self.tokenizer = load_tokenizer(args.tokenizer or model_dir_of(args))
         self.info = self.core.info
         self.max_model_len = self.info.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
