@@ -142,8 +142,22 @@ def test_metrics_count_what_was_served(server):
                         ('vllm:request_success_total{finished_reason="length"}', 2),
                         ("vllm:time_to_first_token_seconds_count", 2),
                         ("vllm:e2e_request_latency_seconds_count", 2),
-                        ("vllm:inter_token_latency_seconds_count", 6)):
+                        ("vllm:inter_token_latency_seconds_count", 6),
+                        ("vllm:request_queue_time_seconds_count", 2),
+                        ("vllm:request_prefill_time_seconds_count", 2),
+                        ("vllm:request_decode_time_seconds_count", 2),
+                        ("vllm:request_inference_time_seconds_count", 2),
+                        ("vllm:request_params_max_tokens_sum", 8)):
         assert sample(after, name) - sample(before, name) == added, name
+    # the phases add up: queue + prefill = TTFT; queue + inference <= end to end
+    spent = {name: sample(after, f"vllm:{name}_sum") - sample(before, f"vllm:{name}_sum")
+             for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                          "time_to_first_token_seconds", "request_inference_time_seconds",
+                          "e2e_request_latency_seconds")}
+    assert spent["request_queue_time_seconds"] + spent["request_prefill_time_seconds"] == \
+        pytest.approx(spent["time_to_first_token_seconds"])
+    assert (spent["request_queue_time_seconds"] + spent["request_inference_time_seconds"]
+            <= spent["e2e_request_latency_seconds"] + 1e-6)
     for gauge in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
         assert sample(after, gauge) == 0  # the core reports its stats when it goes idle
 

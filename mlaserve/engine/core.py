@@ -21,6 +21,7 @@ every step fails, fails all of them.
 """
 
 import logging
+import time
 from pathlib import Path
 
 from mlaserve.attention import resolve_backend_name
@@ -166,6 +167,10 @@ class EngineCore:
         if self._in_flight is not None and self._needs_known_tokens(self._in_flight[0]):
             outputs = self._land_in_flight()  # penalties count every generated token
         batch = self.scheduler.schedule()
+        now = time.monotonic()
+        for request, _ in batch.prefills:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
         for request in batch.preempted:
             self.runner.release(request)
         launched = None
@@ -298,7 +303,9 @@ class EngineCore:
                 request.request_id, [token], logprobs,
                 prompt_logprobs=request.prompt_logprobs if first else None,
                 finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-                num_cached_tokens=request.num_cached_tokens if first else 0)
+                num_cached_tokens=request.num_cached_tokens if first else 0,
+                queued_time=request.first_scheduled_time - request.arrival_time
+                if first and request.first_scheduled_time is not None else None)
             outputs.append(output)
             if request.finish_reason is not None:
                 self._finish(request)

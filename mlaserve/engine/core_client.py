@@ -84,6 +84,14 @@ class FinishedRequestStats:
     num_generation_tokens: int
     first_token_latency: float | None  # seconds from arrival; None when no token came
     e2e_latency: float
+    # vLLM's request phases: waiting in the core's queue (measured there), then from the first
+    # step that computed it to its first token (prefill), to its last (inference); decode is
+    # first to last token. None where the request never got that far.
+    queued_time: float | None = None
+    prefill_time: float | None = None
+    inference_time: float | None = None
+    decode_time: float | None = None
+    max_tokens_param: int | None = None
 
 
 @dataclass
@@ -144,14 +152,26 @@ class _Stream:
     queue: OutputCollector
     num_prompt_tokens: int
     arrival: float
+    max_tokens: int
     first_token: float | None = None
     last_token: float = 0.0
     num_generation_tokens: int = 0
+    queued_time: float | None = None  # the core's, with the first output
 
     def finished(self, reason: str, now: float) -> FinishedRequestStats:
-        ttft = None if self.first_token is None else self.first_token - self.arrival
-        return FinishedRequestStats(reason, self.num_prompt_tokens, self.num_generation_tokens,
-                                    ttft, now - self.arrival)
+        """The request's stats; the phases after the queue are measured here, from arrival in
+        this process minus the core's queue time (so they include the hop to the core)."""
+        stats = FinishedRequestStats(reason, self.num_prompt_tokens, self.num_generation_tokens,
+                                     None, now - self.arrival, max_tokens_param=self.max_tokens)
+        if self.first_token is None:
+            return stats
+        stats.first_token_latency = self.first_token - self.arrival
+        stats.decode_time = self.last_token - self.first_token
+        if self.queued_time is not None:
+            stats.queued_time = self.queued_time
+            stats.prefill_time = max(0.0, stats.first_token_latency - self.queued_time)
+            stats.inference_time = max(0.0, self.last_token - self.arrival - self.queued_time)
+        return stats
 
 
 def _describe_exit(code: int | None) -> str:
@@ -243,7 +263,8 @@ class AsyncEngineClient:
         validate_prompt(prompt_token_ids, params, self.info)
         self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        stream = _Stream(OutputCollector(), len(prompt_token_ids), time.perf_counter())
+        stream = _Stream(OutputCollector(), len(prompt_token_ids), time.perf_counter(),
+                         params.max_tokens)
         self._streams[request_id] = stream
         self._send(AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params, seed)))
         return self._iterate(request_id, stream)
@@ -321,6 +342,8 @@ class AsyncEngineClient:
             num_new = len(core.new_token_ids)
             if stream is None or not num_new:
                 continue
+            if core.queued_time is not None:
+                stream.queued_time = core.queued_time
             stats.num_generation_tokens += num_new
             if stream.first_token is None:
                 stream.first_token = now

@@ -38,6 +38,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    queued_time: float | None = None  # with the first output: seconds waiting in the core
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ another request's row. The checks that need the model (token ids against the voc
 import enum
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -242,6 +243,8 @@ class Request:
     # tokens sampled by a step still on the device (pipelined steps): counted, not yet known
     num_output_placeholders: int = 0
     batch_row: int | None = None  # row in the runner's persistent batch while it holds one
+    arrival_time: float = field(default_factory=time.monotonic)  # when the core received it
+    first_scheduled_time: float | None = None  # when a step first computed any of its tokens
     num_synced_blocks: int = 0  # block ids already copied into that row's device block table
     logprobs: Logprobs | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
