@@ -67,6 +67,52 @@ def _check_bool(name: str, value: object) -> None:
         raise ValueError(f"{name} must be true or false, got {shown(value)}")
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputs:
+    """A constraint on the generated text, as vLLM's structured outputs define it; exactly one
+    kind is set.
+
+    json: a JSON schema, as JSON text. json_object: any JSON object. regex: a regular
+    expression the whole output matches. choice: the output is one of these strings. grammar:
+    an EBNF grammar (the dialect the grammar library reads).
+    after_token_id: the constraint starts after this token is generated (e.g. the end of a
+    reasoning section, `</think>`); None: from the first generated token.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    after_token_id: int | None = None
+
+    def kinds(self) -> list[str]:
+        """The kinds that are set (valid constraints have exactly one)."""
+        return [kind for kind in STRUCTURED_KINDS
+                if getattr(self, kind) not in (None, False)]
+
+    def validate(self) -> None:
+        """ValueError unless exactly one kind is set, with a value of the right type."""
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}; got {kinds or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                             "strings")
+        if self.after_token_id is not None:
+            _check_int("structured_outputs.after_token_id", self.after_token_id, 0)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. temperature 0 is greedy.
@@ -75,6 +121,7 @@ class SamplingParams:
     A temperature in (0, 0.01) is raised to 0.01 (as in vLLM: lower ones overflow the logits).
     logit_bias: token id -> value added to its logit before sampling (greedy included), each
     in [-100, 100] as OpenAI defines it.
+    structured_outputs: a constraint on the output (`StructuredOutputs`); None: free text.
     logprobs / prompt_logprobs: number of most likely tokens to return per position besides the
     chosen one (0 returns only the chosen token's logprob; None returns none), at most 20.
     output_kind: what each streamed RequestOutput holds: "cumulative" (everything so far),
@@ -98,6 +145,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
@@ -151,6 +199,11 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _check_int("every logit_bias key", token, 0, note=" (a token id)")
                 _check_float(f"logit_bias[{token}]", bias, *LOGIT_BIAS_RANGE)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError("structured_outputs must be StructuredOutputs, got "
+                                 f"{shown(self.structured_outputs)}")
+            self.structured_outputs.validate()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
         for name in ("logprobs", "prompt_logprobs"):
