@@ -18,6 +18,13 @@ a step of its own, and a half that fails again is split again (`_rerun_apart`): 
 with the error, only when a step that carried it alone failed. A fault that does not repeat thus
 fails no request (they are retried, and finish as if nothing happened); a broken engine, whose
 every step fails, fails all of them.
+
+Structured outputs (structured.py): a constrained request's grammar compiles on a thread pool
+while the request waits in the queue (others pass it); each step the core fills the token masks
+of its constrained samplers on the host (`ScheduledBatch.grammar_bitmask`) for the runner to
+apply, and advances their matchers as the tokens land. A step with a constrained sampler is
+collected before the next launch (its next mask needs the token), as with penalties; a grammar
+that completes ends its request with "stop".
 """
 
 import logging
@@ -53,10 +60,13 @@ from mlaserve.engine.request import (
 from mlaserve.engine.runner import ModelRunner, PendingStep, StepResult
 from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
+from mlaserve.engine.structured import AcceptResult, StructuredOutputManager
 from mlaserve.engine.tokenizer import load_tokenizer
 from mlaserve.model.loader import build_model
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005  # how long an idle step waits for a grammar before polling the inbox
 
 
 def eos_token_ids(config: ModelConfig, tokenizer) -> list[int]:
@@ -116,6 +126,10 @@ class EngineCore:
             kv_capacity_tokens=num_blocks * args.block_size,
             eos_token_ids=eos_token_ids(self.config, tokenizer),
             attention_backend=self.runner.backend.name)
+        self.structured = StructuredOutputManager(
+            tokenizer, self.config.vocab_size, self.info.eos_token_ids,
+            pin_memory=self.device.type == "cuda")
+        self.scheduler.waits_for_grammar = self.structured.is_compiling
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[ScheduledBatch, PendingStep] | None = None
 
@@ -131,6 +145,8 @@ class EngineCore:
         state = Request(request.request_id, None, list(request.prompt_token_ids),
                         request.params, sample_seed=request.sample_seed,
                         eos_token_ids=tuple(self.info.eos_token_ids))
+        if request.params.structured_outputs is not None:
+            self.structured.add_request(state)  # compiles off the step loop
         self.requests[request.request_id] = state
         self.scheduler.add(state)
 
@@ -146,6 +162,7 @@ class EngineCore:
         """Free everything a finished or aborted request holds, and forget it."""
         self.scheduler.finish(request)
         self.runner.release(request)
+        self.structured.remove(request)
         del self.requests[request.request_id]
 
     @property
@@ -163,10 +180,15 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Launch the next step and return the outputs of the one before it (see the module
         docstring); with nothing left to launch, wait for the step in flight."""
-        outputs = []
+        outputs = self._fail_uncompiled()
         if self._in_flight is not None and self._needs_known_tokens(self._in_flight[0]):
-            outputs = self._land_in_flight()  # penalties count every generated token
+            # penalties count every generated token; a grammar's next mask needs its last token
+            outputs += self._land_in_flight()
         batch = self.scheduler.schedule()
+        if batch.is_empty and self._in_flight is None and self.structured.has_compiling:
+            self.structured.wait_for_grammars(GRAMMAR_WAIT_S)  # nothing else to do: no spin
+        elif batch.sampling_requests:
+            batch.grammar_bitmask = self.structured.grammar_bitmask(batch.sampling_requests)
         now = time.monotonic()
         for request, _ in batch.prefills:
             if request.first_scheduled_time is None:
@@ -189,7 +211,19 @@ class EngineCore:
 
     @staticmethod
     def _needs_known_tokens(batch: ScheduledBatch) -> bool:
-        return any(needs_penalties(r.params) for r in batch.sampling_requests)
+        return any(needs_penalties(r.params) or r.params.structured_outputs is not None
+                   for r in batch.sampling_requests)
+
+    def _fail_uncompiled(self) -> list[EngineCoreOutput]:
+        """Fail the requests whose grammar did not compile (its parse passed at the door)."""
+        outputs = []
+        for request_id, error in self.structured.take_failed():
+            request = self.requests[request_id]
+            logger.error("request %s failed: %s", request_id, error)
+            request.finish_reason = "abort"
+            self._finish(request)
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=error))
+        return outputs
 
     def _land_in_flight(self, successor: tuple[ScheduledBatch, PendingStep] | None = None
                         ) -> list[EngineCoreOutput]:
@@ -299,17 +333,34 @@ class EngineCore:
                 logprobs = [result.logprobs[id(request)]]
                 request.logprobs.append(logprobs[0])
             self._check_stop(request, token)
+            error = None
+            if request.params.structured_outputs is not None:
+                error = self._advance_grammar(request, token)
             output = EngineCoreOutput(
                 request.request_id, [token], logprobs,
                 prompt_logprobs=request.prompt_logprobs if first else None,
                 finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-                num_cached_tokens=request.num_cached_tokens if first else 0,
+                num_cached_tokens=request.num_cached_tokens if first else 0, error=error,
                 queued_time=request.first_scheduled_time - request.arrival_time
                 if first and request.first_scheduled_time is not None else None)
             outputs.append(output)
             if request.finish_reason is not None:
                 self._finish(request)
         return outputs
+
+    def _advance_grammar(self, request: Request, token: int) -> str | None:
+        """Advance the request's grammar by its new token; a completed grammar ends the request
+        with "stop", a rejected token (nothing was allowed) with an error, which is returned."""
+        result = self.structured.accept_token(request, token)
+        if result == AcceptResult.TERMINATED and request.finish_reason in (None, "length"):
+            request.finish_reason, request.stop_reason = "stop", None
+        elif result == AcceptResult.REJECTED:
+            error = (f"the structured output grammar rejected token {token}: no token was "
+                     "allowed (e.g. min_tokens banned the end of a complete output)")
+            logger.error("request %s failed: %s", request.request_id, error)
+            request.finish_reason = "abort"
+            return error
+        return None
 
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.params

@@ -23,6 +23,7 @@ from mlaserve.engine.sampler import (
     needs_penalties,
     top_k_or_vocab,
 )
+from mlaserve.engine.structured import GrammarBitmask
 from mlaserve.kernels.sampling import SEED_MASK
 
 
@@ -97,10 +98,29 @@ class PersistentBatch:
         self.top_k[rows] = ints[:, 0]
         self.seeds[rows] = ints[:, 1]
 
+    def host_to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor (pinned when the device is a GPU) -> the device, asynchronously."""
+        if self.pin and not host.is_pinned():
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
     def sampling_batch(self, requests: list[Request], rows: torch.Tensor,
-                       positions: torch.Tensor) -> SamplingBatch:
-        """The rows of `requests` (device row indices [N] int64, sampled positions [N] int64)."""
+                       positions: torch.Tensor,
+                       grammar_bitmask: GrammarBitmask | None = None) -> SamplingBatch:
+        """The rows of `requests` (device row indices [N] int64, sampled positions [N] int64),
+        with the grammar masks of those of them that `grammar_bitmask` constrains."""
         params = [r.params for r in requests]
+        allowed = None
+        if grammar_bitmask is not None:
+            row_of = grammar_bitmask.row_of
+            constrained = [(i, row_of[id(r)]) for i, r in enumerate(requests) if id(r) in row_of]
+            if constrained:
+                bitmask = grammar_bitmask.bitmask
+                mask_rows = [m for _, m in constrained]
+                if mask_rows != list(range(bitmask.shape[0])):
+                    bitmask = bitmask[mask_rows]  # a subset of the step (re-run apart)
+                allowed = (self.to_device([i for i, _ in constrained], torch.int64),
+                           self.host_to_device(bitmask))
         penalties = None
         if any(needs_penalties(p) for p in params):
             penalties = Penalties.build(requests, self.vocab_size, self.device)
@@ -110,4 +130,4 @@ class PersistentBatch:
             all_greedy=all(p.temperature == 0 for p in params),
             needs_filter=any(needs_filter(p) for p in params), penalties=penalties,
             banned=banned_before_min_tokens(requests, self.device),
-            bias=logit_bias(requests, self.device))
+            bias=logit_bias(requests, self.device), allowed=allowed)

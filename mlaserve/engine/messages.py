@@ -9,6 +9,7 @@ msgspec encodes), so the same objects travel in-process and, msgpack-encoded, be
 import msgspec
 
 from mlaserve.engine.request import SamplingParams, is_int, shown
+from mlaserve.engine.structured import validate_structured_outputs
 
 Logprobs = list[dict[int, float]]
 
@@ -71,7 +72,9 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineIn
 
     Checks the parameters (`SamplingParams.validate`) and everything that depends on the model:
     prompt, stop and logit_bias token ids inside the vocabulary, logprob counts no larger than
-    it, and the prompt plus `max_tokens` inside `max_model_len` and the KV cache.
+    it, the prompt plus `max_tokens` inside `max_model_len` and the KV cache, and a structured
+    outputs constraint that parses (a JSON schema, regex or grammar that xgrammar reads; see
+    structured.py: parsing needs no tokenizer, so the API process refuses a bad one at once).
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -110,3 +113,5 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineIn
         raise ValueError(f"prompt + max_tokens = {total} tokens cannot fit the KV cache "
                          f"({info.kv_capacity_tokens} tokens); lower max_tokens or add KV "
                          "blocks")
+    if params.structured_outputs is not None:  # last: parsing costs more than the checks above
+        validate_structured_outputs(params.structured_outputs, vocab_size)

@@ -80,6 +80,8 @@ class StructuredOutputs:
     an EBNF grammar (the dialect the grammar library reads).
     after_token_id: the constraint starts after this token is generated (e.g. the end of a
     reasoning section, `</think>`); None: from the first generated token.
+    disable_any_whitespace: JSON (json, json_object) without whitespace between tokens (as
+    vLLM's option of that name); by default any whitespace is allowed there.
     """
 
     json: str | None = None
@@ -88,6 +90,7 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     after_token_id: int | None = None
+    disable_any_whitespace: bool = False
 
     def kinds(self) -> list[str]:
         """The kinds that are set (valid constraints have exactly one)."""
@@ -111,6 +114,7 @@ class StructuredOutputs:
                              "strings")
         if self.after_token_id is not None:
             _check_int("structured_outputs.after_token_id", self.after_token_id, 0)
+        _check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
 
 
 @dataclass

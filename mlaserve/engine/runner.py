@@ -220,7 +220,8 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)  # [S, V] float32
             packed = self.inputs.to_device([[r.batch_row for r in samplers], sample_positions],
                                            torch.int64)  # [2, S]
-            params = self.inputs.sampling_batch(samplers, packed[0], packed[1])
+            params = self.inputs.sampling_batch(samplers, packed[0], packed[1],
+                                                batch.grammar_bitmask)
             sampled = sample(logits, params)
             self._prev_sampled = sampled
             self._prev_sample_rows = {id(r): i for i, r in enumerate(samplers)}

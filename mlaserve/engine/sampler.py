@@ -3,8 +3,11 @@
 Per-row parameters come from the persistent batch's device tensors (see input_batch.py), so a
 step builds no per-request tensors. The common case, temperature sampling (or greedy) with no
 top-k / top-p / min-p, runs the sort-free Gumbel-max pass of `kernels/sampling.py`; only a batch
-in which some request asks for a filter sorts the vocabulary. Noise is a pure function of (request
-seed, position, vocabulary index), so a seeded request samples the same tokens in any batch.
+in which some request asks for a filter sorts the vocabulary. Noise is a pure function of
+(request seed, position, vocabulary index), so a seeded request samples the same tokens in any
+batch. Structured outputs: the rows of constrained requests get their grammar's token bitmask
+(structured.py) applied before any of these paths, so greedy, Gumbel and filtered sampling alike
+pick only allowed tokens.
 """
 
 from dataclasses import dataclass
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mlaserve.engine.request import Request, SamplingParams
+from mlaserve.engine.structured import apply_token_bitmask
 from mlaserve.kernels.sampling import SEED_MASK, gumbel_argmax, seeded_uniform
 
 
@@ -70,6 +74,8 @@ class SamplingBatch:
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids): EOS/stops too early
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, values)
+    # (rows [M] int64, bitmask [M, ceil(V / 32)] int32): grammar masks of constrained rows
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int,
@@ -148,6 +154,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.index_put((rows, ids), values, accumulate=True)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.allowed is not None:
+        logits = apply_token_bitmask(logits, *batch.allowed)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     if not batch.needs_filter:

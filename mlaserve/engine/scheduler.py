@@ -16,14 +16,20 @@ the device). A request whose placeholders already reach `max_tokens` or `max_mod
 scheduled again, and a preempted request waits until its placeholders have landed. Only EOS and
 stop tokens, seen a step late, cost one wasted decode row. A step that fails is taken back with
 `retreat` (its tokens count as not computed, its placeholders as never sampled).
+
+A waiting request for which `waits_for_grammar` holds (its structured-output grammar is still
+compiling, see structured.py) is skipped: it keeps its place in the queue, and the requests
+behind it are admitted meanwhile (vLLM's WAITING_FOR_FSM).
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlaserve.cache.block_pool import BlockPool
 from mlaserve.config import SchedulerConfig
 from mlaserve.engine.request import Request, RequestStatus
+from mlaserve.engine.structured import GrammarBitmask
 
 
 @dataclass
@@ -37,6 +43,8 @@ class ScheduledBatch:
     # whose chunk reaches the end of their known tokens)
     sampling_requests: list[Request] = field(default_factory=list)
     is_advanced: bool = False  # counted by `Scheduler.advance` (and not taken back since)
+    # token masks of the constrained sampling requests (filled by the core before launch)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -52,7 +60,8 @@ class ScheduledBatch:
         return ScheduledBatch(
             decodes=[r for r in self.decodes if id(r) in keep],
             prefills=[(r, n) for r, n in self.prefills if id(r) in keep],
-            sampling_requests=[r for r in self.sampling_requests if id(r) in keep])
+            sampling_requests=[r for r in self.sampling_requests if id(r) in keep],
+            grammar_bitmask=self.grammar_bitmask)  # rows found by id(request)
 
 
 class Scheduler:
@@ -62,6 +71,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # whether a waiting request may not be admitted yet (its grammar compiles)
+        self.waits_for_grammar: Callable[[Request], bool] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -126,8 +137,12 @@ class Scheduler:
                 batch.prefills.append((request, count))
         if batch.preempted:
             return self._with_samplers(batch)
+        skipped: list[Request] = []  # waiting for their grammars: they keep their places
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.waits_for_grammar is not None and self.waits_for_grammar(request):
+                skipped.append(self.waiting.popleft())
+                continue
             if request.num_output_placeholders:
                 break  # preempted with a token still on the device: recompute once it lands
             if request.num_computed_tokens == 0 and request.params.prompt_logprobs is None:
@@ -150,6 +165,7 @@ class Scheduler:
                 batch.decodes.append(request)
             else:
                 batch.prefills.append((request, count))
+        self.waiting.extendleft(reversed(skipped))
         return self._with_samplers(batch)
 
     @staticmethod
