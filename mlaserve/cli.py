@@ -97,7 +97,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template_timeout_s=args.chat_template_timeout,
-        stream_send_timeout_s=args.stream_send_timeout)
+        stream_send_timeout_s=args.stream_send_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     app = create_app(engine_args_from(args), args.served_model_name, args.api_key, options)
     server = build_server(app, host=args.host, port=args.port,
                           log_level=args.log_level.lower(),
@@ -157,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stream-send-timeout", type=float, default=60.0,
                        help="seconds a stream waits for a client that reads nothing before "
                             "it is aborted")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (the default with tools) by parsing the '
+                            "model's tool calls; needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None,
+                       help="how tool calls are read from the output: deepseek_v3 (also "
+                            "deepseek_v31)")
+    serve.add_argument("--reasoning-parser", default=None,
+                       help="split <think>...</think> into the message's reasoning: "
+                            "deepseek_r1 | deepseek_v3")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="graceful-shutdown seconds on SIGTERM/SIGINT; streams still running "
                             "shortly before the end get an error event and [DONE]")

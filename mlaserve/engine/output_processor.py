@@ -6,6 +6,10 @@ RequestOutput chosen by the request's `output_kind` ("cumulative", "delta" or "f
 a stream never copies a request's whole token list once per token. A stop string ends a request
 here, before the core knows: its id comes back in `ProcessedOutputs.abort_in_core`, and whatever
 the core still sends for it afterwards is dropped.
+
+Stop strings are held back until the request has `min_tokens` tokens (as vLLM does): the text of
+the first min_tokens tokens is never cut by one; a stop string is matched in the text that later
+tokens release.
 """
 
 from dataclasses import dataclass, field
@@ -48,8 +52,10 @@ class OutputProcessor:
                     params: SamplingParams) -> None:
         if request_id in self.states:
             raise ValueError(f"request id '{request_id}' is already in use")
+        # with min_tokens, stop strings start to count once that many tokens are out
+        stop = list(params.stop) if params.min_tokens == 0 else []
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.skip_special_tokens, list(params.stop),
+            self.tokenizer, prompt_token_ids, params.skip_special_tokens, stop,
             params.include_stop_str_in_output)
         self.states[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, detokenizer,
@@ -80,7 +86,10 @@ class OutputProcessor:
             new_ids: list[int] = []
             new_logprobs: list[dict[int, float]] = []
             detokenizer = state.detokenizer
+            num_before = len(state.token_ids)
             for i, token in enumerate(core.new_token_ids):
+                if num_before + i == state.params.min_tokens and state.params.min_tokens:
+                    detokenizer.stop = list(state.params.stop)  # min_tokens are out
                 new_ids.append(token)
                 if core.new_logprobs is not None:
                     new_logprobs.append(core.new_logprobs[i])

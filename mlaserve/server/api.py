@@ -45,12 +45,18 @@ from mlaserve.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponsesRequest,
+    ResponsesResponse,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfoResponse,
     VersionResponse,
 )
+from mlaserve.server.reasoning import get_reasoning_parser
 from mlaserve.server.serving import APIError, Serving, ServingOptions
+from mlaserve.server.serving_chat import ChatServing
+from mlaserve.server.serving_responses import ResponsesServing
+from mlaserve.server.tool_calls import get_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +89,8 @@ class ServerState:
     options: ServerOptions = field(default_factory=ServerOptions)
     engine: AsyncEngineClient | None = None
     serving: Serving | None = None
+    chat: ChatServing | None = None
+    responses: ResponsesServing | None = None
     load_error: BaseException | None = None
     engine_error: EngineDeadError | None = None
     metrics: ServerMetrics | None = None
@@ -115,7 +123,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    if first.get("type") == "invalid_text":  # a lone surrogate (protocol.RequestModel)
+    if first.get("type") in ("invalid_text", "unsupported"):  # protocol's own checks
         return first["msg"], first["ctx"]["param"]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # union members add their type names to the location; keep the field path
@@ -238,7 +246,12 @@ def _public_tokenizer_value(key: str, value: Any) -> bool:
 
 def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
                api_key: str | None = None, options: ServerOptions | None = None) -> FastAPI:
-    """Build the app; the model loads in the background after startup (/health says 503)."""
+    """Build the app; the model loads in the background after startup (/health says 503).
+
+    ValueError for options that cannot work (an unknown tool-call or reasoning parser, auto tool
+    choice without a tool-call parser).
+    """
+    check_parser_options(options or ServerOptions())
     # the model directory as given to `serve` (clients load the tokenizer from it)
     model_root = engine_args.model or str(DEMO_MODEL_DIR)
     state = ServerState(engine_args, served_model_name or engine_args.model or "mlaserve-demo",
@@ -261,7 +274,10 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
             state.load_error = exc
             state.stop()
             return
-        state.serving = Serving(engine, state.served_model_name, model_root, serving_options)
+        serving = Serving(engine, state.served_model_name, model_root, serving_options)
+        state.chat = ChatServing(serving)
+        state.responses = ResponsesServing(state.chat)
+        state.serving = serving
         state.engine = engine
         logger.info("serving on %s (model %s)", state.url or "the configured address",
                     state.served_model_name)
@@ -338,11 +354,20 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
+    def model_card() -> ModelCard:
+        max_len = state.serving.max_model_len if state.serving else None
+        return ModelCard(id=state.served_model_name, created=state.created, root=model_root,
+                         max_model_len=max_len)
+
     @app.get("/v1/models", responses=_errors(401))
     async def models() -> ModelList:
-        max_len = state.serving.max_model_len if state.serving else None
-        return ModelList(data=[ModelCard(id=state.served_model_name, created=state.created,
-                                         root=model_root, max_model_len=max_len)])
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
+    async def model(model_id: str) -> ModelCard:
+        if model_id != state.served_model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model")
+        return model_card()
 
     generate_errors = _errors(400, 401, 404, 413, 500, 503)
     # with `stream: true`: server-sent events, each `data:` a chunk object, an error object or
@@ -360,7 +385,14 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
     @app.post("/v1/chat/completions", response_model=None, responses={
         200: {"model": ChatCompletionResponse, "content": stream_content}, **generate_errors})
     async def chat_completions(req: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await serving().chat(req, raw_request)
+        serving()
+        return await state.chat.chat(req, raw_request)
+
+    @app.post("/v1/responses", response_model=None, responses={
+        200: {"model": ResponsesResponse, "content": stream_content}, **generate_errors})
+    async def responses(req: ResponsesRequest, raw_request: Request) -> Response:
+        serving()
+        return await state.responses.responses(req, raw_request)
 
     @app.post("/tokenize", responses=_errors(400, 401, 404, 413, 503))
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
@@ -395,6 +427,16 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
                                  media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def check_parser_options(options: ServingOptions) -> None:
+    """ValueError for parser options that cannot work (as vLLM checks them at startup)."""
+    if options.enable_auto_tool_choice and not options.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if options.tool_call_parser:
+        get_tool_call_parser(options.tool_call_parser)
+    if options.reasoning_parser:
+        get_reasoning_parser(options.reasoning_parser)
 
 
 class _Server(uvicorn.Server):

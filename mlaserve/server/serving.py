@@ -15,6 +15,7 @@ aborted; on shutdown the requests still in flight are aborted in time for an err
 """
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -29,28 +30,32 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
 from mlaserve.engine.core_client import AsyncEngineClient, EngineError
-from mlaserve.engine.request import RequestOutput, SamplingParams
+from mlaserve.engine.request import RequestOutput, SamplingParams, StructuredOutputs
 from mlaserve.server.formatting import (
     TemplateLimitError,
     TokenText,
-    chat_logprobs,
     completion_logprobs,
     error_body,
+    floor_logprob,
     render_request_chat_template,
     sse,
     usage,
 )
 from mlaserve.server.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
     ChatMessage,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
     DetokenizeRequest,
     DetokenizeResponse,
+    PromptLogprob,
+    PromptLogprobs,
+    ResponseModel,
+    SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
 )
+from mlaserve.server.structured import StructuredOutputError, request_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -94,16 +99,20 @@ class ServingOptions:
     chat_template_timeout_s: float = 2.0
     stream_send_timeout_s: float = 60.0  # a stream whose client reads nothing this long ends
     tokenizer_threads: int = 4
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str | None = None  # e.g. "deepseek_v3" (tool_calls.TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = None  # e.g. "deepseek_r1" (reasoning.REASONING_PARSERS)
 
 
 @dataclass
 class Prepared:
-    """One prompt ready for the engine."""
+    """One sample of one prompt, ready for the engine."""
 
     prompt_text: str
     token_ids: list[int]
     params: SamplingParams
     drop_generated: bool = False  # echo with max_tokens=0: return the prompt only
+    prompt_index: int = 0  # which prompt of the request (n samples share one)
 
 
 @dataclass(eq=False)
@@ -289,10 +298,60 @@ class Serving:
             return [prompt]
         return list(prompt)
 
+    def check_samples(self, num_prompts: int, n: int, best_of: int | None = None,
+                      stream: bool = False) -> int:
+        """The number of samples per prompt (best_of, else n); 400 for what cannot be served."""
+        samples = n if best_of is None else best_of
+        if samples < n:
+            raise APIError(400, f"best_of ({best_of}) must be at least n ({n})",
+                           param="best_of")
+        if stream and samples != n:
+            raise APIError(400, "best_of must equal n when streaming", param="best_of")
+        if num_prompts * samples > self.max_admitted:
+            raise APIError(400, f"{num_prompts} prompts x {samples} samples are more than this "
+                           f"server admits at once ({self.max_admitted})", param="n")
+        return samples
+
+    @staticmethod
+    def check_prompt_logprobs(req: SamplingFields) -> None:
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.",
+                           param="prompt_logprobs")
+
+    @staticmethod
+    def constraint(req: SamplingFields, tool_schema: dict | None = None
+                   ) -> StructuredOutputs | None:
+        try:
+            return request_constraint(req, tool_schema)
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+
+    @staticmethod
+    def truncate(ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last `keep` tokens."""
+        return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+    def sample_params(self, req: SamplingFields, samples: int, max_tokens: int,
+                      logprobs: int | None, prompt_logprobs: int | None,
+                      constraint: StructuredOutputs | None) -> list[SamplingParams]:
+        """One SamplingParams per sample; sample i of a seeded request has seed + i."""
+        try:
+            return [req.sampling_params(max_tokens, logprobs, prompt_logprobs,
+                                        output_kind(req.stream), constraint, seed_offset=i)
+                    for i in range(samples)]
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+
     def prepare_completion(self, req: CompletionRequest) -> list[Prepared]:
-        """Tokenize and check every prompt (runs in the worker pool)."""
+        """Tokenize and check every prompt (runs in the worker pool): one Prepared per sample,
+        grouped by prompt."""
         prepared = []
-        for item in self.prompt_items(req):
+        items = self.prompt_items(req)
+        samples = self.check_samples(len(items), req.n, req.best_of, req.stream)
+        constraint = self.constraint(req)
+        # best_of ranks the samples by their log probability, so it needs each token's
+        logprobs = req.logprobs if samples == req.n else max(req.logprobs or 0, 0)
+        for prompt_index, item in enumerate(items):
             if isinstance(item, str):
                 self.check_text(len(item), "prompt")
                 ids = self.tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"]
@@ -304,52 +363,66 @@ class Serving:
                     raise APIError(400, f"prompt token ids must lie in [0, {vocab}); got "
                                    f"{bad[:5]}", param="prompt")
                 ids, text = list(item), self.tokenizer.decode(item)
+            if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
+                ids = self.truncate(ids, req.truncate_prompt_tokens)
+                text = self.tokenizer.decode(ids)
             if not ids:
                 raise APIError(400, "the prompt is empty", param="prompt")
             echo_only = req.echo and req.max_tokens == 0
             if req.max_tokens == 0 and not req.echo:
                 raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
             max_tokens = 1 if echo_only else self.fit_max_tokens(len(ids), req.max_tokens)
-            prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-            try:
-                params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
-                                             output_kind(req.stream))
-            except ValueError as exc:
-                raise APIError(400, str(exc)) from None
-            prepared.append(Prepared(text, ids, params, echo_only))
+            echo_k = req.logprobs if req.echo and req.logprobs is not None else None
+            wanted = [k for k in (echo_k, req.prompt_logprobs) if k is not None]
+            prompt_logprobs = max(wanted) if wanted else None
+            for params in self.sample_params(req, samples, max_tokens, logprobs,
+                                             prompt_logprobs, constraint):
+                prepared.append(Prepared(text, ids, params, echo_only, prompt_index))
         return prepared
 
     def completion_choice(self, index: int, p: Prepared, out: RequestOutput,
-                          echo: bool, want_logprobs: bool) -> dict:
+                          req: CompletionRequest) -> CompletionResponseChoice:
         token_ids = [] if p.drop_generated else out.token_ids
         text = "" if p.drop_generated else out.text
         logprobs = None
-        if want_logprobs:
-            entries = [] if p.drop_generated else out.logprobs[: len(token_ids)]
-            if echo:
+        if req.logprobs is not None:
+            entries = [] if p.drop_generated else [
+                top_entry(e, t, req.logprobs)
+                for e, t in zip(out.logprobs, token_ids, strict=False)]
+            if req.echo:
+                prompt_entries = [None if e is None else top_entry(e, t, req.logprobs)
+                                  for e, t in zip(out.prompt_logprobs, p.token_ids,
+                                                      strict=False)]
                 logprobs = completion_logprobs(p.token_ids + token_ids,
-                                               out.prompt_logprobs + entries, self.token_text)
+                                               prompt_entries + entries, self.token_text)
             else:
                 logprobs = completion_logprobs(token_ids, entries, self.token_text)
-        return {"index": index, "text": (p.prompt_text if echo else "") + text,
-                "logprobs": logprobs,
-                "finish_reason": "length" if p.drop_generated else out.finish_reason,
-                "stop_reason": None if p.drop_generated else out.stop_reason}
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprob_entries(p.token_ids, out.prompt_logprobs,
+                                                     req.prompt_logprobs, self.token_text)
+        return CompletionResponseChoice(
+            index=index, text=(p.prompt_text if req.echo else "") + text, logprobs=logprobs,
+            finish_reason="length" if p.drop_generated else out.finish_reason,
+            stop_reason=None if p.drop_generated else out.stop_reason,
+            prompt_logprobs=prompt_logprobs)
 
     async def completions(self, req: CompletionRequest, raw_request: Request | None = None
                           ) -> Response:
         self.check_model(req.model)
-        admission = self.admit(len(self.prompt_items(req)))
+        self.check_prompt_logprobs(req)
+        num_prompts = len(self.prompt_items(req))
+        admission = self.admit(num_prompts * self.check_samples(
+            num_prompts, req.n, req.best_of, req.stream))
         try:
             prepared = await self.in_thread(self.prepare_completion, req)
             streams = await self.start(prepared, admission)
             created = int(time.time())
-            response_id = f"cmpl-{uuid.uuid4().hex}"
+            response_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
             model = req.model or self.served_model_name
-            want_logprobs = req.logprobs is not None
             if req.stream:
                 response = EventStreamResponse(self._stream_completions(
-                    req, prepared, streams, response_id, created, model, want_logprobs),
+                    req, prepared, streams, response_id, created, model),
                     admission, self.options.stream_send_timeout_s)
                 admission = None  # the response releases it
                 return response
@@ -357,25 +430,27 @@ class Serving:
         finally:
             if admission is not None:
                 admission.release()
-        choices = [self.completion_choice(i, p, o, req.echo, want_logprobs)
-                   for i, (p, o) in enumerate(zip(prepared, outputs, strict=True))]
-        n_prompt = sum(len(p.token_ids) for p in prepared)
+        chosen = list(zip(prepared, outputs, strict=True))
+        if req.best_of is not None and req.best_of > req.n:
+            chosen = best_samples(chosen, req.best_of, req.n)
+        choices = [self.completion_choice(i, p, o, req) for i, (p, o) in enumerate(chosen)]
+        n_prompt = prompt_token_count(prepared)
         n_out = sum(0 if p.drop_generated else len(o.token_ids)
                     for p, o in zip(prepared, outputs, strict=True))
         return json_response(CompletionResponse(
             id=response_id, created=created, model=model, choices=choices,
             usage=usage(n_prompt, n_out)))
 
-    async def _stream_completions(self, req, prepared, streams, response_id, created, model,
-                                  want_logprobs):
+    async def _stream_completions(self, req, prepared, streams, response_id, created, model):
         head = {"id": response_id, "object": "text_completion", "created": created,
                 "model": model}
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
-        n_prompt = sum(len(p.token_ids) for p in prepared)
+        n_prompt = prompt_token_count(prepared)
         sent_tokens = [0] * len(prepared)
         num_generated = 0
         finish_reason = None
+        want_logprobs = req.logprobs is not None
         try:
             async for index, out in merge(streams):  # delta outputs
                 p = prepared[index]
@@ -412,7 +487,7 @@ class Serving:
             yield sse(error_body(f"engine failure: {exc}", "InternalServerError", 500))
         yield sse("[DONE]")
 
-    # ---- chat ---------------------------------------------------------------------------
+    # ---- chat templates -----------------------------------------------------------------
     def check_chat_template(self, template: str | None) -> None:
         if template is not None and not self.options.trust_request_chat_template:
             raise APIError(400, "this server does not accept a chat template in the request "
@@ -420,27 +495,41 @@ class Serving:
                            param="chat_template")
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    template: str | None, template_kwargs: dict | None) -> str:
+                    template: str | None, template_kwargs: dict | None,
+                    tools: list[dict] | None = None, continue_final_message: bool = False
+                    ) -> str:
         """The chat template's text for these messages (runs in the worker pool).
 
         The model's own template renders through the tokenizer; a request-supplied one (only
         with --trust-request-chat-template) in a sandbox bounded in time and output size.
+        `tools` go to the template as its `tools` variable (as vLLM passes them).
         """
         if not messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
-        self.check_text(sum(len(m["content"]) for m in plain) + len(template or ""),
-                        "messages")
+        plain = [m.template_message() for m in messages]
+        self.check_text(sum(len(m.text()) for m in messages) + len(template or "")
+                        + len(json.dumps(tools) if tools else ""), "messages")
         kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
+        if tools:
+            kwargs["tools"] = tools
+        if continue_final_message:
+            if add_generation_prompt:
+                raise APIError(400, "continue_final_message and add_generation_prompt cannot "
+                               "both be true", param="continue_final_message")
+            if messages[-1].role != "assistant":
+                raise APIError(400, "continue_final_message needs a last message of role "
+                               "assistant", param="continue_final_message")
         try:
             if template is None:
                 return self.tokenizer.apply_chat_template(
-                    plain, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+                    plain, add_generation_prompt=add_generation_prompt, tokenize=False,
+                    continue_final_message=continue_final_message, **kwargs)
             context = {**self.tokenizer.special_tokens_map, **kwargs, "messages": plain,
                        "add_generation_prompt": add_generation_prompt}
-            return render_request_chat_template(template, context,
+            text = render_request_chat_template(template, context,
                                                 self.options.chat_template_timeout_s,
                                                 self.max_prompt_chars)
+            return continued(text, plain[-1]["content"]) if continue_final_message else text
         except TemplateLimitError as exc:
             raise APIError(400, f"the chat template was stopped: {exc}",
                            param="chat_template") from None
@@ -449,89 +538,15 @@ class Serving:
                            param="messages") from None
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                        template: str | None, template_kwargs: dict | None) -> list[int]:
-        """Render the chat template (which carries BOS) and tokenize without special tokens."""
-        text = self.render_chat(messages, add_generation_prompt, template, template_kwargs)
+                        template: str | None, template_kwargs: dict | None,
+                        tools: list[dict] | None = None, continue_final_message: bool = False,
+                        add_special_tokens: bool = False) -> list[int]:
+        """Render the chat template (which carries BOS) and tokenize (without special tokens
+        unless asked)."""
+        text = self.render_chat(messages, add_generation_prompt, template, template_kwargs,
+                                tools, continue_final_message)
         self.check_text(len(text), "messages")
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        """Render, tokenize and check the conversation (runs in the worker pool)."""
-        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt,
-                                   req.request_chat_template(), req.chat_template_kwargs)
-        text = self.tokenizer.decode(ids)
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        if requested == 0:
-            raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
-        max_tokens = self.fit_max_tokens(len(ids), requested)
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        try:
-            params = req.sampling_params(max_tokens, k, None, output_kind(req.stream))
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
-        return Prepared(text, ids, params)
-
-    async def chat(self, req: ChatCompletionRequest, raw_request: Request | None = None
-                   ) -> Response:
-        self.check_model(req.model)
-        self.check_chat_template(req.request_chat_template())
-        admission = self.admit(1)
-        try:
-            prepared = await self.in_thread(self.prepare_chat, req)
-            (stream,) = await self.start([prepared], admission)
-            created = int(time.time())
-            response_id = f"chatcmpl-{uuid.uuid4().hex}"
-            model = req.model or self.served_model_name
-            if req.stream:
-                response = EventStreamResponse(
-                    self._stream_chat(req, prepared, stream, response_id, created, model),
-                    admission, self.options.stream_send_timeout_s)
-                admission = None  # the response releases it
-                return response
-            (out,) = await self.collect_all([stream], raw_request)
-        finally:
-            if admission is not None:
-                admission.release()
-        logprobs = None
-        if req.logprobs:
-            logprobs = chat_logprobs(out.token_ids, out.logprobs, req.top_logprobs or 0,
-                                     self.token_text)
-        return json_response(ChatCompletionResponse(
-            id=response_id, created=created, model=model, choices=[{
-                "index": 0, "message": {"role": "assistant", "content": out.text},
-                "logprobs": logprobs, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason}],
-            usage=usage(len(prepared.token_ids), len(out.token_ids))))
-
-    async def _stream_chat(self, req, prepared, stream, response_id, created, model):
-        head = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                "model": model}
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        n_prompt = len(prepared.token_ids)
-        yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]})
-        num_generated = 0
-        finish_reason = None
-        try:
-            async for out in stream:  # delta outputs
-                logprobs = None
-                if req.logprobs:
-                    logprobs = chat_logprobs(out.token_ids, out.logprobs, req.top_logprobs or 0,
-                                             self.token_text)
-                num_generated += len(out.token_ids)
-                finish_reason = out.finish_reason
-                yield sse({**head, "choices": [{"index": 0, "delta": {"content": out.text},
-                                                "logprobs": logprobs,
-                                                "finish_reason": out.finish_reason}]})
-            cut = self.shutdown_event(finish_reason)
-            if cut is not None:
-                yield cut
-            elif include_usage:
-                yield sse({**head, "choices": [], "usage": usage(n_prompt, num_generated)})
-        except EngineError as exc:
-            yield sse(error_body(f"engine failure: {exc}", "InternalServerError", 500))
-        yield sse("[DONE]")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     # ---- tokenizer routes ---------------------------------------------------------------
     def _tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
@@ -563,7 +578,7 @@ class Serving:
         return DetokenizeResponse(prompt=await self.in_thread(self.tokenizer.decode, req.tokens))
 
 
-def json_response(body: CompletionResponse | ChatCompletionResponse) -> Response:
+def json_response(body: ResponseModel) -> Response:
     """A JSON response serialized by pydantic-core."""
     return Response(body.model_dump_json(), media_type="application/json")
 
@@ -614,3 +629,65 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]
     finally:
         for task in tasks:
             task.cancel()
+
+
+def prompt_token_count(prepared: list[Prepared]) -> int:
+    """The prompt tokens of a request: each prompt counted once, however many samples."""
+    seen: dict[int, int] = {}
+    for p in prepared:
+        seen.setdefault(p.prompt_index, len(p.token_ids))
+    return sum(seen.values())
+
+
+def top_entry(entry: dict[int, float], token: int, k: int) -> dict[int, float]:
+    """A position's logprobs cut to the chosen token and the k most likely ones."""
+    if len(entry) <= k + 1:
+        return entry
+    ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+    return {token: entry[token], **dict(ranked)}
+
+
+def prompt_logprob_entries(token_ids: list[int], entries: list[dict[int, float] | None] | None,
+                           k: int, token_text: TokenText) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt position (the first None) token id -> its logprob,
+    rank (1 = most likely; None for a chosen token outside the top k) and text."""
+    result: PromptLogprobs = []
+    for token, entry in zip(token_ids, entries or [], strict=False):
+        if entry is None:
+            result.append(None)
+            continue
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        position = {tid: PromptLogprob(logprob=floor_logprob(value), rank=rank,
+                                       decoded_token=token_text(tid))
+                    for rank, (tid, value) in enumerate(top, start=1)}
+        if token not in position:  # the chosen token is not among the k most likely
+            position = {token: PromptLogprob(logprob=floor_logprob(entry[token]),
+                                             decoded_token=token_text(token)), **position}
+        else:
+            position = {token: position.pop(token), **position}
+        result.append(position)
+    return result
+
+
+def cumulative_logprob(out: RequestOutput) -> float:
+    return sum(entry[token] for token, entry in zip(out.token_ids, out.logprobs or [],
+                                                    strict=False))
+
+
+def best_samples(chosen: list[tuple[Prepared, RequestOutput]], best_of: int, n: int
+                 ) -> list[tuple[Prepared, RequestOutput]]:
+    """best_of: per prompt, the n samples with the highest cumulative logprob, best first."""
+    kept = []
+    for start in range(0, len(chosen), best_of):
+        group = chosen[start:start + best_of]
+        kept.extend(sorted(group, key=lambda po: -cumulative_logprob(po[1]))[:n])
+    return kept
+
+
+def continued(text: str, final_content: str | None) -> str:
+    """A rendered conversation cut right after the last message's content, so the model
+    continues that message (continue_final_message with a request-supplied template)."""
+    if not final_content:
+        return text
+    at = text.rfind(final_content)
+    return text if at < 0 else text[: at + len(final_content)]
