@@ -128,7 +128,8 @@ def test_config_reads_both_rope_layouts_and_v3_scale():
 
 def test_argument_errors_say_what_to_change():
     llm = LLM(device="cpu", num_kv_blocks=16, block_size=16, max_model_len=64)
-    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+    with pytest.raises(ValueError,
+                       match=r"max_tokens must be an integer in \[1, 2\*\*63 - 1\], got 0"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="more than max_model_len=64"):
         llm.generate([[5] * 65])
