@@ -111,6 +111,9 @@ class StructuredOutputsParams(OpenAIModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = Field(
+        False, description="JSON without whitespace between tokens; alone (no constraint "
+        "here) it applies to the constraint that response_format or guided_json sets")
 
 
 def _is(default: Any) -> Callable[[Any], bool]:

@@ -61,7 +61,7 @@ def from_response_format(fmt: ResponseFormat | TextFormat | None, param: str
 
 def from_structured_outputs(params: StructuredOutputsParams | None) -> StructuredOutputs | None:
     """vLLM's `structured_outputs` field (exactly one constraint in it)."""
-    if params is None:
+    if params is None or _only_whitespace_option(params):
         return None
     kinds = [name for name, value in (("json", params.json_), ("regex", params.regex),
                                       ("choice", params.choice), ("grammar", params.grammar),
@@ -75,7 +75,14 @@ def from_structured_outputs(params: StructuredOutputsParams | None) -> Structure
         json=None if params.json_ is None else schema_text(params.json_,
                                                            "structured_outputs.json"),
         regex=params.regex, choice=params.choice, grammar=params.grammar,
-        json_object=bool(params.json_object)), "structured_outputs")
+        json_object=bool(params.json_object),
+        disable_any_whitespace=params.disable_any_whitespace), "structured_outputs")
+
+
+def _only_whitespace_option(params: StructuredOutputsParams) -> bool:
+    """A `structured_outputs` that sets no constraint, only how JSON is spaced."""
+    return all(value in (None, False) for value in (
+        params.json_, params.regex, params.choice, params.grammar, params.json_object))
 
 
 def _checked(constraint: StructuredOutputs, param: str) -> StructuredOutputs:
@@ -120,4 +127,9 @@ def request_constraint(req: SamplingFields, tool_schema: dict[str, Any] | None =
         raise StructuredOutputError(
             f"only one output constraint may be given per request; got {', '.join(names)}",
             names[1])
-    return found[0][1] if found else None
+    if not found:
+        return None
+    constraint = found[0][1]
+    if req.structured_outputs is not None and req.structured_outputs.disable_any_whitespace:
+        constraint.disable_any_whitespace = True
+    return constraint
