@@ -263,14 +263,12 @@ def poisoned_request(first_bad_output: int) -> tuple[EngineCoreRequest, int]:
         len(PROMPTS[4]) + first_bad_output)
 
 
-@pytest.mark.parametrize("first_bad_output", [0, 2])
-def test_a_request_that_breaks_its_step_fails_alone(core, alone, monkeypatch, first_bad_output):
-    """The sampler raises whenever the poisoned request samples its token number
-    `first_bad_output` or later (at its prefill, or mid-decode with a step in flight): it fails
-    with that error after the tokens it had, and ten innocent requests finish unchanged."""
-    request, bad_position = poisoned_request(first_bad_output)
+def poison_sampler(monkeypatch: pytest.MonkeyPatch, bad_position: int = 0) -> list[int]:
+    """Make the runner's sampler raise IndexError("poisoned row") whenever a row seeded with
+    POISON_SEED samples position `bad_position` or later; returns the list that collects the
+    row count of each failed call."""
     sample = runner_module.sample
-    failures = []
+    failures: list[int] = []
 
     def poisonable_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if ((batch.seeds == POISON_SEED) & (batch.positions >= bad_position)).any():
@@ -279,6 +277,16 @@ def test_a_request_that_breaks_its_step_fails_alone(core, alone, monkeypatch, fi
         return sample(logits, batch)
 
     monkeypatch.setattr(runner_module, "sample", poisonable_sample)
+    return failures
+
+
+@pytest.mark.parametrize("first_bad_output", [0, 2])
+def test_a_request_that_breaks_its_step_fails_alone(core, alone, monkeypatch, first_bad_output):
+    """The sampler raises whenever the poisoned request samples its token number
+    `first_bad_output` or later (at its prefill, or mid-decode with a step in flight): it fails
+    with that error after the tokens it had, and ten innocent requests finish unchanged."""
+    request, bad_position = poisoned_request(first_bad_output)
+    failures = poison_sampler(monkeypatch, bad_position)
     results = run(core, [innocent(i) for i in range(5)] + [request]
                   + [innocent(i) for i in range(5, 10)])
     assert_innocents_unharmed(results, alone, range(10))
@@ -348,16 +356,7 @@ def test_an_innocent_is_not_failed_when_the_culprit_finished_meanwhile(core, alo
                             stop_token_ids=[stop_token])
     culprit = EngineCoreRequest("culprit", PROMPTS[6], params, sample_seed=POISON_SEED)
     bad_position = len(PROMPTS[6]) + 2  # the row after its stop token, sampled a step late
-    sample = runner_module.sample
-    failures = []
-
-    def poisonable_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if ((batch.seeds == POISON_SEED) & (batch.positions >= bad_position)).any():
-            failures.append(len(logits))
-            raise IndexError("poisoned row")
-        return sample(logits, batch)
-
-    monkeypatch.setattr(runner_module, "sample", poisonable_sample)
+    failures = poison_sampler(monkeypatch, bad_position)
     results = run(core, [culprit, innocent(7)])
     assert failures == [2]
     assert results["culprit"].token_ids == alone[6][:2]
@@ -375,14 +374,7 @@ def test_llm_generate_returns_every_result_when_one_prompt_fails(monkeypatch):
     prompts = [PROMPTS[i] for i in range(4)]
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     expected = [out.token_ids for out in llm.generate(prompts, greedy)]
-    sample = runner_module.sample
-
-    def poisonable_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if (batch.seeds == POISON_SEED).any():
-            raise IndexError("poisoned row")
-        return sample(logits, batch)
-
-    monkeypatch.setattr(runner_module, "sample", poisonable_sample)
+    poison_sampler(monkeypatch)
     poisoned = SamplingParams(max_tokens=4, temperature=1.0, seed=POISON_SEED, ignore_eos=True)
     with pytest.raises(StepFailed) as failed:
         llm.generate(prompts[:2] + [PROMPTS[5]] + prompts[2:], [greedy] * 2 + [poisoned]
