@@ -170,7 +170,7 @@ BAD_BODIES = [
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": 12}, "prompt"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),

@@ -1,0 +1,229 @@
+"""n and best_of, prompt_logprobs, min_tokens with stop strings, GET /v1/models/{id}, the
+Responses API, and the fields the server refuses rather than ignores; real server, openai SDK."""
+
+import json
+
+import openai
+import pytest
+import requests
+
+from tests.server_util import RunningServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RunningServer() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+# ---- n and best_of ---------------------------------------------------------------------------
+def test_n_seeded_samples_differ_and_each_is_reproducible_alone(client):
+    out = client.completions.create(model="demo", prompt="The cache", max_tokens=8, n=4,
+                                    seed=11, extra_body={"ignore_eos": True})
+    texts = [c.text for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert len(set(texts)) == 4
+    for i, text in enumerate(texts):
+        alone = client.completions.create(model="demo", prompt="The cache", max_tokens=8,
+                                          seed=11 + i, extra_body={"ignore_eos": True})
+        assert alone.choices[0].text == text
+    assert out.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert out.usage.completion_tokens == 32
+
+
+def test_n_streamed_equals_whole_on_both_routes(client):
+    kwargs = {"model": "demo", "max_tokens": 6, "n": 3, "seed": 2,
+              "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(prompt=["a", "b"], **kwargs)
+    assert [c.index for c in whole.choices] == list(range(6))
+    chunks = list(client.completions.create(prompt=["a", "b"], stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    texts = [""] * 6
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 36
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(messages=messages, **kwargs)
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    texts = [""] * 3
+    roles = set()
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.delta.role:
+                roles.add(choice.index)
+    assert roles == {0, 1, 2}
+    assert texts == [c.message.content for c in whole.choices]
+    assert len(set(texts)) == 3
+
+
+def test_best_of_returns_the_n_most_likely_samples(client):
+    kwargs = {"model": "demo", "prompt": "x", "max_tokens": 5, "seed": 3,
+              "extra_body": {"ignore_eos": True}}
+    out = client.completions.create(n=2, best_of=4, **kwargs)
+    assert [c.index for c in out.choices] == [0, 1] and out.choices[0].logprobs is None
+    assert out.usage.completion_tokens == 20  # all four samples were generated
+    every = client.completions.create(n=4, logprobs=0, **kwargs)
+    ranked = sorted(every.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.text for c in out.choices] == [c.text for c in ranked[:2]]
+
+
+@pytest.mark.parametrize("body,says", [
+    ({"n": 2, "best_of": 1}, "best_of"),
+    ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
+    ({"n": 100000}, "n"),
+    ({"suffix": "tail"}, "suffix"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+])
+def test_sample_counts_and_suffix_are_checked(server, body, says):
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "x", **body})
+    assert r.status_code == 400 and says in r.text, r.text
+
+
+# ---- prompt_logprobs -------------------------------------------------------------------------
+def test_prompt_logprobs_on_completions_and_chat(server, client):
+    out = client.completions.create(model="demo", prompt="The cache is", max_tokens=1,
+                                    extra_body={"prompt_logprobs": 2})
+    ids = server.engine.tokenizer("The cache is")["input_ids"]
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token, entry in zip(ids[1:], entries[1:], strict=True):
+        assert str(token) in entry and 2 <= len(entry) <= 3
+        ranks = sorted(e["rank"] for e in entry.values() if e["rank"] is not None)
+        assert ranks[:2] == [1, 2]
+        assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str)
+                   for e in entry.values())
+    echo = client.completions.create(model="demo", prompt="The cache is", max_tokens=1,
+                                     echo=True, logprobs=0)
+    assert [entries[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(
+        echo.choices[0].logprobs.token_logprobs[1:len(ids)])
+    chat = client.chat.completions.create(model="demo", max_tokens=1,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"prompt_logprobs": 0})
+    entries = chat.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == chat.usage.prompt_tokens
+    assert all(len(entry) == 1 for entry in entries[1:])
+
+
+# ---- min_tokens and stop strings -------------------------------------------------------------
+def test_min_tokens_holds_back_stop_strings(server, client):
+    base = {"model": "demo", "prompt": "The cache", "temperature": 0, "max_tokens": 12}
+    out = client.completions.create(logprobs=0, extra_body={"ignore_eos": True}, **base)
+    tokens = out.choices[0].logprobs.tokens
+    text = out.choices[0].text
+    # a stop string that first appears in the second token's text
+    stop = next(t for t in tokens[1:4] if t.strip() and text.find(t) >= len(tokens[0]))
+    cut = client.completions.create(stop=[stop], extra_body={"ignore_eos": True}, **base)
+    assert cut.choices[0].finish_reason == "stop" and len(cut.choices[0].text) < len(text)
+    held = client.completions.create(stop=[stop], extra_body={"ignore_eos": True,
+                                                              "min_tokens": 6}, **base)
+    assert held.choices[0].text.startswith(text[: text.find(stop) + len(stop)])
+    assert held.usage.completion_tokens >= 6
+
+
+# ---- models ----------------------------------------------------------------------------------
+def test_get_one_model(server, client):
+    model = client.models.retrieve("demo")
+    assert model.id == "demo" and model.object == "model"
+    r = requests.get(server.url + "/v1/models/nope")
+    assert r.status_code == 404
+    assert r.json()["error"] == {"message": "The model `nope` does not exist.",
+                                 "type": "NotFoundError", "param": "model", "code": 404}
+
+
+# ---- the Responses API -----------------------------------------------------------------------
+def test_responses_whole_and_streamed_agree(server, client):
+    kwargs = {"model": "demo", "input": "Tell me", "instructions": "Be brief.",
+              "max_output_tokens": 6, "temperature": 0}
+    whole = client.responses.create(**kwargs)
+    assert whole.object == "response" and whole.id.startswith("resp_")
+    assert whole.output[0].type == "message" and whole.output[0].role == "assistant"
+    assert whole.usage.output_tokens <= 6
+    if whole.usage.output_tokens == 6:
+        assert whole.status == "incomplete"
+        assert whole.incomplete_details.reason == "max_output_tokens"
+    events = list(client.responses.create(stream=True, **kwargs))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done",
+                          "response.incomplete" if whole.status == "incomplete"
+                          else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    chat = client.chat.completions.create(
+        model="demo", max_tokens=6, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Tell me"}])
+    assert chat.choices[0].message.content == whole.output_text
+    assert chat.usage.prompt_tokens == whole.usage.input_tokens
+
+
+def test_responses_input_messages_and_text_format(client):
+    out = client.responses.create(
+        model="demo", max_output_tokens=40, temperature=0,
+        input=[{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "yo"}]},
+               {"role": "user", "content": [{"type": "input_text", "text": "pick"}]}],
+        text={"format": {"type": "json_schema", "name": "pick", "schema": {
+            "type": "object", "properties": {"v": {"enum": ["a", "b"]}}, "required": ["v"],
+            "additionalProperties": False}}},
+    )
+    # random weights may spend the tokens on the whitespace JSON allows; the start is forced
+    assert out.output_text.lstrip().startswith("{")
+    if out.status == "completed":
+        assert json.loads(out.output_text)["v"] in ("a", "b")
+
+
+@pytest.mark.parametrize("extra,says", [
+    ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"background": True}, "background"), ({"input": []}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+])
+def test_responses_refuses_what_it_does_not_serve(server, extra, says):
+    r = requests.post(server.url + "/v1/responses", json={"input": "x", **extra})
+    assert r.status_code == 400 and says in r.text, r.text
+
+
+# ---- refused rather than ignored -------------------------------------------------------------
+REFUSED = [
+    ("use_beam_search", True), ("length_penalty", 0.5), ("allowed_token_ids", [1]),
+    ("bad_words", ["x"]), ("priority", 1), ("spaces_between_special_tokens", False),
+    ("return_tokens_as_token_ids", True), ("guided_whitespace_pattern", " "),
+    ("logits_processors", ["x"]), ("store", True), ("metadata", {"a": "b"}),
+    ("prediction", {"type": "content", "content": "x"}), ("modalities", ["audio"]),
+    ("reasoning_effort", "high"), ("service_tier", "flex"), ("cache_salt", "s"),
+]
+
+
+@pytest.mark.parametrize("field,value", REFUSED)
+def test_unhonoured_fields_are_refused_by_name(server, field, value):
+    for route, body in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "x"}]})):
+        r = requests.post(server.url + route, json={**body, field: value, "max_tokens": 2})
+        assert r.status_code == 400, (route, r.text)
+        assert r.json()["error"]["param"] == field
+
+
+def test_defaults_of_refused_fields_are_accepted(server):
+    body = {"prompt": "x", "max_tokens": 2, "use_beam_search": False, "length_penalty": 1.0,
+            "priority": 0, "store": False, "metadata": {}, "service_tier": "auto",
+            "modalities": ["text"], "suffix": "", "guided_decoding_backend": "xgrammar",
+            "truncate_prompt_tokens": 5, "request_id": "mine-1"}
+    r = requests.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "mine-1"
+    r = requests.post(server.url + "/v1/completions",
+                      json={"prompt": [5] * 40, "max_tokens": 1, "truncate_prompt_tokens": 7})
+    assert r.json()["usage"]["prompt_tokens"] == 7
