@@ -192,7 +192,7 @@ def test_a_request_waiting_for_its_grammar_holds_up_no_one(llm):
             finished.update({o.request_id: o for o in engine.step() if o.finished})
         assert re.fullmatch("[ab]{4}", finished["slow"].text)
     finally:
-        core.scheduler.waits_for_grammar = core.structured.is_compiling
+        core.scheduler.waits_for_grammar = core.structured.waits_for_grammar
 
 
 def test_bitmask_applies_to_every_sampling_path():
@@ -228,3 +228,26 @@ def test_bitmask_applies_to_every_sampling_path():
                 assert tokens[row] in ids
             if temperature == 0:
                 assert [tokens[i] for i in (0, 2, 5)] == logits[[0, 2, 5]].argmax(-1).tolist()
+
+
+def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm, monkeypatch):
+    from mlaserve.engine.engine import StepFailed
+
+    engine = llm.engine
+
+    def broken(key):
+        raise RuntimeError("no memory for the token mask cache")
+
+    monkeypatch.setattr(engine.core.structured, "_compile", broken)
+    engine.add_request("Hello", constrained(0, regex="never-compiled"), request_id="broken")
+    engine.add_request("Hello", SamplingParams(max_tokens=3, ignore_eos=True), request_id="ok")
+    errors, finished = {}, {}
+    while engine.has_unfinished:
+        try:
+            outputs = engine.step()
+        except StepFailed as exc:
+            errors.update(exc.errors)
+            outputs = exc.outputs
+        finished.update({o.request_id: o for o in outputs if o.finished})
+    assert list(errors) == ["broken"] and "token mask cache" in errors["broken"]
+    assert finished["ok"].finish_reason == "length" and len(finished["ok"].token_ids) == 3

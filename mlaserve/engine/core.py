@@ -129,7 +129,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             tokenizer, self.config.vocab_size, self.info.eos_token_ids,
             pin_memory=self.device.type == "cuda")
-        self.scheduler.waits_for_grammar = self.structured.is_compiling
+        self.scheduler.waits_for_grammar = self.structured.waits_for_grammar
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[ScheduledBatch, PendingStep] | None = None
 

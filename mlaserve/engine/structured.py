@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 GrammarKey = tuple[str, str, bool]  # (kind, spec, any_whitespace): a constraint's cache key
 MAX_CACHED_GRAMMARS = 512
+# bitmasks of fewer rows are filled on one thread: a thread pool's hand-off costs more than it
+# saves there, and on a CPU device its threads contend with torch's
+MIN_ROWS_PER_FILL_THREAD = 64
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "
 _CPP_ERROR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 _OBJECT_SCHEMA = '{"type": "object"}'
@@ -154,8 +157,9 @@ class StructuredOutputRequest:
         self.matcher: xgrammar.GrammarMatcher | None = None
 
     @property
-    def is_compiling(self) -> bool:
-        return not self.grammar.done()
+    def is_ready(self) -> bool:
+        """Compiled (a failed compile is never ready: the core fails the request)."""
+        return self.grammar.done() and self.grammar.exception() is None
 
     def get_matcher(self) -> "xgrammar.GrammarMatcher":
         if self.matcher is None:
@@ -190,7 +194,8 @@ class StructuredOutputManager:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._grammars: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._requests: dict[str, StructuredOutputRequest] = {}
-        self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None
+        self._compiling: dict[str, StructuredOutputRequest] = {}  # grammar not compiled yet
+        self._batch_matchers: dict[int, xgrammar.BatchGrammarMatcher] = {}  # by thread count
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
         # build the tokenizer info (and import xgrammar) in the background, before any request
         self._executor.submit(self._get_compiler)
@@ -230,7 +235,10 @@ class StructuredOutputManager:
             self._evict()
         else:
             self._grammars.move_to_end(key)
-        self._requests[request.request_id] = StructuredOutputRequest(constraint, future)
+        state = StructuredOutputRequest(constraint, future)
+        self._requests[request.request_id] = state
+        if not state.is_ready:
+            self._compiling[request.request_id] = state
 
     def _evict(self) -> None:
         while len(self._grammars) > MAX_CACHED_GRAMMARS:
@@ -238,33 +246,42 @@ class StructuredOutputManager:
             self._grammars.pop(key)  # a request still compiling keeps its own future
 
     def remove(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
+        self.remove_id(request.request_id)
 
-    def is_compiling(self, request: Request) -> bool:
-        """Whether the request waits for its grammar (the scheduler skips it meanwhile)."""
-        state = self._requests.get(request.request_id)
-        return state is not None and state.is_compiling
+    def waits_for_grammar(self, request: Request) -> bool:
+        """Whether the request may not run yet: its grammar is compiling (or failed to, until
+        `take_failed` reports it). The scheduler skips such a request."""
+        state = self._compiling.get(request.request_id)
+        if state is None:
+            return False
+        if state.is_ready:
+            del self._compiling[request.request_id]
+            return False
+        return True
 
     @property
     def has_compiling(self) -> bool:
-        return any(s.is_compiling for s in self._requests.values())
+        return bool(self._compiling)
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block until some grammar that a request waits for is compiled, at most `timeout` s."""
-        waiting = [s.grammar for s in self._requests.values() if s.is_compiling]
+        waiting = [s.grammar for s in self._compiling.values() if not s.grammar.done()]
         if waiting:
             concurrent.futures.wait(waiting, timeout, concurrent.futures.FIRST_COMPLETED)
 
     def take_failed(self) -> list[tuple[str, str]]:
         """(request id, error) of requests whose grammar failed to compile; forgotten here."""
         failed = []
-        for request_id, state in list(self._requests.items()):
+        for request_id, state in list(self._compiling.items()):
             if state.grammar.done() and state.grammar.exception() is not None:
-                exc = state.grammar.exception()
-                failed.append((request_id, f"the structured output grammar did not compile: "
-                                           f"{_error_text(exc)}"))
-                del self._requests[request_id]
+                failed.append((request_id, "the structured output grammar did not compile: "
+                                           f"{_error_text(state.grammar.exception())}"))
+                self.remove_id(request_id)
         return failed
+
+    def remove_id(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._compiling.pop(request_id, None)
 
     def grammar_bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
         """The bitmask of the requests whose next token is constrained, or None if none is.
@@ -286,9 +303,12 @@ class StructuredOutputManager:
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, 0)
         else:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher(min(8, os.cpu_count() or 1))
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+            threads = max(1, min(len(matchers) // MIN_ROWS_PER_FILL_THREAD,
+                                 (os.cpu_count() or 1) // 2, 8))
+            batch_matcher = self._batch_matchers.get(threads)
+            if batch_matcher is None:
+                batch_matcher = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+            batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
         return GrammarBitmask({id(r): i for i, (r, _) in enumerate(constrained)}, bitmask)
 
     def accept_token(self, request: Request, token: int) -> str:
