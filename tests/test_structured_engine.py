@@ -251,3 +251,27 @@ def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm, monkeypatch
         finished.update({o.request_id: o for o in outputs if o.finished})
     assert list(errors) == ["broken"] and "token mask cache" in errors["broken"]
     assert finished["ok"].finish_reason == "length" and len(finished["ok"].token_ids) == 3
+
+
+def test_extreme_noise_never_picks_a_masked_token(monkeypatch):
+    """A uniform draw of exactly 1 (float32 rounding) makes the Gumbel noise +inf; a masked
+    logit (-inf) plus it is NaN, which argmax would pick. The sampler keeps the row allowed."""
+    import mlaserve.engine.sampler as sampler
+    import mlaserve.kernels.sampling as kernels
+
+    def ones(seeds, positions, vocab):
+        return torch.ones(seeds.shape[0], vocab)
+
+    monkeypatch.setattr(kernels, "seeded_uniform", ones)
+    monkeypatch.setattr(sampler, "seeded_uniform", ones)
+    n, vocab = 2, 64
+    logits = torch.zeros(n, vocab)
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 1] = 1 << 3  # token 35 only
+    for top_k in (vocab, 5):
+        batch = SamplingBatch(
+            temperature=torch.ones(n), top_k=torch.full((n,), top_k), top_p=torch.ones(n),
+            min_p=torch.zeros(n), seeds=torch.zeros(n, dtype=torch.int64),
+            positions=torch.zeros(n, dtype=torch.int64), all_greedy=False,
+            needs_filter=top_k < vocab, allowed=(torch.tensor([1]), bitmask))
+        assert sample(logits, batch)[1].item() == 35

@@ -159,8 +159,27 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     if not batch.needs_filter:
-        return gumbel_argmax(logits, batch.temperature, batch.seeds, batch.positions)
-    return _sample_filtered(logits, batch)
+        sampled = gumbel_argmax(logits, batch.temperature, batch.seeds, batch.positions)
+    else:
+        sampled = _sample_filtered(logits, batch)
+    if batch.allowed is not None:
+        sampled = _keep_allowed(sampled, logits, *batch.allowed)
+    return sampled
+
+
+def _keep_allowed(sampled: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
+                  bitmask: torch.Tensor) -> torch.Tensor:
+    """A constrained row whose sample is not allowed takes its best allowed token instead.
+
+    The noise may be extreme for a token (a uniform draw that rounds to 1 in float32 gives a
+    Gumbel of +inf, an Exp(1) of 0), and -inf + inf is NaN, which argmax picks: a masked token
+    could win. sampled [N] int64, logits [N, V] (masked), rows [M] int64, bitmask [M, W] int32.
+    """
+    chosen = sampled[rows]
+    words = bitmask.gather(1, (chosen // 32)[:, None]).squeeze(1)
+    allowed = ((words >> (chosen % 32).to(torch.int32)) & 1).bool()
+    best = logits[rows].argmax(dim=-1)
+    return sampled.index_put((rows,), torch.where(allowed, chosen, best))
 
 
 def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
