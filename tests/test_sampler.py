@@ -98,3 +98,13 @@ def test_logit_bias_shifts_the_logits_it_names() -> None:
     second = logits[1].clone()
     second[top[1]] -= 100.0
     assert sampled.tolist() == [favoured, int(second.argmax()), int(top[2])]
+
+
+def test_uniform_noise_is_strictly_inside_0_1() -> None:
+    """The extreme bit patterns map inside (0, 1) in float32, so the Gumbel noise is finite."""
+    from mlaserve.kernels.sampling import uniform_from_bits
+
+    extremes = torch.tensor([0, -1, (1 << 63) - 1, -(1 << 63), 1 << 41], dtype=torch.int64)
+    u = uniform_from_bits(extremes)
+    assert ((u > 0) & (u < 1)).all(), u
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()

@@ -45,7 +45,7 @@ def gumbel_argmax_kernel(logits_ptr, row_stride, temperature_ptr, seed_ptr, posi
         x = tl.load(logits_ptr + row * row_stride + cols, mask=valid, other=float("-inf"))
         x = x.to(tl.float32)
         bits = _mix(row_key ^ (cols.to(tl.uint64) * 0x9E3779B97F4A7C15))
-        u = (((bits >> 40) & 0xFFFFFF).to(tl.float32) + 0.5) / 16777216.0
+        u = (((bits >> 41) & 0x7FFFFF).to(tl.float32) + 0.5) / 8388608.0  # uniform_from_bits
         gumbel = -tl.log(-tl.log(u))
         score = tl.where(sampling, x * inv_t + gumbel, x)
         score = tl.where(valid, score, float("-inf"))

@@ -35,8 +35,15 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
     row = _mix(seeds * 1000003 + positions * 7919 + 12345)  # [N]
     cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix(row[:, None] ^ (cols[None, :] * _GOLDEN))  # [N, V]
-    mantissa = (bits >> 40) & ((1 << 24) - 1)  # 24 random bits
-    return (mantissa.float() + 0.5) / float(1 << 24)
+    return uniform_from_bits(bits)
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int64 random bits -> float32 in (0, 1), never 0 or 1: (m + 0.5) / 2**23 of the top 23
+    bits m. (24 bits would round (2**24 - 0.5) / 2**24 up to 1.0 in float32, and the Gumbel
+    noise -log(-log(u)) to +inf.) The Triton pass computes the same values."""
+    mantissa = (bits >> 41) & ((1 << 23) - 1)  # 23 random bits
+    return (mantissa.float() + 0.5) / float(1 << 23)
 
 
 def gumbel_argmax_torch(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
