@@ -17,6 +17,7 @@ fast and checks the schema.
 """
 
 import asyncio
+import importlib
 import logging
 import multiprocessing
 import os
@@ -238,6 +239,9 @@ class AsyncEngineClient:
             process.start()
             tokenizer = await loop.run_in_executor(
                 None, load_tokenizer, args.tokenizer or model_dir_of(args))
+            # the grammar library checks structured-output requests here: import it now, off
+            # the event loop, rather than on the first such request
+            await loop.run_in_executor(None, importlib.import_module, "xgrammar")
             info = await _wait_ready(process, output_socket)
             return cls(process, socket_dir, context, input_socket, output_socket, info,
                        tokenizer, args.seed, stats_recorder, on_dead)
