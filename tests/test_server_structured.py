@@ -7,6 +7,7 @@ sampling); the others check the HTTP mapping and the errors."""
 import json
 import re
 
+import jsonschema_rs
 import openai
 import pytest
 import requests
@@ -94,6 +95,36 @@ def test_constrained_streamed_and_whole_answers_agree(client):
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert_color(text)
+
+
+PERSON_SCHEMA = {  # nested objects, arrays, enums, integer ranges, string patterns
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1,
+                 "maxItems": 3},
+        "address": {"type": "object", "properties": {
+            "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+            "city": {"enum": ["Hangzhou", "Beijing", "Paris"]}},
+            "required": ["zip", "city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "tags", "address"], "additionalProperties": False,
+}
+
+
+def test_constrained_50_sampled_answers_validate_against_a_nested_schema(client):
+    answers = []
+    for seed in range(5):
+        out = chat(client, n=10, seed=seed, temperature=1.0, max_tokens=120, extra_body=TIGHT,
+                   response_format={"type": "json_schema",
+                                    "json_schema": {"name": "person", "schema": PERSON_SCHEMA}})
+        answers += [choice.message.content for choice in out.choices]
+        assert all(choice.finish_reason == "stop" for choice in out.choices)
+    assert len(answers) == 50
+    for answer in answers:
+        jsonschema_rs.validate(PERSON_SCHEMA, json.loads(answer))
+    assert len(set(answers)) > 1  # sampled, not one answer repeated
 
 
 def test_constrained_n_samples_each_hold(client):
