@@ -76,17 +76,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-
-def held_back(text: str, tags: Sequence[str]) -> int:
-    """The length of the longest suffix of `text` that is a proper prefix of one of `tags` (text
-    that may turn into a special token once more arrives)."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
+from mlaserve.server.reasoning import held_back
 
 
 def _special(*words: str) -> str:
