@@ -55,6 +55,20 @@ def test_prefix_caching_reuses_blocks_and_changes_nothing(reference):
     assert pool.num_hits == 4 * 48
 
 
+def test_a_shared_prefix_arriving_together_is_computed_once(reference):
+    """Prompts sharing 48 tokens arrive in one batch (as the n samples of one prompt do): the
+    first computes the shared blocks, the others wait a step and take them from the cache."""
+    engine = llm(enable_prefix_caching=True)
+    outs = engine.generate(PREFIXED, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0] + [48] * 4
+    assert ids(outs) == [reference[tuple(p)] for p in PREFIXED]
+    # with a small token budget the shared blocks take several steps: still computed once
+    engine = llm(enable_prefix_caching=True, max_num_batched_tokens=20)
+    outs = engine.generate(PREFIXED, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0] + [48] * 4
+    assert ids(outs) == [reference[tuple(p)] for p in PREFIXED]
+
+
 def test_tiny_pool_forces_preemption_and_changes_nothing(reference):
     engine = llm(num_kv_blocks=16, block_size=4, enable_prefix_caching=False)
     outs = engine.generate(PROMPTS, GREEDY)

@@ -100,13 +100,10 @@ class BlockPool:
             hashes.append(self.hash_fn(parent, tuple(token_ids[k * bs : (k + 1) * bs])))
         return hashes
 
-    def lookup_prefix(self, token_ids: Sequence[int], hashes: list[BlockHash]) -> list[int]:
-        """Cached blocks for the longest prefix of full blocks (at least one token left over).
-
-        Takes a reference on every block returned. `hashes` is the request's chain (extended).
-        """
-        if not self.enable_prefix_caching:
-            return []
+    def prefix_hits(self, token_ids: Sequence[int], hashes: list[BlockHash]) -> list[int]:
+        """The cached blocks of the longest prefix of full blocks (at least one token left
+        over), without taking references or counting a query; extends `hashes` (the request's
+        chain) to every full block but the last token's."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         hashes[:] = self.chain_hashes(token_ids, max_blocks, hashes)
         bs = self.block_size
@@ -121,8 +118,18 @@ class BlockPool:
                     token_ids[k * bs : (k + 1) * bs]):
                 break  # a hash collision: treat as a miss
             hits.append(block)
+        return hits
+
+    def lookup_prefix(self, token_ids: Sequence[int], hashes: list[BlockHash]) -> list[int]:
+        """Cached blocks for the longest prefix of full blocks (at least one token left over).
+
+        Takes a reference on every block returned. `hashes` is the request's chain (extended).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits = self.prefix_hits(token_ids, hashes)
         self.num_queries += len(token_ids)
-        self.num_hits += len(hits) * bs
+        self.num_hits += len(hits) * self.block_size
         for block in hits:
             meta = self.blocks[block]
             if meta.ref_count == 0:

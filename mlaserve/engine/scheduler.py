@@ -17,6 +17,10 @@ scheduled again, and a preempted request waits until its placeholders have lande
 stop tokens, seen a step late, cost one wasted decode row. A step that fails is taken back with
 `retreat` (its tokens count as not computed, its placeholders as never sampled).
 
+A waiting request whose next uncached block is being computed by a running request (the same
+prompt prefix arriving together, e.g. the n samples of one prompt) waits until that block is
+computed and cached, then takes it from the cache instead of computing it again.
+
 A waiting request for which `waits_for_grammar` holds (its structured-output grammar is still
 compiling, see structured.py) is skipped: it keeps its place in the queue, and the requests
 behind it are admitted meanwhile (vLLM's WAITING_FOR_FSM).
@@ -137,7 +141,8 @@ class Scheduler:
                 batch.prefills.append((request, count))
         if batch.preempted:
             return self._with_samplers(batch)
-        skipped: list[Request] = []  # waiting for their grammars: they keep their places
+        skipped: list[Request] = []  # waiting for grammars or shared blocks: keep their places
+        in_progress = self._blocks_in_progress()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self.waits_for_grammar is not None and self.waits_for_grammar(request):
@@ -145,8 +150,12 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:
                 break  # preempted with a token still on the device: recompute once it lands
-            if request.num_computed_tokens == 0 and request.params.prompt_logprobs is None:
-                # prompt logprobs need every position's logits, so those requests skip the cache
+            # prompt logprobs need every position's logits, so those requests skip the cache
+            uses_cache = request.num_computed_tokens == 0 and request.params.prompt_logprobs is None
+            if uses_cache and self._next_block_in_progress(request, in_progress):
+                skipped.append(self.waiting.popleft())
+                continue
+            if uses_cache:
                 request.block_ids = self.pool.lookup_prefix(request.all_token_ids,
                                                             request.block_hashes)
                 request.num_computed_tokens = len(request.block_ids) * self.pool.block_size
@@ -160,6 +169,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            in_progress.update(request.block_hashes[request.num_registered_blocks:])
             budget -= count
             if count == 1 and request.num_tokens - request.num_computed_tokens == 1:
                 batch.decodes.append(request)
@@ -167,6 +177,22 @@ class Scheduler:
                 batch.prefills.append((request, count))
         self.waiting.extendleft(reversed(skipped))
         return self._with_samplers(batch)
+
+    def _blocks_in_progress(self) -> set:
+        """Hashes of the full prompt blocks that running requests have yet to compute and
+        cache."""
+        if not self.pool.enable_prefix_caching:
+            return set()
+        return {h for r in self.running for h in r.block_hashes[r.num_registered_blocks:]}
+
+    def _next_block_in_progress(self, request: Request, in_progress: set) -> bool:
+        """Whether the first block of `request` that the cache misses is one a running request
+        is computing now (then it is cheaper to wait a step for it)."""
+        if not in_progress:
+            return False
+        hits = self.pool.prefix_hits(request.all_token_ids, request.block_hashes)
+        return len(hits) < len(request.block_hashes) and \
+            request.block_hashes[len(hits)] in in_progress
 
     @staticmethod
     def _with_samplers(batch: ScheduledBatch) -> ScheduledBatch:
