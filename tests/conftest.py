@@ -80,3 +80,13 @@ def checkpoint_dir(tmp_path_factory):
 
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def demo_server():
+    """One real server on the demo model with default options (CPU), shared by the test
+    modules that need nothing else (each asserts on differences, never on totals)."""
+    from tests.server_util import RunningServer
+
+    with RunningServer() as running:
+        yield running

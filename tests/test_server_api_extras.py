@@ -7,13 +7,10 @@ import openai
 import pytest
 import requests
 
-from tests.server_util import RunningServer
-
 
 @pytest.fixture(scope="module")
-def server():
-    with RunningServer() as running:
-        yield running
+def server(demo_server):
+    return demo_server
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,8 @@ from tests.server_util import RunningServer, fail_next_step
 
 
 @pytest.fixture(scope="module")
-def server():
-    with RunningServer() as running:
-        yield running
+def server(demo_server):
+    return demo_server
 
 
 @pytest.fixture(scope="module")

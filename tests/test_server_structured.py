@@ -12,8 +12,6 @@ import openai
 import pytest
 import requests
 
-from tests.server_util import RunningServer
-
 COLOR_SCHEMA = {
     "type": "object",
     "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
@@ -23,9 +21,8 @@ TIGHT = {"structured_outputs": {"disable_any_whitespace": True}}  # JSON ends so
 
 
 @pytest.fixture(scope="module")
-def server():
-    with RunningServer() as running:
-        yield running
+def server(demo_server):
+    return demo_server
 
 
 @pytest.fixture(scope="module")
