@@ -90,3 +90,11 @@ def demo_server():
 
     with RunningServer() as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def demo_client(demo_server):
+    """An openai SDK client for `demo_server`."""
+    import openai
+
+    return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused")

@@ -3,7 +3,6 @@ Responses API, and the fields the server refuses rather than ignores; real serve
 
 import json
 
-import openai
 import pytest
 import requests
 
@@ -14,8 +13,8 @@ def server(demo_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+def client(demo_client):
+    return demo_client
 
 
 # ---- n and best_of ---------------------------------------------------------------------------

@@ -5,7 +5,6 @@ import asyncio
 import json
 
 import aiohttp
-import openai
 import pytest
 import requests
 
@@ -19,8 +18,8 @@ def server(demo_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+def client(demo_client):
+    return demo_client
 
 
 def test_completion_matches_the_engine(server, client):

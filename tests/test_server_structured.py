@@ -8,7 +8,6 @@ import json
 import re
 
 import jsonschema_rs
-import openai
 import pytest
 import requests
 
@@ -26,8 +25,8 @@ def server(demo_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+def client(demo_client):
+    return demo_client
 
 
 def assert_color(text: str) -> None:

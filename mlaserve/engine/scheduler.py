@@ -142,7 +142,7 @@ class Scheduler:
         if batch.preempted:
             return self._with_samplers(batch)
         skipped: list[Request] = []  # waiting for grammars or shared blocks: keep their places
-        in_progress = self._blocks_in_progress()
+        in_progress = self._blocks_in_progress() if self.waiting else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self.waits_for_grammar is not None and self.waits_for_grammar(request):

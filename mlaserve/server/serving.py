@@ -290,6 +290,17 @@ class Serving:
                                   "ServiceUnavailableError", 503))
         return None
 
+    def stream_end(self, head: dict, finish_reason: str | None, include_usage: bool,
+                   n_prompt: int, num_generated: int) -> bytes | None:
+        """The event after a stream's last chunk: the shutdown error of a stream cut short, else
+        the usage chunk when asked for, else nothing (`[DONE]` follows either way)."""
+        cut = self.shutdown_event(finish_reason)
+        if cut is not None:
+            return cut
+        if include_usage:
+            return sse({**head, "choices": [], "usage": usage(n_prompt, num_generated)})
+        return None
+
     # ---- completions --------------------------------------------------------------------
     @staticmethod
     def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
@@ -478,11 +489,9 @@ class Serving:
                 if continuous:
                     chunk["usage"] = usage(n_prompt, num_generated)
                 yield sse(chunk)
-            cut = self.shutdown_event(finish_reason)
-            if cut is not None:
-                yield cut
-            elif include_usage:
-                yield sse({**head, "choices": [], "usage": usage(n_prompt, num_generated)})
+            end = self.stream_end(head, finish_reason, include_usage, n_prompt, num_generated)
+            if end is not None:
+                yield end
         except EngineError as exc:
             yield sse(error_body(f"engine failure: {exc}", "InternalServerError", 500))
         yield sse("[DONE]")

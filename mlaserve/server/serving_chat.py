@@ -215,11 +215,9 @@ class ChatServing:
                 if continuous:
                     chunk["usage"] = usage(n_prompt, num_generated)
                 yield sse(chunk)
-            cut = s.shutdown_event(last_finish)
-            if cut is not None:
-                yield cut
-            elif include_usage:
-                yield sse({**head, "choices": [], "usage": usage(n_prompt, num_generated)})
+            end = s.stream_end(head, last_finish, include_usage, n_prompt, num_generated)
+            if end is not None:
+                yield end
         except EngineError as exc:
             yield sse(error_body(f"engine failure: {exc}", "InternalServerError", 500))
         yield sse("[DONE]")
