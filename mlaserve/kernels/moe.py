@@ -4,7 +4,9 @@ Routing follows DeepSeek: V2 scores with a softmax and picks the top-k greedily 
 best `topk_group` of `n_group` groups (group score = its best expert); V3 scores with a sigmoid,
 adds `e_score_correction_bias` for the choice only, and ranks groups by the sum of their two best
 biased scores. Weights are the unbiased scores of the chosen experts, renormalised if
-`norm_topk_prob`, times `routed_scaling_factor`.
+`norm_topk_prob`, times `routed_scaling_factor`. `select_experts` runs this as one Triton launch
+(`fused_router`) where `mlaserve.model.layers.use_fused_kernels` says the fused kernels run (CUDA
+tensors), else as the torch code of `select_experts_torch`, which states the semantics.
 
 The experts run as the Triton kernels of `fused_moe` on CUDA, as grouped GEMMs on CPU (and bf16
 CUDA without Triton), or as a per-expert loop, which in float32 is the reference.
@@ -35,8 +37,34 @@ def select_experts(
         use_grouped_topk: restrict the choice to the best `topk_group` groups.
 
     Returns:
-        topk_weights [T, top_k] float32 and topk_ids [T, top_k] int64.
+        topk_weights [T, top_k] float32 and topk_ids [T, top_k] int64, in descending order of
+        the choice score.
     """
+    # imported here: kernels/ imports nothing else from mlaserve at import time
+    from mlaserve.model.layers import use_fused_kernels
+
+    if use_fused_kernels(router_logits):
+        from mlaserve.kernels.fused_router import select_experts_triton  # imports triton
+
+        select = select_experts_triton
+    else:
+        select = select_experts_torch
+    return select(router_logits, top_k, scoring_func, n_group, topk_group, norm_topk_prob,
+                  routed_scaling_factor, use_grouped_topk, e_score_correction_bias)
+
+
+def select_experts_torch(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    use_grouped_topk: bool,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts` in torch ops (about eight launches): the CPU path and the semantics."""
     num_tokens, num_experts = router_logits.shape
     if scoring_func == "softmax":
         scores = router_logits.softmax(dim=-1)
