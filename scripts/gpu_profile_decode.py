@@ -26,6 +26,7 @@ from mlaserve.engine.request import SamplingParams
 # first match wins; names as CUPTI reports them (Triton kernels keep their Python names)
 KINDS = [
     ("attention", r"mla_decode|BatchMLA|flashinfer|Mla|merge_kernel"),
+    ("prefill attn", r"fmha|flash_fwd|FlashAttn|attention"),
     ("moe", r"gate_up_silu|_down_kernel|moe|grouped|_count_kernel|_offsets_kernel|_scatter"),
     ("norm/rope", r"rms|rope|norm|latent"),
     ("sampling", r"gumbel|argmax|softmax|sort|topk|index_put"),
@@ -62,16 +63,21 @@ def profile_prefill(core: EngineCore, rng: random.Random, args: argparse.Namespa
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
     by_kind: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             by_kind[kind_of(event.name)] = by_kind.get(kind_of(event.name), 0.0) + (
                 event.device_time)
+            by_kernel[event.name] = by_kernel.get(event.name, 0.0) + event.device_time
     tokens = num_prompts * args.prompt_len
     lines = [f"prefill of {num_prompts} x {args.prompt_len} tokens: {steps} steps, "
              f"{seconds:.2f} s = {tokens / seconds:.0f} tok/s (profiled); GPU busy "
              f"{sum(by_kind.values()) / 1e6:.2f} s"]
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {kind:<12} {us / 1e3:9.1f} ms")
+    lines.append("  top kernels (ms, kind, name):")
+    for name, us in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:20]:
+        lines.append(f"  {us / 1e3:9.1f}  {kind_of(name):<11} {name[:110]}")
     return lines
 
 

@@ -22,6 +22,7 @@ from mlaserve.kernels.fused_norm_rope import (  # noqa: E402
     fused_add_rms_norm,
     rms_norm,
     rotary_embedding,
+    silu_and_mul,
     write_latent,
 )
 from mlaserve.kernels.reference import (  # noqa: E402
@@ -29,7 +30,12 @@ from mlaserve.kernels.reference import (  # noqa: E402
     rms_norm_reference,
     rope_reference,
 )
-from mlaserve.model.layers import RMSNorm, RotaryEmbedding, force_fused_kernels  # noqa: E402
+from mlaserve.model.layers import (  # noqa: E402
+    RMSNorm,
+    RotaryEmbedding,
+    force_fused_kernels,
+    fuse_linears,
+)
 from mlaserve.model.loader import build_model  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -63,6 +69,32 @@ def _angles(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _check(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,inter", [(1, 64), (3, 1100)])
+def test_silu_and_mul(dtype: torch.dtype, num_tokens: int, inter: int) -> None:
+    wide = _randn(num_tokens, 2 * inter + 8, dtype=dtype, seed=0)
+    gate_up = wide[:, : 2 * inter]  # [T, 2I] with a row stride of 2I + 8; 1100 spans 2 blocks
+    out = silu_and_mul(gate_up)
+    assert out.shape == (num_tokens, inter) and out.dtype == dtype
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    _check(out, torch.nn.functional.silu(gate) * up, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _check(out, (torch.nn.functional.silu(gate) * up).float(), dtype)  # torch's rounding
+
+
+def test_fuse_linears_stacks_weights_into_shared_storage() -> None:
+    gen = torch.Generator().manual_seed(0)
+    first, second = torch.nn.Linear(6, 4, bias=False), torch.nn.Linear(6, 3, bias=True)
+    x = torch.randn(5, 6, generator=gen)
+    expected = torch.cat((first(x), second(x)), dim=-1)
+    weight, bias = fuse_linears(first, second)
+    assert weight.shape == (7, 6) and bias.shape == (7,)
+    torch.testing.assert_close(torch.nn.functional.linear(x, weight, bias), expected)
+    assert first.weight.data_ptr() == weight.data_ptr()  # views: one copy of the weights
+    assert second.bias.data_ptr() == bias[4:].data_ptr()
+    assert fuse_linears(first)[1] is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -11,6 +11,8 @@ weights, so each of these ops is one launch:
 - `write_latent`: kv_a_proj_with_mqa's output [c_kv | k_pe] [T, L + R] -> the cache row
   [rmsnorm(c_kv) | rope(k_pe)] stored at the token's slot of the paged cache, and optionally
   into a [T, L + R] tensor for the prefill path, one program per token.
+- `silu_and_mul`: the SwiGLU activation [gate | up] [T, 2I] -> silu(gate) * up [T, I], one
+  program per (row, column block).
 
 Numerics follow the torch code in `mlaserve.model.layers` (HF DeepSeek): the math is float32,
 and results are rounded where that code rounds them (stated per function). Rotary angles are the
@@ -338,3 +340,45 @@ def write_latent(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
         ROPE_DIM=rope_dim, BLOCK_L=triton.next_power_of_2(kv_lora_rank),
         BLOCK_PAIRS=triton.next_power_of_2(rope_dim // 2), INTERLEAVED=interleaved,
         STORE_LATENT=latent_out is not None, num_warps=4)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [T, 2I]
+    out_ptr,  # [T, I]
+    inter,
+    stride_x,
+    stride_out,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as F.silu's output
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation, one launch.
+
+    Args:
+        gate_up: [T, 2I] = [gate | up], float32, float16 or bfloat16, unit column stride.
+
+    Returns:
+        [T, I] in gate_up's dtype: silu(gate) computed in float32 and rounded to the dtype, then
+        times up in float32 and rounded again (torch's `F.silu(gate) * up`).
+    """
+    num_tokens, width = gate_up.shape
+    _check_rows("gate_up", gate_up, width)
+    inter = width // 2
+    out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens:
+        _prepare_launch(gate_up)
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
+            num_warps=max(1, block // 256))
+    return out

@@ -16,7 +16,13 @@ from mlaserve.attention.metadata import AttentionMetadata
 from mlaserve.attention.prefill import expanded_prefill
 from mlaserve.config import ModelConfig
 from mlaserve.kernels.moe import fused_experts, select_experts
-from mlaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, write_latent_cache
+from mlaserve.model.layers import (
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    fuse_linears,
+    write_latent_cache,
+)
 
 
 class MLAAttention(nn.Module):
@@ -57,7 +63,11 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=bias)
 
     def process_weights_after_loading(self) -> None:
-        """Split kv_b_proj into the absorbed decode matrices W_UK [H, P, L] and W_UV^T [H, L, V]."""
+        """Stack the two projections of the layer input (q or q_a, and kv_a) into one GEMM; split
+        kv_b_proj into the absorbed decode matrices W_UK [H, P, L] and W_UV^T [H, L, V]."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        self.q_kv_a_split = [first.out_features, self.kv_a_proj_with_mqa.out_features]
+        self.q_kv_a_weight, self.q_kv_a_bias = fuse_linears(first, self.kv_a_proj_with_mqa)
         w = self.kv_b_proj.weight.detach()
         w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()  # [H, P, L]
@@ -70,15 +80,15 @@ class MLAAttention(nn.Module):
         rope: the step's rotary angles (cos, sin) [T, R / 2] from `RotaryEmbedding.angles`.
         """
         num_tokens = hidden.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(hidden)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q, kv = F.linear(hidden, self.q_kv_a_weight, self.q_kv_a_bias).split(
+            self.q_kv_a_split, dim=-1)  # [T, H * (P + R)] (or [T, q_lora_rank]), [T, L + R]
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(num_tokens, self.num_heads, -1)  # [T, H, P + R]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, L + R]
         latent = write_latent_cache(
-            self.kv_a_proj_with_mqa(hidden), self.kv_a_layernorm, self.rotary, rope, kv_flat,
+            kv, self.kv_a_layernorm, self.rotary, rope, kv_flat,
             meta.slot_mapping, keep_rows=bool(meta.prefills))  # [T, L + R] or None
 
         out = hidden.new_empty(num_tokens, self.num_heads, self.v_head_dim)
@@ -119,12 +129,17 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def process_weights_after_loading(self) -> None:
+        """Keep float32 copies of the router weight and bias (the model's dtype may be lower)."""
+        self.weight_fp32 = self.weight.detach().float()  # [E, D]
+        bias = self.e_score_correction_bias
+        self.bias_fp32 = None if bias is None else bias.detach().float()  # [E]
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_weights [T, K] float32, topk_ids [T, K] int64."""
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        bias = self.e_score_correction_bias
-        bias = None if bias is None else bias.float()
+        logits = F.linear(x.float(), self.weight_fp32)  # [T, E]
+        bias = self.bias_fp32
         return select_experts(
             logits, c.num_experts_per_tok, c.scoring_func, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
@@ -219,8 +234,11 @@ class DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def process_weights_after_loading(self) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.process_weights_after_loading()
+        """Derive the run-time forms of the loaded weights: every submodule's
+        `process_weights_after_loading` (fused projections, absorbed matrices, float32 router)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

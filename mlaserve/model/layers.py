@@ -1,11 +1,12 @@
-"""Building blocks: RMSNorm, YaRN rotary embedding, the latent cache write, the SwiGLU MLP.
+"""Building blocks: RMSNorm, YaRN rotary embedding, the latent cache write, the SwiGLU MLP,
+and `fuse_linears`, which stacks projections of one input into one GEMM.
 
-The norms, the rotary embedding and the latent cache write have two implementations: the fused
-Triton kernels of `mlaserve.kernels.fused_norm_rope` (one launch per op, CUDA-graph capturable)
-and the torch code here, which is the CPU path and states the semantics the kernels follow.
-Which one runs is decided in one place, `use_fused_kernels`: the kernels on CUDA tensors, the
-torch code on CPU tensors (tests run the kernels on CPU in Triton's interpreter inside
-`force_fused_kernels()`).
+The norms, the rotary embedding, the latent cache write and SiLU-and-multiply have two
+implementations: the fused Triton kernels of `mlaserve.kernels.fused_norm_rope` (one launch per
+op, CUDA-graph capturable) and the torch code here, which is the CPU path and states the
+semantics the kernels follow. Which one runs is decided in one place, `use_fused_kernels`: the
+kernels on CUDA tensors, the torch code on CPU tensors (tests run the kernels on CPU in Triton's
+interpreter inside `force_fused_kernels()`).
 """
 
 import contextlib
@@ -195,8 +196,47 @@ def write_latent_cache(kv: torch.Tensor, norm: RMSNorm, rotary: RotaryEmbedding,
     return latent if keep_rows else None
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack linears that read the same input into one weight, so one GEMM computes them all.
+
+    Args:
+        linears: with weights [N_i, K] (and optional biases [N_i]).
+
+    Returns:
+        (weight [sum N_i, K], bias [sum N_i] or None when no linear has a bias). Each linear's
+        weight and bias become views into these (no second copy), so parameter names and
+        `state_dict` stay those of the checkpoint; y = F.linear(x, weight, bias) splits into the
+        linears' outputs in order.
+    """
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    bias = None
+    if any(linear.bias is not None for linear in linears):
+        bias = torch.cat([linear.bias.detach() if linear.bias is not None
+                          else weight.new_zeros(linear.out_features) for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = slice(start, start + linear.out_features)
+        linear.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(bias[rows], requires_grad=False)
+        start += linear.out_features
+    return weight, bias
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> silu(gate) * up [T, I] in gate_up's dtype (silu rounded to that
+    dtype before the product, as torch computes `F.silu(gate) * up`)."""
+    if use_fused_kernels(gate_up):
+        return _kernels().silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): the dense FFN and the shared experts."""
+    """down(silu(gate(x)) * up(x)): the dense FFN and the shared experts.
+
+    After loading, gate and up run as one GEMM over their stacked weights (`fuse_linears`).
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -204,5 +244,9 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def process_weights_after_loading(self) -> None:
+        self.gate_up_weight, _ = fuse_linears(self.gate_proj, self.up_proj)  # [2I, D]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """x [T, D] -> [T, D]."""
+        return self.down_proj(silu_and_mul(F.linear(x, self.gate_up_weight)))  # via [T, 2I]

@@ -1,0 +1,186 @@
+"""The expanded-MHA prefill attention of one layer, implementations side by side (GPU).
+
+Usage: python3 scripts/gpu_prefill_attention_bench.py [--heads 16] [--out DIR]
+For each step shape (chunks of new tokens over cached context) it times each implementation's
+whole step for one layer (kv_b expansion included) and checks it against a float32 reference
+that attends with the same inputs: the largest absolute error over the outputs.
+"""
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from mlaserve.attention.metadata import PrefillChunk
+from mlaserve.attention.prefill import expanded_prefill
+
+NOPE, ROPE, V, RANK = 128, 64, 128, 512
+STEPS = {  # name -> [(new tokens, context tokens)] per chunk
+    "8x1024": [(1024, 0)] * 8,
+    "1x8192": [(8192, 0)],
+    "1024+ctx3072": [(1024, 3072)],
+    "4x512+ctx512": [(512, 512)] * 4,
+}
+
+
+def make_step(chunks: list[tuple[int, int]], heads: int, device: torch.device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    total_new = sum(n for n, _ in chunks)
+    total_ctx = sum(c for _, c in chunks)
+    q = torch.randn(total_new, heads, NOPE + ROPE, generator=gen).to(device, torch.bfloat16)
+    latent = torch.randn(total_new, RANK + ROPE, generator=gen).to(device, torch.bfloat16)
+    cache = torch.randn(total_ctx + 64, RANK + ROPE, generator=gen).to(device, torch.bfloat16)
+    kv_b = (torch.randn(heads * (NOPE + V), RANK, generator=gen) / RANK ** 0.5).to(
+        device, torch.bfloat16)
+    metas, start, ctx_start = [], 0, 0
+    for n, c in chunks:
+        slots = torch.arange(ctx_start, ctx_start + c, device=device) if c else None
+        metas.append(PrefillChunk(start, n, c, slots))
+        start, ctx_start = start + n, ctx_start + c
+    return q, latent, cache, kv_b, metas
+
+
+def run_sdpa(q, latent, cache, kv_b, metas, heads, scale):
+    out = q.new_empty(q.shape[0], heads, V)
+    for chunk in metas:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        out[rows] = expanded_prefill(q[rows], latent[rows], cache, chunk, kv_b, heads, NOPE, V,
+                                     RANK, scale)
+    return out
+
+
+def run_flash_padded(q, latent, cache, kv_b, metas, heads, scale):
+    """torch's flash kernel: v zero-padded to the qk head dim, causal aligned bottom-right."""
+    out = q.new_empty(q.shape[0], heads, V)
+    for chunk in metas:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        lat = latent[rows]
+        if chunk.context_len:
+            lat = torch.cat((cache[chunk.context_slots], lat))
+        s = lat.shape[0]
+        kv = F.linear(lat[:, :RANK], kv_b).view(s, heads, NOPE + V)
+        k = torch.empty(s, heads, NOPE + ROPE, dtype=q.dtype, device=q.device)
+        k[..., :NOPE] = kv[..., :NOPE]
+        k[..., NOPE:] = lat[:, None, RANK:]
+        v = F.pad(kv[..., NOPE:], (0, NOPE + ROPE - V))
+        n = chunk.num_tokens
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            if chunk.context_len:
+                o = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                    attn_mask=causal_lower_right(n, s), scale=scale)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                    is_causal=True, scale=scale)
+        out[rows] = o.transpose(0, 1)[..., :V]
+    return out
+
+
+def make_flashinfer(heads: int, device: torch.device):
+    import flashinfer
+
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+
+    def run(q, latent, cache, kv_b, metas, heads_, scale):
+        lats = []
+        qo, kvp = [0], [0]
+        for chunk in metas:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            lat = latent[rows]
+            if chunk.context_len:
+                lat = torch.cat((cache[chunk.context_slots], lat))
+            lats.append(lat)
+            qo.append(qo[-1] + chunk.num_tokens)
+            kvp.append(kvp[-1] + lat.shape[0])
+        lat = torch.cat(lats) if len(lats) > 1 else lats[0]
+        s = lat.shape[0]
+        kv = F.linear(lat[:, :RANK], kv_b).view(s, heads, NOPE + V)
+        k = torch.empty(s, heads, NOPE + ROPE, dtype=q.dtype, device=q.device)
+        k[..., :NOPE] = kv[..., :NOPE]
+        k[..., NOPE:] = lat[:, None, RANK:]
+        v = kv[..., NOPE:]
+        qo_t = torch.tensor(qo, dtype=torch.int32, device=device)
+        kv_t = torch.tensor(kvp, dtype=torch.int32, device=device)
+        wrapper.plan(qo_t, kv_t, heads, heads, NOPE + ROPE, head_dim_vo=V, causal=True,
+                     sm_scale=scale, q_data_type=q.dtype, kv_data_type=q.dtype)
+        return wrapper.run(q, k, v)
+
+    return run
+
+
+def reference(q, latent, cache, kv_b, metas, heads, scale):
+    out = torch.empty(q.shape[0], heads, V, dtype=torch.float32, device=q.device)
+    for chunk in metas:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        lat = latent[rows].float()
+        if chunk.context_len:
+            lat = torch.cat((cache[chunk.context_slots].float(), lat))
+        s, n = lat.shape[0], chunk.num_tokens
+        kv = F.linear(lat[:, :RANK], kv_b.float()).view(s, heads, NOPE + V)
+        k = torch.cat((kv[..., :NOPE], lat[:, None, RANK:].expand(-1, heads, -1)), -1)
+        scores = torch.einsum("nhd,shd->hns", q[rows].float(), k) * scale
+        visible = torch.arange(s, device=q.device)[None] <= (s - n + torch.arange(
+            n, device=q.device))[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[rows] = torch.einsum("hns,shd->nhd", probs, kv[..., NOPE:])
+    return out
+
+
+def time_ms(fn: Callable[[], torch.Tensor], reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / reps * 1e3)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    scale = (NOPE + ROPE) ** -0.5
+    impls = {"sdpa (current)": run_sdpa, "flash, v padded": run_flash_padded}
+    try:
+        impls["flashinfer ragged"] = make_flashinfer(args.heads, device)
+    except Exception as error:  # noqa: BLE001
+        print(f"flashinfer unavailable: {error!r}")
+    lines = [f"{args.heads} heads, qk {NOPE}+{ROPE}, v {V}, bf16; ms per layer-step, max abs err"]
+    for step, chunks in STEPS.items():
+        inputs = make_step(chunks, args.heads, device)
+        ref = reference(*inputs, args.heads, scale)
+        for name, fn in impls.items():
+            try:
+                started = time.perf_counter()
+                out = fn(*inputs, args.heads, scale)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - started
+                err = (out.float() - ref).abs().max().item()
+                ms = time_ms(lambda fn=fn, inputs=inputs: fn(*inputs, args.heads, scale))
+                flops = sum(4 * n * (c + (n + 1) / 2) * args.heads * (NOPE + ROPE + V) / 2
+                            for n, c in chunks)
+                lines.append(f"{step:<14} {name:<20} {ms:8.3f} ms  {flops / ms / 1e9:6.0f} "
+                             f"TFLOP/s  err {err:.2e}  (first call {first:.1f} s)")
+            except Exception as error:  # noqa: BLE001
+                lines.append(f"{step:<14} {name:<20} failed: {error!r}"[:300])
+            print(lines[-1], flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "prefill-attention.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
