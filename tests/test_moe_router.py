@@ -140,6 +140,20 @@ def test_choices_past_the_kept_groups_stay_valid() -> None:
     torch.testing.assert_close(weights[:, :3], expected_weights[:, :3], rtol=RTOL, atol=0)
 
 
+@pytest.mark.parametrize("name", ["v2-lite", "v3"])
+def test_nan_logits_still_give_valid_experts(name: str) -> None:
+    """A NaN logit must not turn into an out-of-range expert id (the expert kernels would read
+    out of bounds): NaN choices rank first, as in torch.topk."""
+    routing = ROUTINGS[name]
+    logits, bias = _inputs(routing, 2, seed=11)
+    logits[0, 5] = float("nan")
+    weights, ids = select_experts_triton(logits, *routing.args(bias))
+    _assert_valid(ids, routing.num_experts)
+    if routing.scoring_func == "sigmoid":  # one NaN score: that expert first, the rest as usual
+        expected_weights, expected_ids = select_experts_torch(logits, *routing.args(bias))
+        assert ids[0, 0] == 5 and torch.equal(ids, expected_ids)
+
+
 def test_select_experts_dispatches_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     routing = ROUTINGS["tiny-v3"]
     logits, bias = _inputs(routing, 3, seed=5)

@@ -73,6 +73,8 @@ def _select_experts_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
         choice = scores + bias
+    # NaN ranks above everything, as in torch.topk (and the min-index picks stay valid lanes)
+    choice = tl.where(choice != choice, float("inf"), choice)
 
     if GROUPED:
         # group scores [G]: the best choice, or with a bias the sum of the two best
