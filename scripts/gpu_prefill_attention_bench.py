@@ -150,14 +150,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--impls", default="sdpa,flash,flashinfer")
     args = parser.parse_args()
+    wanted = args.impls.split(",")
     device = torch.device("cuda")
     scale = (NOPE + ROPE) ** -0.5
-    impls = {"sdpa (current)": run_sdpa, "flash, v padded": run_flash_padded}
-    try:
-        impls["flashinfer ragged"] = make_flashinfer(args.heads, device)
-    except Exception as error:  # noqa: BLE001
-        print(f"flashinfer unavailable: {error!r}")
+    impls = {}
+    if "sdpa" in wanted:
+        impls["sdpa (current)"] = run_sdpa
+    if "flash" in wanted:
+        impls["flash, v padded"] = run_flash_padded
+    if "flashinfer" in wanted:
+        try:
+            impls["flashinfer ragged"] = make_flashinfer(args.heads, device)
+        except Exception as error:  # noqa: BLE001
+            print(f"flashinfer unavailable: {error!r}")
     lines = [f"{args.heads} heads, qk {NOPE}+{ROPE}, v {V}, bf16; ms per layer-step, max abs err"]
     for step, chunks in STEPS.items():
         inputs = make_step(chunks, args.heads, device)
@@ -179,7 +186,7 @@ def main() -> None:
             print(lines[-1], flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "prefill-attention.txt").write_text("\n".join(lines) + "\n")
+        (Path(args.out) / f"prefill-attention-{args.impls}.txt").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
