@@ -82,6 +82,37 @@ def run_flash_padded(q, latent, cache, kv_b, metas, heads, scale):
     return out
 
 
+def run_sdpa_4d(q, latent, cache, kv_b, metas, heads, scale, backend=None, pad_v=False):
+    """SDPA on 4-d [1, H, S, dim] inputs (the fused kernels need a batch dim), causal aligned
+    bottom-right; backend None lets torch choose."""
+    out = q.new_empty(q.shape[0], heads, V)
+    for chunk in metas:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        lat = latent[rows]
+        if chunk.context_len:
+            lat = torch.cat((cache[chunk.context_slots], lat))
+        s = lat.shape[0]
+        kv = F.linear(lat[:, :RANK], kv_b).view(s, heads, NOPE + V)
+        k = torch.empty(s, heads, NOPE + ROPE, dtype=q.dtype, device=q.device)
+        k[..., :NOPE] = kv[..., :NOPE]
+        k[..., NOPE:] = lat[:, None, RANK:]
+        v = kv[..., NOPE:]
+        if pad_v:
+            v = F.pad(v, (0, NOPE + ROPE - V))
+        n = chunk.num_tokens
+        mask = causal_lower_right(n, s) if chunk.context_len else None
+        args = (q[rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        if backend is None:
+            o = F.scaled_dot_product_attention(*args, attn_mask=mask, is_causal=mask is None,
+                                               scale=scale)
+        else:
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(*args, attn_mask=mask,
+                                                   is_causal=mask is None, scale=scale)
+        out[rows] = o[0].transpose(0, 1)[..., :V]
+    return out
+
+
 def make_flashinfer(heads: int, device: torch.device):
     import flashinfer
 
@@ -160,6 +191,14 @@ def main() -> None:
         impls["sdpa (current)"] = run_sdpa
     if "flash" in wanted:
         impls["flash, v padded"] = run_flash_padded
+    if "4d" in wanted:
+        impls["4d auto"] = run_sdpa_4d
+        impls["4d efficient"] = lambda *a: run_sdpa_4d(*a, backend=SDPBackend.EFFICIENT_ATTENTION)
+        impls["4d flash pad v"] = lambda *a: run_sdpa_4d(
+            *a, backend=SDPBackend.FLASH_ATTENTION, pad_v=True)
+        impls["4d cudnn pad v"] = lambda *a: run_sdpa_4d(
+            *a, backend=SDPBackend.CUDNN_ATTENTION, pad_v=True)
+        impls["4d cudnn"] = lambda *a: run_sdpa_4d(*a, backend=SDPBackend.CUDNN_ATTENTION)
     if "flashinfer" in wanted:
         try:
             impls["flashinfer ragged"] = make_flashinfer(args.heads, device)
@@ -186,7 +225,8 @@ def main() -> None:
             print(lines[-1], flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"prefill-attention-{args.impls}.txt").write_text("\n".join(lines) + "\n")
+        name = f"prefill-attention-{args.impls.replace(',', '-')}.txt"
+        (Path(args.out) / name).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

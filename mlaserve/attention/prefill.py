@@ -1,7 +1,14 @@
-"""Expanded-MHA prefill: up-project the latents and run causal attention per prompt chunk."""
+"""Expanded-MHA prefill: up-project the latents and run causal attention per prompt chunk.
+
+Attention is torch's `scaled_dot_product_attention` on 4-d [1, H, S, dim] inputs, which lets
+torch pick a fused kernel (cuDNN, flash or memory-efficient on CUDA, flash on CPU); 3-d inputs
+would send it to the unfused math path (float32 score matrices). A chunk with cached context
+attends bottom-right aligned: query i of n sees keys 0 .. context_len + i.
+"""
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from mlaserve.attention.metadata import PrefillChunk
 
@@ -38,12 +45,8 @@ def expanded_prefill(
     k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
     k_pe = latent[:, None, kv_lora_rank:].expand(-1, num_heads, -1)  # [S, H, R]
     k = torch.cat((k_nope, k_pe), dim=-1)  # [S, H, P + R]
-    context_len = num_keys - n
-    mask = None
-    if context_len:
-        query_pos = context_len + torch.arange(n, device=q.device)
-        mask = torch.arange(num_keys, device=q.device)[None, :] <= query_pos[:, None]  # [n, S]
+    mask = causal_lower_right(n, num_keys) if num_keys > n else None
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [H, n|S, dim]
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # [1, H, *, d]
         attn_mask=mask, is_causal=mask is None, scale=softmax_scale)
-    return out.transpose(0, 1)  # [n, H, V]
+    return out[0].transpose(0, 1)  # [1, H, n, V] -> [n, H, V]
