@@ -30,3 +30,32 @@ def test_grouped_and_loop_match_the_reference():
     for impl in (fused_experts, fused_experts_loop):
         out = impl(x, w13, w2, weights, ids)
         assert (out.double() - ref).abs().max() < 1e-4
+
+
+def test_shared_experts_folded_into_the_stacks_equal_the_shared_mlp():
+    """MoE.process_weights_after_loading appends the shared MLP's column blocks as experts
+    E .. E + S - 1; the layer's output must equal routed experts + shared MLP computed apart."""
+    from mlaserve.config import ModelConfig
+    from mlaserve.model.deepseek import MoE
+    from tests.conftest import BASE
+
+    config = ModelConfig.from_dict({
+        **BASE, "model_type": "deepseek_v3", "n_shared_experts": 2, "topk_method": "noaux_tc",
+        "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5})
+    torch.manual_seed(0)
+    moe = MoE(config)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.copy_(torch.randn(param.shape) / 4)
+    x = torch.randn(9, config.hidden_size)
+    moe.gate.process_weights_after_loading()
+    moe.shared_experts.process_weights_after_loading()  # the unfolded MLP: gate_up fused
+    with torch.no_grad():
+        weights, ids = moe.gate(x)
+        expected = dense_reference(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights,
+                                   ids) + moe.shared_experts(x).double()
+        moe.process_weights_after_loading()
+        assert moe.shared_experts is None and moe.num_shared_experts == 2
+        assert moe.gate_up_stack.shape[0] == config.n_routed_experts + 2
+        out = moe(x)
+    assert (out.double() - expected).abs().max() < 1e-4

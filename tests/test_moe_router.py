@@ -173,3 +173,18 @@ def test_select_experts_dispatches_to_the_kernel(monkeypatch: pytest.MonkeyPatch
     if not ON_GPU:  # CPU tensors outside force_fused_kernels take the torch path
         select_experts(logits, *routing.args(bias))
         assert len(calls) == 1
+
+
+@pytest.mark.parametrize("name,num_shared", [("v2-lite", 2), ("v3", 1), ("tiny-v2-greedy", 3)])
+def test_shared_experts_follow_the_routed_choice(name: str, num_shared: int) -> None:
+    routing = ROUTINGS[name]
+    logits, bias = _inputs(routing, 5, seed=3)
+    routed_weights, routed_ids = select_experts_torch(logits, *routing.args(bias))
+    shared_ids = torch.arange(routing.num_experts, routing.num_experts + num_shared)
+    for select in (select_experts_triton, select_experts_torch):
+        weights, ids = select(logits, *routing.args(bias), num_shared)
+        assert ids.shape == weights.shape == (5, routing.top_k + num_shared)
+        assert torch.equal(ids[:, : routing.top_k], routed_ids)
+        assert torch.equal(ids[:, routing.top_k :].cpu(), shared_ids.expand(5, -1))
+        torch.testing.assert_close(weights[:, : routing.top_k], routed_weights, rtol=RTOL, atol=0)
+        assert torch.equal(weights[:, routing.top_k :].cpu(), torch.ones(5, num_shared))

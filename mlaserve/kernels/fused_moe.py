@@ -463,6 +463,7 @@ def fused_experts_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: FusedMoEConfig | None = None,
+    shared_experts: int = 0,
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's experts e = ids_k.
 
@@ -471,7 +472,8 @@ def fused_experts_triton(
         gate_up_proj: [E, 2I, D] (gate rows then up rows), x's dtype.
         down_proj: [E, D, I], x's dtype.
         topk_weights: [T, K] float32; topk_ids: [T, K] int64, ids in [0, E).
-        config: tiles; `moe_config` when None.
+        config: tiles; `moe_config` when None, chosen from the routed experts' rows (the last
+            `shared_experts` experts, which every token takes, are left out of that choice).
 
     Returns:
         [T, D] in x's dtype. Matmuls accumulate in float32; the activation and each pair's
@@ -489,7 +491,8 @@ def fused_experts_triton(
             f"{tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}, topk_weights "
             f"{topk_weights.dtype} {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}")
     if config is None:
-        config = moe_config(num_tokens * top_k, num_experts, hidden, two_inter // 2, x.dtype)
+        config = moe_config(num_tokens * (top_k - shared_experts), num_experts - shared_experts,
+                            hidden, two_inter // 2, x.dtype)
     alignment = align_by_expert(topk_ids, num_experts, config.block_m)
     act = gate_up_silu(x, gate_up_proj, alignment, top_k, config.gate_up)
     return down_weighted(act, down_proj, topk_weights, alignment, config.down).sum(dim=1)

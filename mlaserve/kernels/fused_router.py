@@ -11,6 +11,8 @@ padded to powers of two with lanes that can never be chosen, and does in registe
    their choice score (torch.topk's order); ties go to the lowest expert index, so the result
    is deterministic. Each chosen expert's weight is its unbiased score.
 4. weights / (sum + 1e-20) if norm_topk_prob (and top_k > 1), times routed_scaling_factor.
+5. with shared experts folded into the expert stacks, their ids E .. E + S - 1 follow the K
+   picks with weight 1.0, so the MoE kernels run them with the routed experts.
 
 The launch is fixed by host-side shapes (no host sync), so it can be captured in a CUDA graph;
 the token count is the grid only, so one compiled kernel serves every batch size. On CPU tensors
@@ -37,8 +39,8 @@ def _prepare_launch(x: torch.Tensor) -> None:
 def _select_experts_kernel(
     logits_ptr,  # [T, E] float32
     bias_ptr,  # [E] e_score_correction_bias (read only if HAS_BIAS)
-    weights_ptr,  # [T, TOP_K] float32 out
-    ids_ptr,  # [T, TOP_K] int64 out
+    weights_ptr,  # [T, TOP_K + NUM_SHARED] float32 out
+    ids_ptr,  # [T, TOP_K + NUM_SHARED] int64 out
     stride_logits,
     routed_scaling_factor,
     NUM_GROUPS: tl.constexpr,  # 1 for greedy routing
@@ -52,6 +54,8 @@ def _select_experts_kernel(
     HAS_BIAS: tl.constexpr,
     GROUPED: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
+    SHARED_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, GROUPS_PAD)  # [G]
@@ -119,8 +123,16 @@ def _select_experts_kernel(
         topk_weights = topk_weights / (tl.sum(topk_weights, axis=0) + 1e-20)
     topk_weights = topk_weights * routed_scaling_factor
     out_mask = slot < TOP_K
-    tl.store(weights_ptr + token * TOP_K + slot, topk_weights, mask=out_mask)
-    tl.store(ids_ptr + token * TOP_K + slot, topk_ids.to(tl.int64), mask=out_mask)
+    row = token * (TOP_K + NUM_SHARED)
+    tl.store(weights_ptr + row + slot, topk_weights, mask=out_mask)
+    tl.store(ids_ptr + row + slot, topk_ids.to(tl.int64), mask=out_mask)
+    if NUM_SHARED > 0:
+        shared = tl.arange(0, SHARED_PAD)
+        shared_mask = shared < NUM_SHARED
+        tl.store(weights_ptr + row + TOP_K + shared, tl.full([SHARED_PAD], 1.0, tl.float32),
+                 mask=shared_mask)
+        tl.store(ids_ptr + row + TOP_K + shared,
+                 (NUM_GROUPS * GROUP_SIZE + shared).to(tl.int64), mask=shared_mask)
 
 
 def select_experts_triton(
@@ -133,6 +145,7 @@ def select_experts_triton(
     routed_scaling_factor: float,
     use_grouped_topk: bool,
     e_score_correction_bias: torch.Tensor | None = None,
+    num_shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose experts per token in one launch; the contract of `moe.select_experts`.
 
@@ -146,10 +159,12 @@ def select_experts_triton(
         routed_scaling_factor: multiplies the weights.
         use_grouped_topk: group-limited routing (else greedy over all E experts).
         e_score_correction_bias: [E] added to the scores for the choice only (V3), or None.
+        num_shared_experts: S always-chosen experts appended after the K picks, with ids
+            E .. E + S - 1 and weight 1.0.
 
     Returns:
-        topk_weights [T, K] float32 and topk_ids [T, K] int64, in descending order of the choice
-        score (ties: lowest expert index first).
+        topk_weights [T, K + S] float32 and topk_ids [T, K + S] int64: the K picks in descending
+        order of the choice score (ties: lowest expert index first), then the S shared experts.
     """
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError(f"router_logits: expected [T, E] with unit column stride, got shape "
@@ -175,8 +190,9 @@ def select_experts_triton(
             raise ValueError("groups of one expert have no two best scores")
 
     device = router_logits.device
-    topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    topk_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
+    width = top_k + num_shared_experts
+    topk_weights = torch.empty(num_tokens, width, dtype=torch.float32, device=device)
+    topk_ids = torch.empty(num_tokens, width, dtype=torch.int64, device=device)
     if num_tokens == 0:
         return topk_weights, topk_ids
     _prepare_launch(router_logits)
@@ -190,6 +206,7 @@ def select_experts_triton(
         GROUP_SIZE_PAD=group_size_pad, TOPK_GROUP=topk_group if grouped else 1, TOP_K=top_k,
         TOP_K_PAD=triton.next_power_of_2(top_k), SOFTMAX=scoring_func == "softmax",
         HAS_BIAS=e_score_correction_bias is not None, GROUPED=grouped,
-        NORMALIZE=norm_topk_prob and top_k > 1,
+        NORMALIZE=norm_topk_prob and top_k > 1, NUM_SHARED=num_shared_experts,
+        SHARED_PAD=triton.next_power_of_2(max(num_shared_experts, 1)),
         num_warps=1 if groups_pad * group_size_pad <= 256 else 4)
     return topk_weights, topk_ids

@@ -29,16 +29,19 @@ def select_experts(
     routed_scaling_factor: float,
     use_grouped_topk: bool,
     e_score_correction_bias: torch.Tensor | None = None,
+    num_shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose experts per token.
 
     Args:
         router_logits: [T, E] float32.
         use_grouped_topk: restrict the choice to the best `topk_group` groups.
+        num_shared_experts: S shared experts folded into the expert stacks after the E routed
+            ones: every token also takes experts E .. E + S - 1, with weight 1.0.
 
     Returns:
-        topk_weights [T, top_k] float32 and topk_ids [T, top_k] int64, in descending order of
-        the choice score.
+        topk_weights [T, top_k + S] float32 and topk_ids [T, top_k + S] int64: the routed picks
+        in descending order of the choice score, then the shared experts.
     """
     # imported here: kernels/ imports nothing else from mlaserve at import time
     from mlaserve.model.layers import use_fused_kernels
@@ -50,7 +53,8 @@ def select_experts(
     else:
         select = select_experts_torch
     return select(router_logits, top_k, scoring_func, n_group, topk_group, norm_topk_prob,
-                  routed_scaling_factor, use_grouped_topk, e_score_correction_bias)
+                  routed_scaling_factor, use_grouped_topk, e_score_correction_bias,
+                  num_shared_experts)
 
 
 def select_experts_torch(
@@ -63,6 +67,7 @@ def select_experts_torch(
     routed_scaling_factor: float,
     use_grouped_topk: bool,
     e_score_correction_bias: torch.Tensor | None = None,
+    num_shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_experts` in torch ops (about eight launches): the CPU path and the semantics."""
     num_tokens, num_experts = router_logits.shape
@@ -87,7 +92,13 @@ def select_experts_torch(
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob and top_k > 1:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_weights * routed_scaling_factor, topk_ids
+    topk_weights = topk_weights * routed_scaling_factor
+    if num_shared_experts:
+        shared = torch.arange(num_experts, num_experts + num_shared_experts,
+                              device=topk_ids.device).expand(num_tokens, -1)  # [T, S]
+        topk_ids = torch.cat((topk_ids, shared), dim=1)
+        topk_weights = torch.cat((topk_weights, torch.ones_like(shared, dtype=torch.float32)), 1)
+    return topk_weights, topk_ids
 
 
 def _sort_by_expert(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,6 +127,7 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     impl: str = "auto",
+    shared_experts: int = 0,
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e = ids_k.
 
@@ -127,6 +139,8 @@ def fused_experts(
         impl: "triton" (`fused_moe.fused_experts_triton`), "grouped" (two `torch._grouped_mm`
             calls; CPU, or bf16 on CUDA), "loop" (`fused_experts_loop`, one host sync), or
             "auto": Triton on CUDA when it is installed, else grouped where it runs, else loop.
+        shared_experts: how many of the stacks' last experts every token takes (shared experts
+            folded in; the last columns of topk_ids). Only the Triton tile choice reads it.
 
     Returns:
         [T, D] in x's dtype.
@@ -139,7 +153,8 @@ def fused_experts(
     if impl == "triton":
         from mlaserve.kernels.fused_moe import fused_experts_triton  # imports triton
 
-        return fused_experts_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+        return fused_experts_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids,
+                                    shared_experts=shared_experts)
     if impl == "grouped":
         return fused_experts_grouped(x, gate_up_proj, down_proj, topk_weights, topk_ids)
     if impl == "loop":

@@ -135,15 +135,18 @@ class Router(nn.Module):
         bias = self.e_score_correction_bias
         self.bias_fp32 = None if bias is None else bias.detach().float()  # [E]
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> topk_weights [T, K] float32, topk_ids [T, K] int64."""
+    def forward(self, x: torch.Tensor, num_shared_experts: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> topk_weights [T, K + S] float32, topk_ids [T, K + S] int64 (the routed
+        choice, then the S shared experts folded in after the routed ones)."""
         c = self.config
         logits = F.linear(x.float(), self.weight_fp32)  # [T, E]
         bias = self.bias_fp32
         return select_experts(
             logits, c.num_experts_per_tok, c.scoring_func, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
-            use_grouped_topk=c.topk_method != "greedy", e_score_correction_bias=bias)
+            use_grouped_topk=c.topk_method != "greedy", e_score_correction_bias=bias,
+            num_shared_experts=num_shared_experts)
 
 
 class RoutedExperts(nn.Module):
@@ -157,7 +160,14 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts plus always-on shared experts."""
+    """Routed experts plus always-on shared experts, run as one fused MoE.
+
+    The checkpoint stores the S = n_shared_experts shared experts as one SwiGLU MLP of S * I
+    columns. After loading they are cut into S experts of I columns each and appended to the
+    routed stacks as experts E .. E + S - 1, which the router gives every token with weight 1.0:
+    the shared MLP is the sum of its column blocks' SwiGLUs, so one fused MoE computes routed
+    and shared experts together, and the sum over the K + S experts is the layer's output.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -167,14 +177,36 @@ class MoE(nn.Module):
         if config.n_shared_experts:
             self.shared_experts = GatedMLP(
                 config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self.num_shared_experts = 0  # folded into the stacks after loading
+
+    def process_weights_after_loading(self) -> None:
+        """Stack [routed | shared] experts: gate_up [E + S, 2I, D], down [E + S, D, I]. The
+        routed parameters become views of the stacks; the shared MLP module is dropped."""
+        experts, shared = self.experts, self.shared_experts
+        if shared is None:
+            if not self.num_shared_experts:  # no shared experts: the stacks are the parameters
+                self.gate_up_stack = experts.gate_up_proj.detach()
+                self.down_stack = experts.down_proj.detach()
+            return
+        num_routed, two_inter, hidden = experts.gate_up_proj.shape
+        num_shared, inter = self.gate.config.n_shared_experts, two_inter // 2
+        gate = shared.gate_proj.weight.detach().view(num_shared, inter, hidden)  # [S*I, D] ->
+        up = shared.up_proj.weight.detach().view(num_shared, inter, hidden)  # [S, I, D]
+        down = shared.down_proj.weight.detach().view(hidden, num_shared, inter).transpose(
+            0, 1)  # [D, S * I] -> [S, D, I]
+        self.gate_up_stack = torch.cat(
+            (experts.gate_up_proj.detach(), torch.cat((gate, up), dim=1)))  # [E + S, 2I, D]
+        self.down_stack = torch.cat((experts.down_proj.detach(), down))  # [E + S, D, I]
+        experts.gate_up_proj = nn.Parameter(self.gate_up_stack[:num_routed], requires_grad=False)
+        experts.down_proj = nn.Parameter(self.down_stack[:num_routed], requires_grad=False)
+        self.shared_experts = None
+        self.num_shared_experts = num_shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
-        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                  topk_weights, topk_ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        """x [T, D] -> [T, D]."""
+        topk_weights, topk_ids = self.gate(x, self.num_shared_experts)  # [T, K + S]
+        return fused_experts(x, self.gate_up_stack, self.down_stack, topk_weights, topk_ids,
+                             shared_experts=self.num_shared_experts)
 
 
 class DecoderLayer(nn.Module):
