@@ -119,6 +119,7 @@ def test_alignment_of_a_hand_made_routing():
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m", [
     (1, 64, 6, 16),  # fewer pairs than experts: the bound counts T * K runs, not E
+    (40, 12, 3, 4),  # 120 pairs fit one chunk: the one-program kernel; 54 M-blocks
     (1500, 8, 2, 64),  # 3000 pairs: three chunks of 1024
     (600, 256, 8, 16),  # 75 chunks of 64, more than one tile of chunks and of M-blocks
 ])

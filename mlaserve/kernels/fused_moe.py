@@ -219,6 +219,49 @@ def _scatter_kernel(
     tl.store(sorted_ids_ptr + rows, pairs, mask=valid)
 
 
+@triton.jit(do_not_specialize=["num_pairs", "max_padded", "num_m_blocks"])
+def _align_one_program_kernel(
+    topk_ids_ptr,  # [T * K] int64
+    sorted_ids_ptr,  # [max_padded] int32, out
+    expert_ids_ptr,  # [num_m_blocks] int32, out
+    num_padded_ptr,  # [1] int32, out
+    num_pairs,
+    num_experts,
+    max_padded,
+    num_m_blocks,
+    BLOCK_M: tl.constexpr,
+    PAIRS: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    FILL_TILE: tl.constexpr,
+    M_BLOCK_TILE: tl.constexpr,
+):
+    """The three alignment kernels in one program, for at most PAIRS pairs (decode steps):
+    count per expert, pad the runs, fill sorted_ids with the sentinel, place each pair at its
+    run's start plus its rank within the expert, and give each M-block its expert."""
+    pairs = tl.arange(0, PAIRS)
+    valid = pairs < num_pairs
+    ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1).to(tl.int32)
+    experts = tl.arange(0, EXPERTS)
+    hits = (ids[:, None] == experts[None, :]).to(tl.int32)  # [PAIRS, EXPERTS]
+    counts = tl.sum(hits, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [EXPERTS] end row of each expert's run
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    sentinel = tl.zeros([FILL_TILE], dtype=tl.int32) + num_pairs
+    for start in range(0, max_padded, FILL_TILE):
+        rows = start + tl.arange(0, FILL_TILE)
+        tl.store(sorted_ids_ptr + rows, sentinel, mask=rows < max_padded)
+    tl.debug_barrier()  # the sentinel stores land before the pairs overwrite some of them
+    rows = tl.sum(hits * ((ends - padded)[None, :] + tl.cumsum(hits, axis=0) - 1), axis=1)
+    tl.store(sorted_ids_ptr + rows, pairs, mask=valid)
+    for start in range(0, num_m_blocks, M_BLOCK_TILE):  # as in `_offsets_kernel`
+        blocks = start + tl.arange(0, M_BLOCK_TILE)
+        ended = (ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32)  # [TILE, EXPERTS]
+        owner = tl.sum(ended, axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.where(owner < num_experts, owner, -1),
+                 mask=blocks < num_m_blocks)
+
+
 def _loop_tile(num_rows: int, experts: int) -> int:
     """Rows of a [rows, EXPERTS] tile that the offsets kernel loops over: 32 for up to 32 rows
     (decode), else about 16K elements; two sizes, so two compiled variants at most."""
@@ -233,7 +276,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
         topk_ids: [T, K] int64 (any integer dtype), every id in [0, num_experts).
 
     Returns:
-        The `ExpertAlignment`; three launches, no host sync.
+        The `ExpertAlignment`; no host sync. One launch when the pairs fit one chunk (decode
+        steps), else three (count per chunk, offsets, scatter).
     """
     num_pairs = topk_ids.numel()
     device = topk_ids.device
@@ -249,8 +293,14 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_m_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    chunk_counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
     _prepare_launch(topk_ids)
+    if num_chunks == 1:
+        _align_one_program_kernel[(1,)](
+            flat_ids, sorted_ids, expert_ids, num_padded, num_pairs, num_experts, max_padded,
+            num_m_blocks, BLOCK_M=block_m, PAIRS=chunk, EXPERTS=experts, FILL_TILE=1024,
+            M_BLOCK_TILE=block_tile, num_warps=4)
+        return ExpertAlignment(sorted_ids, expert_ids, num_padded, block_m)
+    chunk_counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
     _count_kernel[(num_chunks,)](
         flat_ids, chunk_counts, sorted_ids, num_pairs, max_padded,
         triton.cdiv(max_padded, num_chunks), CHUNK=chunk, EXPERTS=experts, FILL_TILE=1024,
