@@ -129,6 +129,22 @@ class ModelConfig:
         return bool(self.n_routed_experts) and layer_idx >= self.first_k_dense_replace and (
             layer_idx % self.moe_layer_freq == 0)
 
+    def check_tensor_parallel_size(self, size: int) -> None:
+        """A ValueError unless `size` divides every dimension tensor parallelism splits: the
+        attention heads, the vocabulary, the dense and the expert intermediate sizes."""
+        split = {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size}
+        layers = range(self.num_hidden_layers)
+        if not all(self.is_moe_layer(i) for i in layers):
+            split["intermediate_size"] = self.intermediate_size
+        if any(self.is_moe_layer(i) for i in layers):
+            split["moe_intermediate_size"] = self.moe_intermediate_size
+        bad = [f"{name}={value}" for name, value in split.items() if size < 1 or value % size]
+        if bad:
+            common = math.gcd(*split.values())
+            sizes = [n for n in range(1, common + 1) if common % n == 0]
+            raise ValueError(f"tensor_parallel_size {size} does not divide {', '.join(bad)}; "
+                             f"sizes that divide them all: {', '.join(map(str, sizes))}")
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path,
                         overrides: dict[str, Any] | None = None) -> "ModelConfig":

@@ -4,6 +4,15 @@ Parameter names equal the Hugging Face checkpoint names (`model.layers.N.self_at
 ...), except the routed experts, which live stacked in `mlp.experts.gate_up_proj [E, 2I, D]` and
 `mlp.experts.down_proj [E, D, I]` (the loader maps per-expert tensors into them).
 
+Tensor parallelism (`mlaserve.distributed`, size N; the model is built after the group is set):
+each rank holds H / N attention heads (q or q_b, kv_b and o projections split by head; q_a,
+kv_a, their norms and the latent cache replicated, so attention backends see H / N heads over
+the full latent), I / N columns of the dense MLP and of every routed and shared expert, and
+V / N rows of the embedding and LM head. The router is replicated. Per layer, o_proj and the
+MLP (or MoE) each all-reduce their [T, D] output once; the embedding all-reduces once and
+`compute_logits` all-gathers the vocabulary. Every rank runs the same forward on the same
+inputs. At N = 1 no collective runs and the model computes as a single process always did.
+
 The small ops between the GEMMs (norms with the residual adds, rope, the latent cache write) are
 the building blocks of `mlaserve.model.layers`: fused Triton kernels on CUDA, torch on CPU.
 """
@@ -15,6 +24,7 @@ from torch import nn
 from mlaserve.attention.metadata import AttentionMetadata
 from mlaserve.attention.prefill import expanded_prefill
 from mlaserve.config import ModelConfig
+from mlaserve.distributed import get_tp_group
 from mlaserve.kernels.moe import fused_experts, select_experts
 from mlaserve.model.layers import (
     GatedMLP,
@@ -22,6 +32,14 @@ from mlaserve.model.layers import (
     RotaryEmbedding,
     fuse_linears,
     write_latent_cache,
+)
+from mlaserve.model.parallel_linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    divide,
 )
 
 
@@ -35,11 +53,16 @@ class MLAAttention(nn.Module):
     (o = o_latent W_UV^T), so attention runs over the latent rows directly. The absorbed query
     [q_latent | rope(q_pe)] is assembled in place: the bmm and the rope write its two column
     ranges, and the output bmm writes straight into the per-head output.
+
+    H below is this rank's heads, num_attention_heads / tensor-parallel size: the per-head
+    projections hold only those heads' rows (o_proj their columns, all-reduced), while
+    [c_kv | k_pe] is computed in full on every rank, and so is the latent cache.
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        self.num_heads = divide(config.num_attention_heads, get_tp_group().size,
+                                "num_attention_heads")
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
@@ -47,29 +70,33 @@ class MLAAttention(nn.Module):
         self.softmax_scale = config.softmax_scale
         self.rotary = rotary
         bias = config.attention_bias
-        q_out = self.num_heads * config.qk_head_dim
+        all_heads = config.num_attention_heads  # the parallel layers take full sizes
+        q_out = all_heads * config.qk_head_dim
         self.q_lora_rank = config.q_lora_rank
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(config.hidden_size, q_out, bias=False)
+            self.q_proj = ColumnParallelLinear(config.hidden_size, q_out)
         else:
             self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, q_out)
         self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_cache_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
-            config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
-            bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(
+            config.kv_lora_rank, all_heads * (self.qk_nope_head_dim + self.v_head_dim))
+        self.o_proj = RowParallelLinear(all_heads * self.v_head_dim, config.hidden_size,
+                                        bias=bias)
 
     def process_weights_after_loading(self) -> None:
-        """Stack the two projections of the layer input (q or q_a, and kv_a) into one GEMM; split
-        kv_b_proj into the absorbed decode matrices W_UK [H, P, L] and W_UV^T [H, L, V]."""
+        """Stack the two projections of the layer input (q or q_a, and kv_a) into one GEMM
+        (under tensor parallelism [this rank's q rows | all kv_a rows]); split kv_b_proj into
+        the absorbed decode matrices W_UK [H, P, L] and W_UV^T [H, L, V] of this rank's
+        heads."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         self.q_kv_a_split = [first.out_features, self.kv_a_proj_with_mqa.out_features]
         self.q_kv_a_weight, self.q_kv_a_bias = fuse_linears(first, self.kv_a_proj_with_mqa)
         w = self.kv_b_proj.weight.detach()
-        w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim,
+                   self.kv_lora_rank)  # [H * (P + V), L] -> [H, P + V, L]
         self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()  # [H, P, L]
         self.w_uv_t = w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [H, L, V]
 
@@ -150,13 +177,17 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """Stacked SwiGLU experts."""
+    """Stacked SwiGLU experts: gate_up_proj [E, 2I, D] (gate rows then up rows), down_proj
+    [E, D, I], with I = moe_intermediate_size / tensor-parallel size: every rank holds all E
+    experts, each with this rank's I columns (gate and up rows, down columns)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        e, i, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        e, d = config.n_routed_experts, config.hidden_size
+        i = divide(config.moe_intermediate_size, get_tp_group().size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.tp_shards = {"gate_up_proj": ShardSpec(1, pieces=2), "down_proj": ShardSpec(2)}
 
 
 class MoE(nn.Module):
@@ -167,16 +198,23 @@ class MoE(nn.Module):
     routed stacks as experts E .. E + S - 1, which the router gives every token with weight 1.0:
     the shared MLP is the sum of its column blocks' SwiGLUs, so one fused MoE computes routed
     and shared experts together, and the sum over the K + S experts is the layer's output.
+
+    Under tensor parallelism (size N) I is this rank's moe_intermediate_size / N columns of
+    every expert, and the shared MLP's local S * I columns (a consecutive 1/N of its S * I * N)
+    are cut into S blocks of I alike: any partition of the columns sums to the same MLP. The
+    fused MoE's output is this rank's partial sum, all-reduced once.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.tp = get_tp_group()
         self.gate = Router(config)
         self.experts = RoutedExperts(config)
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = GatedMLP(
-                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                reduce_results=False)
         self.num_shared_experts = 0  # folded into the stacks after loading
 
     def process_weights_after_loading(self) -> None:
@@ -191,7 +229,7 @@ class MoE(nn.Module):
         num_routed, two_inter, hidden = experts.gate_up_proj.shape
         num_shared, inter = self.gate.config.n_shared_experts, two_inter // 2
         gate = shared.gate_proj.weight.detach().view(num_shared, inter, hidden)  # [S*I, D] ->
-        up = shared.up_proj.weight.detach().view(num_shared, inter, hidden)  # [S, I, D]
+        up = shared.up_proj.weight.detach().view(num_shared, inter, hidden)  # [S, I, D], local I
         down = shared.down_proj.weight.detach().view(hidden, num_shared, inter).transpose(
             0, 1)  # [D, S * I] -> [S, D, I]
         self.gate_up_stack = torch.cat(
@@ -205,8 +243,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         topk_weights, topk_ids = self.gate(x, self.num_shared_experts)  # [T, K + S]
-        return fused_experts(x, self.gate_up_stack, self.down_stack, topk_weights, topk_ids,
-                             shared_experts=self.num_shared_experts)
+        out = fused_experts(x, self.gate_up_stack, self.down_stack, topk_weights, topk_ids,
+                            shared_experts=self.num_shared_experts)
+        return self.tp.all_reduce(out)  # this rank's I columns of each expert: a partial sum
 
 
 class DecoderLayer(nn.Module):
@@ -246,7 +285,7 @@ class DecoderLayer(nn.Module):
 class DeepseekBody(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, max_positions, config.rope_theta,
                                       config.rope_scaling, config.rope_interleave)
         self.layers = nn.ModuleList(
@@ -255,13 +294,18 @@ class DeepseekBody(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    """The whole model; `forward` gives final hidden states, `compute_logits` the vocabulary."""
+    """The whole model; `forward` gives final hidden states, `compute_logits` the vocabulary.
+
+    Built for the current tensor-parallel group (`mlaserve.distributed.get_tp_group()`, kept as
+    `tp`): this rank's shard of every split weight.
+    """
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
+        self.tp = get_tp_group()
         self.model = DeepseekBody(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -282,5 +326,5 @@ class DeepseekForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> logits [N, V] float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, D] -> logits [N, V] float32, the full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden).float()

@@ -1,5 +1,6 @@
-"""Building blocks: RMSNorm, YaRN rotary embedding, the latent cache write, the SwiGLU MLP,
-and `fuse_linears`, which stacks projections of one input into one GEMM.
+"""Building blocks: RMSNorm, YaRN rotary embedding, the latent cache write, the SwiGLU MLP
+(tensor-parallel: `mlaserve.model.parallel_linear`), and `fuse_linears`, which stacks
+projections of one input into one GEMM.
 
 The norms, the rotary embedding, the latent cache write and SiLU-and-multiply have two
 implementations: the fused Triton kernels of `mlaserve.kernels.fused_norm_rope` (one launch per
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config import YarnScaling
+from mlaserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 _fused_on_cpu = False
 
@@ -235,18 +237,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)): the dense FFN and the shared experts.
 
-    After loading, gate and up run as one GEMM over their stacked weights (`fuse_linears`).
+    Under tensor parallelism each rank holds I / size of the intermediate columns (gate and up
+    column-parallel, down row-parallel): the SwiGLU is per column, so a rank's down projection
+    is a partial sum of the output, all-reduced by down_proj (or by the caller when
+    reduce_results is False). After loading, gate and up run as one GEMM over their stacked
+    local weights (`fuse_linears`).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 reduce_results: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size,
+                                           reduce_results=reduce_results)
 
     def process_weights_after_loading(self) -> None:
-        self.gate_up_weight, _ = fuse_linears(self.gate_proj, self.up_proj)  # [2I, D]
+        self.gate_up_weight, _ = fuse_linears(self.gate_proj, self.up_proj)  # [2I / size, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
-        return self.down_proj(silu_and_mul(F.linear(x, self.gate_up_weight)))  # via [T, 2I]
+        return self.down_proj(silu_and_mul(F.linear(x, self.gate_up_weight)))  # via [T, 2I/size]

@@ -4,6 +4,13 @@ Checkpoint tensors are streamed one at a time (a progress bar counts them). Ever
 unexpected or wrongly shaped tensor is collected and reported in one error. Multi-token-prediction
 layers (index >= num_hidden_layers) are skipped on purpose. FP8 block-quantized checkpoints
 (`weight_scale_inv`) are refused with a clear message.
+
+Under tensor parallelism (the model built for a group of size N > 1) each rank reads only its
+shard of every split tensor (`ShardSpec` of the parameter, through safetensors `get_slice`), so
+no rank reads or holds the whole checkpoint; shapes are checked against the full tensor. Dummy
+weights are drawn in full, one tensor at a time, and cut to the rank's shard, so they equal the
+shards of the N = 1 dummy weights of the same seed (at the cost of one full tensor of transient
+memory per rank while drawing).
 """
 
 import json
@@ -15,8 +22,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from mlaserve.config import ModelConfig
+from mlaserve.distributed import get_tp_group
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.layers import RMSNorm, RotaryEmbedding
+from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\."
@@ -59,19 +68,25 @@ def _expected_tensors(model: DeepseekForCausalLM) -> dict[str, tuple[str, int | 
     return expected
 
 
-def _target(param: torch.Tensor, expert: int | None, part: str) -> torch.Tensor:
+def _target(param: torch.Tensor, spec: ShardSpec | None, expert: int | None,
+            part: str) -> tuple[torch.Tensor, ShardSpec | None]:
+    """The part of `param` one checkpoint tensor fills, and how that tensor is sharded."""
     if expert is None:
-        return param
+        return param, spec
+    if spec is not None:  # an expert's [I, D] gate / up or [D, I] down: one piece, one dim less
+        spec = ShardSpec(spec.dim - 1)
     if part == "down_proj":
-        return param[expert]
+        return param[expert], spec
     half = param.shape[1] // 2
-    return param[expert, :half] if part == "gate_proj" else param[expert, half:]
+    return (param[expert, :half] if part == "gate_proj" else param[expert, half:]), spec
 
 
 def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into its parameter; one ValueError lists all problems."""
-    config = model.config
+    """Copy every checkpoint tensor (this rank's shard of it) into its parameter; one
+    ValueError lists all problems."""
+    config, tp = model.config, model.tp
     params = dict(model.named_parameters())
+    shards = tensor_parallel_shards(model) if tp.size > 1 else {}
     expected = _expected_tensors(model)
     pending = set(expected)
     unexpected: list[str] = []
@@ -97,21 +112,28 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                     ".mlp.experts.down_proj")
                 if fused and key in params:
                     targets = [n for n, (p, _, _) in expected.items() if p == key]
-                    target = params[key]
+                    target, spec = params[key], shards.get(key)
                 elif key in expected:
                     targets = [key]
-                    target = _target(params[expected[key][0]], *expected[key][1:])
+                    name, expert, part = expected[key]
+                    target, spec = _target(params[name], shards.get(name), expert, part)
                 else:
                     unexpected.append(key)
                     continue
-                tensor = handle.get_tensor(key)
-                if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                source = handle.get_slice(key)
+                if source.get_dtype().startswith("F8"):
                     raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
-                if tuple(tensor.shape) != tuple(target.shape):
-                    wrong_shape.append(f"{key}: checkpoint {tuple(tensor.shape)}, "
-                                       f"model {tuple(target.shape)}")
+                shape = tuple(source.get_shape())
+                full_shape = tuple(target.shape) if spec is None else spec.full_shape(
+                    target.shape, tp.size)
+                if shape != full_shape:
+                    wrong_shape.append(f"{key}: checkpoint {shape}, model {full_shape}")
                     pending.difference_update(targets)  # reported once, as wrong shape
                     continue
+                if spec is None:
+                    tensor = handle.get_tensor(key)
+                else:  # reads this rank's rows / columns only
+                    tensor = spec.take(source, shape, tp.rank, tp.size)
                 with torch.no_grad():
                     target.copy_(tensor)
                 pending.difference_update(targets)
@@ -134,7 +156,11 @@ def _listing(names, limit: int = 20) -> str:
 
 
 def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
-    """Random weights from the config alone: small uniform values, norms at one."""
+    """Random weights from the config alone: small uniform values, norms at one. A split
+    parameter gets its shard of the full tensor drawn with the same generator state, so every
+    tensor-parallel size yields shards of the same model."""
+    tp = model.tp
+    shards = tensor_parallel_shards(model) if tp.size > 1 else {}
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
@@ -146,15 +172,26 @@ def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
             if name.endswith("e_score_correction_bias"):
                 param.zero_()
                 continue
-            param.uniform_(-0.02, 0.02, generator=generator)
+            spec = shards.get(name)
+            if spec is None:
+                param.uniform_(-0.02, 0.02, generator=generator)
+                continue
+            full_shape = spec.full_shape(param.shape, tp.size)
+            full = param.new_empty(full_shape).uniform_(-0.02, 0.02, generator=generator)
+            param.copy_(spec.take(full, full_shape, tp.rank, tp.size))
 
 
 def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.device,
                 dtype: torch.dtype, load_format: str, max_positions: int,
                 seed: int = 0) -> DeepseekForCausalLM:
-    """Allocate the model directly on `device` in `dtype`, then load or randomise its weights."""
+    """Allocate the model directly on `device` in `dtype`, then load or randomise its weights.
+
+    Under tensor parallelism (`mlaserve.distributed.init_tensor_parallel` called before) the
+    model is this rank's shard; every rank of the group calls this with the same arguments.
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format '{load_format}'; use one of {LOAD_FORMATS}")
+    config.check_tensor_parallel_size(get_tp_group().size)
     if load_format != "dummy" and config.quant_method == "fp8":
         raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
     with torch.device("meta"):
