@@ -40,6 +40,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--max-seq-len-to-capture", type=int, default=8192,
                         help="longest sequence a decode CUDA graph covers; longer run eagerly")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model across this many processes (GPUs on CUDA: rank "
+                             "r uses the r-th from --device's), one host")
 
 
 def _bytes(text: str) -> int:
@@ -67,31 +70,38 @@ def engine_args_from(args: argparse.Namespace):
         max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, hf_overrides=args.hf_overrides,
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
-        max_seq_len_to_capture=args.max_seq_len_to_capture)
+        max_seq_len_to_capture=args.max_seq_len_to_capture,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from mlaserve.engine.args import check_tensor_parallel
     from mlaserve.engine.engine import LLMEngine
     from mlaserve.engine.request import SamplingParams
 
-    engine = LLMEngine(engine_args_from(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.sample_seed)
-    engine.add_request(args.prompt, params)
-    final = None
-    while engine.has_unfinished:
-        for output in engine.step():
-            final = output
+    engine_args = engine_args_from(args)
+    check_tensor_parallel(engine_args)
+    engine = LLMEngine(engine_args)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.sample_seed)
+        engine.add_request(args.prompt, params)
+        final = None
+        while engine.has_unfinished:
+            for output in engine.step():
+                final = output
+    finally:
+        engine.shutdown()
     print(final.text)
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from mlaserve.engine.args import check_tensor_parallel
     from mlaserve.server.api import ServerOptions, build_server, create_app
 
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is "
-                         "supported in this version")
+    engine_args = engine_args_from(args)
+    check_tensor_parallel(engine_args)  # before the engine process is spawned
     options = ServerOptions(
         max_request_body_size=args.max_request_body_size,
         max_waiting_requests=args.max_waiting_requests,
@@ -100,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         stream_send_timeout_s=args.stream_send_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-    app = create_app(engine_args_from(args), args.served_model_name, args.api_key, options)
+    app = create_app(engine_args, args.served_model_name, args.api_key, options)
     server = build_server(app, host=args.host, port=args.port,
                           log_level=args.log_level.lower(),
                           timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
@@ -144,7 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None)
-    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     serve.add_argument("--max-request-body-size", type=_bytes, default=None,
                        help="largest request body, e.g. 16MiB; larger ones get 413 (default: "
                             "4 MiB + 192 bytes per token of max_model_len)")

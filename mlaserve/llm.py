@@ -13,6 +13,10 @@ Prompt = str | list[int]
 class LLM:
     """Load a DeepSeek MLA model (an HF directory, or None for the built-in demo model).
 
+    tensor_parallel_size N > 1 splits the model across N processes: this one (rank 0, which
+    schedules and samples) and N - 1 workers it spawns (see engine/worker.py); on CUDA rank r
+    uses the r-th GPU. A failed or dead worker raises TensorParallelError from `generate`.
+
     Example:
         >>> llm = LLM()
         >>> llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))[0].text
@@ -21,7 +25,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  attention_backend: str = "auto", block_size: int = 64, max_num_seqs: int = 256,
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
-                 load_format: str = "auto", seed: int = 0, **kwargs) -> None:
+                 load_format: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
+                 **kwargs) -> None:
         known = {f.name for f in fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -29,8 +34,15 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
             block_size=block_size, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
-            max_model_len=max_model_len, load_format=load_format, seed=seed, **kwargs))
+            max_model_len=max_model_len, load_format=load_format, seed=seed,
+            tensor_parallel_size=tensor_parallel_size, **kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (tensor_parallel_size > 1) and leave their process
+        groups, so that another tensor-parallel LLM can start in this process. Workers also
+        exit when this process does."""
+        self.engine.shutdown()
 
     @staticmethod
     def _normalise(prompts: Prompt | list[Prompt]) -> list[Prompt]:

@@ -69,3 +69,12 @@ def test_public_names_load_on_first_use():
     assert set(mlaserve.__all__) <= set(dir(mlaserve))
     with pytest.raises(AttributeError, match="no_such_name"):
         mlaserve.no_such_name  # noqa: B018
+
+
+def test_a_tensor_parallel_size_that_cannot_run_is_refused_before_any_spawn():
+    # serve checks before it starts the engine process (generate calls the same check)
+    result = run("serve", "--port", "0", "--device", "cpu", "--tensor-parallel-size", "3")
+    assert result.returncode == 2, result.stderr
+    assert "tensor_parallel_size 3 does not divide num_attention_heads=4" in result.stderr
+    assert "sizes that divide them all: 1, 2, 4" in result.stderr
+    assert "Uvicorn" not in result.stderr and "engine" not in result.stderr

@@ -53,6 +53,16 @@ class TensorParallelGroup:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite x on every rank with group rank `src`'s x, in place; returns x.
+
+        Args:
+            x: any shape and dtype, the same on every rank (the values of rank `src` count).
+        """
+        if self.size > 1:
+            dist.broadcast(x, group_src=src, group=self.group)
+        return x
+
 
 _DEFAULT = TensorParallelGroup()
 _tp_group = _DEFAULT

@@ -36,6 +36,12 @@ class EngineArgs:
     tokenizer: str | None = None
     enforce_eager: bool = False  # no decode CUDA graphs
     max_seq_len_to_capture: int = 8192
+    tensor_parallel_size: int = 1  # ranks the model is split across (one process each)
+
+
+def model_dir_of(args: EngineArgs) -> Path:
+    """The model directory: the one given, else the built-in demo model."""
+    return Path(args.model) if args.model else DEMO_MODEL_DIR
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,6 +56,34 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device '{name}' asked for, but no CUDA GPU is visible; use cpu")
     return device
+
+
+def check_tensor_parallel(args: EngineArgs, config: ModelConfig | None = None) -> None:
+    """ValueError, saying what to change, unless `args.tensor_parallel_size` can run: it divides
+    every dimension the model splits, and on CUDA that many GPUs are visible (rank r uses the
+    r-th GPU from the one `args.device` names). Checked before any process is spawned."""
+    size = args.tensor_parallel_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    if size == 1:
+        return
+    if config is None:
+        config = ModelConfig.from_pretrained(model_dir_of(args), args.hf_overrides)
+    config.check_tensor_parallel_size(size)
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        first, visible = device.index or 0, torch.cuda.device_count()
+        if first + size > visible:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs from cuda:{first} "
+                             f"on, but {visible} are visible; lower --tensor-parallel-size, or "
+                             "make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of tensor-parallel rank `rank`: the rank-th GPU from `device`'s; the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:

@@ -25,20 +25,29 @@ of its constrained samplers on the host (`ScheduledBatch.grammar_bitmask`) for t
 apply, and advances their matchers as the tokens land. A step with a constrained sampler is
 collected before the next launch (its next mask needs the token), as with penalties; a grammar
 that completes ends its request with "stop".
+
+Tensor parallelism (`tensor_parallel_size` N > 1): this process is rank 0. It spawns ranks
+1 .. N-1 (`WorkerGroup`, worker.py) before loading its own shard, and its runner sends every
+step it launches to them (one broadcast per step); the scheduler, the block pool, sampling and
+the grammars live here only. A rank that fails or dies stops the whole engine with a
+`TensorParallelError` (never re-run apart: no request is to blame); `shutdown()` stops the
+workers.
 """
 
 import logging
 import time
-from pathlib import Path
+
+import torch.distributed
 
 from mlaserve.attention import resolve_backend_name
 from mlaserve.cache.block_pool import BlockPool
 from mlaserve.config import ModelConfig, SchedulerConfig
+from mlaserve.distributed import get_tp_group
 from mlaserve.engine.args import (
-    DEMO_MODEL_DIR,
-    MAX_CUDA_GRAPH_BATCH_SIZE,
     EngineArgs,
-    kv_blocks_for_memory,
+    check_tensor_parallel,
+    model_dir_of,
+    rank_device,
     resolve_device,
     resolve_dtype,
 )
@@ -57,12 +66,12 @@ from mlaserve.engine.request import (
     is_int,
     shown,
 )
-from mlaserve.engine.runner import ModelRunner, PendingStep, StepResult
+from mlaserve.engine.runner import PendingStep, StepResult, load_runner
 from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
 from mlaserve.engine.structured import AcceptResult, StructuredOutputManager
 from mlaserve.engine.tokenizer import load_tokenizer
-from mlaserve.model.loader import build_model
+from mlaserve.engine.worker import StepBroadcast, TensorParallelError, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +85,6 @@ def eos_token_ids(config: ModelConfig, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return [i for i in ids if 0 <= i < config.vocab_size]
-
-
-def model_dir_of(args: EngineArgs) -> Path:
-    return Path(args.model) if args.model else DEMO_MODEL_DIR
 
 
 class EngineCore:
@@ -101,26 +106,39 @@ class EngineCore:
         budget = args.max_num_batched_tokens or 8192
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        check_tensor_parallel(args, self.config)
+        tp_size = args.tensor_parallel_size
+        if tp_size > 1 and (get_tp_group().size > 1 or torch.distributed.is_initialized()):
+            raise ValueError("this process already belongs to a torch.distributed group (another "
+                             "tensor-parallel engine?); shut that engine down first "
+                             "(LLM.shutdown())")
         tokenizer = load_tokenizer(args.tokenizer or model_dir)
-        model = build_model(self.config, model_dir, device=self.device, dtype=self.dtype,
-                            load_format=args.load_format, max_positions=max_model_len,
-                            seed=args.seed)
-        num_blocks = kv_blocks_for_memory(self.config, args, self.device, self.dtype)
+        self.workers: WorkerGroup | None = None
+        if tp_size > 1:
+            self.device = rank_device(self.device, 0)
+            self.workers = WorkerGroup.start(args, tp_size, self.device)
+        try:
+            self.runner = load_runner(
+                args, self.config, self.device, self.dtype, max_model_len,
+                self.workers.agree_num_blocks if self.workers is not None else None)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown(graceful=False)
+            raise
+        if self.workers is not None:
+            self.runner.step_broadcast = StepBroadcast(self.workers)
+        num_blocks = self.runner.num_blocks
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
             max_model_len=max_model_len)
-        self.runner = ModelRunner(
-            model, self.config, num_blocks=num_blocks, block_size=args.block_size,
-            device=self.device, dtype=self.dtype, attention_backend=args.attention_backend,
-            max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-            cuda_graph_batch_size=0 if args.enforce_eager
-            else min(args.max_num_seqs, MAX_CUDA_GRAPH_BATCH_SIZE),
-            max_seq_len_to_capture=min(args.max_seq_len_to_capture, max_model_len))
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.pool)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens; concurrency %.1fx at "
-                    "max_model_len %d", num_blocks, args.block_size, num_blocks * args.block_size,
-                    num_blocks * args.block_size / max_model_len, max_model_len)
+        logger.info("KV cache%s: %d blocks of %d tokens = %d tokens; concurrency %.1fx at "
+                    "max_model_len %d",
+                    f" per rank (each of {tp_size} ranks holds the whole latent cache)"
+                    if tp_size > 1 else "", num_blocks, args.block_size,
+                    num_blocks * args.block_size, num_blocks * args.block_size / max_model_len,
+                    max_model_len)
         self.info = EngineInfo(
             max_model_len=max_model_len, vocab_size=self.config.vocab_size,
             kv_capacity_tokens=num_blocks * args.block_size,
@@ -199,6 +217,8 @@ class EngineCore:
         if not batch.is_empty:
             try:
                 launched = (batch, self.runner.launch(batch))
+            except TensorParallelError:
+                raise  # the whole engine is stopped: no request is to blame
             except Exception as exc:  # noqa: BLE001 - only the requests that cause it fail
                 logger.exception("an engine step of %d request(s) failed; re-running them "
                                  "apart", len(batch.requests))
@@ -291,6 +311,8 @@ class EngineCore:
             sub_batch = batch.subset(part)
             try:
                 outputs += self._run_alone(sub_batch)
+            except TensorParallelError:
+                raise
             except Exception as part_exc:  # noqa: BLE001 - narrowed down further
                 outputs += self._rerun_apart(sub_batch, part_exc)
         return outputs
@@ -372,6 +394,12 @@ class EngineCore:
             request.finish_reason = "stop"
         elif num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
             request.finish_reason = "length"
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any) and leave their process groups; the core
+        cannot step afterwards. Idempotent."""
+        if self.runner.step_broadcast is not None:
+            self.runner.step_broadcast.shutdown()
 
     def warm_up(self) -> None:
         """Run short requests through prefill and decode, then forget them.

@@ -17,7 +17,10 @@ decode) comes back at once as an output with the error.
 Lifetime. The first message out is `Ready` (with the `EngineInfo`) once the model is loaded and
 warmed up, or `Failed` with the reason. The process ignores SIGINT (a Ctrl-C reaches the whole
 process group; the API process drains its streams, then sends `Shutdown`), and a thread exits it
-when its parent dies, so a killed server leaves no orphan holding the GPU.
+when its parent dies, so a killed server leaves no orphan holding the GPU. Under tensor
+parallelism this process is rank 0 and the parent of the workers (engine/worker.py), which exit
+with it the same way; a failed or dead worker ends the loop with `Failed` naming it, and if a
+dead worker hangs the collectives (NCCL), the worker watch exits this process within seconds.
 
 Test hook: with MLASERVE_FAULT_FILE=PATH set, the model runner checks for PATH before each step
 it launches. The file's first line is an error message, any further lines are request ids; once
@@ -32,13 +35,12 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 import msgspec
 import zmq
 
+from mlaserve.distributed.launch import exit_with_parent
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.core import EngineCore
 from mlaserve.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, SchedulerStats
@@ -46,7 +48,6 @@ from mlaserve.engine.messages import EngineCoreOutput, EngineCoreRequest, Engine
 logger = logging.getLogger(__name__)
 
 FAULT_FILE_ENV = "MLASERVE_FAULT_FILE"
-PARENT_POLL_S = 0.5
 LINGER_MS = 2000  # how long the last messages may take to leave when the process exits
 
 
@@ -100,7 +101,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     """Process entry: load the core, report `Ready` or `Failed`, then serve until `Shutdown`."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid, "the engine core")
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.setsockopt(zmq.RCVHWM, 0)
@@ -112,6 +113,8 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     try:
         try:
             core = EngineCore(args)
+            if core.workers is not None:
+                core.workers.exit_on_failure = True  # a dead worker may hang NCCL: exit
             core.warm_up()
         except Exception as exc:  # noqa: BLE001 - reported to the API process, which stops
             outbox.send(encoder.encode(Failed(f"{type(exc).__name__}: {exc}")))
@@ -124,20 +127,9 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
             logger.exception("the engine core loop failed")
             outbox.send(encoder.encode(Failed(f"{type(exc).__name__}: {exc}")))
             sys.exit(1)
+        core.shutdown()  # tensor-parallel workers exit
     finally:
         context.destroy(linger=LINGER_MS)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit this process soon after `parent_pid` is gone (this process is then re-parented)."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
-        logger.error("the API server process (pid %d) is gone; the engine core exits", parent_pid)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _install_fault_hook(core: EngineCore) -> None:

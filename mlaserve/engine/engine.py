@@ -106,3 +106,7 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         self.core.warm_up()
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (see EngineCore.shutdown)."""
+        self.core.shutdown()

@@ -8,10 +8,18 @@ input token was sampled by the previous step reads it from that step's device te
 
 Per-request state (block tables, sampling parameters) lives in the persistent batch
 (input_batch.py); a decode step sends four ints per request to the device in one copy.
+
+Tensor parallelism: every rank holds a runner over its shard of the model and a full latent
+cache. Rank 0's runner has a `step_broadcast` (engine/worker.py) that sends each step's
+description to the other ranks before the step is launched, so that they launch the same step;
+rank 0 alone samples, and broadcasts the sampled ids [S] to the other ranks on the data plane
+(see `_sample`).
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +27,13 @@ from mlaserve.attention import create_backend
 from mlaserve.attention.base import MLAShape
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.config import ModelConfig
+from mlaserve.distributed import get_tp_group
+from mlaserve.engine.args import (
+    MAX_CUDA_GRAPH_BATCH_SIZE,
+    EngineArgs,
+    kv_blocks_for_memory,
+    model_dir_of,
+)
 from mlaserve.engine.cuda_graphs import DecodeGraphs
 from mlaserve.engine.input_batch import PersistentBatch
 from mlaserve.engine.request import Request
@@ -26,6 +41,10 @@ from mlaserve.engine.sampler import sample, top_logprobs
 from mlaserve.engine.scheduler import ScheduledBatch
 from mlaserve.kernels.moe import moe_graph_capturable
 from mlaserve.model.deepseek import DeepseekForCausalLM
+from mlaserve.model.loader import build_model
+
+if TYPE_CHECKING:
+    from mlaserve.engine.worker import StepBroadcast
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +86,12 @@ class ModelRunner:
         """
         self.model = model
         self.config = config
+        self.tp = get_tp_group()  # the group the model was built for
+        # rank 0 under tensor parallelism: sends each step to the other ranks (worker.py)
+        self.step_broadcast: StepBroadcast | None = None
         self.device = device
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.inputs = PersistentBatch(max_num_seqs, -(-max_model_len // block_size),
                                       config.vocab_size, device)
         # the previous launch's sampled ids [S] on the device, and each sampler's row in it
@@ -78,7 +101,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(config.num_hidden_layers)]
         self.backend = create_backend(attention_backend, MLAShape(
-            num_heads=config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
+            num_heads=config.num_attention_heads // self.tp.size, kv_lora_rank=config.kv_lora_rank,
             qk_rope_head_dim=config.qk_rope_head_dim, block_size=block_size, dtype=dtype,
             device=device), config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
@@ -86,7 +109,12 @@ class ModelRunner:
         wants_graphs = (cuda_graph_batch_size > 0 and device.type == "cuda"
                         and self.backend.capabilities.supports_cuda_graphs)
         has_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        if wants_graphs and has_moe and not moe_graph_capturable(device, dtype):
+        if wants_graphs and self.tp.size > 1:
+            # a graph that fails to capture on one rank would leave the ranks running different
+            # collectives; until every rank is known to capture the same graphs, none does
+            logger.info("decode CUDA graphs are off under tensor parallelism (size %d)",
+                        self.tp.size)
+        elif wants_graphs and has_moe and not moe_graph_capturable(device, dtype):
             logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
                            "the experts with a host sync (grouped GEMMs are bfloat16 only); "
                            "use --dtype bfloat16 for graphs", dtype)
@@ -101,18 +129,30 @@ class ModelRunner:
                                  "(pass --enforce-eager to skip the capture)")
                 torch.cuda.synchronize()
 
-
     def release(self, request: Request) -> None:
         """The request left the running batch (finished, aborted or preempted)."""
+        if self.step_broadcast is not None:
+            self.step_broadcast.release(request)
         self.inputs.release(request)
 
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue the whole step on the device; returns without waiting for it.
 
         Reads each request's progress as the scheduler left it before `advance`: a decode row
-        computes position num_computed_tokens; a prefill chunk starts there.
+        computes position num_computed_tokens; a prefill chunk starts there. Under tensor
+        parallelism (rank 0) the step goes to the other ranks first; a failure after that is
+        fatal (`StepBroadcast.out_of_step`): the ranks' collectives no longer pair up.
         """
+        if self.step_broadcast is None:
+            return self._launch(batch)
+        self.step_broadcast.send(batch)
+        try:
+            return self._launch(batch)
+        except BaseException as exc:
+            raise self.step_broadcast.out_of_step(exc) from exc
+
+    @torch.inference_mode()
+    def _launch(self, batch: ScheduledBatch) -> PendingStep:
         inputs, block_size = self.inputs, self.block_size
         inputs.sync(batch.requests)
         decodes = batch.decodes
@@ -195,7 +235,16 @@ class ModelRunner:
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor,
                 chunks: list[PrefillChunk]) -> PendingStep:
-        """Sample the step's tokens and start copying them (and any logprobs) to the host."""
+        """Sample the step's tokens and start copying them (and any logprobs) to the host.
+
+        Under tensor parallelism every rank computes the logits (their all-gather is a
+        collective), but rank 0 alone samples and then broadcasts the ids [S] int64 on the
+        data plane (queued on the device like the step's other collectives: no host wait).
+        Sampling on every rank from its copy of the logits would also give the same ids only if
+        those copies were bitwise equal and each rank held the sampling state that lives on
+        rank 0's host (grammar bitmasks, penalty counts); one broadcast of S ids makes the
+        ranks agree by construction and keeps the workers free of sampling state.
+        """
         samplers = batch.sampling_requests
         num_decodes = len(batch.decodes)
         sample_rows = list(range(num_decodes))
@@ -217,23 +266,30 @@ class ModelRunner:
         if samplers:
             rows = hidden[:num_decodes] if len(sample_rows) == num_decodes else hidden[
                 torch.tensor(sample_rows, device=self.device)]
-            logits = self.model.compute_logits(rows)  # [S, V] float32
-            packed = self.inputs.to_device([[r.batch_row for r in samplers], sample_positions],
-                                           torch.int64)  # [2, S]
-            params = self.inputs.sampling_batch(samplers, packed[0], packed[1],
-                                                batch.grammar_bitmask)
-            sampled = sample(logits, params)
+            logits = self.model.compute_logits(rows)  # [S, V] float32, on every rank
+            if self.tp.rank == 0:
+                packed = self.inputs.to_device([[r.batch_row for r in samplers],
+                                                sample_positions], torch.int64)  # [2, S]
+                params = self.inputs.sampling_batch(samplers, packed[0], packed[1],
+                                                    batch.grammar_bitmask)
+                sampled = sample(logits, params)
+            else:
+                sampled = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
+            self.tp.broadcast(sampled, src=0)  # [S] int64: rank 0's samples on every rank
             self._prev_sampled = sampled
             self._prev_sample_rows = {id(r): i for i, r in enumerate(samplers)}
             pending.sampled = sampled.to("cpu", non_blocking=True)
-            wanting = [r for r in samplers if r.params.logprobs is not None]
+            wanting = [r for r in samplers if r.params.logprobs is not None and self.tp.rank == 0]
             if wanting:
                 k = max(r.params.logprobs for r in wanting)
                 chosen, values, ids = top_logprobs(logits.log_softmax(dim=-1), sampled, k)
                 pending.logprobs = (samplers, *(t.to("cpu", non_blocking=True)
                                                 for t in (chosen, values, ids)))
         for request, row, count in prompt_rows:
-            logprobs = self.model.compute_logits(hidden[row : row + count]).log_softmax(dim=-1)
+            logits = self.model.compute_logits(hidden[row : row + count])  # a collective
+            if self.tp.rank != 0:
+                continue  # rank 0 alone reports logprobs
+            logprobs = logits.log_softmax(dim=-1)
             start = len(request.prompt_logprobs)
             targets = self.inputs.to_device(request.prompt_token_ids[start : start + count],
                                             torch.int64)
@@ -270,3 +326,27 @@ class ModelRunner:
                 entries.append(entry)
             result.prompt_logprobs[id(request)] = entries
         return result
+
+
+def load_runner(args: EngineArgs, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                max_model_len: int, agree_num_blocks: Callable[[int], int] | None = None
+                ) -> ModelRunner:
+    """Load this rank's model (its shard under tensor parallelism) and size its latent cache.
+
+    Args:
+        agree_num_blocks: under tensor parallelism, turns this rank's number of KV blocks that
+            fit into the number every rank uses (the smallest); None: one process.
+    """
+    model = build_model(config, model_dir_of(args), device=device, dtype=dtype,
+                        load_format=args.load_format, max_positions=max_model_len,
+                        seed=args.seed)
+    num_blocks = kv_blocks_for_memory(config, args, device, dtype)
+    if agree_num_blocks is not None:
+        num_blocks = agree_num_blocks(num_blocks)
+    return ModelRunner(
+        model, config, num_blocks=num_blocks, block_size=args.block_size, device=device,
+        dtype=dtype, attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        cuda_graph_batch_size=0 if args.enforce_eager
+        else min(args.max_num_seqs, MAX_CUDA_GRAPH_BATCH_SIZE),
+        max_seq_len_to_capture=min(args.max_seq_len_to_capture, max_model_len))

@@ -1,0 +1,134 @@
+"""Starting the processes of one tensor-parallel group on one host, and the control channel.
+
+Rank 0 (the process that schedules) opens a `torch.distributed.TCPStore` on a free port of
+127.0.0.1 (the kernel picks it: no race between finding a port and binding it) and passes the
+port to the ranks it spawns. Every rank then joins the default process group through that store
+(NCCL on CUDA with device = rank, gloo on CPU): the data plane, on which the model's all-reduces
+and all-gathers run. A second, gloo group carries the control plane: `ControlChannel` broadcasts
+rank 0's bytes (an encoded step description) to every rank, on the CPU, in one collective. The
+store also carries each rank's last words (`report_error`), so rank 0 can name why a rank died.
+
+Nothing here knows the engine: the engine's worker loop (engine/worker.py) builds on it.
+"""
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+# The control group waits for rank 0's next step for as long as rank 0 is idle; a rank whose
+# rank 0 is gone learns it from the closed connection or its parent watch, not from a timeout.
+CONTROL_TIMEOUT = timedelta(days=365)
+CONTROL_CAPACITY = 16 * 1024  # bytes of one broadcast; a longer message sends the rest after
+LENGTH_BYTES = 8
+PARENT_POLL_S = 0.5
+
+
+def backend_for(device: torch.device) -> str:
+    """The data-plane backend: NCCL between GPUs, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def create_store(world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0's store, on a free port of 127.0.0.1 (`store.port`)."""
+    return dist.TCPStore(HOST, 0, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def connect_store(port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """Another rank's client of rank 0's store."""
+    return dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timeout)
+
+
+def init_process_groups(store: dist.TCPStore, rank: int, world_size: int,
+                        device: torch.device, timeout: timedelta) -> "ControlChannel":
+    """Join the default process group (the data plane; `timeout` bounds each collective) and
+    create the control group; returns the control channel. Every rank calls this."""
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend_for(device), store=store, rank=rank,
+                            world_size=world_size, timeout=timeout, **kwargs)
+    return ControlChannel(dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
+
+
+class ControlChannel:
+    """Rank 0's bytes to every rank of the group: one gloo broadcast of a uint8 CPU tensor.
+
+    The buffer holds `CONTROL_CAPACITY` bytes: the message's length (8 bytes, little endian)
+    and the message. A message that does not fit sends its rest in a second broadcast of just
+    that size (a step that admits long prompts); every other message is one broadcast.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def send(self, payload: bytes) -> None:
+        """Rank 0: broadcast `payload` (bytes of any length)."""
+        fits = CONTROL_CAPACITY - LENGTH_BYTES
+        buffer = torch.zeros(CONTROL_CAPACITY, dtype=torch.uint8)  # [capacity]
+        head = len(payload).to_bytes(LENGTH_BYTES, "little") + payload[:fits]
+        buffer[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        dist.broadcast(buffer, group_src=0, group=self.group)
+        if len(payload) > fits:
+            rest = torch.frombuffer(bytearray(payload[fits:]), dtype=torch.uint8)  # [n - fits]
+            dist.broadcast(rest, group_src=0, group=self.group)
+
+    def receive(self) -> bytes:
+        """Another rank: wait for rank 0's next message."""
+        fits = CONTROL_CAPACITY - LENGTH_BYTES
+        buffer = torch.empty(CONTROL_CAPACITY, dtype=torch.uint8)  # [capacity]
+        dist.broadcast(buffer, group_src=0, group=self.group)
+        data = buffer.numpy().tobytes()
+        length = int.from_bytes(data[:LENGTH_BYTES], "little")
+        if length <= fits:
+            return data[LENGTH_BYTES : LENGTH_BYTES + length]
+        rest = torch.empty(length - fits, dtype=torch.uint8)  # [n - fits]
+        dist.broadcast(rest, group_src=0, group=self.group)
+        return data[LENGTH_BYTES:] + rest.numpy().tobytes()
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. KV blocks that fit on every GPU)."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+
+def error_key(rank: int) -> str:
+    return f"mlaserve/error/{rank}"
+
+
+def report_error(store: dist.TCPStore, rank: int, message: str) -> None:
+    """A rank's last words, for rank 0 to read when it sees the rank gone."""
+    try:
+        store.set(error_key(rank), message)
+    except Exception:  # noqa: BLE001 - rank 0 (the store's host) may be gone already
+        logger.debug("could not report the error to rank 0", exc_info=True)
+
+
+def reported_error(store: dist.TCPStore, rank: int) -> str | None:
+    """The error `rank` reported, if any."""
+    key = error_key(rank)
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - a closing store: nothing to read
+        return None
+
+
+def exit_with_parent(parent_pid: int, what: str) -> None:
+    """Exit this process soon after `parent_pid` is gone (this process is then re-parented):
+    a killed parent leaves no orphan holding a GPU or a port. `what` names the process in the
+    log line."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        logger.error("the parent process (pid %d) is gone; %s exits", parent_pid, what)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,404 @@
+"""Tensor-parallel workers: ranks 1 .. N-1 of one engine, each launching rank 0's steps.
+
+Protocol. The engine core (scheduler + runner) is rank 0: the API server's engine-core process,
+or the process of an offline `LLM`. It decides every step alone. Its `WorkerGroup` spawns ranks
+1 .. N-1 (multiprocessing "spawn"), which join the process groups of distributed/launch.py
+through rank 0's store, build their shard of the model and a full latent cache of the same
+number of blocks (the smallest that fits on every rank), and then loop: receive a step, mirror
+it, launch it. Before rank 0's runner launches a step, its `StepBroadcast` encodes the step's
+description (msgspec msgpack) and broadcasts it once over the gloo control group: the requests
+that left since the last step (finished, aborted, preempted or taken back: the worker frees
+their rows), the requests joining (prompt ids, sampling parameters, seed), and for each
+scheduled request its computed tokens, its scheduled tokens, the output ids and block ids it has
+gained since the workers last saw it and its placeholders, then which requests sample. A worker
+applies that to its mirrored `Request`s and calls the same `ModelRunner.launch`, so every rank
+runs the same forward and the same collectives in the same order; rank 0 alone samples and
+broadcasts the ids on the data plane (runner.py, `_sample`). A description with `shutdown` set
+ends the loop. Request ids travel once, with the join; steps name requests by small handles.
+
+Failure. A worker whose step raises reports the error in rank 0's store and exits; a worker
+that dies closes its connections. Either way rank 0's pending or next collective fails, and rank
+0 raises one `TensorParallelError` naming the worker and its error or exit status; the engine
+is then stopped (no step can pair up the ranks' collectives again) and the other workers are
+killed. A failure on rank 0 after a step went out is fatal likewise. A thread of rank 0 also
+watches the workers' processes: where collectives do not fail when a peer dies (NCCL waits),
+the engine-core process exits a few seconds after a worker died (`exit_on_failure`). Workers
+ignore SIGINT and exit when their parent (rank 0) is gone.
+"""
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from mlaserve.config import ModelConfig
+from mlaserve.distributed import destroy_tensor_parallel, init_tensor_parallel
+from mlaserve.distributed.launch import (
+    ControlChannel,
+    connect_store,
+    create_store,
+    exit_with_parent,
+    init_process_groups,
+    report_error,
+    reported_error,
+)
+from mlaserve.engine.args import (
+    EngineArgs,
+    model_dir_of,
+    rank_device,
+    resolve_device,
+    resolve_dtype,
+)
+from mlaserve.engine.request import Request, SamplingParams
+from mlaserve.engine.runner import ModelRunner, load_runner
+from mlaserve.engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+STORE_TIMEOUT = timedelta(seconds=300)  # store operations (rendezvous, error reports)
+DATA_TIMEOUT = timedelta(seconds=600)  # one data-plane collective (a long prefill on a CPU)
+JOIN_POLL_S = 0.05  # how often rank 0 checks that the workers it waits for are alive
+FAILURE_WAIT_S = 5.0  # how long rank 0 waits for a failed worker's exit to name its cause
+HANG_GRACE_S = 5.0  # a worker died and the engine has not stopped: exit (exit_on_failure)
+JOIN_TIMEOUT_S = 10.0  # graceful worker exit at shutdown, then they are killed
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of a tensor-parallel engine failed or died; the engine is stopped (its workers
+    are gone) and fails every request. Never one request's fault, so never re-run apart."""
+
+
+# ---- the step description: rank 0 -> every other rank, once per step -------------------------
+class JoiningRequest(msgspec.Struct, array_like=True):
+    """A request the workers do not hold yet (new, or back after leaving)."""
+
+    handle: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sample_seed: int
+    eos_token_ids: list[int]
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True):
+    """One scheduled request's state as rank 0's runner reads it at launch."""
+
+    handle: int
+    num_computed_tokens: int
+    num_new_tokens: int  # 1 for a decode
+    new_output_token_ids: list[int]  # known output ids the workers have not seen
+    num_output_placeholders: int
+    new_block_ids: list[int]  # block ids the workers have not seen
+    num_prompt_logprobs: int = -1  # len(request.prompt_logprobs); -1: none asked for
+
+
+class StepDescription(msgspec.Struct, array_like=True):
+    leaving: list[int]
+    joining: list[JoiningRequest]
+    decodes: list[ScheduledRequest]
+    prefills: list[ScheduledRequest]
+    sampling: list[int]  # handles of ScheduledBatch.sampling_requests, in order
+    shutdown: bool = False
+
+
+class _Mirror:
+    """What the workers know of one of rank 0's requests."""
+
+    __slots__ = ("handle", "num_outputs", "num_blocks")
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+        self.num_outputs = 0
+        self.num_blocks = 0
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+# ---- rank 0 --------------------------------------------------------------------------------
+class WorkerGroup:
+    """Rank 0's handle on ranks 1 .. size-1: start, liveness, shutdown."""
+
+    def __init__(self, store: dist.TCPStore, processes: list[multiprocessing.Process]) -> None:
+        self.store = store
+        self.processes = processes  # rank r is processes[r - 1]
+        self.control: ControlChannel | None = None
+        self.failure: str | None = None  # why the group is unusable
+        self.exit_on_failure = False  # the engine-core process: exit if a death hangs it
+        self.acknowledged = False  # the failure was raised to the engine's caller
+        self._closing = False
+
+    @classmethod
+    def start(cls, args: EngineArgs, size: int, device: torch.device) -> "WorkerGroup":
+        """Spawn ranks 1 .. size-1 and join the process groups with them (this process is
+        rank 0); on return the tensor-parallel group is set for the model to be built."""
+        store = create_store(size, STORE_TIMEOUT)
+        context = multiprocessing.get_context("spawn")
+        current = multiprocessing.current_process()
+        daemonic = current.daemon
+        # a daemonic process (the engine core) may not start children; its workers die with
+        # it anyway (parent watch), so the flag is lifted while they start
+        current.daemon = False
+        processes = []
+        try:
+            for rank in range(1, size):
+                process = context.Process(
+                    target=run_worker, name=f"mlaserve-tp-worker-{rank}", daemon=True,
+                    args=(args, rank, size, store.port, os.getpid(),
+                          logging.getLogger().getEffectiveLevel()))
+                process.start()
+                processes.append(process)
+        finally:
+            current.daemon = daemonic
+        group = cls(store, processes)
+        try:
+            group._wait_joined()
+            group.control = init_process_groups(store, 0, size, device, DATA_TIMEOUT)
+            init_tensor_parallel(size)
+        except BaseException:
+            group.shutdown(graceful=False)
+            raise
+        threading.Thread(target=group._watch, name="tp-worker-watch", daemon=True).start()
+        logger.info("tensor parallel: %d ranks (worker pids %s)", size,
+                    ", ".join(str(p.pid) for p in processes))
+        return group
+
+    def _wait_joined(self) -> None:
+        """Wait until every worker is about to join the process group; a worker that dies
+        first (an import or a device error) is an error here, not a rendezvous timeout."""
+        for rank, process in enumerate(self.processes, start=1):
+            while not self.store.check([f"mlaserve/joined/{rank}"]):
+                if not process.is_alive():
+                    process.join()
+                    raise TensorParallelError(self._describe(rank))
+                time.sleep(JOIN_POLL_S)
+
+    def _describe(self, rank: int) -> str:
+        process = self.processes[rank - 1]
+        error = reported_error(self.store, rank)
+        if error is not None:
+            return f"tensor-parallel worker {rank} (pid {process.pid}) failed: {error}"
+        return (f"tensor-parallel worker {rank} (pid {process.pid}) died "
+                f"({_describe_exit(process.exitcode)})")
+
+    def _watch(self) -> None:
+        """Wait for a worker to exit; unless shutting down, that is the group's failure."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._closing:
+            return
+        rank = sentinels[ready[0]]
+        self.processes[rank - 1].join()
+        self.failure = self.failure or self._describe(rank)
+        logger.error("%s", self.failure)
+        if self.exit_on_failure:
+            time.sleep(HANG_GRACE_S)
+            if not self.acknowledged and not self._closing:
+                logger.critical("%s; the engine did not stop within %.0f s (its collectives "
+                                "wait for the dead rank): exiting", self.failure, HANG_GRACE_S)
+                os._exit(1)
+
+    def check(self) -> None:
+        """Raise TensorParallelError if the group has failed."""
+        if self.failure is not None:
+            self.acknowledged = True
+            raise TensorParallelError(self.failure)
+
+    def wait_for_failure(self, timeout: float) -> str | None:
+        """After a collective failed: the failed worker's description, once its exit is seen
+        (None if every worker still runs after `timeout` seconds)."""
+        deadline = time.monotonic() + timeout
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.failure
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """The number of KV blocks every rank allocates: the smallest that fits on any."""
+        assert self.control is not None
+        return self.control.agree_min(num_blocks)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers (told to exit if `graceful`, else killed), then leave the process
+        groups. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        if graceful and self.control is not None and self.failure is None:
+            try:
+                self.control.send(msgspec.msgpack.encode(StepDescription([], [], [], [], [],
+                                                                         shutdown=True)))
+            except Exception:  # noqa: BLE001 - a worker is gone: kill the rest below
+                logger.warning("could not tell the tensor-parallel workers to exit",
+                               exc_info=True)
+        deadline = time.monotonic() + (JOIN_TIMEOUT_S if graceful else 0.0)
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        destroy_tensor_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class StepBroadcast:
+    """Rank 0's side of the protocol: describe each step for the workers and send it."""
+
+    def __init__(self, workers: WorkerGroup) -> None:
+        self.workers = workers
+        self._encoder = msgspec.msgpack.Encoder()
+        self._mirrors: dict[Request, _Mirror] = {}  # the requests the workers hold
+        self._leaving: list[int] = []  # handles released since the last step
+        self._next_handle = 0
+
+    def release(self, request: Request) -> None:
+        """The request left the runner's batch: the workers forget it with the next step."""
+        mirror = self._mirrors.pop(request, None)
+        if mirror is not None:
+            self._leaving.append(mirror.handle)
+
+    def send(self, batch: ScheduledBatch) -> None:
+        """Broadcast the description of `batch` (not advanced yet) to every worker."""
+        self.workers.check()
+        joining: list[JoiningRequest] = []
+        decodes = [self._scheduled(r, 1, joining) for r in batch.decodes]
+        prefills = [self._scheduled(r, n, joining) for r, n in batch.prefills]
+        step = StepDescription(self._leaving, joining, decodes, prefills,
+                               [self._mirrors[r].handle for r in batch.sampling_requests])
+        self._leaving = []
+        try:
+            self.workers.control.send(self._encoder.encode(step))
+        except BaseException as exc:
+            raise self.out_of_step(exc) from exc
+
+    def _scheduled(self, request: Request, num_new_tokens: int,
+                   joining: list[JoiningRequest]) -> ScheduledRequest:
+        mirror = self._mirrors.get(request)
+        if mirror is None:
+            mirror = self._mirrors[request] = _Mirror(self._next_handle)
+            self._next_handle += 1
+            joining.append(JoiningRequest(
+                mirror.handle, request.request_id, request.prompt_token_ids, request.params,
+                request.sample_seed, list(request.eos_token_ids)))
+        outputs, blocks = request.output_token_ids, request.block_ids
+        if len(blocks) < mirror.num_blocks:
+            raise RuntimeError(f"request {request.request_id} lost blocks without leaving the "
+                               "runner's batch")
+        scheduled = ScheduledRequest(
+            mirror.handle, request.num_computed_tokens, num_new_tokens,
+            outputs[mirror.num_outputs :], request.num_output_placeholders,
+            blocks[mirror.num_blocks :],
+            -1 if request.prompt_logprobs is None else len(request.prompt_logprobs))
+        mirror.num_outputs, mirror.num_blocks = len(outputs), len(blocks)
+        return scheduled
+
+    def out_of_step(self, exc: BaseException) -> BaseException:
+        """A step failed after (or while) it went to the workers: the ranks' collectives no
+        longer pair up, so the engine stops. Returns the exception to raise: one naming the
+        worker that failed, if one did, else `exc` as a TensorParallelError (a Ctrl-C stays a
+        KeyboardInterrupt)."""
+        workers = self.workers
+        failure = workers.failure
+        if failure is None and isinstance(exc, Exception):
+            failure = workers.wait_for_failure(FAILURE_WAIT_S)
+        if failure is None:
+            failure = (f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: "
+                       f"{exc}); the ranks are out of step")
+            workers.failure = failure
+        logger.error("%s; stopping the tensor-parallel engine", failure)
+        workers.acknowledged = True
+        workers.shutdown(graceful=False)
+        return TensorParallelError(failure) if isinstance(exc, Exception) else exc
+
+    def shutdown(self) -> None:
+        """Tell the workers to exit and wait for them (killed if they do not)."""
+        self.workers.acknowledged = True
+        self.workers.shutdown(graceful=True)
+
+
+# ---- ranks 1 .. N-1 --------------------------------------------------------------------------
+def run_worker(args: EngineArgs, rank: int, size: int, store_port: int, parent_pid: int,
+               log_level: int) -> None:
+    """Process entry of rank `rank`: join the groups, load the shard, run rank 0's steps."""
+    logging.basicConfig(level=log_level, format=f"%(levelname)s tp{rank} %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    exit_with_parent(parent_pid, f"tensor-parallel worker {rank}")
+    store = connect_store(store_port, size, STORE_TIMEOUT)
+    try:
+        device = rank_device(resolve_device(args.device), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        store.set(f"mlaserve/joined/{rank}", "1")
+        control = init_process_groups(store, rank, size, device, DATA_TIMEOUT)
+        init_tensor_parallel(size)
+        Worker(args, device, control).run()
+    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which stops
+        logger.exception("tensor-parallel worker %d failed", rank)
+        report_error(store, rank, f"{type(exc).__name__}: {exc}")
+        os._exit(1)
+    destroy_tensor_parallel()
+    dist.destroy_process_group()
+
+
+class Worker:
+    """One rank's runner, driven by rank 0's step descriptions."""
+
+    def __init__(self, args: EngineArgs, device: torch.device, control: ControlChannel) -> None:
+        config = ModelConfig.from_pretrained(model_dir_of(args), args.hf_overrides)
+        dtype = resolve_dtype(args.dtype, config, device)
+        max_model_len = args.max_model_len or config.max_position_embeddings
+        self.control = control
+        self.runner: ModelRunner = load_runner(args, config, device, dtype, max_model_len,
+                                               control.agree_min)
+        self.requests: dict[int, Request] = {}  # handle -> mirror of rank 0's request
+        self._decoder = msgspec.msgpack.Decoder(StepDescription)
+
+    def run(self) -> None:
+        """Receive, mirror and launch steps until told to shut down; a step's results are
+        collected after the next is launched (at most two steps in flight, as on rank 0)."""
+        pending = None
+        while True:
+            step = self._decoder.decode(self.control.receive())
+            if step.shutdown:
+                return
+            launched = self.runner.launch(self.apply(step))
+            if pending is not None:
+                self.runner.collect(pending)
+            pending = launched
+
+    def apply(self, step: StepDescription) -> ScheduledBatch:
+        """Update the mirrored requests as the description says; the step's batch."""
+        for handle in step.leaving:
+            self.runner.release(self.requests.pop(handle))
+        for joining in step.joining:
+            self.requests[joining.handle] = Request(
+                joining.request_id, None, joining.prompt_token_ids, joining.params,
+                sample_seed=joining.sample_seed, eos_token_ids=tuple(joining.eos_token_ids))
+        batch = ScheduledBatch()
+        batch.decodes = [self._update(s) for s in step.decodes]
+        batch.prefills = [(self._update(s), s.num_new_tokens) for s in step.prefills]
+        batch.sampling_requests = [self.requests[h] for h in step.sampling]
+        return batch
+
+    def _update(self, scheduled: ScheduledRequest) -> Request:
+        request = self.requests[scheduled.handle]
+        request.num_computed_tokens = scheduled.num_computed_tokens
+        request.output_token_ids.extend(scheduled.new_output_token_ids)
+        request.num_output_placeholders = scheduled.num_output_placeholders
+        request.block_ids.extend(scheduled.new_block_ids)
+        if scheduled.num_prompt_logprobs >= 0:
+            request.prompt_logprobs = [None] * scheduled.num_prompt_logprobs
+        return request

@@ -1,0 +1,121 @@
+"""The tensor-parallel engine end to end on CPU (gloo, float32): `LLM(tensor_parallel_size=2)`
+runs rank 0 in this process and spawns rank 1; its greedy outputs and prompt logprobs must be
+those of one process, through chunked prefills and preemptions. A worker killed mid-generation,
+or one whose step raises, must surface as one clear TensorParallelError within seconds, with no
+process left behind and the process groups left, so a later engine can start.
+
+Every test runs under a watchdog (`faulthandler.dump_traceback_later(..., exit=True)`): a hang
+dumps the stacks and ends the run instead of blocking it.
+"""
+
+import faulthandler
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from mlaserve import LLM, SamplingParams
+from mlaserve.engine.worker import TensorParallelError
+
+TEST_TIMEOUT_S = 180
+# small blocks, a small KV pool and a small token budget: chunked prefills and preemptions
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=24,
+              max_num_batched_tokens=16, max_model_len=256)
+PROMPTS = [[5 + i, 9, 17, 33 + i, 2, 77, 100 + i] * (1 + i) for i in range(5)]
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, prompt_logprobs=3,
+                        logprobs=2)
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _generate(model_dir, tensor_parallel_size: int):
+    llm = LLM(str(model_dir), tensor_parallel_size=tensor_parallel_size, **ENGINE)
+    try:
+        outputs = llm.generate(PROMPTS, PARAMS)
+        preemptions = llm.engine.core.scheduler.num_preemptions
+    finally:
+        llm.shutdown()
+    assert not dist.is_initialized()
+    return outputs, preemptions
+
+
+@pytest.mark.parametrize("name", ["v2-greedy-nolora-untied", "v3-noaux-lora-yarn-sharded"])
+def test_tp2_equals_one_process(name, checkpoint_dir):
+    model_dir, _ = checkpoint_dir(name)
+    expected, preemptions = _generate(model_dir, 1)
+    assert preemptions > 0  # the KV pool is small enough to exercise leaving and re-joining
+    outputs, tp_preemptions = _generate(model_dir, 2)
+    assert tp_preemptions == preemptions
+    for want, got in zip(expected, outputs, strict=True):
+        assert got.token_ids == want.token_ids
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs)
+        for want_entry, got_entry in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:],
+                                         strict=True):
+            assert want_entry.keys() & got_entry.keys()
+            for token in want_entry.keys() & got_entry.keys():
+                assert got_entry[token] == pytest.approx(want_entry[token], abs=1e-4)
+        for want_entry, got_entry in zip(want.logprobs, got.logprobs, strict=True):
+            for token in want_entry.keys() & got_entry.keys():
+                assert got_entry[token] == pytest.approx(want_entry[token], abs=1e-4)
+
+
+def _assert_stopped(llm: LLM, worker) -> None:
+    """The engine is stopped: its worker is gone, the process groups are left, and a new
+    request fails at once with the same kind of error."""
+    assert not worker.is_alive()
+    assert not dist.is_initialized()
+    with pytest.raises(TensorParallelError):
+        llm.generate(PROMPTS[:1], PARAMS)
+
+
+def test_a_killed_worker_is_one_clear_error_within_seconds(checkpoint_dir):
+    model_dir, _ = checkpoint_dir("v2-greedy-nolora-untied")
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    worker = llm.engine.core.workers.processes[0]
+    core = llm.engine.core
+    step = core.step
+    steps = 0
+
+    def step_and_kill():
+        nonlocal steps
+        steps += 1
+        if steps == 4:  # kill it while this step runs (or just before its first collective)
+            threading.Timer(0.01, os.kill, (worker.pid, signal.SIGKILL)).start()
+        return step()
+
+    core.step = step_and_kill
+    start = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError,
+                           match=rf"worker 1 \(pid {worker.pid}\) died \(killed by SIGKILL\)"):
+            llm.generate(PROMPTS[:2], SamplingParams(max_tokens=60, temperature=0,
+                                                     ignore_eos=True))
+        assert time.monotonic() - start < 15
+        _assert_stopped(llm, worker)
+    finally:
+        llm.shutdown()
+
+
+def test_an_exception_in_a_worker_is_one_clear_error(checkpoint_dir):
+    model_dir, _ = checkpoint_dir("v2-greedy-nolora-untied")
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    worker = llm.engine.core.workers.processes[0]
+    # a step description naming a request the worker never held: its step raises KeyError
+    llm.engine.core.runner.step_broadcast._leaving.append(10**6)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError,
+                           match=rf"worker 1 \(pid {worker.pid}\) failed: KeyError: 1000000"):
+            llm.generate(PROMPTS[:2], PARAMS)
+        assert time.monotonic() - start < 15
+        _assert_stopped(llm, worker)
+    finally:
+        llm.shutdown()
