@@ -2,23 +2,29 @@
 runs rank 0 in this process and spawns rank 1; its greedy outputs and prompt logprobs must be
 those of one process, through chunked prefills and preemptions. A worker killed mid-generation,
 or one whose step raises, must surface as one clear TensorParallelError within seconds, with no
-process left behind and the process groups left, so a later engine can start.
+process left behind and the process groups left, so a later engine can start. `mlaserve serve
+--tensor-parallel-size 2` streams the one-process greedy completion and leaves no process after
+SIGTERM; killing its worker stops the server with exit code 1 and an error naming the worker.
 
 Every test runs under a watchdog (`faulthandler.dump_traceback_later(..., exit=True)`): a hang
 dumps the stacks and ends the run instead of blocking it.
 """
 
 import faulthandler
+import json
 import os
 import signal
 import threading
 import time
 
 import pytest
+import requests
 import torch.distributed as dist
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.engine.worker import TensorParallelError
+from tests.server_util import engine_core_pids
+from tests.test_server_lifecycle import serve, stream_in_background, wait_gone
 
 TEST_TIMEOUT_S = 180
 # small blocks, a small KV pool and a small token budget: chunked prefills and preemptions
@@ -119,3 +125,57 @@ def test_an_exception_in_a_worker_is_one_clear_error(checkpoint_dir):
         _assert_stopped(llm, worker)
     finally:
         llm.shutdown()
+
+
+# ---- the server --------------------------------------------------------------------------------
+def _tp_server() -> tuple:
+    """`mlaserve serve --tensor-parallel-size 2` on the demo model: (process, url, engine-core
+    pid, worker pid)."""
+    proc, url = serve("--tensor-parallel-size", "2")
+    (core_pid,) = engine_core_pids(proc.pid)
+    (worker_pid,) = engine_core_pids(core_pid)  # spawned by the core, as the core by the server
+    return proc, url, core_pid, worker_pid
+
+
+def test_serve_tp2_streams_the_one_process_completion_and_stops_cleanly():
+    proc, url, core_pid, worker_pid = _tp_server()
+    try:
+        r = requests.post(url + "/v1/completions", json={
+            "prompt": "The cache", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True}, stream=True, timeout=60)
+        lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == b"data: [DONE]"
+        text = "".join(json.loads(line[len(b"data: "):])["choices"][0]["text"]
+                       for line in lines[:-1])
+        llm = LLM(device="cpu", num_kv_blocks=64, block_size=16)
+        expected = llm.generate("The cache", SamplingParams(max_tokens=12, temperature=0,
+                                                            ignore_eos=True))[0]
+        assert text == expected.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert wait_gone([core_pid, worker_pid]) == []  # the worker exited with the core
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_tp2_stops_with_a_clear_error_when_a_worker_is_killed():
+    proc, url, core_pid, worker_pid = _tp_server()
+    try:
+        stream, result = stream_in_background(url, 400)
+        time.sleep(1.0)
+        start = time.monotonic()
+        os.kill(worker_pid, signal.SIGKILL)
+        stream.join(60)
+        assert proc.wait(30) == 1
+        assert time.monotonic() - start < 15
+        output = proc.stdout.read().decode()
+        assert (f"tensor-parallel worker 1 (pid {worker_pid}) died (killed by SIGKILL)"
+                in output)
+        error_events = [line for line in result["lines"] if b'"error"' in line]
+        assert error_events and b"tensor-parallel worker 1" in error_events[0]
+        assert result["lines"][-1] == b"data: [DONE]"
+        assert wait_gone([core_pid, worker_pid]) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -149,7 +149,10 @@ class ModelRunner:
         try:
             return self._launch(batch)
         except BaseException as exc:
-            raise self.step_broadcast.out_of_step(exc) from exc
+            error = self.step_broadcast.out_of_step(exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     @torch.inference_mode()
     def _launch(self, batch: ScheduledBatch) -> PendingStep:

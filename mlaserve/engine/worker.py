@@ -26,6 +26,7 @@ the engine-core process exits a few seconds after a worker died (`exit_on_failur
 ignore SIGINT and exit when their parent (rank 0) is gone.
 """
 
+import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -170,6 +171,7 @@ class WorkerGroup:
             group.shutdown(graceful=False)
             raise
         threading.Thread(target=group._watch, name="tp-worker-watch", daemon=True).start()
+        atexit.register(group.shutdown)  # an engine never shut down: stop its workers first
         logger.info("tensor parallel: %d ranks (worker pids %s)", size,
                     ", ".join(str(p.pid) for p in processes))
         return group
@@ -224,9 +226,16 @@ class WorkerGroup:
         return self.failure
 
     def agree_num_blocks(self, num_blocks: int) -> int:
-        """The number of KV blocks every rank allocates: the smallest that fits on any."""
+        """The number of KV blocks every rank allocates: the smallest that fits on any (the
+        first collective after loading: a worker that failed to load is named here)."""
         assert self.control is not None
-        return self.control.agree_min(num_blocks)
+        try:
+            return self.control.agree_min(num_blocks)
+        except Exception as exc:
+            failure = self.wait_for_failure(FAILURE_WAIT_S)
+            if failure is None:
+                raise
+            raise TensorParallelError(failure) from exc
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers (told to exit if `graceful`, else killed), then leave the process
@@ -234,6 +243,7 @@ class WorkerGroup:
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.shutdown)
         if graceful and self.control is not None and self.failure is None:
             try:
                 self.control.send(msgspec.msgpack.encode(StepDescription([], [], [], [], [],
@@ -271,16 +281,19 @@ class StepBroadcast:
     def send(self, batch: ScheduledBatch) -> None:
         """Broadcast the description of `batch` (not advanced yet) to every worker."""
         self.workers.check()
-        joining: list[JoiningRequest] = []
-        decodes = [self._scheduled(r, 1, joining) for r in batch.decodes]
-        prefills = [self._scheduled(r, n, joining) for r, n in batch.prefills]
-        step = StepDescription(self._leaving, joining, decodes, prefills,
-                               [self._mirrors[r].handle for r in batch.sampling_requests])
-        self._leaving = []
-        try:
+        try:  # the mirrors change as the description is built: a failure here is fatal too
+            joining: list[JoiningRequest] = []
+            decodes = [self._scheduled(r, 1, joining) for r in batch.decodes]
+            prefills = [self._scheduled(r, n, joining) for r, n in batch.prefills]
+            step = StepDescription(self._leaving, joining, decodes, prefills,
+                                   [self._mirrors[r].handle for r in batch.sampling_requests])
+            self._leaving = []
             self.workers.control.send(self._encoder.encode(step))
         except BaseException as exc:
-            raise self.out_of_step(exc) from exc
+            error = self.out_of_step(exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     def _scheduled(self, request: Request, num_new_tokens: int,
                    joining: list[JoiningRequest]) -> ScheduledRequest:
