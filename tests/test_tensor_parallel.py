@@ -49,15 +49,17 @@ def _slots(request: str, start: int, count: int) -> list[int]:
             for p in range(start, start + count)]
 
 
-def run_steps(model: DeepseekForCausalLM) -> dict[str, torch.Tensor | list[torch.Tensor]]:
-    """Run STEPS on `model` (this rank's shard) in float32 with the torch decode backend.
+def run_steps(model: DeepseekForCausalLM,
+              seed: int = 1) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """Run STEPS on `model` (this rank's shard) in float32 with the torch decode backend, on
+    token ids drawn from `seed`.
 
     Returns:
         {"logits": [sum of the steps' tokens, V] float32, "caches": per layer
         [NUM_BLOCKS, BLOCK_SIZE, L + R]}.
     """
     config = model.config
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     tokens = {name: torch.randint(0, config.vocab_size, (SEQ_LEN,), generator=gen).tolist()
               for name in PAGES}
     shape = MLAShape(num_heads=config.num_attention_heads // get_tp_group().size,

@@ -25,7 +25,9 @@ from mlaserve.attention.metadata import AttentionMetadata
 from mlaserve.attention.prefill import expanded_prefill
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
+from mlaserve.distributed.expert_parallel import get_ep_group
 from mlaserve.kernels.moe import fused_experts, select_experts
+from mlaserve.model.expert_parallel import expert_parallel_moe
 from mlaserve.model.layers import (
     GatedMLP,
     RMSNorm,
@@ -179,15 +181,30 @@ class Router(nn.Module):
 class RoutedExperts(nn.Module):
     """Stacked SwiGLU experts: gate_up_proj [E, 2I, D] (gate rows then up rows), down_proj
     [E, D, I], with I = moe_intermediate_size / tensor-parallel size: every rank holds all E
-    experts, each with this rank's I columns (gate and up rows, down columns)."""
+    experts, each with this rank's I columns (gate and up rows, down columns). Under expert
+    parallelism (size N) a rank holds E / N whole experts instead, global ids `first_expert`
+    onward (`ep_shards` says how they are cut from the full stacks)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        ep = get_ep_group()
         e, d = config.n_routed_experts, config.hidden_size
+        if ep.size > 1:
+            if get_tp_group().size > 1:
+                raise ValueError("expert parallelism runs with tensor_parallel_size 1 per "
+                                 "data-parallel replica; drop --tensor-parallel-size or "
+                                 "--enable-expert-parallel")
+            if e % ep.size:
+                raise ValueError(f"n_routed_experts={e} is not divisible by the expert-parallel "
+                                 f"size {ep.size} (--data-parallel-size with "
+                                 "--enable-expert-parallel)")
+            e //= ep.size
+        self.first_expert = ep.rank * e
         i = divide(config.moe_intermediate_size, get_tp_group().size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.tp_shards = {"gate_up_proj": ShardSpec(1, pieces=2), "down_proj": ShardSpec(2)}
+        self.ep_shards = {"gate_up_proj": ShardSpec(0), "down_proj": ShardSpec(0)}
 
 
 class MoE(nn.Module):
@@ -203,11 +220,16 @@ class MoE(nn.Module):
     every expert, and the shared MLP's local S * I columns (a consecutive 1/N of its S * I * N)
     are cut into S blocks of I alike: any partition of the columns sums to the same MLP. The
     fused MoE's output is this rank's partial sum, all-reduced once.
+
+    Under expert parallelism (`mlaserve.distributed.expert_parallel`) the stacks hold this
+    rank's E / N routed experts and the S shared experts; the routed pairs go to their experts'
+    ranks (`expert_parallel_moe`) and the shared experts run here.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.tp = get_tp_group()
+        self.ep = get_ep_group()
         self.gate = Router(config)
         self.experts = RoutedExperts(config)
         self.shared_experts = None
@@ -242,10 +264,26 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
+        if self.ep.size > 1:
+            return self._forward_expert_parallel(x)
         topk_weights, topk_ids = self.gate(x, self.num_shared_experts)  # [T, K + S]
         out = fused_experts(x, self.gate_up_stack, self.down_stack, topk_weights, topk_ids,
                             shared_experts=self.num_shared_experts)
         return self.tp.all_reduce(out)  # this rank's I columns of each expert: a partial sum
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts across the expert-parallel ranks, shared experts on this rank."""
+        num_tokens, num_local = x.shape[0], self.experts.gate_up_proj.shape[0]
+        topk_weights, topk_ids = self.gate(x)  # [T, K] global routed ids
+        out = expert_parallel_moe(x, topk_weights, topk_ids, self.gate_up_stack[:num_local],
+                                  self.down_stack[:num_local], self.ep)
+        num_shared = self.num_shared_experts
+        if num_shared and num_tokens:
+            shared_ids = torch.arange(num_local, num_local + num_shared, device=x.device)
+            ones = torch.ones(num_tokens, num_shared, dtype=torch.float32, device=x.device)
+            out = out + fused_experts(x, self.gate_up_stack, self.down_stack, ones,
+                                      shared_ids.expand(num_tokens, -1))  # [T, S] ids
+        return out
 
 
 class DecoderLayer(nn.Module):

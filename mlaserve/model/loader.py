@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
+from mlaserve.distributed.expert_parallel import get_ep_group
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.layers import RMSNorm, RotaryEmbedding
 from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards
@@ -53,19 +54,34 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _expected_tensors(model: DeepseekForCausalLM) -> dict[str, tuple[str, int | None, str]]:
-    """Checkpoint name -> (parameter name, expert index or None, part) for every tensor needed."""
-    expected = {}
+def _expected_tensors(model: DeepseekForCausalLM
+                      ) -> tuple[dict[str, tuple[str, int | None, str]], set[str]]:
+    """Checkpoint name -> (parameter name, local expert index or None, part) for every tensor
+    this rank needs, and the names of the experts other expert-parallel ranks own."""
+    expected, elsewhere = {}, set()
+    num_experts = model.config.n_routed_experts
     for name, param in model.named_parameters():
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             prefix = name.rsplit(".", 1)[0]
+            first = model.get_submodule(prefix).first_expert
             parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
-            for e in range(param.shape[0]):
+            for e in range(num_experts):
+                local = e - first
                 for part in parts:
-                    expected[f"{prefix}.{e}.{part}.weight"] = (name, e, part)
+                    key = f"{prefix}.{e}.{part}.weight"
+                    if 0 <= local < param.shape[0]:
+                        expected[key] = (name, local, part)
+                    else:
+                        elsewhere.add(key)
         else:
             expected[name] = (name, None, "")
-    return expected
+    return expected, elsewhere
+
+
+def _expert_parallel_shards(model: DeepseekForCausalLM) -> dict[str, ShardSpec]:
+    """Parameter name -> how this expert-parallel rank's experts are cut from the full stack."""
+    return {f"{prefix}.{name}": spec for prefix, module in model.named_modules()
+            for name, spec in getattr(module, "ep_shards", {}).items()}
 
 
 def _target(param: torch.Tensor, spec: ShardSpec | None, expert: int | None,
@@ -84,10 +100,11 @@ def _target(param: torch.Tensor, spec: ShardSpec | None, expert: int | None,
 def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
     """Copy every checkpoint tensor (this rank's shard of it) into its parameter; one
     ValueError lists all problems."""
-    config, tp = model.config, model.tp
+    config, tp, ep = model.config, model.tp, get_ep_group()
     params = dict(model.named_parameters())
     shards = tensor_parallel_shards(model) if tp.size > 1 else {}
-    expected = _expected_tensors(model)
+    expert_shards = _expert_parallel_shards(model) if ep.size > 1 else {}
+    expected, elsewhere = _expected_tensors(model)
     pending = set(expected)
     unexpected: list[str] = []
     wrong_shape: list[str] = []
@@ -108,11 +125,16 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                     continue
                 if config.tie_word_embeddings and key == "lm_head.weight":
                     continue
+                if key in elsewhere:
+                    continue  # an expert another expert-parallel rank owns
                 fused = key.endswith(".mlp.experts.gate_up_proj") or key.endswith(
                     ".mlp.experts.down_proj")
+                rank, size = tp.rank, tp.size  # of the group that splits this tensor
                 if fused and key in params:
                     targets = [n for n, (p, _, _) in expected.items() if p == key]
                     target, spec = params[key], shards.get(key)
+                    if key in expert_shards:  # stacked experts: this rank's rows of the stack
+                        spec, rank, size = expert_shards[key], ep.rank, ep.size
                 elif key in expected:
                     targets = [key]
                     name, expert, part = expected[key]
@@ -125,7 +147,7 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                     raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
                 shape = tuple(source.get_shape())
                 full_shape = tuple(target.shape) if spec is None else spec.full_shape(
-                    target.shape, tp.size)
+                    target.shape, size)
                 if shape != full_shape:
                     wrong_shape.append(f"{key}: checkpoint {shape}, model {full_shape}")
                     pending.difference_update(targets)  # reported once, as wrong shape
@@ -133,7 +155,7 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                 if spec is None:
                     tensor = handle.get_tensor(key)
                 else:  # reads this rank's rows / columns only
-                    tensor = spec.take(source, shape, tp.rank, tp.size)
+                    tensor = spec.take(source, shape, rank, size)
                 with torch.no_grad():
                     target.copy_(tensor)
                 pending.difference_update(targets)
@@ -158,9 +180,12 @@ def _listing(names, limit: int = 20) -> str:
 def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
     """Random weights from the config alone: small uniform values, norms at one. A split
     parameter gets its shard of the full tensor drawn with the same generator state, so every
-    tensor-parallel size yields shards of the same model."""
-    tp = model.tp
-    shards = tensor_parallel_shards(model) if tp.size > 1 else {}
+    tensor- or expert-parallel size yields shards of the same model."""
+    tp, ep = model.tp, get_ep_group()
+    shards = {name: (spec, tp.rank, tp.size) for name, spec in (
+        tensor_parallel_shards(model) if tp.size > 1 else {}).items()}
+    shards |= {name: (spec, ep.rank, ep.size) for name, spec in (
+        _expert_parallel_shards(model) if ep.size > 1 else {}).items()}
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
@@ -172,13 +197,13 @@ def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
             if name.endswith("e_score_correction_bias"):
                 param.zero_()
                 continue
-            spec = shards.get(name)
-            if spec is None:
+            if name not in shards:
                 param.uniform_(-0.02, 0.02, generator=generator)
                 continue
-            full_shape = spec.full_shape(param.shape, tp.size)
+            spec, rank, size = shards[name]
+            full_shape = spec.full_shape(param.shape, size)
             full = param.new_empty(full_shape).uniform_(-0.02, 0.02, generator=generator)
-            param.copy_(spec.take(full, full_shape, tp.rank, tp.size))
+            param.copy_(spec.take(full, full_shape, rank, size))
 
 
 def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.device,
