@@ -73,7 +73,7 @@ def _inputs(routing: Routing, num_tokens: int,
     return logits.to(DEVICE), None if bias is None else bias.to(DEVICE)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 33])
+@pytest.mark.parametrize("num_tokens", [1, 9])
 @pytest.mark.parametrize("name", list(ROUTINGS))
 def test_kernel_matches_the_torch_routing(name: str, num_tokens: int) -> None:
     routing = ROUTINGS[name]
