@@ -395,6 +395,12 @@ class EngineCore:
         elif num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
             request.finish_reason = "length"
 
+    def check_workers(self) -> None:
+        """Raise TensorParallelError if a tensor-parallel worker failed or died (an idle core
+        learns it here rather than at its next step)."""
+        if self.workers is not None:
+            self.workers.check()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any) and leave their process groups; the core
         cannot step afterwards. Idempotent."""

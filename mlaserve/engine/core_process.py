@@ -48,6 +48,7 @@ from mlaserve.engine.messages import EngineCoreOutput, EngineCoreRequest, Engine
 logger = logging.getLogger(__name__)
 
 FAULT_FILE_ENV = "MLASERVE_FAULT_FILE"
+IDLE_POLL_MS = 500  # an idle core checks its tensor-parallel workers this often
 LINGER_MS = 2000  # how long the last messages may take to leave when the process exits
 
 
@@ -172,8 +173,11 @@ class CoreLoop:
     def run(self) -> None:
         core = self.core
         while True:
-            if not core.has_unfinished:
+            if not core.has_unfinished and core.workers is None:
                 self.inbox.poll()  # idle: wait for a message (the parent watch ends a wait)
+            elif not core.has_unfinished:
+                while not self.inbox.poll(IDLE_POLL_MS):
+                    core.check_workers()  # a worker that dies while the core idles stops it
             if not self.handle_messages():
                 return
             outputs = core.step() if core.has_unfinished else []

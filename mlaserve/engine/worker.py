@@ -144,6 +144,8 @@ class WorkerGroup:
     def start(cls, args: EngineArgs, size: int, device: torch.device) -> "WorkerGroup":
         """Spawn ranks 1 .. size-1 and join the process groups with them (this process is
         rank 0); on return the tensor-parallel group is set for the model to be built."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's device for rank 0
         store = create_store(size, STORE_TIMEOUT)
         context = multiprocessing.get_context("spawn")
         current = multiprocessing.current_process()
