@@ -22,6 +22,7 @@ import requests
 import torch.distributed as dist
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.engine.request import StructuredOutputs
 from mlaserve.engine.worker import TensorParallelError
 from tests.server_util import engine_core_pids
 from tests.test_server_lifecycle import serve, stream_in_background, wait_gone
@@ -33,6 +34,12 @@ ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=24,
 PROMPTS = [[5 + i, 9, 17, 33 + i, 2, 77, 100 + i] * (1 + i) for i in range(5)]
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, prompt_logprobs=3,
                         logprobs=2)
+# rank 0's sampling state: seeded noise, filters, penalties, logit bias, min_tokens, a grammar
+MIXED = [SamplingParams(max_tokens=12, temperature=0.8, seed=7),
+         SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5,
+                        presence_penalty=0.5, min_tokens=3, logit_bias={7: 5.0}),
+         SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=3,
+                        structured_outputs=StructuredOutputs(choice=["yes", "no way"]))]
 
 
 @pytest.fixture(autouse=True)
@@ -47,19 +54,21 @@ def _generate(model_dir, tensor_parallel_size: int):
     try:
         outputs = llm.generate(PROMPTS, PARAMS)
         preemptions = llm.engine.core.scheduler.num_preemptions
+        mixed = llm.generate(PROMPTS[: len(MIXED)], MIXED)
     finally:
         llm.shutdown()
     assert not dist.is_initialized()
-    return outputs, preemptions
+    return outputs, preemptions, [o.token_ids for o in mixed]
 
 
 @pytest.mark.parametrize("name", ["v2-greedy-nolora-untied", "v3-noaux-lora-yarn-sharded"])
 def test_tp2_equals_one_process(name, checkpoint_dir):
     model_dir, _ = checkpoint_dir(name)
-    expected, preemptions = _generate(model_dir, 1)
+    expected, preemptions, expected_mixed = _generate(model_dir, 1)
     assert preemptions > 0  # the KV pool is small enough to exercise leaving and re-joining
-    outputs, tp_preemptions = _generate(model_dir, 2)
+    outputs, tp_preemptions, mixed = _generate(model_dir, 2)
     assert tp_preemptions == preemptions
+    assert mixed == expected_mixed  # rank 0 samples for every rank
     for want, got in zip(expected, outputs, strict=True):
         assert got.token_ids == want.token_ids
         assert len(got.prompt_logprobs) == len(want.prompt_logprobs)

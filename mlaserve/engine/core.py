@@ -117,14 +117,19 @@ class EngineCore:
         if tp_size > 1:
             self.device = rank_device(self.device, 0)
             self.workers = WorkerGroup.start(args, tp_size, self.device)
-        try:
-            self.runner = load_runner(
-                args, self.config, self.device, self.dtype, max_model_len,
-                self.workers.agree_num_blocks if self.workers is not None else None)
+        try:  # workers started: stop them if the rest of the set-up fails
+            self._set_up(args, tokenizer, max_model_len, budget)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown(graceful=False)
             raise
+
+    def _set_up(self, args: EngineArgs, tokenizer, max_model_len: int, budget: int) -> None:
+        """Load the model into its runner; the scheduler, block pool and structured outputs."""
+        tp_size = args.tensor_parallel_size
+        self.runner = load_runner(
+            args, self.config, self.device, self.dtype, max_model_len,
+            self.workers.agree_num_blocks if self.workers is not None else None)
         if self.workers is not None:
             self.runner.step_broadcast = StepBroadcast(self.workers)
         num_blocks = self.runner.num_blocks
