@@ -79,10 +79,11 @@ def server():
         yield running
 
 
-def test_loglikelihood_scores_equal_the_engine(server, tmp_path):
+def check_loglikelihoods(tmp_path, url: str) -> None:
+    """lm-eval's multiple-choice loglikelihoods through the server at `url` equal the sums of
+    the one-process engine's prompt logprobs over each choice's tokens."""
     write_tasks(tmp_path)
-    samples = run_lm_eval(tmp_path, "local-completions", server.url + "/v1/completions",
-                          "mini_mc")
+    samples = run_lm_eval(tmp_path, "local-completions", url + "/v1/completions", "mini_mc")
     assert len(samples) == len(MC_DOCS)
     llm = LLM(device="cpu", num_kv_blocks=64, block_size=16)
     tok = llm.tokenizer
@@ -96,6 +97,10 @@ def test_loglikelihood_scores_equal_the_engine(server, tmp_path):
             expected = sum(out.prompt_logprobs[i][whole[i]] for i in range(len(ctx),
                                                                              len(whole)))
             assert float(resp[0][0]) == pytest.approx(expected, abs=1e-4)
+
+
+def test_loglikelihood_scores_equal_the_engine(server, tmp_path):
+    check_loglikelihoods(tmp_path, server.url)
 
 
 def test_generate_until_over_completions_and_chat(server, tmp_path):

@@ -26,6 +26,7 @@ from mlaserve.engine.request import StructuredOutputs
 from mlaserve.engine.worker import TensorParallelError
 from tests.server_util import engine_core_pids
 from tests.test_server_lifecycle import serve, stream_in_background, wait_gone
+from tests.test_server_lm_eval import check_loglikelihoods
 
 TEST_TIMEOUT_S = 180
 # small blocks, a small KV pool and a small token budget: chunked prefills and preemptions
@@ -140,13 +141,14 @@ def test_an_exception_in_a_worker_is_one_clear_error(checkpoint_dir):
 def _tp_server() -> tuple:
     """`mlaserve serve --tensor-parallel-size 2` on the demo model: (process, url, engine-core
     pid, worker pid)."""
-    proc, url = serve("--tensor-parallel-size", "2")
+    proc, url = serve("--tensor-parallel-size", "2", "--served-model-name", "demo")
     (core_pid,) = engine_core_pids(proc.pid)
     (worker_pid,) = engine_core_pids(core_pid)  # spawned by the core, as the core by the server
     return proc, url, core_pid, worker_pid
 
 
-def test_serve_tp2_streams_the_one_process_completion_and_stops_cleanly():
+def test_serve_tp2_streams_the_one_process_completion_and_stops_cleanly(tmp_path):
+    """Also lm-eval's loglikelihood run through the tensor-parallel server."""
     proc, url, core_pid, worker_pid = _tp_server()
     try:
         r = requests.post(url + "/v1/completions", json={
@@ -160,6 +162,7 @@ def test_serve_tp2_streams_the_one_process_completion_and_stops_cleanly():
         expected = llm.generate("The cache", SamplingParams(max_tokens=12, temperature=0,
                                                             ignore_eos=True))[0]
         assert text == expected.text
+        check_loglikelihoods(tmp_path, url)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert wait_gone([core_pid, worker_pid]) == []  # the worker exited with the core
