@@ -46,39 +46,12 @@ def make_step(chunks: list[tuple[int, int]], heads: int, device: torch.device):
 
 
 def run_sdpa(q, latent, cache, kv_b, metas, heads, scale):
+    """The engine's `expanded_prefill`, one call per chunk."""
     out = q.new_empty(q.shape[0], heads, V)
     for chunk in metas:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         out[rows] = expanded_prefill(q[rows], latent[rows], cache, chunk, kv_b, heads, NOPE, V,
                                      RANK, scale)
-    return out
-
-
-def run_flash_padded(q, latent, cache, kv_b, metas, heads, scale):
-    """torch's flash kernel: v zero-padded to the qk head dim, causal aligned bottom-right."""
-    out = q.new_empty(q.shape[0], heads, V)
-    for chunk in metas:
-        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-        lat = latent[rows]
-        if chunk.context_len:
-            lat = torch.cat((cache[chunk.context_slots], lat))
-        s = lat.shape[0]
-        kv = F.linear(lat[:, :RANK], kv_b).view(s, heads, NOPE + V)
-        k = torch.empty(s, heads, NOPE + ROPE, dtype=q.dtype, device=q.device)
-        k[..., :NOPE] = kv[..., :NOPE]
-        k[..., NOPE:] = lat[:, None, RANK:]
-        v = F.pad(kv[..., NOPE:], (0, NOPE + ROPE - V))
-        n = chunk.num_tokens
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            if chunk.context_len:
-                o = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                    attn_mask=causal_lower_right(n, s), scale=scale)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                    is_causal=True, scale=scale)
-        out[rows] = o.transpose(0, 1)[..., :V]
     return out
 
 
@@ -181,16 +154,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--impls", default="sdpa,flash,flashinfer")
+    parser.add_argument("--impls", default="sdpa,4d,flashinfer")
     args = parser.parse_args()
     wanted = args.impls.split(",")
     device = torch.device("cuda")
     scale = (NOPE + ROPE) ** -0.5
     impls = {}
     if "sdpa" in wanted:
-        impls["sdpa (current)"] = run_sdpa
-    if "flash" in wanted:
-        impls["flash, v padded"] = run_flash_padded
+        impls["engine expanded_prefill"] = run_sdpa
     if "4d" in wanted:
         impls["4d auto"] = run_sdpa_4d
         impls["4d efficient"] = lambda *a: run_sdpa_4d(*a, backend=SDPBackend.EFFICIENT_ATTENTION)
