@@ -39,10 +39,8 @@ import triton
 
 from mlaserve.bench.kernel_timing import measure_ceilings
 from mlaserve.kernels.fused_moe import (
-    ExpertAlignment,
     FusedMoEConfig,
     GemmTiles,
-    align_by_expert,
     down_weighted,
     fused_experts_triton,
     gate_up_silu,
@@ -54,6 +52,7 @@ from mlaserve.kernels.moe import (
     fused_experts_loop,
     reference_errors,
 )
+from mlaserve.kernels.moe_align import ExpertAlignment, align_by_expert
 
 DTYPE = torch.bfloat16
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)

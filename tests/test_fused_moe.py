@@ -19,7 +19,6 @@ from mlaserve.kernels import fused_moe  # noqa: E402
 from mlaserve.kernels.fused_moe import (  # noqa: E402
     FusedMoEConfig,
     GemmTiles,
-    align_by_expert,
     fused_experts_triton,
     moe_config,
 )
@@ -30,6 +29,7 @@ from mlaserve.kernels.moe import (  # noqa: E402
     moe_graph_capturable,
     reference_errors,
 )
+from mlaserve.kernels.moe_align import align_by_expert  # noqa: E402
 from tests.test_moe import dense_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
