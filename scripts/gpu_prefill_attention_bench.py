@@ -55,6 +55,16 @@ def run_sdpa(q, latent, cache, kv_b, metas, heads, scale):
     return out
 
 
+def keys_and_values(lat, kv_b, heads):
+    """Latent rows [S, L + R] -> k [S, H, P + R] = [k_nope | k_pe], v [S, H, V]."""
+    s = lat.shape[0]
+    kv = F.linear(lat[:, :RANK], kv_b).view(s, heads, NOPE + V)  # [S, H * (P + V)] -> [S, H, P + V]
+    k = torch.empty(s, heads, NOPE + ROPE, dtype=lat.dtype, device=lat.device)
+    k[..., :NOPE] = kv[..., :NOPE]
+    k[..., NOPE:] = lat[:, None, RANK:]
+    return k, kv[..., NOPE:]
+
+
 def run_sdpa_4d(q, latent, cache, kv_b, metas, heads, scale, backend=None, pad_v=False):
     """SDPA on 4-d [1, H, S, dim] inputs (the fused kernels need a batch dim), causal aligned
     bottom-right; backend None lets torch choose."""
@@ -65,11 +75,7 @@ def run_sdpa_4d(q, latent, cache, kv_b, metas, heads, scale, backend=None, pad_v
         if chunk.context_len:
             lat = torch.cat((cache[chunk.context_slots], lat))
         s = lat.shape[0]
-        kv = F.linear(lat[:, :RANK], kv_b).view(s, heads, NOPE + V)
-        k = torch.empty(s, heads, NOPE + ROPE, dtype=q.dtype, device=q.device)
-        k[..., :NOPE] = kv[..., :NOPE]
-        k[..., NOPE:] = lat[:, None, RANK:]
-        v = kv[..., NOPE:]
+        k, v = keys_and_values(lat, kv_b, heads)
         if pad_v:
             v = F.pad(v, (0, NOPE + ROPE - V))
         n = chunk.num_tokens
@@ -103,13 +109,7 @@ def make_flashinfer(heads: int, device: torch.device):
             lats.append(lat)
             qo.append(qo[-1] + chunk.num_tokens)
             kvp.append(kvp[-1] + lat.shape[0])
-        lat = torch.cat(lats) if len(lats) > 1 else lats[0]
-        s = lat.shape[0]
-        kv = F.linear(lat[:, :RANK], kv_b).view(s, heads, NOPE + V)
-        k = torch.empty(s, heads, NOPE + ROPE, dtype=q.dtype, device=q.device)
-        k[..., :NOPE] = kv[..., :NOPE]
-        k[..., NOPE:] = lat[:, None, RANK:]
-        v = kv[..., NOPE:]
+        k, v = keys_and_values(torch.cat(lats), kv_b, heads)
         qo_t = torch.tensor(qo, dtype=torch.int32, device=device)
         kv_t = torch.tensor(kvp, dtype=torch.int32, device=device)
         wrapper.plan(qo_t, kv_t, heads, heads, NOPE + ROPE, head_dim_vo=V, causal=True,

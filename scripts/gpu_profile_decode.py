@@ -26,7 +26,7 @@ from mlaserve.engine.request import SamplingParams
 # first match wins; names as CUPTI reports them (Triton kernels keep their Python names)
 KINDS = [
     ("attention", r"mla_decode|BatchMLA|flashinfer|Mla|merge_kernel"),
-    ("prefill attn", r"fmha|flash_fwd|FlashAttn|attention"),
+    ("prefill attn", r"fmha|flash_fwd|FlashAttn|attention|sdpa"),
     ("moe", r"gate_up_silu|_down_kernel|moe|grouped|_count_kernel|_offsets_kernel|_scatter"),
     ("norm/rope", r"rms|rope|norm|latent"),
     ("sampling", r"gumbel|argmax|softmax|sort|topk|index_put"),

@@ -34,9 +34,9 @@ def expert_parallel_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     owner = flat_ids // num_local  # [T * K]
     order = torch.argsort(owner, stable=True)  # pairs grouped by owner, in pair order
     token_of = order // top_k  # [T * K] source token of each sorted pair
-    send_splits = torch.bincount(owner, minlength=ep.size).tolist()
-    recv_splits = ep.exchange_counts(torch.tensor(send_splits, dtype=torch.int64,
-                                                  device=x.device))
+    send_counts = torch.bincount(owner, minlength=ep.size)  # [size]
+    recv_splits = ep.exchange_counts(send_counts)
+    send_splits = send_counts.tolist()
     rows = ep.all_to_all(x[token_of], send_splits, recv_splits)  # [R, D]
     local_ids = ep.all_to_all((flat_ids - owner * num_local)[order], send_splits, recv_splits)
     if rows.shape[0]:
