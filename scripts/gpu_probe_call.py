@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernel_with import parse_changes  # noqa: E402
 
-from mlaserve.kernels.mla_decode import mla_decode_triton  # noqa: E402
-from mlaserve.kernels.mla_decode_plan import plan_mla_decode  # noqa: E402
+from mlaserve.kernels.mla_decode.common import device_capability  # noqa: E402
+from mlaserve.kernels.mla_decode.launch import mla_decode_triton  # noqa: E402
+from mlaserve.kernels.mla_decode.plan import describe, plan_mla_decode  # noqa: E402
 from mlaserve.kernels.reference import poisoned_paged_batch  # noqa: E402
 
 
@@ -38,17 +39,17 @@ def main() -> None:
         torch.bfloat16, 0, device=torch.device("cuda"))
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = plan_mla_decode(args.batch, args.kv_len, args.heads, args.q_len, 512, 64,
-                           torch.bfloat16, num_sms, block_size=args.block_size,
-                           num_splits=args.splits)
+                           torch.bfloat16, num_sms, args.block_size, num_splits=args.splits,
+                           capability=device_capability(q.device))
     config = dataclasses.replace(plan.config, **parse_changes(args.set))
     plan = plan_mla_decode(args.batch, args.kv_len, args.heads, args.q_len, 512, 64,
-                           torch.bfloat16, num_sms, config=config, block_size=args.block_size,
-                           num_splits=args.splits)
+                           torch.bfloat16, num_sms, args.block_size, config=config,
+                           num_splits=args.splits, capability=device_capability(q.device))
     for _ in range(2):
         mla_decode_triton(q, kv_cache, block_table, seq_lens, 1 / math.sqrt(576), 512,
                           args.q_len, plan)
     torch.cuda.synchronize()
-    print(f"{config} splits {plan.num_splits}")
+    print(describe(plan))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Usage (GPU): python3 scripts/gpu_trace_sm90.py [--cells 128x64x1024x1,...] [--out DIR]
 Cells are heads x batch x kv length x q_len (block 64, the default plan). The pass is rebuilt
-from `mla_decode_sm90.py` and `mla_decode_sm90_tiles.py` with timestamps added by text edits
+from `gluon_sm90.py` and `gluon_sm90_tiles.py` with timestamps added by text edits
 (each edit asserts its anchor, so a changed kernel fails loudly here instead of tracing the
 wrong place), written to a temporary folder and imported from there. Each program records,
 as ns of the GPU's global timer: kernel entry, warpgroup 0's start, Q landed, the end of the
@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mlaserve.kernels.mla_decode_plan import plan_mla_decode
+from mlaserve.kernels.mla_decode.common import GLUON_SM90
+from mlaserve.kernels.mla_decode.plan import plan_mla_decode
 from mlaserve.kernels.reference import poisoned_paged_batch
 
-KERNELS = Path(__file__).resolve().parent.parent / "mlaserve" / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "mlaserve" / "kernels" / "mla_decode"
 SLOTS = 12  # int64 stamps per program
 NOW = '''
 
@@ -51,7 +52,7 @@ def _edit(source: str, edits: list[tuple[str, str]]) -> str:
 
 def traced_pass(folder: Path):
     """Writes the stamped copies of the two modules into folder; returns the pass module."""
-    tiles = _edit((KERNELS / "mla_decode_sm90_tiles.py").read_text(), [
+    tiles = _edit((KERNELS / "gluon_sm90_tiles.py").read_text(), [
         ("\n\n@gluon.jit\ndef loader_partition(", NOW + "\n\n@gluon.jit\ndef loader_partition("),
         ("split_start, num_tiles, BLOCK_SIZE: gl.constexpr):",
          "split_start, num_tiles, trace, BLOCK_SIZE: gl.constexpr):"),
@@ -61,8 +62,8 @@ def traced_pass(folder: Path):
          "                                        kv_pe_smem.index(stage))\n"
          "    gl.store(trace + 9, _now())\n"),
     ])
-    main = _edit((KERNELS / "mla_decode_sm90.py").read_text(), [
-        ("from mlaserve.kernels.mla_decode_sm90_tiles import (",
+    main = _edit((KERNELS / "gluon_sm90.py").read_text(), [
+        ("from mlaserve.kernels.mla_decode.gluon_sm90_tiles import (",
          "from traced_sm90_tiles import _now, _smid\nfrom traced_sm90_tiles import ("),
         ("num_tiles, HALF: gl.constexpr,\n                      DIRECT_OUTPUT",
          "num_tiles, trace, HALF: gl.constexpr,\n                      DIRECT_OUTPUT"),
@@ -101,10 +102,10 @@ def trace_cell(traced, heads: int, batch: int, kv_len: int, q_len: int, num_sms:
     """Runs the stamped pass on one cell; returns the stamps [programs, SLOTS] and the plan."""
     q, kv, bt, sl = poisoned_paged_batch([kv_len] * batch, heads, 512, 64, 64, q_len,
                                          torch.bfloat16, 0, device=torch.device("cuda"))
-    plan = plan_mla_decode(batch, kv_len, heads, q_len, 512, 64, torch.bfloat16, num_sms,
-                           block_size=64)
+    plan = plan_mla_decode(batch, kv_len, heads, q_len, 512, 64, torch.bfloat16, num_sms, 64,
+                           capability=(9, 0))
     config, splits, rows = plan.config, plan.num_splits, q_len * heads
-    if not config.warp_specialized:
+    if plan.kernel != GLUON_SM90:
         raise SystemExit(f"{heads}x{batch}x{kv_len}x{q_len} does not run the Gluon pass")
     if splits == 1:
         o = torch.empty(batch * q_len, heads, 512, dtype=q.dtype, device="cuda")

@@ -22,8 +22,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mlaserve.kernels import mla_decode  # noqa: E402
-from mlaserve.kernels.mla_decode_plan import plan_mla_decode  # noqa: E402
+from mlaserve.kernels.mla_decode import triton_split  # noqa: E402
+from mlaserve.kernels.mla_decode.plan import plan_mla_decode  # noqa: E402
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 SIGNATURE = {
@@ -55,11 +55,11 @@ def resources(cubin: bytes) -> str:
 
 
 def main() -> None:
-    kernel = mla_decode._mla_decode_split_kernel
+    kernel = triton_split._mla_decode_split_kernel
     names = kernel.arg_names
     for (heads, q_len, batch, kv_len, block_size), tma in itertools.product(SHAPES, (False, True)):
         plan = plan_mla_decode(batch, kv_len, heads, q_len, KV_LORA_RANK, ROPE_DIM,
-                               torch.bfloat16, 132, block_size=block_size)
+                               torch.bfloat16, 132, block_size)
         config = plan.config
         signature = dict(SIGNATURE)
         constexprs = dict(kv_nope_desc=None, kv_pe_desc=None)
@@ -92,10 +92,10 @@ def main() -> None:
 
 
 def warp_specialized() -> None:
-    """The Gluon split pass (`mla_decode_sm90`): its partitions' register budgets are set by
+    """The Gluon split pass (`gluon_sm90`): its partitions' register budgets are set by
     setmaxnreg, so those are printed next to the launch limit. 64-token tiles are compiled too,
     though `supported` refuses them, to show why (their spills)."""
-    from mlaserve.kernels.mla_decode_sm90_aot import compile_for_sm90
+    from mlaserve.kernels.mla_decode.gluon_sm90_aot import compile_for_sm90
 
     for (block_n, num_stages), direct in (((32, 4), False), ((32, 4), True), ((64, 2), False)):
         compiled = compile_for_sm90(block_n=block_n, num_stages=num_stages, direct_output=direct)
@@ -116,7 +116,7 @@ def merge_kernel() -> None:
     columns] load, the batch-1 case, whose blocked layout is printed: warps along the split
     axis make the sum over splits cross warps, through shared memory); shared memory and
     barriers of each."""
-    kernel = mla_decode._mla_decode_merge_kernel
+    kernel = triton_split._mla_decode_merge_kernel
     names = kernel.arg_names
     for split_chunk, partial in itertools.product((4, 16), ("fp32", "bf16")):
         signature = {"partial_o_ptr": f"*{partial}", "partial_lse_ptr": "*fp32",

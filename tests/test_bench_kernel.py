@@ -6,7 +6,6 @@ backend joins when Triton's CPU interpreter works here (float32 and float16 only
 is not faithful).
 """
 
-import importlib
 import json
 import math
 import os
@@ -29,12 +28,7 @@ from mlaserve.bench.kernel_grid import (
 )
 from mlaserve.cli import main
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Triton decides at decoration time whether a kernel is interpreted.
-    if "mlaserve.kernels.mla_decode" in sys.modules:
-        importlib.reload(sys.modules["mlaserve.kernels.mla_decode"])
+ON_GPU = torch.cuda.is_available()  # without it conftest.py sets TRITON_INTERPRET=1
 
 # Tiny sweep: L = 32, R = 16; kv 20 is not a multiple of block 8, so each last page has a tail.
 TINY = ["--kv-lora-rank", "32", "--rope-dim", "16", "--heads", "2", "--batch-sizes", "1,3",

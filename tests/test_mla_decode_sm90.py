@@ -1,7 +1,8 @@
-"""The warp-specialised (seesaw) Gluon split pass (`kernels/mla_decode_sm90.py`) without a
-GPU: it compiles for sm_90 with no register spills, inside the shared memory its `supported`
-check assumes, and steps aside where it does not apply. Its numerics are checked against the
-float32 reference on the GPU in test_triton_mla_decode.py (`test_sm90_paths`)."""
+"""The warp-specialised (seesaw) Gluon split pass (`kernels/mla_decode/gluon_sm90.py`) without
+a GPU: it compiles for sm_90 with no register spills, inside the shared memory the plan's
+`gluon_serves` check assumes, and the plan leaves it out where it does not apply. Its numerics
+are checked against the float32 reference on the GPU in test_triton_mla_decode.py
+(`test_sm90_paths`)."""
 
 import json
 import os
@@ -14,14 +15,19 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from mlaserve.kernels import mla_decode_sm90  # noqa: E402
+from mlaserve.kernels.mla_decode import gluon_sm90  # noqa: E402
+from mlaserve.kernels.mla_decode.common import (  # noqa: E402
+    GLUON_SHARED_MEMORY_LIMIT,
+    gluon_serves,
+    gluon_shared_memory_bytes,
+)
 
 # Runs in a fresh interpreter: the CPU test session interprets Triton kernels
 # (TRITON_INTERPRET=1 is read when triton and gluon decorate their functions).
 _COMPILE = """
 import json, os, subprocess, sys, tempfile
 import torch, triton
-from mlaserve.kernels.mla_decode_sm90_aot import compile_for_sm90
+from mlaserve.kernels.mla_decode.gluon_sm90_aot import compile_for_sm90
 dtype, block_n, num_stages = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 compiled = compile_for_sm90(dtype=dtype, block_n=block_n, num_stages=num_stages)
 tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -43,8 +49,8 @@ def test_compiles_for_sm90_without_spills(dtype: str) -> None:
                          capture_output=True, text=True, env=env, check=True).stdout
     result = json.loads(out.splitlines()[-1])
     assert result["stack"] == 0  # no register spills
-    assert result["shared"] <= mla_decode_sm90.shared_memory_bytes(512, 64, block_n, num_stages)
-    assert result["shared"] <= mla_decode_sm90.SHARED_MEMORY_LIMIT
+    assert result["shared"] <= gluon_shared_memory_bytes(512, 64, block_n, num_stages)
+    assert result["shared"] <= GLUON_SHARED_MEMORY_LIMIT
     ptx = result["ptx"]
     # Each warpgroup computes whole S tiles (m64n32) and its half of O (m64n256); TMA loads;
     # the loader warp gives its registers to the compute partitions.
@@ -56,25 +62,24 @@ def test_compiles_for_sm90_without_spills(dtype: str) -> None:
 
 
 def test_stores_by_tma_only_whole_groups_that_fit_the_ring() -> None:
-    stores_by_tma = mla_decode_sm90.stores_by_tma
+    stores_by_tma = gluon_sm90.stores_by_tma
     assert stores_by_tma(512, 32, 4, 128, torch.bfloat16)  # 128 heads: two whole groups
     assert stores_by_tma(512, 32, 4, 64, torch.float32)  # float32 partials fill the ring
     assert not stores_by_tma(512, 32, 4, 32, torch.bfloat16)  # 16 heads x q_len 2: padded
     assert not stores_by_tma(512, 32, 2, 64, torch.float32)  # a 2-tile ring is too small
 
 
-def test_supported_shapes() -> None:
-    assert not mla_decode_sm90.supported(torch.device("cpu"), torch.bfloat16, 512, 64, 64, 64, 2,
-                                         64)
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        return
-    cuda = torch.device("cuda")
-    assert mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 32, 4, 64)
-    assert mla_decode_sm90.supported(cuda, torch.float16, 512, 64, 64, 32, 4, 32)
-    assert not mla_decode_sm90.supported(cuda, torch.float32, 512, 64, 64, 32, 4, 64)
-    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 256, 64, 64, 32, 4, 64)
-    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 32, 64, 32, 4, 64)  # R < 64
-    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 32, 32, 4, 64)
-    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 64, 2, 64)
-    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 32, 4, 16)
-    assert not mla_decode_sm90.supported(cuda, torch.bfloat16, 512, 64, 64, 32, 3, 64)
+def test_serves_sm90_shapes_only() -> None:
+    sm90 = (9, 0)
+    assert not gluon_serves(None, torch.bfloat16, 512, 64, 64, 32, 4, 64)  # not CUDA
+    assert not gluon_serves((10, 0), torch.bfloat16, 512, 64, 64, 32, 4, 64)
+    assert not gluon_serves((8, 0), torch.bfloat16, 512, 64, 64, 32, 4, 64)
+    assert gluon_serves(sm90, torch.bfloat16, 512, 64, 64, 32, 4, 64)
+    assert gluon_serves(sm90, torch.float16, 512, 64, 64, 32, 4, 32)
+    assert not gluon_serves(sm90, torch.float32, 512, 64, 64, 32, 4, 64)
+    assert not gluon_serves(sm90, torch.bfloat16, 256, 64, 64, 32, 4, 64)
+    assert not gluon_serves(sm90, torch.bfloat16, 512, 32, 64, 32, 4, 64)  # R < 64
+    assert not gluon_serves(sm90, torch.bfloat16, 512, 64, 32, 32, 4, 64)
+    assert not gluon_serves(sm90, torch.bfloat16, 512, 64, 64, 64, 2, 64)
+    assert not gluon_serves(sm90, torch.bfloat16, 512, 64, 64, 32, 4, 16)
+    assert not gluon_serves(sm90, torch.bfloat16, 512, 64, 64, 32, 3, 64)

@@ -7,7 +7,6 @@ each last page with NaN and shuffles the block table.
 """
 
 import dataclasses
-import importlib
 import math
 import os
 import sys
@@ -15,14 +14,7 @@ import sys
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Triton decides at decoration time whether a kernel is interpreted: rebuild the kernels if
-    # another test module imported them before the variable was set.
-    if "mlaserve.kernels.mla_decode" in sys.modules:
-        importlib.reload(sys.modules["mlaserve.kernels.mla_decode"])
-
+ON_GPU = torch.cuda.is_available()  # without it conftest.py sets TRITON_INTERPRET=1
 pytest.importorskip("triton")
 
 from mlaserve.attention import mla_decode  # noqa: E402
@@ -31,8 +23,13 @@ from mlaserve.attention.triton_backend import (  # noqa: E402
     TritonMLABackend,
     patch_triton_interpreter,
 )
-from mlaserve.kernels.mla_decode import mla_decode_triton  # noqa: E402
-from mlaserve.kernels.mla_decode_plan import (  # noqa: E402
+from mlaserve.kernels.mla_decode.common import (  # noqa: E402
+    GLUON_SM90,
+    TRITON_SPLIT,
+    device_capability,
+)
+from mlaserve.kernels.mla_decode.launch import mla_decode_triton  # noqa: E402
+from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     MLADecodeConfig,
     alloc_workspace,
     default_config,
@@ -54,6 +51,7 @@ if not ON_GPU:
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 4
+CAPABILITY = device_capability(DEVICE)
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 # dtype -> (atol, rtol, 1 - least per-row cosine similarity)
 TOLERANCES = {
@@ -125,8 +123,8 @@ def run_and_check(
                                                 block_size, q_len, dtype, seed)
     scale = 1.5 / math.sqrt(kv_lora_rank + rope_dim)  # peakier than 1/sqrt(192) at small sizes
     plan = plan_mla_decode(len(seq_lens), block_table.shape[1] * block_size, num_heads, q_len,
-                           kv_lora_rank, rope_dim, dtype, NUM_SMS, config=config,
-                           num_splits=num_splits)
+                           kv_lora_rank, rope_dim, dtype, NUM_SMS, block_size, config=config,
+                           num_splits=num_splits, capability=CAPABILITY)
     workspace = None
     if poison_workspace:
         workspace = alloc_workspace(plan, q.device)
@@ -217,9 +215,10 @@ def test_merge_tile_spreads_small_batches_and_bounds_registers() -> None:
 
 
 def test_plan_is_host_side_and_sized() -> None:
-    def plan(batch: int, max_len: int, heads: int, q_len: int = 1, **kwargs):
+    def plan(batch: int, max_len: int, heads: int, q_len: int = 1, block_size: int = 64,
+             **kwargs):
         return plan_mla_decode(batch, max_len, heads, q_len, 512, 64, torch.bfloat16, 132,
-                               **kwargs)
+                               block_size, **kwargs)
 
     big = plan(512, 1024, 16)
     assert big.num_splits == 1 and big.workspace_o_numel == 0 and big.workspace_lse_numel == 0
@@ -242,6 +241,15 @@ def test_plan_is_host_side_and_sized() -> None:
     assert wide.num_head_groups == 2 and wide.config.block_m == 64 and wide.num_splits == 1
     lone = plan(1, 8192, 128)
     assert lone.num_head_groups == 2 and lone.config.warp_specialized
+    # The plan names the kernel: the Gluon pass on sm_90 only; its tile on the Triton kernel
+    # elsewhere, which loads by TMA from sm_90 on; PDL merge from sm_90 on, with splits.
+    assert lone.kernel == TRITON_SPLIT and not lone.tma_loads and not lone.programmatic_launch
+    hopper = plan(1, 8192, 128, capability=(9, 0))
+    assert hopper.kernel == GLUON_SM90 and hopper.programmatic_launch
+    assert plan(1, 8192, 128, block_size=16, capability=(9, 0)).kernel == TRITON_SPLIT
+    blackwell = plan(1, 8192, 128, capability=(10, 0))
+    assert blackwell.kernel == TRITON_SPLIT and blackwell.tma_loads
+    assert not plan(64, 8192, 128, capability=(9, 0)).programmatic_launch  # one split
     assert plan(8, 1024, 128, q_len=2).num_head_groups == 4
     # 32 rows (16 heads x q_len 2) are padded to one 64-row seesaw program, 2 splits at 64 x 4k
     padded = plan(64, 4096, 16, q_len=2)
@@ -417,5 +425,9 @@ def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int]
     config = dataclasses.replace(
         default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
         **changes[path])
+    planned = plan_mla_decode(len(lens), 8192, num_heads, q_len, 512, 64, dtype, NUM_SMS,
+                              block_size, config=config, capability=CAPABILITY)
+    if CAPABILITY == (9, 0):
+        assert planned.kernel == (GLUON_SM90 if path == "warp_specialized" else TRITON_SPLIT)
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
                   seed=block_size + num_heads)

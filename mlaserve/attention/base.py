@@ -101,6 +101,11 @@ class MLABackend(ABC):
             q_len: new tokens per request (1 for plain decode).
         """
 
+    def describe_plan(self) -> str:
+        """What the last `plan()` chose to run (a kernel and its configuration), in one line;
+        the backend's name where it has only one way to run."""
+        return self.name
+
     @abstractmethod
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor, return_lse: bool = False

@@ -1,13 +1,19 @@
-"""The `triton` backend: the split-KV paged MLA decode kernel of `mlaserve.kernels.mla_decode`.
+"""The `triton` backend: the paged MLA decode of `mlaserve.kernels.mla_decode`, dispatched by
+its plan.
 
-`plan()` picks the split count from host-side ints only (batch size, the block table's width, the
-SM count), so a step never waits on the device. For CUDA graphs, `init_graph_buffers()` allocates a
-static block table, static lengths and a partial-output workspace big enough for every batch size
-up to the maximum; `plan_for_capture()` fixes the split count of a batch size from the longest
-possible length (any split count is correct for any lengths), and `plan_for_replay()` only copies
-the new block table and lengths into the static buffers, so every pointer a graph holds stays put.
-`plan_like_graph()` runs an eager step (the decode rows of a mixed prefill/decode step) on those
-buffers with a captured graph's plan: it launches only kernels that capture compiled.
+The name says how it runs, not which kernel: `plan()` asks `plan_mla_decode` for the step's
+kernel (`triton_split`, or `gluon_sm90` on sm_90 for 64-row programs), configuration and split
+count, from host-side ints only (batch size, the block table's width, the SM count, the page
+size, the compute capability), so a step never waits on the device; `kernel_plan.kernel` names
+what runs, and `describe_plan()` says it in one line.
+
+For CUDA graphs, `init_graph_buffers()` allocates a static block table, static lengths and a
+partial-output workspace big enough for every batch size up to the maximum; `plan_for_capture()`
+fixes the split count of a batch size from the longest possible length (any split count is
+correct for any lengths), and `plan_for_replay()` only copies the new block table and lengths
+into the static buffers, so every pointer a graph holds stays put. `plan_like_graph()` runs an
+eager step (the decode rows of a mixed prefill/decode step) on those buffers with a captured
+graph's plan: it launches only kernels that capture compiled.
 """
 
 import os
@@ -16,7 +22,13 @@ from types import ModuleType
 import torch
 
 from mlaserve.attention.base import BackendCapabilities, MLABackend, MLAShape
-from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, MLADecodePlan, plan_mla_decode
+from mlaserve.kernels.mla_decode.common import device_capability
+from mlaserve.kernels.mla_decode.plan import (
+    MLADecodeConfig,
+    MLADecodePlan,
+    describe,
+    plan_mla_decode,
+)
 
 # SM count assumed on CPU, where the kernel only runs in Triton's interpreter (tests).
 _CPU_NUM_SMS = 4
@@ -62,7 +74,8 @@ def patch_triton_interpreter() -> None:
 
 
 class TritonMLABackend(MLABackend):
-    """Split-KV Triton kernel: each KV tile read once for up to 64 query rows, LSE merge."""
+    """Split-KV decode (each KV tile read once for up to 64 query rows, LSE merge) through the
+    kernel its plan names: the Triton split pass, or the Gluon pass on sm_90."""
 
     name = "triton"
     capabilities = BackendCapabilities(
@@ -100,6 +113,7 @@ class TritonMLABackend(MLABackend):
             self.num_sms = _CPU_NUM_SMS
         else:
             self.num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
+        self.capability = device_capability(shape.device)
         # A launch configuration to use instead of the per-shape default (e.g. from a sweep).
         self.config: MLADecodeConfig | None = None
         self._plans: dict[tuple, MLADecodePlan] = {}
@@ -108,9 +122,9 @@ class TritonMLABackend(MLABackend):
 
     @property
     def _kernels(self) -> ModuleType:
-        from mlaserve.kernels import mla_decode  # imports triton, which may be missing
+        from mlaserve.kernels.mla_decode import launch  # imports triton, which may be missing
 
-        return mla_decode
+        return launch
 
     def _make_plan(self, batch_size: int, max_seq_len: int, q_len: int) -> MLADecodePlan:
         """The kernel plan for a batch (memoised: planning is pure in these ints and the config)."""
@@ -120,8 +134,8 @@ class TritonMLABackend(MLABackend):
             shape = self.shape
             plan = plan_mla_decode(
                 batch_size, max_seq_len, shape.num_heads, q_len, shape.kv_lora_rank,
-                shape.qk_rope_head_dim, shape.dtype, self.num_sms, config=self.config,
-                block_size=shape.block_size)
+                shape.qk_rope_head_dim, shape.dtype, self.num_sms, shape.block_size,
+                config=self.config, capability=self.capability)
             self._plans[key] = plan
         return plan
 
@@ -153,6 +167,10 @@ class TritonMLABackend(MLABackend):
         self.q_len = q_len
         self.kernel_plan = plan
         self.workspace = workspace
+
+    def describe_plan(self) -> str:
+        """The kernel and configuration the current step's plan runs, in one line."""
+        return describe(self.kernel_plan)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, return_lse: bool = False
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Triton paged MLA decode: split-KV attention over the latent cache, then a log-sum-exp merge.
+"""The Triton kernels of the paged MLA decode: the split pass and the log-sum-exp merge.
 
 The problem (absorbed MLA decode, DESIGN §1 and §3). Per request b with KV length N_b and q_len new
 tokens, the M = q_len * H query rows `[q_latent | q_pe]` (L + R wide) attend all cached rows
@@ -30,18 +30,15 @@ Kernel design:
   loads every stage. Smaller pages are gathered row by row through the block table. Loads past
   the request's length are masked (other=0) and their scores set to -inf, so NaN in unused
   pages or in the tail of the last page never reaches the output.
-- With `config.tma_loads` (64-row programs on sm_90 and newer) whole tiles are loaded by TMA
+- With `plan.tma_loads` (64-row programs on sm_90 and newer) whole tiles are loaded by TMA
   from tensor descriptors over the cache's rows; a split's partial last tile always takes the
   masked pointer loads, so rows past the length never enter a dot.
 - On sm_90 and newer the merge kernel is a programmatic dependent launch: it is scheduled while
   the split pass runs and waits (griddepcontrol.wait) for its completion and stores.
 
-Host-side planning lives in `mla_decode_plan.py` (`plan_mla_decode`, `default_config`): Python
-ints only, so planning a step never synchronises with the device.
+The plan (`plan.py`) fixes every choice; `launch.py` checks the inputs and calls
+`launch_split` and `launch_merge` here as the plan says.
 """
-
-import functools
-import types
 
 import torch
 import triton
@@ -49,9 +46,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mlaserve.kernels.mla_decode_plan import MLADecodeConfig, MLADecodePlan, partial_dtype_of
-
-_LOG2E = 1.4426950408889634
+from mlaserve.kernels.mla_decode.plan import MLADecodePlan
+from mlaserve.kernels.mla_decode.splits import split_bounds
 
 
 @triton.jit
@@ -73,17 +69,6 @@ def _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale, 
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(k_nope.dtype), k_nope, acc=acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
-
-
-@triton.jit
-def split_bounds(seq_len, split, num_splits, min_split_len, BLOCK_N: tl.constexpr):
-    """KV positions [split_start, split_end) of one split of a request of seq_len keys, and the
-    split length: max(min_split_len, round_up(ceil(seq_len / num_splits), BLOCK_N)). Shared
-    with the Gluon pass (`mla_decode_sm90`), which calls it from its kernel."""
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, min_split_len)
-    split_start = split * split_len
-    return split_len, split_start, tl.minimum(split_start + split_len, seq_len)
 
 
 @triton.jit
@@ -304,175 +289,83 @@ def _mla_decode_merge_kernel(
     tl.store(lse_ptr + req * num_rows + rows, lse, mask=row_mask & (col_block == 0))
 
 
-def _check_pow2(name: str, value: int, minimum: int) -> None:
-    if value < minimum or value & (value - 1):
-        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
-
-
-@functools.cache
-def _sm90_or_newer(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol) and TMA exist from sm_90 on."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _pages_back_to_back(kv_cache: torch.Tensor) -> bool:
-    """Whether the cache's rows form one [num_blocks * block_size, L + R] matrix."""
-    return kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
-
-
-def _kv_descriptors(
-    kv_cache: torch.Tensor, kv_lora_rank: int, config: MLADecodeConfig
-) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+def kv_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int
+                   ) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the cache's [c_kv] and [k_pe] columns over all its rows
-    [num_blocks * block_size, L] / [.., R], boxes of one tile; (None, None) where TMA loads are
-    off or impossible: not sm_90+, 32-bit data, tiles wider than a page, or pages not laid
-    out back to back."""
+    [num_blocks * block_size, L] / [.., R], boxes of one tile [block_n, L] / [block_n, R]; the
+    cache's pages must lie back to back."""
     num_blocks, block_size, head_dim = kv_cache.shape
-    if (not config.tma_loads or not _sm90_or_newer(kv_cache.device)
-            or kv_cache.element_size() != 2 or block_size < config.block_n
-            or not _pages_back_to_back(kv_cache)):
-        return None, None
     rows, row_stride = num_blocks * block_size, kv_cache.stride(1)
     nope = TensorDescriptor(kv_cache, [rows, kv_lora_rank], [row_stride, 1],
-                            [config.block_n, kv_lora_rank])
+                            [block_n, kv_lora_rank])
     pe = TensorDescriptor(kv_cache[..., kv_lora_rank:], [rows, head_dim - kv_lora_rank],
-                          [row_stride, 1], [config.block_n, head_dim - kv_lora_rank])
+                          [row_stride, 1], [block_n, head_dim - kv_lora_rank])
     return nope, pe
 
 
-def _warp_specialized_pass(
-    q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, config: MLADecodeConfig
-) -> types.ModuleType | None:
-    """`mla_decode_sm90` where the configuration asks for it and it serves the shape: q's rows
-    back to back, the cache's pages back to back, 16-byte aligned bases; else None."""
-    if not config.warp_specialized or kv_cache.device.type != "cuda":
-        return None
-    from mlaserve.kernels import mla_decode_sm90  # Gluon: imported only for a CUDA launch
-
-    num_tokens, num_heads, head_dim = q.shape
-    if not (mla_decode_sm90.supported(q.device, q.dtype, kv_lora_rank, head_dim - kv_lora_rank,
-                                      config.block_m, config.block_n, config.num_stages,
-                                      kv_cache.shape[1])
-            and q.is_contiguous() and _pages_back_to_back(kv_cache)
-            and kv_cache.stride(1) == head_dim and q.data_ptr() % 16 == 0
-            and kv_cache.data_ptr() % 16 == 0):
-        return None
-    return mla_decode_sm90
-
-
-def mla_decode_triton(
+def launch_split(
+    plan: MLADecodePlan,
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    softmax_scale: float,
+    partial_o: torch.Tensor,
+    partial_lse: torch.Tensor,
+    qk_scale: float,
     kv_lora_rank: int,
     q_len: int,
-    plan: MLADecodePlan,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged MLA decode (split-KV + merge); launches one or two kernels and never syncs.
+) -> None:
+    """Stage 1 (`_mla_decode_split_kernel`) with the plan's configuration.
 
     Args:
-        q: [B * q_len, H, L + R] absorbed queries `[q_latent | q_pe]`, request-major rows;
-            bfloat16, float16 or float32; the last dim contiguous.
-        kv_cache: [num_blocks, block_size, L + R] latent cache `[c_kv | k_pe]`, q's dtype, the
-            last dim contiguous; block_size a power of two.
-        block_table: [B, max_blocks] int32 page ids per request (entries past a request's
-            length are never read).
-        seq_lens: [B] int32 KV length per request including the q_len new tokens; 0 allowed.
-        softmax_scale: multiplies q.k before the softmax.
-        kv_lora_rank: L (a power of two >= 16); R = q.shape[-1] - L (a power of two >= 16).
-        q_len: new tokens per request, causal among themselves.
-        plan: from `plan_mla_decode`: the split count, the configuration and every other
-            compile-time parameter of the launch (any plan is correct for any lengths and
-            batch; one made for other sizes only costs speed).
-        workspace: (partial_o, partial_lse) float32 buffers of at least the plan's sizes, from
-            `alloc_workspace` (partial_o is viewed as q's dtype for 16-bit partials); allocated
-            here when None. Unused with one split.
-
-    Returns:
-        o: [B * q_len, H, L] in q's dtype (zero for rows that see no key).
-        lse: [B * q_len, H] float32, natural log (-inf for rows that see no key).
+        q: [B * q_len, H, L + R], the last dim contiguous; kv_cache [num_blocks, block_size,
+            L + R], the last dim contiguous (pages back to back where `plan.tma_loads`);
+            block_table [B, max_blocks] int32 (row-contiguous); seq_lens [B] int32.
+        partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
+            (flat): the partials, or with one split the final o (q's dtype) and lse.
+        qk_scale: softmax_scale * log2(e).
     """
+    config, num_splits = plan.config, plan.num_splits
     num_tokens, num_heads, head_dim = q.shape
     batch = block_table.shape[0]
-    block_size = kv_cache.shape[1]
-    rope_dim = head_dim - kv_lora_rank
-    if num_tokens != batch * q_len:
-        raise ValueError(f"q has {num_tokens} rows, expected B * q_len = {batch} * {q_len}")
-    if kv_cache.shape[2] != head_dim or kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match q "
-                         f"{tuple(q.shape)} {q.dtype}")
-    _check_pow2("kv_lora_rank", kv_lora_rank, 16)
-    _check_pow2("qk_rope_head_dim", rope_dim, 16)
-    _check_pow2("block_size", block_size, 1)
-    config, num_splits = plan.config, plan.num_splits
-    # Splits must start on tile boundaries (a tile then never straddles a page).
-    min_split_len = triton.cdiv(max(config.min_split_len, 1), config.block_n) * config.block_n
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if kv_cache.stride(-1) != 1:
-        kv_cache = kv_cache.contiguous()
-    block_table = block_table.to(torch.int32)
-    seq_lens = seq_lens.to(torch.int32)
-    if block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
-
-    o = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    if batch == 0:
-        return o, lse
-    rows = q_len * num_heads
-    num_head_groups = triton.cdiv(rows, config.block_m)
     direct = num_splits == 1
-    if direct:
-        partial_o, partial_lse = o, lse  # [B, 1, q_len * H, L] and [B, 1, q_len * H] views
-    else:
-        o_numel = batch * num_splits * rows * kv_lora_rank
-        lse_numel = batch * num_splits * rows
-        partial_dtype = partial_dtype_of(config, q.dtype)
-        if workspace is None:
-            workspace = (torch.empty(o_numel, dtype=partial_dtype, device=q.device),
-                         torch.empty(lse_numel, dtype=torch.float32, device=q.device))
-        partial_o, partial_lse = workspace
-        if partial_o.dtype != partial_dtype:  # float32 storage viewed as 16-bit partials
-            partial_o = partial_o.view(partial_dtype)
-        if partial_o.numel() < o_numel or partial_lse.numel() < lse_numel:
-            raise ValueError(f"workspace too small: need {o_numel} {partial_dtype} partial "
-                             f"outputs and {lse_numel} float32 LSEs, got {partial_o.numel()} and "
-                             f"{partial_lse.numel()}")
+    nope_desc = pe_desc = None
+    if plan.tma_loads:
+        nope_desc, pe_desc = kv_descriptors(kv_cache, kv_lora_rank, config.block_n)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    use_pdl = not direct and config.programmatic_launch and _sm90_or_newer(q.device)
-    sm90_pass = _warp_specialized_pass(q, kv_cache, kv_lora_rank, config)
-    if sm90_pass is not None:
-        sm90_pass.launch_split_pass(q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
-                                    softmax_scale * _LOG2E, kv_lora_rank, q_len, num_splits,
-                                    min_split_len, config.block_n, config.num_stages)
-    else:
-        nope_desc, pe_desc = _kv_descriptors(kv_cache, kv_lora_rank, config)
-        _mla_decode_split_kernel[(num_head_groups, num_splits, batch)](
-            q, kv_cache, nope_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse,
-            softmax_scale * _LOG2E, q_len, num_heads, num_splits, min_split_len,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-            block_table.stride(0), KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim,
-            BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            NUM_STAGES=config.num_stages,
-            PAGE_CHUNK=plan.page_chunk,
-            DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=use_pdl,
-            USE_TMA=nope_desc is not None, num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-    if not direct:
-        block_rows, block_l = plan.merge_block_rows, plan.merge_block_l
-        grid = (triton.cdiv(rows, block_rows), batch, kv_lora_rank // block_l)
-        _mla_decode_merge_kernel[grid](
-            partial_o, partial_lse, o, lse, rows, num_splits,
-            KV_LORA_RANK=kv_lora_rank, BLOCK_R=block_rows, BLOCK_L=block_l,
-            SPLIT_CHUNK=plan.merge_split_chunk, USE_PDL=use_pdl,
-            num_warps=config.merge_num_warps, launch_pdl=use_pdl,
-        )
-    return o, lse
+    _mla_decode_split_kernel[(plan.num_head_groups, num_splits, batch)](
+        q, kv_cache, nope_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse,
+        qk_scale, q_len, num_heads, num_splits, config.min_split_len,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0), KV_LORA_RANK=kv_lora_rank, ROPE_DIM=head_dim - kv_lora_rank,
+        BLOCK_SIZE=kv_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages, PAGE_CHUNK=plan.page_chunk,
+        DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=plan.programmatic_launch,
+        USE_TMA=plan.tma_loads, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
 
 
-__all__ = ["mla_decode_triton"]
+def launch_merge(
+    plan: MLADecodePlan,
+    partial_o: torch.Tensor,
+    partial_lse: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    batch: int,
+    num_rows: int,
+    kv_lora_rank: int,
+) -> None:
+    """Stage 2 (`_mla_decode_merge_kernel`) with the plan's merge tile: partial_o
+    [B, num_splits, q_len * H, L] and partial_lse [B, num_splits, q_len * H] (flat) into
+    o [B * q_len, H, L] (q dtype) and lse [B * q_len, H] float32; num_rows = q_len * H."""
+    block_rows, block_l = plan.merge_block_rows, plan.merge_block_l
+    grid = (triton.cdiv(num_rows, block_rows), batch, kv_lora_rank // block_l)
+    _mla_decode_merge_kernel[grid](
+        partial_o, partial_lse, o, lse, num_rows, plan.num_splits,
+        KV_LORA_RANK=kv_lora_rank, BLOCK_R=block_rows, BLOCK_L=block_l,
+        SPLIT_CHUNK=plan.merge_split_chunk, USE_PDL=plan.programmatic_launch,
+        num_warps=plan.config.merge_num_warps, launch_pdl=plan.programmatic_launch,
+    )
+
+
+__all__ = ["kv_descriptors", "launch_merge", "launch_split"]

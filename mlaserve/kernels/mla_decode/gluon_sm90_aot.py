@@ -1,4 +1,4 @@
-"""Compile the sm_90 Gluon split pass (`mla_decode_sm90`) without a GPU, through Triton's bundled
+"""Compile the sm_90 Gluon split pass (`gluon_sm90`) without a GPU, through Triton's bundled
 ptxas and with the argument specialisation a launch gets: for resource checks (registers,
 spills, shared memory, instruction mix) in CPU tests and scripts/kernel_resources.py."""
 
@@ -9,7 +9,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from mlaserve.kernels.mla_decode_sm90 import (
+from mlaserve.kernels.mla_decode.gluon_sm90 import (
     BLOCK_M,
     NUM_WARPS,
     _mla_decode_split_kernel_sm90,

@@ -1,16 +1,25 @@
-"""Host-side planning of the Triton paged MLA decode (`mla_decode.py`): launch configurations
-tuned on an H200, the split count per step, and workspace sizes.
+"""The plan of a paged MLA decode step: which split-pass kernel runs, with which launch
+configuration, how many splits, and the workspace sizes. The launcher (`launch.py`) obeys the
+plan and decides nothing again.
 
-Everything here is Python ints and dataclasses (batch size, an upper bound on the KV length, SM
-count), so planning a step never synchronises with the device, and needs no Triton.
+Everything here is Python ints, dataclasses and the device's compute capability (batch size, an
+upper bound on the KV length, SM count, page size), so planning a step never synchronises with
+the device, and needs no Triton. The tuned numbers are data in `tuning.py`.
 """
 
 from dataclasses import dataclass, replace
 
 import torch
 
-# Most splits the merge kernel reads in one load (more take further rounds of loads).
-MAX_MERGE_CHUNK = 64
+from mlaserve.kernels.mla_decode import tuning
+from mlaserve.kernels.mla_decode.common import (
+    GLUON_SM90,
+    MAX_MERGE_CHUNK,
+    TRITON_SPLIT,
+    gluon_serves,
+    next_pow2,
+    whole_tiles,
+)
 
 
 @dataclass(frozen=True)
@@ -34,15 +43,14 @@ class MLADecodeConfig:
         merge_block_rows: output rows per merge program.
         merge_num_warps: warps per merge program.
         programmatic_launch: on sm_90 and newer, launch the merge kernel as a programmatic
-            dependent of the split pass, so its launch overlaps the split pass's tail (0.6-0.9
-            µs at batch 1 on the H200: 9.8 -> 9.1 at kv 1024, 15.2 -> 14.3 at 8192).
+            dependent of the split pass, so its launch overlaps the split pass's tail.
         tma_loads: on sm_90 and newer, load whole KV tiles with TMA (tensor descriptors over
             the cache) where a tile lies inside one page; the partial last tile of a split
             always uses masked loads.
         warp_specialized: on sm_90 with L = 512, R >= 64, 16-bit data, 64-row programs and
             32-token tiles within a page in an even ring (num_stages), run the split pass as the
-            warp-specialised Gluon kernel of `mla_decode_sm90.py` (a TMA loader warp, two
-            compute warpgroups in the seesaw schedule); num_warps does not apply.
+            warp-specialised Gluon kernel of `gluon_sm90.py` (a TMA loader warp, two compute
+            warpgroups in the seesaw schedule); num_warps does not apply.
         partial_dtype: element type of the split pass's partial outputs: "float32", or
             "input" (q's dtype when 16-bit).
     """
@@ -82,6 +90,11 @@ class MLADecodePlan:
     """What one decode step launches; built by `plan_mla_decode` from host-side ints only.
 
     Attributes:
+        kernel: the split pass that runs: `TRITON_SPLIT` or `GLUON_SM90` (common.py).
+        tma_loads: the Triton split pass loads whole tiles by TMA (sm_90+, 16-bit data, tiles
+            within a page, asked for by the config); the cache's pages must lie back to back.
+        programmatic_launch: the merge kernel is a programmatic dependent launch (sm_90+,
+            more than one split, asked for by the config).
         num_splits: KV splits per request (1: no merge kernel, no workspace).
         num_head_groups: stage-1 programs per (request, split), ceil(q_len * H / block_m).
         config: the launch configuration (its `min_split_len` rounded up to whole tiles).
@@ -96,6 +109,9 @@ class MLADecodePlan:
     run one compiled kernel: an eager step planned like a captured CUDA graph compiles nothing.
     """
 
+    kernel: str
+    tma_loads: bool
+    programmatic_launch: bool
     num_splits: int
     num_head_groups: int
     config: MLADecodeConfig
@@ -105,10 +121,6 @@ class MLADecodePlan:
     merge_block_rows: int
     merge_block_l: int
     merge_split_chunk: int
-
-
-def next_pow2(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
 
 
 def default_config(
@@ -121,88 +133,68 @@ def default_config(
     max_seq_len: int | None = None,
     block_size: int | None = None,
 ) -> MLADecodeConfig:
-    """A launch configuration for the shape, from the H200 sweep (`scripts/gpu_kernel_sweep.py`,
-    results in benchmarks/); batch_size and max_seq_len refine it when given.
+    """A launch configuration for the shape from the tuned table (`tuning.py`); batch_size,
+    max_seq_len and block_size refine it when given.
 
     - More than 16 query rows with 16-bit data, L = 512, 64 <= R <= 256 and pages of 32 or more
-      tokens: 64-row programs of the seesaw Gluon pass on sm_90 (`mla_decode_sm90.py`,
-      benchmarks/2026-12-02-h200-mla-decode-seesaw/), 32-token tiles x 4 buffers, one program
-      per SM, at most 32 splits of 64 or more tokens. On the H200: 147.7 / 48.9 / 359.5 µs at
-      128 heads x batch 64 x 4096 / 64 x 1024 / 512 x 1024, against 165.8 / 54.7 / 376.1 for
-      the earlier pass with both warpgroups on one tile, and 142.6 / 43.1 / 328.5 with the
-      output stored by TMA (benchmarks/2026-12-03-h200-mla-decode-tma-store/); 17.1 / 20.6 µs
-      at 128 heads x batch 1 x 4096 / 8192 against 23.0 / 25.3 for 32-row Triton programs (33
-      splits; 66 took 20.8 / 23.3). Rows are padded to 64: 84.0 against 97.2 µs for 32-row
-      Triton programs at 16 heads x q_len 2 x 64 x 4096 (2 splits). Off sm_90 the Triton kernel
-      runs the same tile.
-    - Otherwise, query rows per program (block_m): all rows up to 64; at 128 heads small
+      tokens: the Gluon sm_90 pass's configuration (`tuning.GLUON_SM90_CONFIG`); the plan runs
+      the Triton kernel with the same tile where the Gluon pass cannot (off sm_90). Rows are
+      padded to 64.
+    - Otherwise query rows per program (block_m): all rows up to 64; at >= 64 heads small
       batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
-    - KV tile and pipelining depth, from `scripts/gpu_variant_sweep.py` on the H200
-      (benchmarks/2026-12-02-h200-mla-decode-pipelined/). Triton's pipeliner gives a 16- or 32-row
-      program (mma.sync) num_stages - 1 KV buffers and a 64-row program (wgmma) num_stages.
-      16 rows over 32 or more requests: 32-token tiles with 3 stages (two buffers, two programs
-      per SM): 31.8 / 85.2 / 168.2 / 602.7 µs at batch 64 x 1k / 64 x 4k / 512 x 1k / 512 x 4k
-      against 34.1 / 85.5 / 168.5 / 614.2 with 64-token tiles and 2 stages, which stay for
-      small batches. Over 32-255 requests of at most 1024 tokens, 64-token tiles x 2 buffers
-      with 8 warps, one program per SM (166 KB): 28.9 / 45.0 / 83.8 µs at batch 64 / 128 / 200
-      x 1024 against 29.2 / 47.4 / 86.1, 19.5 against 19.5 at 32 x 1024, but 47.3 against 46.6
-      at 64 x 2048 (benchmarks/2026-12-03-h200-mla-decode-tma-store/). Pages of 32 tokens
-      take 32-token tiles with 3 stages (606.5 µs at 16 heads x 512 x 4096, against 823.6 with
-      4 stages: one program per SM). Otherwise 64-token tiles with 2 stages where they fit
-      (~220 KB at 64 rows x 576), else 32-token tiles, 3 stages; 64-row Triton programs load
-      whole tiles by TMA (7-9% at 128 heads) and aim at one program per SM.
+    - KV tile and pipelining depth per regime (`tuning.TRITON_TILES`): pages under 64 tokens
+      take one page per tile; 16 rows over 32-255 short requests one 64-token program per SM;
+      16 rows over >= 32 requests, or 64-token tiles that do not fit, 32-token tiles; else
+      64-token tiles with 2 stages. 64-row Triton programs load whole tiles by TMA.
     - Partial outputs: 16-bit for 16-row programs over 32-255 requests, else float32.
-    - float32 inputs (tests only) use 16-row groups and 16-token tiles sized for the interpreter.
+    - float32 inputs (tests only) use 16-row groups and tiles sized for the interpreter.
     """
     head_dim = kv_lora_rank + qk_rope_head_dim
     itemsize = dtype.itemsize
     rows = q_len * num_heads
-    merge_block_rows = max(1, min(next_pow2(rows), 2048 // kv_lora_rank))
-    long_requests = max_seq_len is not None and max_seq_len > 2048
+    merge_block_rows = max(1, min(next_pow2(rows), tuning.MERGE_ROW_ELEMENTS // kv_lora_rank))
+    long_requests = max_seq_len is not None and max_seq_len > tuning.LONG_REQUEST_TOKENS
     if itemsize > 2:  # float32: tests under the interpreter and FMA dots on a GPU
-        block_m = 16
-        smem_budget = 180 * 1024
+        block_m = tuning.FLOAT32_BLOCK_M
         q_bytes = block_m * head_dim * itemsize
-        block_n = next((n for n in (64, 32, 16)
-                        if q_bytes + 2 * n * head_dim * itemsize <= smem_budget), 16)
-        return MLADecodeConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2,
-                               min_split_len=max(2 * block_n, 64),
+        block_n = next((n for n in tuning.FLOAT32_BLOCK_NS
+                        if q_bytes + 2 * n * head_dim * itemsize <= tuning.FLOAT32_SMEM_BUDGET),
+                       tuning.FLOAT32_BLOCK_NS[-1])
+        return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2,
+                               min_split_len=max(2 * block_n, tuning.FLOAT32_MIN_SPLIT_LEN),
                                merge_block_rows=merge_block_rows)
     if (rows > 16 and kv_lora_rank == 512 and 64 <= qk_rope_head_dim <= 256
-            and (block_size is None or block_size >= 32)):
-        return MLADecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=4,
-                               programs_per_sm=1.0, min_split_len=64, max_num_splits=32,
-                               merge_block_rows=merge_block_rows,
-                               tma_loads=True, warp_specialized=True)
+            and (block_size is None or block_size >= tuning.GLUON_MIN_PAGE)):
+        return MLADecodeConfig(**tuning.GLUON_SM90_CONFIG, merge_block_rows=merge_block_rows)
     block_m = min(max(16, next_pow2(rows)), 64)
-    if block_m == 64 and num_heads >= 64 and batch_size is not None and batch_size < 8:
+    wide_heads, small_batch = tuning.SMALL_BATCH_WIDE_HEADS
+    if (block_m == 64 and num_heads >= wide_heads and batch_size is not None
+            and batch_size < small_batch):
         block_m = 32
     q_bytes = block_m * head_dim * itemsize
-    fits_64 = q_bytes + 2 * 64 * head_dim * itemsize <= 224 * 1024
-    medium_batch = batch_size is not None and 32 <= batch_size < 256
-    short_requests = max_seq_len is not None and max_seq_len <= 1024
+    fits_64 = q_bytes + 2 * 64 * head_dim * itemsize <= tuning.TRITON_SMEM_BUDGET
+    low, high = tuning.MEDIUM_BATCH
+    medium_batch = batch_size is not None and low <= batch_size < high
+    short_requests = max_seq_len is not None and max_seq_len <= tuning.SHORT_REQUEST_TOKENS
     one_per_sm = block_m == 16 and medium_batch and short_requests and (
         block_size is None or block_size >= 64)
     if block_size is not None and block_size < 64:
-        block_n, num_stages = max(16, block_size), 3
+        regime = "small_pages"
     elif one_per_sm:
-        block_n, num_stages = 64, 3
-    elif block_m == 16 and batch_size is not None and batch_size >= 32 or not fits_64:
-        block_n, num_stages = 32, 3
+        regime = "one_per_sm"
+    elif block_m == 16 and batch_size is not None and batch_size >= low or not fits_64:
+        regime = "many_requests"
     else:
-        block_n, num_stages = 64, 2
+        regime = "default"
+    block_n, num_stages = tuning.TRITON_TILES[regime]
+    if regime == "small_pages":
+        block_n = max(16, block_size)
     num_warps = 8 if (block_m >= 64 or one_per_sm) and kv_lora_rank >= 256 else 4
     policy, per_sm = "waves", (2.0 if block_m <= 32 and not one_per_sm else 1.0)
     if (block_m == 16 and batch_size is not None and long_requests
-            and batch_size >= 264):
-        policy, per_sm = "fill", 4.0
-    if block_m == 16:
-        min_split_len = 128 if long_requests else 64
-    else:
-        min_split_len = 256 if block_m == 64 or long_requests else 64
-    # 16-bit partials at 16 rows x 32-255 requests (benchmarks/2026-12-02-h200-mla-decode-16-heads,
-    # section 4): 29.1 / 80.1 µs against 33.2 / 83.3 for float32 at batch 64 x 1024 / 4096
-    # (4 splits); float32 stays at 512 x 4096 (613.7 against 630.8 µs, 2 splits).
+            and batch_size >= tuning.FILL_MIN_BATCH):
+        policy, per_sm = "fill", tuning.FILL_PROGRAMS_PER_SM
+    min_split_len = tuning.MIN_SPLIT_LEN[(block_m, long_requests)]
     partial_dtype = "input" if block_m == 16 and medium_batch else "float32"
     return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                            num_stages=num_stages, split_policy=policy, programs_per_sm=per_sm,
@@ -240,11 +232,13 @@ def plan_mla_decode(
     qk_rope_head_dim: int,
     dtype: torch.dtype,
     num_sms: int,
+    block_size: int,
     config: MLADecodeConfig | None = None,
     num_splits: int | None = None,
-    block_size: int | None = None,
+    capability: tuple[int, int] | None = None,
 ) -> MLADecodePlan:
-    """Choose the split count and workspace sizes for one decode step; host-side ints only.
+    """Choose the kernel, its configuration, the split count and the workspace sizes for one
+    decode step; host-side ints only.
 
     Args:
         batch_size: B, requests in the step.
@@ -256,10 +250,12 @@ def plan_mla_decode(
         qk_rope_head_dim: R.
         dtype: q and cache dtype.
         num_sms: streaming multiprocessors on the device.
+        block_size: tokens per KV page.
         config: launch configuration; `default_config` of the shape when None.
         num_splits: force this split count (any value >= 1 is valid for any lengths), e.g. to keep
             one count for a captured CUDA graph.
-        block_size: tokens per KV page (refines the default configuration).
+        capability: the CUDA device's (major, minor) compute capability (`device_capability`);
+            None off CUDA (the Triton interpreter).
 
     Returns:
         The plan to pass to `mla_decode_triton`.
@@ -267,8 +263,7 @@ def plan_mla_decode(
     if config is None:
         config = default_config(num_heads, q_len, kv_lora_rank, qk_rope_head_dim, dtype,
                                 batch_size, max_seq_len, block_size)
-    min_split_len = -(-max(config.min_split_len, 1) // config.block_n) * config.block_n
-    config = replace(config, min_split_len=min_split_len)
+    config = replace(config, min_split_len=whole_tiles(config.min_split_len, config.block_n))
     rows = q_len * num_heads
     num_head_groups = -(-rows // config.block_m)
     if num_splits is None:
@@ -287,7 +282,18 @@ def plan_mla_decode(
     lse_numel = batch_size * num_splits * rows if num_splits > 1 else 0
     merge_rows, merge_l, merge_chunk = merge_tile(config, batch_size, rows, num_splits,
                                                   kv_lora_rank)
-    return MLADecodePlan(num_splits=num_splits, num_head_groups=num_head_groups, config=config,
+    kernel = TRITON_SPLIT
+    if config.warp_specialized and gluon_serves(capability, dtype, kv_lora_rank,
+                                                qk_rope_head_dim, config.block_m,
+                                                config.block_n, config.num_stages, block_size):
+        kernel = GLUON_SM90
+    sm90_or_newer = capability is not None and capability >= (9, 0)
+    tma_loads = (kernel == TRITON_SPLIT and config.tma_loads and sm90_or_newer
+                 and dtype.itemsize == 2 and block_size >= config.block_n)
+    programmatic_launch = num_splits > 1 and config.programmatic_launch and sm90_or_newer
+    return MLADecodePlan(kernel=kernel, tma_loads=tma_loads,
+                         programmatic_launch=programmatic_launch,
+                         num_splits=num_splits, num_head_groups=num_head_groups, config=config,
                          workspace_o_numel=o_numel, workspace_lse_numel=lse_numel,
                          page_chunk=page_chunk(config, max_seq_len, num_splits),
                          merge_block_rows=merge_rows, merge_block_l=merge_l,
@@ -325,15 +331,16 @@ def page_chunk(config: MLADecodeConfig, max_seq_len: int, num_splits: int) -> in
     """Page ids the split pass reads at once: the tiles of the longest possible split (from the
     host-side bound on the lengths), as a power of two from 1 to 64; longer splits read them 64
     tiles at a time. 0 (page ids read in the tile loop) for 64-row programs: wgmma programs keep
-    num_stages KV buffers either way, and the page vector cost the 128-head program a 128-byte
-    register spill and 10% (scripts/kernel_resources.py, benchmarks/)."""
+    num_stages KV buffers either way, and the page vector cost the 128-head program a register
+    spill (benchmarks/mla-decode-history.md)."""
     if config.block_m >= 64:
         return 0
     split_len = max(-(-max_seq_len // max(num_splits, 1)), config.min_split_len, 1)
     return min(next_pow2(-(-split_len // config.block_n)), 64)
 
 
-def alloc_workspace(plan: MLADecodePlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def alloc_workspace(plan: MLADecodePlan, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The partial-output and partial-LSE buffers a plan needs (float32, flat; may be empty).
 
     Returns:
@@ -342,3 +349,18 @@ def alloc_workspace(plan: MLADecodePlan, device: torch.device) -> tuple[torch.Te
     """
     return (torch.empty(plan.workspace_o_numel, dtype=torch.float32, device=device),
             torch.empty(plan.workspace_lse_numel, dtype=torch.float32, device=device))
+
+
+def describe(plan: MLADecodePlan) -> str:
+    """The kernel and configuration a plan runs, in one line (what `bench kernel` prints)."""
+    c = plan.config
+    parts = [plan.kernel, f"m{c.block_m} n{c.block_n}"]
+    if plan.kernel == TRITON_SPLIT:
+        parts.append(f"w{c.num_warps}")
+    parts += [f"s{c.num_stages}", f"splits {plan.num_splits}"]
+    if plan.num_splits > 1:
+        parts.append(f"({c.split_policy} {c.programs_per_sm:g}/SM, min {c.min_split_len}, "
+                     f"{c.partial_dtype} partials)")
+    flags = [name for name, on in (("tma", plan.tma_loads), ("pdl", plan.programmatic_launch))
+             if on]
+    return " ".join(parts + flags)

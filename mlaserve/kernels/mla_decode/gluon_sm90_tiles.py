@@ -1,4 +1,4 @@
-"""Gluon building blocks of the seesaw split pass (`mla_decode_sm90.py`, whose docstring has
+"""Gluon building blocks of the seesaw split pass (`gluon_sm90.py`, whose docstring has
 the schedule): the TMA loader partition, the S product, masking, the online-softmax step, the
 zeroing of a partial last tile, the P tiles shared through the rope buffers, and the output
 store by TMA. Shapes: Q [64, L] / [64, R], KV tiles [BLOCK_N, L] / [BLOCK_N, R], S and P

@@ -1,7 +1,8 @@
 """Warp-specialised split pass of the paged MLA decode for 64-row programs on sm_90 (Gluon).
 
-The same problem, split arithmetic and output layout as `_mla_decode_split_kernel` in
-`mla_decode.py` (whose merge kernel finishes the job), for 64 query rows per program (128
+The same problem, split arithmetic (`splits.split_bounds`) and output layout as
+`_mla_decode_split_kernel` in `triton_split.py` (whose merge kernel finishes the job, launched
+by `launch.py` where the plan names `GLUON_SM90`), for 64 query rows per program (128
 heads, or 16 heads x q_len 2-4 padded to 64 rows) with kv_lora_rank 512 and 16-bit data.
 Triton's pipeliner keeps a 64-row program's two warpgroups in lockstep and leaves the tensor
 cores idle during the softmax; here the work is laid out by hand, in three partitions:
@@ -27,21 +28,18 @@ cores idle during the softmax; here the work is laid out by hand, in three parti
     same frame m) and added at the end. An odd last tile is a pair without b.
   While one warpgroup runs its softmax, the other's products keep the tensor cores busy; with
   32-token tiles and 4 buffers the next pair's tiles load while the current pair is computed.
-  On the H200 this took 128 heads x 64 x 4096 from 165.8 µs (both warpgroups on one tile, S
-  split by columns, 64-token tiles x 2 buffers) to 147.7 (benchmarks/
-  2026-12-02-h200-mla-decode-seesaw/).
 - V is the [BLOCK_N, L] buffer of the tile itself. A split's partial last tile has its rows
   past the length zeroed in shared memory (each warpgroup its half) before any product reads
   it: the page tail may hold NaN, and P = 0 times NaN is NaN. Their scores are masked to -inf
   like every invisible key.
 - The output leaves by TMA where the program's 64 rows are all real (q_len * H a multiple of
   64) and the ring holds [64, L] of the output dtype: each warpgroup writes its half into the
-  ring (free once both have passed the last tile) and stores it as one box. Stored straight
-  from the wgmma layout (two adjacent columns per thread), the epilogue took 5.7-7.7 µs per
-  program on the H200 (in-kernel %globaltimer stamps), 2.3-2.5 by TMA.
+  ring (free once both have passed the last tile) and stores it as one box, instead of
+  storing straight from the wgmma layout (two adjacent columns per thread).
 
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
-log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; `supported` says when.
+log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
+pass only where `common.gluon_serves` holds.
 """
 
 import functools
@@ -58,8 +56,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mlaserve.kernels.mla_decode import split_bounds
-from mlaserve.kernels.mla_decode_sm90_tiles import (
+from mlaserve.kernels.mla_decode.common import GLUON_BLOCK_M
+from mlaserve.kernels.mla_decode.gluon_sm90_tiles import (
     exp_scores,
     issue_scores,
     loader_partition,
@@ -69,12 +67,12 @@ from mlaserve.kernels.mla_decode_sm90_tiles import (
     wgmma_layout,
     zero_tail,
 )
+from mlaserve.kernels.mla_decode.splits import split_bounds
 
-BLOCK_M = 64  # query rows per program
+BLOCK_M = GLUON_BLOCK_M  # query rows per program
 NUM_WARPS = 4  # per compute partition: one warpgroup
-SHARED_MEMORY_LIMIT = 227 * 1024
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_GL_OUTPUT_DTYPES = _GL_DTYPES | {torch.float32: gl.float32}
+_GL_OUTPUT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                     torch.float32: gl.float32}
 
 
 @gluon.jit
@@ -336,30 +334,6 @@ def stores_by_tma(kv_lora_rank: int, block_n: int, num_stages: int, num_rows: in
     return num_rows % BLOCK_M == 0 and ring_bytes >= BLOCK_M * kv_lora_rank * output_dtype.itemsize
 
 
-def shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int, num_stages: int) -> int:
-    """Q [64, L + R] plus num_stages KV tiles [block_n, L + R] (16-bit), plus 8 KB for the row
-    statistics, barriers and layout-conversion scratch."""
-    return 2 * (kv_lora_rank + rope_dim) * (BLOCK_M + num_stages * block_n) + 8192
-
-
-@functools.cache
-def _is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-
-
-def supported(device: torch.device, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
-              block_m: int, block_n: int, num_stages: int, block_size: int) -> bool:
-    """Whether `launch_split_pass` serves the shape: sm_90, 16-bit data, L = 512 (two halves of
-    256 columns), 64 <= R <= 256 (P [64, BLOCK_N] fits in a tile's rope buffer), 64-row
-    programs, 32-token tiles within a page, an even ring of tiles (pairs) in shared
-    memory."""
-    return (_is_sm90(device) and dtype in _GL_DTYPES and kv_lora_rank == 512
-            and 64 <= rope_dim <= 256 and block_m == BLOCK_M and block_n == 32
-            and block_n <= block_size and num_stages >= 2 and num_stages % 2 == 0
-            and shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages)
-            <= SHARED_MEMORY_LIMIT)
-
-
 def launch_split_pass(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -375,7 +349,7 @@ def launch_split_pass(
     block_n: int,
     num_stages: int,
 ) -> None:
-    """Stage 1 of `mla_decode_triton` for a shape where `supported` holds.
+    """Stage 1 of `mla_decode_triton` where the plan names this pass (`common.gluon_serves`).
 
     Args:
         q: [B * q_len, H, L + R] contiguous; kv_cache [num_blocks, block_size, L + R] with its
@@ -410,4 +384,4 @@ def launch_split_pass(
         num_warps=NUM_WARPS)
 
 
-__all__ = ["launch_split_pass", "shared_memory_bytes", "stores_by_tma", "supported"]
+__all__ = ["launch_split_pass", "stores_by_tma"]

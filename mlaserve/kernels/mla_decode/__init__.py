@@ -1,0 +1,27 @@
+"""Paged MLA decode kernels (DESIGN §1, §3): the plan decides, the kernels obey.
+
+- `plan.py`: `plan_mla_decode` maps (shape, device, lengths, page size) to a named split-pass
+  kernel, its configuration (from `tuning.py`, the tuned table), the split count and workspace
+  sizes; host-side ints only, no Triton.
+- `common.py`: the kernel names, constants and host-side split arithmetic; `splits.py`: the
+  same arithmetic on the device, shared by both split passes.
+- `launch.py`: `mla_decode_triton`, which checks the inputs and launches what the plan names.
+- `triton_split.py`: the Triton split pass and the log-sum-exp merge kernel (any GPU, and the
+  CPU interpreter); `gluon_sm90.py` (+ `gluon_sm90_tiles.py`): the warp-specialised sm_90 split
+  pass; `gluon_sm90_aot.py`: compiling it for sm_90 without a GPU.
+
+Importing this package imports no Triton: the plan lives here, the kernels in their modules.
+"""
+
+from mlaserve.kernels.mla_decode.common import GLUON_SM90, KERNELS, TRITON_SPLIT
+from mlaserve.kernels.mla_decode.plan import (
+    MLADecodeConfig,
+    MLADecodePlan,
+    alloc_workspace,
+    default_config,
+    describe,
+    plan_mla_decode,
+)
+
+__all__ = ["GLUON_SM90", "KERNELS", "TRITON_SPLIT", "MLADecodeConfig", "MLADecodePlan",
+           "alloc_workspace", "default_config", "describe", "plan_mla_decode"]

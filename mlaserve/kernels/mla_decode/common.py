@@ -1,0 +1,71 @@
+"""Constants and host-side arithmetic shared by the plan and the kernels of the paged MLA decode.
+
+Pure Python (and torch dtypes): importing this module needs no Triton, so the plan can be made
+where Triton is missing. The device-side split arithmetic is `splits.split_bounds`.
+
+Split arithmetic: request b with N_b keys is cut into `num_splits` contiguous runs of whole
+tiles of block_n keys, each split_len = max(min_split_len, round_up(ceil(N_b / num_splits),
+block_n)) keys long (min_split_len itself a multiple of block_n), so any split count is valid
+for any lengths and splits past the end are empty.
+"""
+
+import functools
+
+import torch
+
+# Names of the split-pass kernels a plan can choose (`MLADecodePlan.kernel`).
+TRITON_SPLIT = "triton_split"  # `triton_split._mla_decode_split_kernel`, any CUDA GPU or CPU
+GLUON_SM90 = "gluon_sm90"  # `gluon_sm90._mla_decode_split_kernel_sm90`, sm_90 only
+KERNELS = (TRITON_SPLIT, GLUON_SM90)
+
+LOG2E = 1.4426950408889634  # scores are computed in base 2: qk_scale = softmax_scale * LOG2E
+MAX_MERGE_CHUNK = 64  # most splits the merge kernel reads in one load
+
+GLUON_BLOCK_M = 64  # query rows per program of the Gluon pass
+GLUON_SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90
+_GLUON_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def next_pow2(value: int) -> int:
+    """The least power of two >= value (1 for value <= 1)."""
+    return 1 << max(0, value - 1).bit_length()
+
+
+def whole_tiles(num_tokens: int, block_n: int) -> int:
+    """num_tokens (at least 1) rounded up to whole tiles of block_n: splits start on tile
+    boundaries, so a tile never straddles a page."""
+    return -(-max(num_tokens, 1) // block_n) * block_n
+
+
+def gluon_shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int,
+                              num_stages: int) -> int:
+    """Shared memory of the Gluon pass: Q [64, L + R] plus num_stages KV tiles
+    [block_n, L + R] (16-bit), plus 8 KB for the row statistics, barriers and
+    layout-conversion scratch."""
+    return 2 * (kv_lora_rank + rope_dim) * (GLUON_BLOCK_M + num_stages * block_n) + 8192
+
+
+def gluon_serves(capability: tuple[int, int] | None, dtype: torch.dtype, kv_lora_rank: int,
+                 rope_dim: int, block_m: int, block_n: int, num_stages: int,
+                 block_size: int) -> bool:
+    """Whether the Gluon pass serves the shape: sm_90, 16-bit data, L = 512 (two halves of 256
+    columns), 64 <= R <= 256 (P [64, block_n] fits in a tile's rope buffer), 64-row programs,
+    32-token tiles within a page, an even ring of tiles (pairs) in shared memory."""
+    return (capability == (9, 0) and dtype in _GLUON_DTYPES and kv_lora_rank == 512
+            and 64 <= rope_dim <= 256 and block_m == GLUON_BLOCK_M and block_n == 32
+            and block_n <= block_size and num_stages >= 2 and num_stages % 2 == 0
+            and gluon_shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages)
+            <= GLUON_SHARED_MEMORY_LIMIT)
+
+
+@functools.cache
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA device; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+__all__ = ["GLUON_BLOCK_M", "GLUON_SHARED_MEMORY_LIMIT", "GLUON_SM90", "KERNELS", "LOG2E",
+           "MAX_MERGE_CHUNK", "TRITON_SPLIT", "device_capability", "gluon_serves",
+           "gluon_shared_memory_bytes", "next_pow2", "whole_tiles"]

@@ -1,0 +1,19 @@
+"""The split arithmetic on the device (`common.py` has it in words): one Triton function, called
+by both split passes (the Triton kernel of `triton_split.py` and the Gluon pass of
+`gluon_sm90.py`), so neither imports the other."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def split_bounds(seq_len, split, num_splits, min_split_len, BLOCK_N: tl.constexpr):
+    """KV positions [split_start, split_end) of one split of a request of seq_len keys, and the
+    split length: max(min_split_len, round_up(ceil(seq_len / num_splits), BLOCK_N))."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split_len)
+    split_start = split * split_len
+    return split_len, split_start, tl.minimum(split_start + split_len, seq_len)
+
+
+__all__ = ["split_bounds"]
