@@ -1,4 +1,4 @@
-"""The `mlaserve` command: serve | generate | bench serve | bench kernel | eval parity."""
+"""The `mlaserve` command: serve | generate | bench serve | bench kernel | eval [parity]."""
 
 import argparse
 import importlib
@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", default=None,
                         help="DEBUG | INFO | WARNING | ERROR (default: INFO for serve, which "
                              "logs where it listens and a stats line while busy; else WARNING)")
-    commands = parser.add_subparsers(dest="command", required=True)
+    # _ModuleParser without a module is a plain parser: it lets `eval` load its module lazily
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_ModuleParser)
 
     generate = commands.add_parser("generate", parents=[common],
                                    help="complete one prompt and print it")
@@ -188,10 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                                ("kernel", "mlaserve.bench.kernel", "MLA decode kernel sweep")):
         sub = bench.add_parser(name, parents=[common], help=text, module_name=module)
         sub.set_defaults(module=module)
-    commands.add_parser("eval", help="accuracy checks").add_subparsers(
-        dest="eval_command", required=True, parser_class=_ModuleParser).add_parser(
-        "parity", parents=[common], help="greedy outputs of each backend against torch",
-        module_name="mlaserve.eval.parity")
+    commands.add_parser("eval", parents=[common],
+                        help="accuracy: held-out task scores (--tasks), or `eval parity`: "
+                             "greedy outputs of each backend against torch",
+                        module_name="mlaserve.eval.harness",
+                        subcommands={"parity": "mlaserve.eval.parity"})
     return parser
 
 
@@ -200,13 +202,19 @@ class _ModuleParser(argparse.ArgumentParser):
     and run), imported only when that subcommand is parsed: `mlaserve --help`, a bad flag and
     the other subcommands never import what it needs (torch, numpy)."""
 
-    def __init__(self, *args: Any, module_name: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, module_name: str | None = None,
+                 subcommands: dict[str, str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._module_name = module_name
+        self._subcommands = subcommands or {}  # a first argument naming another module
 
     def parse_known_args(self, args: Sequence[str] | None = None,
                          namespace: argparse.Namespace | None = None,
                          ) -> tuple[argparse.Namespace, list[str]]:
+        args = list(sys.argv[1:] if args is None else args)
+        if self._module_name is not None and args and args[0] in self._subcommands:
+            self.prog += f" {args[0]}"
+            self._module_name = self._subcommands[args.pop(0)]
         if self._module_name is not None:
             module = importlib.import_module(self._module_name)
             self._module_name = None

@@ -1,0 +1,158 @@
+"""The arith_* task families, `mlaserve eval --tasks` and the demo-model training script."""
+
+import importlib.util
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from mlaserve.cli import build_parser, main
+from mlaserve.eval import tasks as T
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generators_are_deterministic() -> None:
+    for task in ("arith_gen", "arith_mc"):
+        assert T.make_docs(task, "test", 50, seed=7) == T.make_docs(task, "test", 50, seed=7)
+        assert T.make_docs(task, "test", 50, seed=7) != T.make_docs(task, "test", 50, seed=8)
+
+
+def test_train_and_heldout_never_overlap() -> None:
+    heldout = {d["question"] for task in ("arith_gen", "arith_mc")
+               for d in T.heldout_docs(task)}
+    assert all(T.split_of(q) == "test" for q in heldout)
+    for stream in (T.problems(0, "train"), T.problems(1, "train", max_ops=2)):
+        train = {next(stream).question for _ in range(3000)}
+        assert not train & heldout
+    few = {d["question"] for task in T.TASKS for d in T.fewshot_docs(task)}
+    assert few and not few & heldout
+
+
+def test_committed_lm_eval_files_are_the_generated_ones() -> None:
+    """evals/lm_eval/*.jsonl is what `python -m mlaserve.eval.tasks` writes."""
+    for task in ("arith_gen", "arith_mc"):
+        for split, count in (("train", T.FEWSHOT_COUNT), ("test", T.TEST_COUNT)):
+            path = ROOT / "evals" / "lm_eval" / T.data_files(task)[split]
+            docs = [json.loads(line) for line in path.read_text().splitlines()]
+            assert docs == T.make_docs(task, split, count, T.DATA_SEED)
+
+
+def test_worked_steps_are_correct_arithmetic() -> None:
+    rng = random.Random(3)
+    for _ in range(500):
+        problem = T.make_problem(rng)
+        value = None
+        assert 1 <= len(problem.steps) <= 3
+        for step in problem.steps:
+            a, op, b, result = re.fullmatch(r"(\d+) ([-+*]) (\d+) = (\d+)", step).groups()
+            assert value is None or int(a) == value
+            assert int(result) == eval(f"{a} {op} {b}")  # noqa: S307 - digits and one operator
+            value = int(result)
+            assert 0 <= value <= T.MAX_VALUE
+        assert value == problem.answer
+        assert problem.target.endswith(f"\n#### {problem.answer}")
+
+
+def test_mc_choices() -> None:
+    rng = random.Random(5)
+    for _ in range(300):
+        problem = T.make_problem(rng, max_ops=2)
+        doc = T.mc_doc(problem, rng)
+        values = [int(c) for c in doc["choices"]]
+        assert doc["choices"][doc["answer"]] == str(problem.answer)
+        assert len({v % 10 for v in values}) == 4 and min(values) >= 0  # distinct last digits
+        assert all(abs(v - problem.answer) <= 9 for v in values)
+
+
+def test_answer_extraction_and_exact_match() -> None:
+    assert T.extract_answer("1 + 2 = 3\n#### 3") == "3"
+    assert T.extract_answer("#### 1,234.") == "1234"
+    assert T.extract_answer("#### -5\n\n#### 7") == "-5"
+    assert T.extract_answer("the answer is 3") is None
+    doc = {"question": "q", "answer": "1 + 2 = 3\n#### 3"}
+    assert T.exact_match(" 1 + 2 = 3\n#### 3", doc)
+    assert not T.exact_match(" 1 + 2 = 4\n#### 4", doc)
+    assert not T.exact_match("3", doc)
+
+
+def test_prompts_are_lm_eval_shaped() -> None:
+    shot = {"question": "Q1?", "answer": "1 + 1 = 2\n#### 2"}
+    doc = {"question": "Q2?", "answer": "#### 0"}
+    assert (T.completion_prompt("arith_gen", doc, [shot])
+            == "Question: Q1?\nAnswer: 1 + 1 = 2\n#### 2\n\nQuestion: Q2?\nAnswer:")
+    assert T.chat_messages(doc, [shot]) == [
+        {"role": "user", "content": "Question: Q1?\nAnswer:"},
+        {"role": "assistant", "content": "1 + 1 = 2\n#### 2"},
+        {"role": "user", "content": "Question: Q2?\nAnswer:"}]
+    mc = {"question": "Q?", "choices": ["1", "2", "3", "4"], "answer": 2}
+    assert T.completion_prompt("arith_mc", mc, []) == "Q?\nA. 1\nB. 2\nC. 3\nD. 4\nAnswer:"
+
+
+def test_eval_parity_subcommand_still_parses() -> None:
+    from mlaserve.eval import harness, parity
+
+    args = build_parser().parse_args(["eval", "parity", "--backends", "torch"])
+    assert args.handler is parity.run and args.backends == "torch"
+    args = build_parser().parse_args(["eval", "--tasks", "arith_mc"])
+    assert args.handler is harness.run and args.tasks == "arith_mc"
+
+
+def test_eval_command_in_process_and_transformers_agree(tmp_path, capsys) -> None:
+    """The random-weight demo model: scores near zero, but the engine and transformers
+    produce the same text and choices question by question."""
+    out = tmp_path / "scores.json"
+    assert main(["eval", "--device", "cpu", "--engine", "mlaserve,transformers",
+                 "--attention-backend", "torch", "--limit", "2", "--max-gen-tokens", "6",
+                 "--output", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "mlaserve/torch" in table and "transformers" in table
+    assert all(task in table for task in T.TASKS)
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"mlaserve/torch", "transformers"}
+    engine, reference = report["results"]["mlaserve/torch"], report["results"]["transformers"]
+    for task in T.TASKS:
+        assert engine[task]["metric"] == ("acc" if task == "arith_mc" else "exact_match")
+        assert 0.0 <= engine[task]["score"] <= 1.0 and len(engine[task]["correct"]) == 2
+        assert engine[task]["predictions"] == reference[task]["predictions"]
+        assert report["disagreements"]["transformers"][task] == []
+
+
+def _train_script():
+    spec = importlib.util.spec_from_file_location("train_demo_model",
+                                                  ROOT / "scripts" / "train_demo_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_script_smoke(tmp_path) -> None:
+    """Two CPU steps of a tiny model write a checkpoint that transformers and mlaserve load."""
+    from transformers import AutoModelForCausalLM
+
+    from mlaserve import LLM, SamplingParams
+
+    train = _train_script()
+    out = tmp_path / "model"
+    train.main(["--out", str(out), "--device", "cpu", "--steps", "2", "--tiny",
+                "--batch-size", "2", "--eval-count", "0", "--final-eval-count", "0"])
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= names
+    config = json.loads((out / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (512, 64)
+    assert config["q_lora_rank"] and config["n_shared_experts"] == 1
+    assert AutoModelForCausalLM.from_pretrained(str(out)) is not None
+    llm = LLM(str(out), device="cpu", attention_backend="torch")
+    ids = llm.tokenizer("Question: 1 + 2\nAnswer:", add_special_tokens=False)["input_ids"]
+    assert all(len(t) == 1 for t in llm.tokenizer.tokenize("12345"))  # one digit per token
+    output = llm.generate(ids, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(output[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("task", T.TASKS)
+def test_lm_eval_task_files_exist(task: str) -> None:
+    text = (ROOT / "evals" / "lm_eval" / f"{task}.yaml").read_text()
+    assert f"task: {task}" in text
