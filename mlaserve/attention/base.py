@@ -45,6 +45,16 @@ class BackendCapabilities:
     supports_cuda_graphs: bool = False
 
 
+class UnsupportedShape(ValueError):
+    """A backend was built for a shape it cannot serve; `reasons` says why."""
+
+    def __init__(self, backend: str, shape: "MLAShape", reasons: list[str]) -> None:
+        super().__init__(f"attention backend '{backend}' cannot serve {shape}: "
+                         + "; ".join(reasons))
+        self.backend = backend
+        self.reasons = reasons
+
+
 class MLABackend(ABC):
     """One paged MLA decode implementation. Subclasses set `name` and `capabilities`."""
 
@@ -54,10 +64,9 @@ class MLABackend(ABC):
     auto_priority: ClassVar[int] = 0
 
     def __init__(self, shape: MLAShape, softmax_scale: float) -> None:
-        reasons = self.supports(shape)
+        reasons = self.supports(shape)  # the one check of a backend for a shape
         if reasons:
-            raise ValueError(f"attention backend '{self.name}' cannot serve {shape}: "
-                             + "; ".join(reasons))
+            raise UnsupportedShape(self.name, shape, reasons)
         self.shape = shape
         self.softmax_scale = softmax_scale
 

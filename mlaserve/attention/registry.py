@@ -1,4 +1,12 @@
-"""Backend names, lazy imports, `auto` selection, and the one-call `mla_decode` entry point."""
+"""Backend names, lazy imports, `auto` selection, and the one-call `mla_decode` entry point.
+
+A name is resolved once (`resolve_backend_name`) and a backend checked once for a shape: its
+constructor runs `supports()` and raises `UnsupportedShape` with the reasons; `create_backend`
+builds the named backend, or under `auto` tries the candidates in order of preference and keeps
+the first that builds. The `triton` name means the plan-dispatched decode of
+`mlaserve.kernels.mla_decode` (the Triton split pass, or the Gluon pass on sm_90): its
+`describe_plan()` names the kernel a step runs.
+"""
 
 import importlib
 import logging
@@ -6,7 +14,7 @@ import os
 
 import torch
 
-from mlaserve.attention.base import MLABackend, MLAShape
+from mlaserve.attention.base import MLABackend, MLAShape, UnsupportedShape
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +25,10 @@ _BACKENDS: dict[str, str] = {
     "torch": "mlaserve.attention.torch_backend:TorchMLABackend",
     "triton": "mlaserve.attention.triton_backend:TritonMLABackend",
     "flashinfer": "mlaserve.attention.flashinfer_backend:FlashInferMLABackend",
+}
+# Peers that `mlaserve bench kernel` times beside the backends; never served, never `auto`.
+_PEERS: dict[str, str] = {
+    "flashinfer-fa2": "mlaserve.attention.flashinfer_backend:FlashInferFA2MLABackend",
 }
 # vLLM's names for the same backends.
 _ALIASES = {"triton_mla": "triton", "flashinfer_mla": "flashinfer"}
@@ -34,64 +46,83 @@ def available_backends() -> list[str]:
     return list(_BACKENDS)
 
 
-def resolve_backend_name(name: str | None) -> str:
-    """Map a user-given name (any case, vLLM names accepted, None -> env var or 'auto')."""
+def peer_backends() -> list[str]:
+    """Names of the benchmark-only peers (`resolve_backend_name(..., peers=True)`)."""
+    return list(_PEERS)
+
+
+def resolve_backend_name(name: str | None, peers: bool = False) -> str:
+    """Map a user-given name (any case, vLLM names accepted, None -> env var or 'auto') to a
+    canonical one; with peers, the benchmark-only peers' names too. Raises on unknown names."""
     if name is None or name == "":
         name = os.environ.get(ENV_VAR, "auto")
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key in _NOT_HERE:
         raise ValueError(f"attention backend '{name}': {_NOT_HERE[key]}")
-    if key != "auto" and key not in _BACKENDS:
+    known = [*_BACKENDS, *(_PEERS if peers else ())]
+    if key != "auto" and key not in known:
         raise ValueError(f"unknown attention backend '{name}'; choose one of "
-                         f"{['auto', *_BACKENDS]} (or vLLM's TRITON_MLA, FLASHINFER_MLA)")
+                         f"{['auto', *known]} (or vLLM's TRITON_MLA, FLASHINFER_MLA)")
     return key
 
 
 def backend_class(name: str) -> type[MLABackend]:
-    """Import and return the class registered under a canonical name."""
-    module_name, class_name = _BACKENDS[name].split(":")
+    """Import and return the class registered under a canonical name (backend or peer)."""
+    module_name, class_name = (_BACKENDS | _PEERS)[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
 def _auto_candidates(shape: MLAShape) -> list[str]:
+    """Names `auto` tries for the shape, most preferred first."""
     if shape.device.type == "cpu":
         return ["torch"]  # the Triton interpreter is a test tool, not a CPU fast path
     return ["flashinfer", "triton", "torch"]
 
 
+def _explicit(key: str, shape: MLAShape) -> type[MLABackend]:
+    cls = backend_class(key)
+    reasons = cls.supports(shape)
+    if reasons:
+        raise UnsupportedShape(key, shape, reasons)
+    return cls
+
+
 def select_backend(name: str | None, shape: MLAShape) -> type[MLABackend]:
-    """The backend class to use: the named one (an error if it cannot serve `shape`) or `auto`."""
+    """The backend class for `shape`, without building it: the named one (an error if it cannot
+    serve `shape`) or `auto`'s first candidate that can."""
     key = resolve_backend_name(name)
     if key != "auto":
-        cls = backend_class(key)
-        reasons = cls.supports(shape)
-        if reasons:
-            raise ValueError(f"attention backend '{key}' cannot serve this model here: "
-                             + "; ".join(reasons))
-        return cls
+        return _explicit(key, shape)
     rejected = []
-    candidates = []
     for candidate in _auto_candidates(shape):
         try:
-            cls = backend_class(candidate)
-        except ImportError as exc:
+            return _explicit(candidate, shape)
+        except (ImportError, UnsupportedShape) as exc:
             rejected.append(f"{candidate}: {exc}")
-            continue
-        reasons = cls.supports(shape)
-        if reasons:
-            rejected.append(f"{candidate}: {'; '.join(reasons)}")
-        else:
-            candidates.append(cls)
-    best = max(candidates, key=lambda c: c.auto_priority)
-    logger.info("attention backend auto -> %s%s", best.name,
-                f" (skipped {' | '.join(rejected)})" if rejected else "")
-    return best
+    raise ValueError("no attention backend can serve this shape: " + " | ".join(rejected))
 
 
 def create_backend(name: str | None, shape: MLAShape, softmax_scale: float) -> MLABackend:
-    """Build the chosen backend for `shape`."""
-    return select_backend(name, shape)(shape, softmax_scale)
+    """Build the named backend for `shape` (its constructor checks it once), or under `auto`
+    the first candidate that builds; logs what `auto` chose and skipped."""
+    key = resolve_backend_name(name)
+    if key != "auto":
+        return backend_class(key)(shape, softmax_scale)
+    rejected = []
+    for candidate in _auto_candidates(shape):
+        try:
+            backend = backend_class(candidate)(shape, softmax_scale)
+        except ImportError as exc:
+            rejected.append(f"{candidate}: {exc}")
+            continue
+        except UnsupportedShape as exc:
+            rejected.append(f"{candidate}: {'; '.join(exc.reasons)}")
+            continue
+        logger.info("attention backend auto -> %s%s", backend.name,
+                    f" (skipped {' | '.join(rejected)})" if rejected else "")
+        return backend
+    raise ValueError("no attention backend can serve this shape: " + " | ".join(rejected))
 
 
 def mla_decode(

@@ -12,7 +12,6 @@ timing, no graphs, no ceilings.
 """
 
 import argparse
-import importlib
 import importlib.metadata
 import platform
 import shlex
@@ -25,7 +24,7 @@ import torch
 
 import mlaserve
 from mlaserve.attention import registry
-from mlaserve.attention.base import MLABackend, MLAShape
+from mlaserve.attention.base import MLABackend, MLAShape, UnsupportedShape
 from mlaserve.bench.kernel_cases import CellInputs, check_output, copies_needed, make_inputs
 from mlaserve.bench.kernel_grid import (
     Cell,
@@ -51,15 +50,9 @@ from mlaserve.bench.kernel_timing import (
     time_eager,
     time_graph,
 )
+from mlaserve.config import parse_dtype
 
 DEFAULT_BACKENDS = ("torch", "triton", "flashinfer")
-# Backends the sweep knows beyond the registry's: name -> "module:Class".
-BENCH_ONLY_BACKENDS = {
-    "flashinfer-fa2": "mlaserve.attention.flashinfer_backend:FlashInferFA2MLABackend",
-}
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
-          "float32": torch.float32}
 GRID_FLAGS = ("heads", "batch_sizes", "kv_lens", "block_sizes", "q_lens")
 GRID_DEFAULTS = {"heads": [16, 128], "batch_sizes": [1, 64, 512], "kv_lens": [1024, 4096],
                  "block_sizes": [64], "q_lens": [1]}
@@ -81,7 +74,7 @@ def _int_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `mlaserve bench kernel` flags."""
-    known = ", ".join([*registry.available_backends(), *BENCH_ONLY_BACKENDS])
+    known = ", ".join([*registry.available_backends(), *registry.peer_backends()])
     parser.add_argument("--backends", default=None,
                         help=f"comma list of {known} (default: those of "
                              f"{', '.join(DEFAULT_BACKENDS)} that can run here)")
@@ -100,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--eager", dest="mode", action="store_const", const="eager",
                       help="time eager launches with triton.testing.do_bench")
     parser.set_defaults(mode="graph")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="bf16",
+                        help="bf16 | fp16 | fp32 (or bfloat16, float16, float32)")
     parser.add_argument("--kv-lora-rank", type=int, default=512)
     parser.add_argument("--rope-dim", type=int, default=64)
     parser.add_argument("--device", default=None, help="cuda | cuda:N | cpu (default: cuda if "
@@ -133,22 +127,13 @@ def backend_names(spec: str | None) -> list[str]:
         name = raw.strip().lower()
         if not name:
             continue
-        if name not in BENCH_ONLY_BACKENDS:
-            name = registry.resolve_backend_name(name)
-            if name == "auto":
-                raise ValueError("--backends takes backend names, not 'auto'")
+        name = registry.resolve_backend_name(name, peers=True)
+        if name == "auto":
+            raise ValueError("--backends takes backend names, not 'auto'")
         names.append(name)
     if not names:
         raise ValueError("--backends is empty")
     return list(dict.fromkeys(names))
-
-
-def load_backend(name: str) -> type[MLABackend]:
-    """The class of a registered or sweep-only backend (may raise ImportError)."""
-    if name in BENCH_ONLY_BACKENDS:
-        module_name, class_name = BENCH_ONLY_BACKENDS[name].split(":")
-        return getattr(importlib.import_module(module_name), class_name)
-    return registry.backend_class(name)
 
 
 def _version(distribution: str) -> str | None:
@@ -170,12 +155,16 @@ class _GateError(RuntimeError):
     pass
 
 
+def _one_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
 class Sweep:
     """One run of the sweep: its settings, the ceilings, and the per-backend work."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.device = device
-        self.dtype = DTYPES[args.dtype]
+        self.dtype = parse_dtype(args.dtype)
         self.kv_lora_rank = args.kv_lora_rank
         self.rope_dim = args.rope_dim
         self.softmax_scale = (QK_NOPE_HEAD_DIM + args.rope_dim) ** -0.5
@@ -194,7 +183,7 @@ class Sweep:
     def unsupported(self, name: str, cell: Cell) -> str:
         """Why `name` cannot serve `cell` ("" when it can)."""
         try:
-            cls = load_backend(name)
+            cls = registry.backend_class(name)
         except ImportError as exc:
             return f"cannot be imported: {exc}"
         return "; ".join(cls.supports(self.shape(cell)))
@@ -211,17 +200,21 @@ class Sweep:
 
     def bench(self, name: str, cell: Cell, inputs: CellInputs) -> BackendResult:
         """Gate, then time, one backend on one cell."""
-        reason = self.unsupported(name, cell)
-        if reason:
-            return BackendResult(name, "skipped", reason)
-        cls = load_backend(name)
+        try:
+            backend = registry.backend_class(name)(self.shape(cell), self.softmax_scale)
+        except ImportError as exc:
+            return BackendResult(name, "skipped", f"cannot be imported: {exc}")
+        except UnsupportedShape as exc:
+            return BackendResult(name, "skipped", "; ".join(exc.reasons))
+        except Exception as exc:  # a crash is reported as this backend's failure
+            return BackendResult(name, "failed", _one_line(exc))
         timing = self.mode
-        if timing == "graph" and not cls.capabilities.supports_cuda_graphs:
+        if timing == "graph" and not backend.capabilities.supports_cuda_graphs:
             timing = "eager"
         result = BackendResult(name, "failed", timing=timing)
         try:
-            backend = cls(self.shape(cell), self.softmax_scale)
             backend.plan(inputs.block_table, inputs.seq_lens, cell.q_len)
+            result.plan = backend.describe_plan()
             try:
                 o, lse = backend.run(inputs.queries[0], inputs.caches[0], return_lse=True)
             except NotImplementedError:  # a kernel that returns no LSE: check o alone
@@ -237,7 +230,7 @@ class Sweep:
             result.reason = f"gate under graph replay: {exc}"
             return result
         except Exception as exc:  # a crash is reported as this backend's failure
-            result.reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            result.reason = _one_line(exc)
             return result
         result.status = "ok"
         return result
@@ -311,8 +304,11 @@ def _progress(index: int, total: int, cell_result: CellResult) -> str:
         us = cell_result.metrics(r)["time_us"]
         parts.append(f"{r.backend} {us:.1f} µs" if us is not None else f"{r.backend} {r.status}")
     floor = f"floor {cell_result.floor_s * 1e6:.1f} µs, " if cell_result.floor_s else ""
+    plans = [f"\n    {r.backend} runs {r.plan}" for r in cell_result.results
+             if r.plan and r.plan != r.backend]
     return (f"[{index}/{total}] {cell_result.cell.label} ({floor}{cell_result.num_copies} "
-            f"KV cop{'y' if cell_result.num_copies == 1 else 'ies'}): " + ", ".join(parts))
+            f"KV cop{'y' if cell_result.num_copies == 1 else 'ies'}): " + ", ".join(parts)
+            + "".join(plans))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,8 @@ PEER_BACKENDS = ("flashinfer", "flashinfer-fa2")
 class BackendResult:
     """One backend on one cell. status: "ok" (gated and timed), "failed" (gate or run error:
     never timed) or "skipped" (the backend cannot serve the cell); timing: "graph", "eager"
-    or "cpu"; gate: the error metrics of the correctness check."""
+    or "cpu"; gate: the error metrics of the correctness check; plan: what the backend's plan
+    chose to run (`MLABackend.describe_plan`, e.g. the kernel and its configuration)."""
 
     backend: str
     status: str
@@ -27,6 +28,7 @@ class BackendResult:
     seconds: float | None = None
     gate: dict[str, float] = field(default_factory=dict)
     timing: str = ""
+    plan: str = ""
 
 
 @dataclass
@@ -97,7 +99,8 @@ def to_json(cells: list[CellResult], header: dict[str, Any]) -> dict[str, Any]:
             "floor_us": cell_result.floor_s * 1e6 if cell_result.floor_s else None,
             "num_copies": cell_result.num_copies,
             "results": [{"backend": r.backend, "status": r.status, "reason": r.reason,
-                         "timing": r.timing, "gate": r.gate, **cell_result.metrics(r)}
+                         "timing": r.timing, "plan": r.plan, "gate": r.gate,
+                         **cell_result.metrics(r)}
                         for r in cell_result.results],
         })
     return {**header, "cells": records}
