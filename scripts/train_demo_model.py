@@ -16,6 +16,7 @@ CPU smoke test (seconds):
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -35,6 +36,7 @@ from mlaserve.eval import tasks as T  # noqa: E402
 from mlaserve.eval.engines import TransformersEngine  # noqa: E402
 from mlaserve.eval.harness import run_task  # noqa: E402
 
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the data workers fork
 MAX_BYTES = 20 * 2**20  # the package's size limit for the checkpoint
 MAX_POSITIONS = 1024
 
@@ -243,10 +245,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--steps", type=int, default=20000, help="at most this many steps")
-    parser.add_argument("--time-budget-min", type=float, default=8.0,
+    parser.add_argument("--time-budget-min", type=float, default=7.5,
                         help="stop training after this many minutes (the final check and the "
                              "save come after)")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup-steps", type=int, default=200)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -257,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--final-eval-count", type=int, default=500,
                         help="held-out questions per task for the final check (0: none)")
     parser.add_argument("--num-workers", type=int, default=None,
-                        help="data processes (default: 6 on CUDA, 0 on CPU)")
+                        help="data processes (default: up to 12 on CUDA, 0 on CPU)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer width-64 model (tests)")
     return parser.parse_args(argv)
 
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     workers = args.num_workers if args.num_workers is not None else (
-        6 if device.type == "cuda" else 0)
+        max(1, min(12, (os.cpu_count() or 2) - 2)) if device.type == "cuda" else 0)
     loader = DataLoader(TaskStream(tokenizer, args.seed), batch_size=args.batch_size,
                         num_workers=workers, pin_memory=device.type == "cuda",
                         collate_fn=partial(collate, pad_id=tokenizer.pad_token_id),
@@ -304,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         balancer.step()
         bar.update(1)
         if step % 50 == 0:
-            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.2e}")
+            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.2e}",
+                            seq_s=f"{step * args.batch_size / (time.monotonic() - start):.0f}")
         done = step >= args.steps or progress >= 1.0
         if args.eval_count and (step % args.eval_every == 0 or done):
             scores = heldout_scores(model, tokenizer, args.eval_count, device)

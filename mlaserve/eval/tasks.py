@@ -1,7 +1,8 @@
 """Three synthetic task families, generated from a seed, small enough for a ~10M-parameter model.
 
-- `arith_gen` (gsm8k-style): a word problem with 1-3 operations; the target is one worked step
-  per line (`12 + 7 = 19`) and a last line `#### N`. Scored by exact match of N.
+- `arith_gen` (gsm8k-style): a word problem (or a bare "What is 12 + 7 - 5?") with 1-3
+  operations; the target is one worked step per line (`12 + 7 = 19`) and a last line
+  `#### N`. Scored by exact match of N.
 - `arith_mc` (mmlu-style): a word problem with 1-2 operations and four numeric choices A-D;
   the distractors are near misses (the answer plus or minus 1..9, each with a different last
   digit). Scored by the loglikelihood of " A".." D" after `Answer:`.
@@ -30,6 +31,7 @@ CHOICE_LETTERS = ("A", "B", "C", "D")
 UNTIL = ["Question:", "</s>", "<|im_end|>"]
 MAX_GEN_TOKS = 96
 MAX_VALUE = 999  # every intermediate value stays in [0, MAX_VALUE]
+EXPRESSION_SHARE = 0.2  # problems asked as "What is 12 + 7 - 5?" instead of a story
 
 HE, SHE = ("he", "his", "him"), ("she", "her", "her")
 PEOPLE = (("Tom", HE), ("Anna", SHE), ("Ben", HE), ("Mia", SHE), ("Sam", HE), ("Lily", SHE),
@@ -66,16 +68,17 @@ def split_of(question: str) -> str:
 
 
 def make_problem(rng: random.Random, min_ops: int = 1, max_ops: int = 3) -> Problem:
-    """A random problem with min_ops..max_ops operations (+, -, and * by 2-4 on small values)."""
+    """A random problem with min_ops..max_ops operations: a story (+, -, and * by 2-4 on values
+    up to 30) or, one time in EXPRESSION_SHARE, a bare expression (+ and -, left to right)."""
     name, (pronoun, possessive, object_pronoun) = rng.choice(PEOPLE)
     friend = rng.choice([p[0] for p in PEOPLE if p[0] != name])
     obj = rng.choice(OBJECTS)
+    expression = rng.random() < EXPRESSION_SHARE
     value = rng.randint(1, 99)
-    sentences = [f"{name} has {value} {obj}."]
-    steps = []
+    sentences, terms, steps = [f"{name} has {value} {obj}."], [str(value)], []
     for _ in range(rng.randint(min_ops, max_ops)):
         kinds = ["+", "-"] if value > 0 else ["+"]
-        if 2 <= value <= 30:
+        if 2 <= value <= 30 and not expression:
             kinds.append("*")
         kind = rng.choice(kinds)
         if kind == "+":
@@ -87,13 +90,15 @@ def make_problem(rng: random.Random, min_ops: int = 1, max_ops: int = 3) -> Prob
         else:
             operand = rng.randint(2, 4)
             new, templates = value * operand, MUL
-        text = rng.choice(templates).format(P=pronoun.capitalize(), p=pronoun, q=possessive,
-                                            m=object_pronoun, o=obj, n=operand, F=friend)
-        sentences.append(text)
+        sentences.append(rng.choice(templates).format(
+            P=pronoun.capitalize(), p=pronoun, q=possessive, m=object_pronoun, o=obj, n=operand,
+            F=friend))
+        terms.append(f"{kind} {operand}")
         steps.append(f"{value} {kind} {operand} = {new}")
         value = new
     sentences.append(f"How many {obj} does {name} have now?")
-    return Problem(" ".join(sentences), steps, value)
+    question = f"What is {' '.join(terms)}?" if expression else " ".join(sentences)
+    return Problem(question, steps, value)
 
 
 def problems(seed: int, split: str, *, min_ops: int = 1, max_ops: int = 3):
