@@ -43,6 +43,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model across this many processes (GPUs on CUDA: rank "
                              "r uses the r-th from --device's), one host")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="serve with this many replicas, each with its own scheduler and "
+                             "latent cache (tensor-parallel-size ranks each; serve only)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="the data-parallel replicas split the routed experts between them "
+                             "and exchange tokens in the MoE layers (all-to-all)")
 
 
 def _bytes(text: str) -> int:
@@ -71,16 +77,18 @@ def engine_args_from(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching, hf_overrides=args.hf_overrides,
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
         max_seq_len_to_capture=args.max_seq_len_to_capture,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from mlaserve.engine.args import check_tensor_parallel
+    from mlaserve.engine.args import check_parallel
     from mlaserve.engine.engine import LLMEngine
     from mlaserve.engine.request import SamplingParams
 
     engine_args = engine_args_from(args)
-    check_tensor_parallel(engine_args)
+    check_parallel(engine_args)
     engine = LLMEngine(engine_args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -97,11 +105,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from mlaserve.engine.args import check_tensor_parallel
+    from mlaserve.engine.args import check_parallel
     from mlaserve.server.api import ServerOptions, build_server, create_app
 
     engine_args = engine_args_from(args)
-    check_tensor_parallel(engine_args)  # before the engine process is spawned
+    check_parallel(engine_args)  # before the engine process is spawned
     options = ServerOptions(
         max_request_body_size=args.max_request_body_size,
         max_waiting_requests=args.max_waiting_requests,

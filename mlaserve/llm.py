@@ -15,7 +15,7 @@ class LLM:
 
     tensor_parallel_size N > 1 splits the model across N processes: this one (rank 0, which
     schedules and samples) and N - 1 workers it spawns (see engine/worker.py); on CUDA rank r
-    uses the r-th GPU. A failed or dead worker raises TensorParallelError from `generate`.
+    uses the r-th GPU. A failed or dead worker raises ParallelEngineError from `generate`.
 
     Example:
         >>> llm = LLM()

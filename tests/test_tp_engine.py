@@ -1,7 +1,7 @@
 """The tensor-parallel engine end to end on CPU (gloo, float32): `LLM(tensor_parallel_size=2)`
 runs rank 0 in this process and spawns rank 1; its greedy outputs and prompt logprobs must be
 those of one process, through chunked prefills and preemptions. A worker killed mid-generation,
-or one whose step raises, must surface as one clear TensorParallelError within seconds, with no
+or one whose step raises, must surface as one clear ParallelEngineError within seconds, with no
 process left behind and the process groups left, so a later engine can start. `mlaserve serve
 --tensor-parallel-size 2` streams the one-process greedy completion and leaves no process after
 SIGTERM; killing its worker stops the server with exit code 1 and an error naming the worker.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.engine.request import StructuredOutputs
-from mlaserve.engine.worker import TensorParallelError
+from mlaserve.engine.worker import ParallelEngineError
 from tests.server_util import engine_core_pids
 from tests.test_server_lifecycle import serve, stream_in_background, wait_gone
 from tests.test_server_lm_eval import check_loglikelihoods
@@ -88,7 +88,7 @@ def _assert_stopped(llm: LLM, worker) -> None:
     request fails at once with the same kind of error."""
     assert not worker.is_alive()
     assert not dist.is_initialized()
-    with pytest.raises(TensorParallelError):
+    with pytest.raises(ParallelEngineError):
         llm.generate(PROMPTS[:1], PARAMS)
 
 
@@ -110,7 +110,7 @@ def test_a_killed_worker_is_one_clear_error_within_seconds(checkpoint_dir):
     core.step = step_and_kill
     start = time.monotonic()
     try:
-        with pytest.raises(TensorParallelError,
+        with pytest.raises(ParallelEngineError,
                            match=rf"worker 1 \(pid {worker.pid}\) died \(killed by SIGKILL\)"):
             llm.generate(PROMPTS[:2], SamplingParams(max_tokens=60, temperature=0,
                                                      ignore_eos=True))
@@ -128,7 +128,7 @@ def test_an_exception_in_a_worker_is_one_clear_error(checkpoint_dir):
     llm.engine.core.runner.step_broadcast._leaving.append(10**6)
     start = time.monotonic()
     try:
-        with pytest.raises(TensorParallelError,
+        with pytest.raises(ParallelEngineError,
                            match=rf"worker 1 \(pid {worker.pid}\) failed: KeyError: 1000000"):
             llm.generate(PROMPTS[:2], PARAMS)
         assert time.monotonic() - start < 15

@@ -8,9 +8,12 @@ in model/expert_parallel.py): one exchange of pair counts, the dispatch of token
 expert ids, and the combine of expert outputs. A rank with no tokens in a step still joins every
 exchange with empty sends. The shared experts and the router are replicated.
 
-Expert parallelism here spans the whole world with tensor-parallel size 1 inside each replica.
-Without `init_expert_parallel` the group is the single-process default (rank 0 of 1), whose
-model holds every expert and never communicates.
+With tensor parallelism inside each replica (`-tp T -dp N`, world rank = replica * T + tensor
+rank) the expert-parallel groups are the ranks of equal tensor rank, one per replica: rank t of
+every replica holds the tensor shard t (moe_intermediate_size / T columns) of the same E / N
+experts, so the pairs travel between equal shards and each replica all-reduces the partial sums
+as a tensor-parallel MoE does. Without `init_expert_parallel` the group is the single-process
+default (rank 0 of 1), whose model holds every expert and never communicates.
 """
 
 from dataclasses import dataclass
@@ -71,9 +74,10 @@ def get_ep_group() -> ExpertParallelGroup:
     return _ep_group
 
 
-def init_expert_parallel() -> ExpertParallelGroup:
-    """Make the whole initialised world one expert-parallel group (data parallel with expert
-    parallel, tensor-parallel size 1 per replica); every process must call it.
+def init_expert_parallel(tensor_parallel_size: int = 1) -> ExpertParallelGroup:
+    """Cut the initialised world into expert-parallel groups: the ranks of equal tensor rank,
+    one from each replica of `tensor_parallel_size` consecutive ranks (the whole world when that
+    is 1). Every process must call this, with the same size.
 
     Returns:
         This process's group, now also `get_ep_group()`.
@@ -82,9 +86,24 @@ def init_expert_parallel() -> ExpertParallelGroup:
     if not dist.is_initialized():
         raise RuntimeError("init_expert_parallel needs torch.distributed.init_process_group "
                            "first (nccl on CUDA, gloo on CPU)")
-    size = dist.get_world_size()
-    _ep_group = ExpertParallelGroup(rank=dist.get_rank(), size=size,
-                                    group=dist.group.WORLD if size > 1 else None)
+    world_size, world_rank = dist.get_world_size(), dist.get_rank()
+    if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} does not divide the "
+                         f"world size {world_size}")
+    size = world_size // tensor_parallel_size
+    if size == 1:
+        group = None
+    elif tensor_parallel_size == 1:
+        group = dist.group.WORLD
+    else:
+        group = None
+        for tensor_rank in range(tensor_parallel_size):  # every rank creates every group
+            ranks = list(range(tensor_rank, world_size, tensor_parallel_size))
+            created = dist.new_group(ranks)
+            if world_rank in ranks:
+                group = created
+    _ep_group = ExpertParallelGroup(rank=world_rank // tensor_parallel_size, size=size,
+                                    group=group)
     return _ep_group
 
 

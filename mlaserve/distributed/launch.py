@@ -1,12 +1,19 @@
-"""Starting the processes of one tensor-parallel group on one host, and the control channel.
+"""The process groups of a parallel engine on one host, and its control channel.
 
-Rank 0 (the process that schedules) opens a `torch.distributed.TCPStore` on a free port of
-127.0.0.1 (the kernel picks it: no race between finding a port and binding it) and passes the
-port to the ranks it spawns. Every rank then joins the default process group through that store
-(NCCL on CUDA with device = rank, gloo on CPU): the data plane, on which the model's all-reduces
-and all-gathers run. A second, gloo group carries the control plane: `ControlChannel` broadcasts
-rank 0's bytes (an encoded step description) to every rank, on the CPU, in one collective. The
-store also carries each rank's last words (`report_error`), so rank 0 can name why a rank died.
+The world is `data_parallel_size` replicas of `tensor_parallel_size` consecutive ranks
+(`ParallelLayout`): world rank = replica * T + tensor rank, on GPU cuda:(first + world rank).
+The first rank of each replica schedules it (its engine core); the others are its workers.
+
+Whoever starts the world opens a `torch.distributed.TCPStore` on a free port of 127.0.0.1 (the
+kernel picks it: no race between finding a port and binding it) and passes the port on: the
+engine core of a tensor-parallel engine, or the API process of a data-parallel one with expert
+parallelism. Every rank then joins the default process group through that store (NCCL on CUDA,
+gloo on CPU): the data plane, on which the model's all-reduces, all-gathers and expert
+all-to-alls run (`join_world` also cuts the tensor- and expert-parallel groups). Gloo groups on
+the CPU carry the control plane: each replica's `ControlChannel` broadcasts its engine core's
+bytes (an encoded step description) to the replica's ranks in one collective, and the engine
+cores' `lockstep` group keeps replicas whose MoE layers exchange tokens stepping together. The
+store also carries each rank's last words (`report_error`), so a core can name why a rank died.
 
 Nothing here knows the engine: the engine's worker loop (engine/worker.py) builds on it.
 """
@@ -15,10 +22,14 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from mlaserve.distributed.expert_parallel import init_expert_parallel
+from mlaserve.distributed.parallel_state import init_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +58,64 @@ def connect_store(port: int, world_size: int, timeout: timedelta) -> dist.TCPSto
     return dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timeout)
 
 
-def init_process_groups(store: dist.TCPStore, rank: int, world_size: int,
-                        device: torch.device, timeout: timedelta) -> "ControlChannel":
-    """Join the default process group (the data plane; `timeout` bounds each collective) and
-    create the control group; returns the control channel. Every rank calls this."""
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the world's ranks split the model: `data_parallel_size` replicas of
+    `tensor_parallel_size` consecutive ranks; with `expert_parallel` the replicas' MoE layers
+    share the routed experts (distributed/expert_parallel.py)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    expert_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def core_rank(self, replica: int) -> int:
+        """The world rank of replica `replica`'s engine core (its tensor rank 0)."""
+        return replica * self.tensor_parallel_size
+
+
+@dataclass
+class ProcessGroups:
+    """What `join_world` gives a rank besides the data plane.
+
+    control: its replica's control channel (the core's step descriptions).
+    lockstep: the engine cores' gloo group (expert parallelism only; None on workers).
+    """
+
+    control: "ControlChannel"
+    lockstep: dist.ProcessGroup | None
+
+
+def join_world(store: dist.TCPStore, rank: int, layout: ParallelLayout, device: torch.device,
+               timeout: timedelta) -> ProcessGroups:
+    """Join the default process group (the data plane; `timeout` bounds each collective), then
+    cut the tensor-parallel groups, the expert-parallel groups (if any) and the gloo control
+    groups. Every rank of the world calls this; groups are created in the same order on all."""
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend_for(device), store=store, rank=rank,
-                            world_size=world_size, timeout=timeout, **kwargs)
-    return ControlChannel(dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
+                            world_size=layout.world_size, timeout=timeout, **kwargs)
+    tp = layout.tensor_parallel_size
+    init_tensor_parallel(tp)
+    if layout.expert_parallel:
+        init_expert_parallel(tp)
+    if layout.data_parallel_size == 1:
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    else:
+        control = None
+        for replica in range(layout.data_parallel_size):
+            ranks = list(range(replica * tp, (replica + 1) * tp))
+            created = dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
+            if rank in ranks:
+                control = created
+    lockstep = None
+    if layout.expert_parallel:
+        cores = [layout.core_rank(r) for r in range(layout.data_parallel_size)]
+        created = dist.new_group(cores, backend="gloo", timeout=timeout)
+        lockstep = created if rank in cores else None
+    return ProcessGroups(ControlChannel(control), lockstep)
 
 
 class ControlChannel:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from mlaserve.config import ModelConfig, parse_dtype
+from mlaserve.distributed.launch import ParallelLayout
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 # Decode steps of more requests than this run eagerly (capture time and memory grow with it).
@@ -37,6 +38,8 @@ class EngineArgs:
     enforce_eager: bool = False  # no decode CUDA graphs
     max_seq_len_to_capture: int = 8192
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each)
+    data_parallel_size: int = 1  # replicas, each with its own scheduler and latent cache
+    enable_expert_parallel: bool = False  # the replicas split the routed experts between them
 
 
 def model_dir_of(args: EngineArgs) -> Path:
@@ -58,29 +61,48 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def check_tensor_parallel(args: EngineArgs, config: ModelConfig | None = None) -> None:
-    """ValueError, saying what to change, unless `args.tensor_parallel_size` can run: it divides
-    every dimension the model splits, and on CUDA that many GPUs are visible (rank r uses the
-    r-th GPU from the one `args.device` names). Checked before any process is spawned."""
-    size = args.tensor_parallel_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
-    if size == 1:
+def parallel_layout(args: EngineArgs) -> ParallelLayout:
+    """The engine's ranks: data_parallel_size replicas of tensor_parallel_size ranks."""
+    return ParallelLayout(args.tensor_parallel_size, args.data_parallel_size,
+                          args.enable_expert_parallel)
+
+
+def check_parallel(args: EngineArgs, config: ModelConfig | None = None) -> None:
+    """ValueError, saying what to change, unless the parallel layout can run: the tensor-parallel
+    size divides every dimension the model splits, expert parallelism has replicas to split the
+    routed experts between and divides them, and on CUDA data_parallel_size x
+    tensor_parallel_size GPUs are visible (world rank r uses the r-th GPU from the one
+    `args.device` names). Checked before any process is spawned."""
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        size = getattr(args, name)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    if args.enable_expert_parallel and dp == 1:
+        raise ValueError("--enable-expert-parallel splits the routed experts between "
+                         "data-parallel replicas: add --data-parallel-size N (N > 1), or drop it "
+                         "(under --tensor-parallel-size alone every rank holds a slice of every "
+                         "expert)")
+    if tp == 1 and dp == 1:
         return
     if config is None:
         config = ModelConfig.from_pretrained(model_dir_of(args), args.hf_overrides)
-    config.check_tensor_parallel_size(size)
+    config.check_tensor_parallel_size(tp)
+    if args.enable_expert_parallel and config.n_routed_experts % dp:
+        raise ValueError(f"n_routed_experts={config.n_routed_experts} is not divisible by "
+                         f"--data-parallel-size {dp}, which splits them under "
+                         "--enable-expert-parallel; choose a size that divides it")
     device = resolve_device(args.device)
     if device.type == "cuda":
-        first, visible = device.index or 0, torch.cuda.device_count()
-        if first + size > visible:
-            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs from cuda:{first} "
-                             f"on, but {visible} are visible; lower --tensor-parallel-size, or "
-                             "make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+        first, visible, world = device.index or 0, torch.cuda.device_count(), tp * dp
+        if first + world > visible:
+            raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs "
+                             f"{world} GPUs from cuda:{first} on, but {visible} are visible; "
+                             "lower the sizes, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """The device of tensor-parallel rank `rank`: the rank-th GPU from `device`'s; the CPU."""
+    """The device of world rank `rank`: the rank-th GPU from `device`'s; the CPU."""
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + rank)

@@ -26,17 +26,21 @@ apply, and advances their matchers as the tokens land. A step with a constrained
 collected before the next launch (its next mask needs the token), as with penalties; a grammar
 that completes ends its request with "stop".
 
-Tensor parallelism (`tensor_parallel_size` N > 1): this process is rank 0. It spawns ranks
-1 .. N-1 (`WorkerGroup`, worker.py) before loading its own shard, and its runner sends every
-step it launches to them (one broadcast per step); the scheduler, the block pool, sampling and
-the grammars live here only. A rank that fails or dies stops the whole engine with a
-`TensorParallelError` (never re-run apart: no request is to blame); `shutdown()` stops the
-workers.
+Tensor parallelism (`tensor_parallel_size` N > 1): this process is its replica's first rank. It
+spawns the replica's other ranks (`WorkerGroup`, worker.py) before loading its own shard, and
+its runner sends every step it launches to them (one broadcast per step); the scheduler, the
+block pool, sampling and the grammars live here only. A rank that fails or dies stops the whole
+engine with a `ParallelEngineError` (never re-run apart: no request is to blame); `shutdown()`
+stops the workers. Under data parallelism each replica has a core of its own (`replica`); with
+expert parallelism the cores step together (data_parallel.py): `step_together` agrees with the
+others before each step, and a core without a batch joins the others' MoE exchanges.
 """
 
 import logging
+import os
 import time
 
+import torch
 import torch.distributed
 
 from mlaserve.attention import resolve_backend_name
@@ -45,12 +49,14 @@ from mlaserve.config import ModelConfig, SchedulerConfig
 from mlaserve.distributed import get_tp_group
 from mlaserve.engine.args import (
     EngineArgs,
-    check_tensor_parallel,
+    check_parallel,
     model_dir_of,
+    parallel_layout,
     rank_device,
     resolve_device,
     resolve_dtype,
 )
+from mlaserve.engine.data_parallel import Lockstep
 from mlaserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -71,7 +77,7 @@ from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
 from mlaserve.engine.structured import AcceptResult, StructuredOutputManager
 from mlaserve.engine.tokenizer import load_tokenizer
-from mlaserve.engine.worker import StepBroadcast, TensorParallelError, WorkerGroup
+from mlaserve.engine.worker import ParallelEngineError, StepBroadcast, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +96,14 @@ def eos_token_ids(config: ModelConfig, tokenizer) -> list[int]:
 class EngineCore:
     """Loads the model into a paged latent cache and runs scheduler steps over token ids."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, replica: int = 0, store_port: int | None = None) -> None:
+        """Load the model (this rank's shard) and start the replica's workers.
+
+        Args:
+            replica: this core's data-parallel replica (0 .. data_parallel_size - 1).
+            store_port: the world's store under expert parallelism (opened by the process that
+                started the cores); None otherwise.
+        """
         resolve_backend_name(args.attention_backend)  # fail on a bad name before loading
         model_dir = model_dir_of(args)
         self.device = resolve_device(args.device)
@@ -106,31 +119,39 @@ class EngineCore:
         budget = args.max_num_batched_tokens or 8192
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
-        check_tensor_parallel(args, self.config)
-        tp_size = args.tensor_parallel_size
-        if tp_size > 1 and (get_tp_group().size > 1 or torch.distributed.is_initialized()):
+        check_parallel(args, self.config)
+        layout = parallel_layout(args)
+        if layout.data_parallel_size > 1 and not layout.expert_parallel:
+            raise ValueError("replicas without expert parallelism share nothing: start one "
+                             "engine per replica (data_parallel_size 1, its own device)")
+        if layout.world_size > 1 and (get_tp_group().size > 1
+                                      or torch.distributed.is_initialized()):
             raise ValueError("this process already belongs to a torch.distributed group (another "
-                             "tensor-parallel engine?); shut that engine down first "
-                             "(LLM.shutdown())")
+                             "parallel engine?); shut that engine down first (LLM.shutdown())")
         tokenizer = load_tokenizer(args.tokenizer or model_dir)
         self.workers: WorkerGroup | None = None
-        if tp_size > 1:
-            self.device = rank_device(self.device, 0)
-            self.workers = WorkerGroup.start(args, tp_size, self.device)
+        self.lockstep: Lockstep | None = None
+        if layout.world_size > 1:
+            self.device = rank_device(self.device, layout.core_rank(replica))
+            if self.device.type == "cpu":  # the ranks share the cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
+            self.workers = WorkerGroup.start(args, self.device, replica, store_port)
+            self.lockstep = self.workers.lockstep
         try:  # workers started: stop them if the rest of the set-up fails
-            self._set_up(args, tokenizer, max_model_len, budget)
+            self._set_up(args, tokenizer, max_model_len, budget, replica)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown(graceful=False)
             raise
 
-    def _set_up(self, args: EngineArgs, tokenizer, max_model_len: int, budget: int) -> None:
+    def _set_up(self, args: EngineArgs, tokenizer, max_model_len: int, budget: int,
+                replica: int) -> None:
         """Load the model into its runner; the scheduler, block pool and structured outputs."""
         tp_size = args.tensor_parallel_size
         self.runner = load_runner(
             args, self.config, self.device, self.dtype, max_model_len,
-            self.workers.agree_num_blocks if self.workers is not None else None)
-        if self.workers is not None:
+            self.workers.agree_num_blocks if tp_size > 1 else None)
+        if tp_size > 1:
             self.runner.step_broadcast = StepBroadcast(self.workers)
         num_blocks = self.runner.num_blocks
         self.scheduler_config = SchedulerConfig(
@@ -138,10 +159,11 @@ class EngineCore:
             max_model_len=max_model_len)
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.pool)
+        where = f" of replica {replica}" if args.data_parallel_size > 1 else ""
+        if tp_size > 1:
+            where += f" per rank (each of its {tp_size} ranks holds the whole latent cache)"
         logger.info("KV cache%s: %d blocks of %d tokens = %d tokens; concurrency %.1fx at "
-                    "max_model_len %d",
-                    f" per rank (each of {tp_size} ranks holds the whole latent cache)"
-                    if tp_size > 1 else "", num_blocks, args.block_size,
+                    "max_model_len %d", where, num_blocks, args.block_size,
                     num_blocks * args.block_size, num_blocks * args.block_size / max_model_len,
                     max_model_len)
         self.info = EngineInfo(
@@ -219,10 +241,12 @@ class EngineCore:
         for request in batch.preempted:
             self.runner.release(request)
         launched = None
-        if not batch.is_empty:
+        if batch.is_empty and self.lockstep is not None:
+            self._join_expert_parallel()
+        elif not batch.is_empty:
             try:
                 launched = (batch, self.runner.launch(batch))
-            except TensorParallelError:
+            except ParallelEngineError:
                 raise  # the whole engine is stopped: no request is to blame
             except Exception as exc:  # noqa: BLE001 - only the requests that cause it fail
                 logger.exception("an engine step of %d request(s) failed; re-running them "
@@ -233,6 +257,32 @@ class EngineCore:
         outputs += self._land_in_flight(successor=launched)
         self._in_flight = launched if launched is not None and launched[0].is_advanced else None
         return outputs
+
+    def step_together(self, stopping: bool = False) -> tuple[list[EngineCoreOutput], bool]:
+        """One step of an engine whose replicas step together (any engine: without a lockstep
+        this is `step()` when there is work). Every replica's core calls it as often as the
+        others; `stopping`: this core was told to shut down, and so every core stops.
+
+        Returns:
+            (outputs, stop): stop is True when some core is stopping (nothing was stepped).
+        """
+        if self.lockstep is None:
+            return ([] if stopping or not self.has_unfinished else self.step()), stopping
+        busy, stop = self.lockstep.agree(self.has_unfinished, stopping)
+        if stop:
+            return [], True
+        return (self.step() if busy else []), False
+
+    def _join_expert_parallel(self) -> None:
+        """No batch on this replica while another launches one: join its MoE exchanges."""
+        try:
+            self.runner.join_expert_parallel()
+        except ParallelEngineError:
+            raise
+        except Exception as exc:
+            raise ParallelEngineError(
+                f"an empty expert-parallel step failed ({type(exc).__name__}: {exc}); the "
+                "replicas are out of step") from exc
 
     @staticmethod
     def _needs_known_tokens(batch: ScheduledBatch) -> bool:
@@ -300,6 +350,11 @@ class EngineCore:
         fails every request as before. KV slots that a failed step wrote are written again when
         its tokens are recomputed.
         """
+        if self.lockstep is not None:  # the other replicas' exchanges cannot pair up again
+            raise ParallelEngineError(
+                f"a step of {len(batch.requests)} request(s) failed on this expert-parallel "
+                f"replica ({type(exc).__name__}: {exc}); the replicas are out of step and the "
+                "engine stops") from exc
         self._take_back(batch)
         live = [r for r in batch.requests if self._is_running(r)]
         if len(batch.requests) == 1:
@@ -316,7 +371,7 @@ class EngineCore:
             sub_batch = batch.subset(part)
             try:
                 outputs += self._run_alone(sub_batch)
-            except TensorParallelError:
+            except ParallelEngineError:
                 raise
             except Exception as part_exc:  # noqa: BLE001 - narrowed down further
                 outputs += self._rerun_apart(sub_batch, part_exc)
@@ -401,8 +456,8 @@ class EngineCore:
             request.finish_reason = "length"
 
     def check_workers(self) -> None:
-        """Raise TensorParallelError if a tensor-parallel worker failed or died (an idle core
-        learns it here rather than at its next step)."""
+        """Raise ParallelEngineError if a worker failed or died (an idle core learns it here
+        rather than at its next step)."""
         if self.workers is not None:
             self.workers.check()
 
@@ -411,6 +466,9 @@ class EngineCore:
         cannot step afterwards. Idempotent."""
         if self.runner.step_broadcast is not None:
             self.runner.step_broadcast.shutdown()
+        elif self.workers is not None:  # a replica of one rank: leave the world's groups
+            self.workers.acknowledged = True
+            self.workers.shutdown()
 
     def warm_up(self) -> None:
         """Run short requests through prefill and decode, then forget them.
@@ -434,5 +492,7 @@ class EngineCore:
             prompt = [1 + j % (vocab - 1) for j in range(length)]
             self.add_request(EngineCoreRequest(f"warm-up-{i}", prompt, SamplingParams(
                 max_tokens=2, temperature=1.0, seed=0, ignore_eos=True), sample_seed=0))
-            while self.has_unfinished:
-                self.step()
+            while True:  # under a lockstep every replica warms up alike, step for step
+                self.step_together()
+                if not self.has_unfinished and (self.lockstep is None or not self.lockstep.busy):
+                    break

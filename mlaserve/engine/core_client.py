@@ -14,41 +14,51 @@ is called (the server stops). Sends never block: the input socket connects (it q
 core never waits for this process. pyzmq and msgspec are used rather than pipes and pickle:
 ZeroMQ gives framing, queueing and asyncio integration, and msgspec typed msgpack decoding is
 fast and checks the schema.
+
+Data parallelism (`data_parallel_size` N): N core processes (core_launch.py), one receiver task
+each; a new request goes to the replica with the fewest requests in flight, its aborts follow
+it, stats are the replicas' combined, and any core's death is the engine's. Under expert
+parallelism this process opens the store where the cores' world meets, and wakes every core
+when one gets a request (they step together: data_parallel.py).
 """
 
 import asyncio
 import importlib
 import logging
-import multiprocessing
-import os
 import random
-import shutil
-import signal
 import tempfile
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from mlaserve.engine.args import EngineArgs
+from mlaserve.distributed.launch import create_store
+from mlaserve.engine.args import EngineArgs, parallel_layout
 from mlaserve.engine.core import model_dir_of
+from mlaserve.engine.core_launch import (
+    CoreProcess,
+    close_cores,
+    describe_exit,
+    spawn_core,
+    wait_ready,
+)
 from mlaserve.engine.core_process import (
     AbortRequests,
     AddRequest,
     CoreMessage,
     Failed,
     GetStats,
-    Ready,
     Shutdown,
     Stats,
     StepOutputs,
-    run_engine_core,
+    Wake,
 )
+from mlaserve.engine.data_parallel import LoadBalancer, combine_stats
 from mlaserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -63,6 +73,7 @@ from mlaserve.engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0
+STORE_TIMEOUT = timedelta(seconds=300)
 
 
 class EngineError(RuntimeError):
@@ -72,10 +83,6 @@ class EngineError(RuntimeError):
 
 class EngineDeadError(EngineError):
     """The engine process is gone: requests in flight fail with this and no new one is taken."""
-
-
-class EngineLoadError(RuntimeError):
-    """The engine process could not load the model; the message says why."""
 
 
 @dataclass
@@ -154,6 +161,7 @@ class _Stream:
     num_prompt_tokens: int
     arrival: float
     max_tokens: int
+    replica: int  # the engine core (data-parallel replica) serving it
     first_token: float | None = None
     last_token: float = 0.0
     num_generation_tokens: int = 0
@@ -175,82 +183,82 @@ class _Stream:
         return stats
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"code {code} ({signal.Signals(-code).name})"
-    return f"code {code}"
-
-
 class AsyncEngineClient:
     """add_request(...) -> async iterator of RequestOutput; abort(request_id); shutdown().
 
     Build it with `await AsyncEngineClient.start(args)`; use it from that event loop only.
+    With `data_parallel_size` N it drives N engine cores, one per replica, and gives each new
+    request to the least loaded (data_parallel.py); everything else is the same.
     """
 
-    def __init__(self, process: multiprocessing.Process, socket_dir: str, context: zmq.Context,
-                 input_socket: zmq.Socket, output_socket: zmq.asyncio.Socket, info: EngineInfo,
-                 tokenizer, seed: int, stats_recorder: StatsRecorder | None,
-                 on_dead: Callable[[EngineDeadError], None] | None) -> None:
-        self.process = process
+    def __init__(self, cores: list[CoreProcess], socket_dir: str, context: zmq.Context,
+                 info: EngineInfo, tokenizer, seed: int, stats_recorder: StatsRecorder | None,
+                 on_dead: Callable[[EngineDeadError], None] | None, lockstep: bool = False,
+                 store=None) -> None:
+        self.cores = cores
+        self.processes = [core.process for core in cores]
         self.info = info
         self.tokenizer = tokenizer
-        self.scheduler_stats = SchedulerStats()  # the core's, as of its latest message
         self.output_processor = OutputProcessor(tokenizer)
         self.loop = asyncio.get_running_loop()
         self._socket_dir = socket_dir
         self._context = context
-        self._input = input_socket
-        self._output = output_socket
+        self._lockstep = lockstep  # the cores step together: a request wakes them all
+        self._store = store  # the world's store under expert parallelism, kept open
+        self._balancer = LoadBalancer(len(cores))
         self._encoder = msgspec.msgpack.Encoder()
         self._stats_recorder = stats_recorder
         self._on_dead = on_dead
         self._seed_rng = random.Random(seed)
         self._streams: dict[str, _Stream] = {}
-        self._stats_waiters: deque[asyncio.Future] = deque()
-        self._fatal: str | None = None  # the reason the core sent before exiting
         self._dead: EngineDeadError | None = None
         self._closing = False
-        self.loop.add_reader(process.sentinel, self._on_process_exit)
-        self._receiver = asyncio.create_task(self._receive())
+        for core in cores:
+            self.loop.add_reader(core.process.sentinel, self._on_process_exit, core)
+        self._receivers = [asyncio.create_task(self._receive(core)) for core in cores]
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats:
+        """The cores' stats, as of their latest messages."""
+        return combine_stats([core.stats for core in self.cores])
 
     @classmethod
     async def start(cls, args: EngineArgs, stats_recorder: StatsRecorder | None = None,
                     on_dead: Callable[[EngineDeadError], None] | None = None
                     ) -> "AsyncEngineClient":
-        """Start the core process and wait until it has loaded and warmed up the model.
+        """Start the core process(es) and wait until each has loaded and warmed up the model.
 
         Raises EngineLoadError naming the cause when the model cannot be loaded.
         """
         loop = asyncio.get_running_loop()
+        layout = parallel_layout(args)
         socket_dir = tempfile.mkdtemp(prefix="mlaserve-")
-        input_address, output_address = f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output"
         context = zmq.Context()
-        input_socket = context.socket(zmq.PUSH)
-        input_socket.setsockopt(zmq.SNDHWM, 0)
-        input_socket.connect(input_address)
-        output_socket = zmq.asyncio.Context.shadow(context.underlying).socket(zmq.PULL)
-        output_socket.setsockopt(zmq.RCVHWM, 0)
-        output_socket.bind(output_address)
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="mlaserve-engine-core", daemon=True,
-            args=(args, input_address, output_address, os.getpid(),
-                  logging.getLogger().getEffectiveLevel()))
+        store = None
+        if layout.expert_parallel:  # one world: the cores and their workers meet at this store
+            store = create_store(layout.world_size, STORE_TIMEOUT)
+        cores: list[CoreProcess] = []
         try:
-            process.start()
+            for replica in range(layout.data_parallel_size):
+                cores.append(spawn_core(args, replica, socket_dir, context,
+                                         store.port if store is not None else None))
             tokenizer = await loop.run_in_executor(
                 None, load_tokenizer, args.tokenizer or model_dir_of(args))
             # the grammar library checks structured-output requests here: import it now, off
             # the event loop, rather than on the first such request
             await loop.run_in_executor(None, importlib.import_module, "xgrammar")
-            info = await _wait_ready(process, output_socket)
-            return cls(process, socket_dir, context, input_socket, output_socket, info,
-                       tokenizer, args.seed, stats_recorder, on_dead)
+            infos = await wait_ready(cores)
+            info = min(infos, key=lambda i: i.kv_capacity_tokens)  # a prompt fits any replica
+            return cls(cores, socket_dir, context, info, tokenizer, args.seed, stats_recorder,
+                       on_dead, lockstep=layout.expert_parallel, store=store)
         except BaseException:
-            if process.is_alive():
-                process.kill()
-            if process.pid is not None:
-                process.join()
-            _close(context, socket_dir, input_socket, output_socket)
+            for core in cores:
+                if core.process.is_alive():
+                    core.process.kill()
+            for core in cores:
+                if core.process.pid is not None:
+                    core.process.join()
+            close_cores(context, socket_dir, cores)
             raise
 
     # ---- requests ------------------------------------------------------------------------
@@ -267,10 +275,16 @@ class AsyncEngineClient:
         validate_prompt(prompt_token_ids, params, self.info)
         self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        replica = self._balancer.choose()
         stream = _Stream(OutputCollector(), len(prompt_token_ids), time.perf_counter(),
-                         params.max_tokens)
+                         params.max_tokens, replica)
         self._streams[request_id] = stream
-        self._send(AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params, seed)))
+        self._send(replica, AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params,
+                                                         seed)))
+        if self._lockstep:
+            for core in self.cores:
+                if core.replica != replica:
+                    self._send(core.replica, Wake())
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -290,53 +304,57 @@ class AsyncEngineClient:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        self._balancer.release(stream.replica)
         output = self.output_processor.abort(request_id)
         if output is not None:
             stream.queue.put_nowait(output)
-        self._send(AbortRequests([request_id]))
+        self._send(stream.replica, AbortRequests([request_id]))
         if self._stats_recorder is not None:
             self._stats_recorder.record(IterationStats(
                 finished=[stream.finished("abort", time.perf_counter())]))
 
     async def get_stats(self) -> SchedulerStats:
-        """Ask the core for its stats, as of after every message sent before this call."""
+        """Ask the cores for their stats, as of after every message sent before this call."""
         if self._dead is not None:
             raise self._dead
-        waiter = self.loop.create_future()
-        self._stats_waiters.append(waiter)
-        self._send(GetStats())
-        return await waiter
+        waiters = []
+        for core in self.cores:
+            waiters.append(self.loop.create_future())
+            core.stats_waiters.append(waiters[-1])
+            self._send(core.replica, GetStats())
+        return combine_stats(list(await asyncio.gather(*waiters)))
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def _send(self, message: AddRequest | AbortRequests | GetStats | Shutdown) -> None:
+    def _send(self, replica: int,
+              message: AddRequest | AbortRequests | GetStats | Shutdown | Wake) -> None:
         if self._dead is None:
-            self._input.send(self._encoder.encode(message), copy=False)
+            self.cores[replica].input.send(self._encoder.encode(message), copy=False)
 
     # ---- outputs -------------------------------------------------------------------------
-    async def _receive(self) -> None:
+    async def _receive(self, core: CoreProcess) -> None:
         decoder = msgspec.msgpack.Decoder(CoreMessage)
         try:
             while True:
-                message = decoder.decode((await self._output.recv(copy=False)).buffer)
+                message = decoder.decode((await core.output.recv(copy=False)).buffer)
                 if isinstance(message, StepOutputs):
-                    self.scheduler_stats = message.stats
+                    core.stats = message.stats
                     if message.outputs:
-                        self._deliver(message.outputs)
+                        self._deliver(core.replica, message.outputs)
                 elif isinstance(message, Stats):
-                    self.scheduler_stats = message.stats
-                    waiter = self._stats_waiters.popleft()
+                    core.stats = message.stats
+                    waiter = core.stats_waiters.popleft()
                     if not waiter.done():  # its caller may have given up waiting
                         waiter.set_result(message.stats)
                 elif isinstance(message, Failed):
-                    self._fatal = message.error
+                    core.fatal = message.error
         except Exception as exc:  # noqa: BLE001 - without outputs the engine is of no use
             logger.exception("handling the engine's outputs failed")
             self._die(EngineDeadError(f"handling the engine's outputs failed: {exc}"))
 
-    def _deliver(self, core_outputs: list[EngineCoreOutput]) -> None:
+    def _deliver(self, replica: int, core_outputs: list[EngineCoreOutput]) -> None:
         """Count and time the step's tokens, then hand each output to its request's stream."""
         now = time.perf_counter()
         streams = self._streams
@@ -358,7 +376,7 @@ class AsyncEngineClient:
             stream.num_generation_tokens += num_new
         processed = self.output_processor.process(core_outputs)
         if processed.abort_in_core:
-            self._send(AbortRequests(processed.abort_in_core))
+            self._send(replica, AbortRequests(processed.abort_in_core))
         errors = processed.errors
         for output in processed.outputs:
             stream = streams.get(output.request_id)
@@ -366,21 +384,22 @@ class AsyncEngineClient:
                 continue
             if output.finished:
                 del streams[output.request_id]
+                self._balancer.release(stream.replica)
                 stats.finished.append(stream.finished(output.finish_reason, now))
             error = errors.get(output.request_id)
             stream.queue.put_nowait(output if error is None else EngineError(error))
         if self._stats_recorder is not None:
             self._stats_recorder.record(stats)
 
-    # ---- the process ---------------------------------------------------------------------
-    def _on_process_exit(self) -> None:
-        self.loop.remove_reader(self.process.sentinel)
+    # ---- the processes -------------------------------------------------------------------
+    def _on_process_exit(self, core: CoreProcess) -> None:
+        self.loop.remove_reader(core.process.sentinel)
         if self._closing:
             return
-        self.process.join(1)
-        reason = f"the engine process exited with {_describe_exit(self.process.exitcode)}"
-        if self._fatal is not None:
-            reason += f": {self._fatal}"
+        core.process.join(1)
+        reason = f"{core.name} exited with {describe_exit(core.process.exitcode)}"
+        if core.fatal is not None:
+            reason += f": {core.fatal}"
         logger.error("%s; failing %d request(s) in flight", reason, len(self._streams))
         self._die(EngineDeadError(reason))
 
@@ -394,62 +413,38 @@ class AsyncEngineClient:
     def _fail_all(self, error: EngineDeadError) -> None:
         """Fail every request in flight with `error` and refuse new ones from now on."""
         self._dead = error
-        self._receiver.cancel()
+        for receiver in self._receivers:
+            receiver.cancel()
         for request_id, stream in self._streams.items():
             self.output_processor.abort(request_id)
             stream.queue.put_nowait(error)
         self._streams.clear()
-        while self._stats_waiters:
-            waiter = self._stats_waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(error)
+        for core in self.cores:
+            while core.stats_waiters:
+                waiter = core.stats_waiters.popleft()
+                if not waiter.done():
+                    waiter.set_exception(error)
 
     async def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Stop the core process (killed after `timeout` seconds); what is in flight fails."""
+        """Stop the core process(es) (killed after `timeout` seconds); what is in flight
+        fails."""
         if self._closing:
             return
-        self._send(Shutdown())
+        for core in self.cores:
+            self._send(core.replica, Shutdown())
         self._closing = True
-        self.loop.remove_reader(self.process.sentinel)
+        for core in self.cores:
+            self.loop.remove_reader(core.process.sentinel)
         if self._dead is None:
             self._fail_all(EngineDeadError("the engine was shut down"))
-        await asyncio.wait({self._receiver})
-        await self.loop.run_in_executor(None, self.process.join, timeout)
-        if self.process.is_alive():
-            logger.warning("the engine process did not stop in %.0f s; killing it", timeout)
-            self.process.kill()
-            self.process.join()
-        _close(self._context, self._socket_dir, self._input, self._output)
-
-
-def _close(context: zmq.Context, socket_dir: str, *sockets: zmq.Socket) -> None:
-    for socket in sockets:
-        socket.close(linger=0)
-    context.term()
-    shutil.rmtree(socket_dir, ignore_errors=True)
-
-
-async def _wait_ready(process: multiprocessing.Process, output_socket: zmq.asyncio.Socket
-                      ) -> EngineInfo:
-    """The core's first message: its EngineInfo, or why it could not load the model."""
-    loop = asyncio.get_running_loop()
-    exited = loop.create_future()
-    loop.add_reader(process.sentinel, lambda: exited.done() or exited.set_result(None))
-    received = asyncio.ensure_future(output_socket.recv())
-    try:
-        await asyncio.wait({received, exited}, return_when=asyncio.FIRST_COMPLETED)
-        if not received.done():  # its last words may still be on the way
-            await asyncio.wait({received}, timeout=1.0)
-    finally:
-        loop.remove_reader(process.sentinel)
-        exited.cancel()
-        received.cancel()
-    if received.done() and not received.cancelled():
-        message = msgspec.msgpack.decode(received.result(), type=CoreMessage)
-        if isinstance(message, Ready):
-            return message.info
-        if isinstance(message, Failed):
-            raise EngineLoadError(message.error)
-    await loop.run_in_executor(None, process.join, 5)
-    raise EngineLoadError("the engine process exited with "
-                          f"{_describe_exit(process.exitcode)} while loading the model")
+        await asyncio.wait(set(self._receivers))
+        deadline = time.monotonic() + timeout
+        for core in self.cores:
+            await self.loop.run_in_executor(None, core.process.join,
+                                            max(0.0, deadline - time.monotonic()))
+            if core.process.is_alive():
+                logger.warning("the engine process (pid %d) did not stop in %.0f s; killing it",
+                               core.process.pid, timeout)
+                core.process.kill()
+                core.process.join()
+        close_cores(self._context, self._socket_dir, self.cores)

@@ -69,7 +69,11 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ClientMessage = AddRequest | AbortRequests | GetStats | Shutdown
+class Wake(msgspec.Struct, tag=True, array_like=True):
+    """Another replica got a request: step together now (expert parallelism)."""
+
+
+ClientMessage = AddRequest | AbortRequests | GetStats | Shutdown | Wake
 
 
 # ---- core -> API process ---------------------------------------------------------------------
@@ -98,9 +102,13 @@ CoreMessage = Ready | Failed | StepOutputs | Stats
 
 
 def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int,
-                    log_level: int) -> None:
-    """Process entry: load the core, report `Ready` or `Failed`, then serve until `Shutdown`."""
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+                    log_level: int, replica: int = 0, store_port: int | None = None) -> None:
+    """Process entry: load the core, report `Ready` or `Failed`, then serve until `Shutdown`.
+
+    replica, store_port: this core's data-parallel replica and, under expert parallelism, the
+    world's store (`EngineCore`)."""
+    prefix = f"dp{replica} " if args.data_parallel_size > 1 else ""
+    logging.basicConfig(level=log_level, format=f"%(levelname)s {prefix}%(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(parent_pid, "the engine core")
     context = zmq.Context()
@@ -113,7 +121,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     encoder = msgspec.msgpack.Encoder()
     try:
         try:
-            core = EngineCore(args)
+            core = EngineCore(args, replica, store_port)
             if core.workers is not None:
                 core.workers.exit_on_failure = True  # a dead worker may hang NCCL: exit
             core.warm_up()
@@ -173,14 +181,18 @@ class CoreLoop:
     def run(self) -> None:
         core = self.core
         while True:
-            if not core.has_unfinished and core.workers is None:
+            if core.lockstep is not None:  # the replicas step together (data_parallel.py)
+                if not core.lockstep.busy:
+                    self.inbox.poll(IDLE_POLL_MS)  # a message, or the idle replicas' tick
+                    core.check_workers()
+            elif not core.has_unfinished and core.workers is None:
                 self.inbox.poll()  # idle: wait for a message (the parent watch ends a wait)
             elif not core.has_unfinished:
                 while not self.inbox.poll(IDLE_POLL_MS):
                     core.check_workers()  # a worker that dies while the core idles stops it
-            if not self.handle_messages():
+            outputs, stop = core.step_together(stopping=not self.handle_messages())
+            if stop:
                 return
-            outputs = core.step() if core.has_unfinished else []
             if self.rejected:
                 outputs, self.rejected = self.rejected + outputs, []
             stats = core.stats()
@@ -210,7 +222,7 @@ class CoreLoop:
                 self.core.abort_requests(message.request_ids)
             elif isinstance(message, GetStats):
                 self.send(Stats(self.core.stats()))
-            else:
+            elif isinstance(message, Shutdown):
                 return False
 
     def refuse_undecodable(self, data: bytes, exc: msgspec.DecodeError) -> None:

@@ -33,6 +33,10 @@ class LLMEngine:
     """add_request(prompt, params) and step() -> RequestOutputs, all in this process."""
 
     def __init__(self, args: EngineArgs) -> None:
+        if args.data_parallel_size != 1:
+            raise ValueError("data_parallel_size > 1 runs one engine process per replica: use "
+                             "`mlaserve serve --data-parallel-size N` (in one process, use "
+                             "tensor_parallel_size)")
         self.core = EngineCore(args)
         self.tokenizer = load_tokenizer(args.tokenizer or model_dir_of(args))
         self.info = self.core.info

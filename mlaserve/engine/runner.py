@@ -28,6 +28,7 @@ from mlaserve.attention.base import MLAShape
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
+from mlaserve.distributed.expert_parallel import get_ep_group
 from mlaserve.engine.args import (
     MAX_CUDA_GRAPH_BATCH_SIZE,
     EngineArgs,
@@ -119,6 +120,9 @@ class ModelRunner:
             # collectives; until every rank is known to capture the same graphs, none does
             logger.info("decode CUDA graphs are off under tensor parallelism (size %d)",
                         self.tp.size)
+        elif wants_graphs and has_moe and get_ep_group().size > 1:
+            logger.info("decode CUDA graphs are off under expert parallelism: the expert "
+                        "exchanges size their buffers on the host")
         elif wants_graphs and has_moe and not moe_graph_capturable(device, dtype):
             logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
                            "the experts with a host sync (grouped GEMMs are bfloat16 only); "
@@ -158,6 +162,26 @@ class ModelRunner:
             if error is exc:
                 raise
             raise error from exc
+
+    def join_expert_parallel(self) -> None:
+        """Run no batch, but join every MoE layer's expert exchanges of a step that other
+        data-parallel replicas launch (their tokens may need this rank's experts). Under tensor
+        parallelism the core's workers are told to do the same first."""
+        if self.step_broadcast is None:
+            self._join_expert_parallel()
+            return
+        self.step_broadcast.send_idle()
+        try:
+            self._join_expert_parallel()
+        except BaseException as exc:
+            error = self.step_broadcast.out_of_step(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    @torch.inference_mode()
+    def _join_expert_parallel(self) -> None:
+        self.model.join_expert_parallel()
 
     @torch.inference_mode()
     def _launch(self, batch: ScheduledBatch) -> PendingStep:

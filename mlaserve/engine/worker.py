@@ -18,7 +18,7 @@ ends the loop. Request ids travel once, with the join; steps name requests by sm
 
 Failure. A worker whose step raises reports the error in rank 0's store and exits; a worker
 that dies closes its connections. Either way rank 0's pending or next collective fails, and rank
-0 raises one `TensorParallelError` naming the worker and its error or exit status; the engine
+0 raises one `ParallelEngineError` naming the worker and its error or exit status; the engine
 is then stopped (no step can pair up the ranks' collectives again) and the other workers are
 killed. A failure on rank 0 after a step went out is fatal likewise. A thread of rank 0 also
 watches the workers' processes: where collectives do not fail when a peer dies (NCCL waits),
@@ -41,23 +41,26 @@ import torch
 import torch.distributed as dist
 
 from mlaserve.config import ModelConfig
-from mlaserve.distributed import destroy_tensor_parallel, init_tensor_parallel
+from mlaserve.distributed import destroy_tensor_parallel
+from mlaserve.distributed.expert_parallel import destroy_expert_parallel
 from mlaserve.distributed.launch import (
     ControlChannel,
     connect_store,
     create_store,
     exit_with_parent,
-    init_process_groups,
+    join_world,
     report_error,
     reported_error,
 )
 from mlaserve.engine.args import (
     EngineArgs,
     model_dir_of,
+    parallel_layout,
     rank_device,
     resolve_device,
     resolve_dtype,
 )
+from mlaserve.engine.data_parallel import Lockstep
 from mlaserve.engine.request import Request, SamplingParams
 from mlaserve.engine.runner import ModelRunner, load_runner
 from mlaserve.engine.scheduler import ScheduledBatch
@@ -72,9 +75,10 @@ HANG_GRACE_S = 5.0  # a worker died and the engine has not stopped: exit (exit_o
 JOIN_TIMEOUT_S = 10.0  # graceful worker exit at shutdown, then they are killed
 
 
-class TensorParallelError(RuntimeError):
-    """A rank of a tensor-parallel engine failed or died; the engine is stopped (its workers
-    are gone) and fails every request. Never one request's fault, so never re-run apart."""
+class ParallelEngineError(RuntimeError):
+    """A rank of a parallel engine failed or died, or a step of an expert-parallel replica
+    failed; the engine is stopped (its workers are gone) and fails every request. Never one
+    request's fault, so never re-run apart."""
 
 
 # ---- the step description: rank 0 -> every other rank, once per step -------------------------
@@ -108,6 +112,7 @@ class StepDescription(msgspec.Struct, array_like=True):
     prefills: list[ScheduledRequest]
     sampling: list[int]  # handles of ScheduledBatch.sampling_requests, in order
     shutdown: bool = False
+    idle: bool = False  # no batch: join the other replicas' expert exchanges (Lockstep)
 
 
 class _Mirror:
@@ -129,24 +134,38 @@ def _describe_exit(code: int | None) -> str:
 
 # ---- rank 0 --------------------------------------------------------------------------------
 class WorkerGroup:
-    """Rank 0's handle on ranks 1 .. size-1: start, liveness, shutdown."""
+    """An engine core's handle on its replica's other ranks: start, liveness, shutdown.
 
-    def __init__(self, store: dist.TCPStore, processes: list[multiprocessing.Process]) -> None:
+    Under data parallelism with expert parallelism the core joins the whole world here even
+    when its replica has no other rank (tensor_parallel_size 1), and `lockstep` is set.
+    """
+
+    def __init__(self, store: dist.TCPStore, first_rank: int,
+                 processes: list[multiprocessing.Process]) -> None:
         self.store = store
-        self.processes = processes  # rank r is processes[r - 1]
+        self.first_rank = first_rank  # this core's world rank
+        self.processes = processes  # world rank first_rank + i is processes[i - 1]
         self.control: ControlChannel | None = None
+        self.lockstep: Lockstep | None = None
         self.failure: str | None = None  # why the group is unusable
         self.exit_on_failure = False  # the engine-core process: exit if a death hangs it
         self.acknowledged = False  # the failure was raised to the engine's caller
         self._closing = False
 
     @classmethod
-    def start(cls, args: EngineArgs, size: int, device: torch.device) -> "WorkerGroup":
-        """Spawn ranks 1 .. size-1 and join the process groups with them (this process is
-        rank 0); on return the tensor-parallel group is set for the model to be built."""
+    def start(cls, args: EngineArgs, device: torch.device, replica: int = 0,
+              store_port: int | None = None) -> "WorkerGroup":
+        """Spawn the replica's ranks after this one and join the world with them (this process
+        is the replica's engine core); on return the parallel groups are set for the model to
+        be built. `store_port`: the world's store (data parallel), else this core opens one."""
+        layout = parallel_layout(args)
+        first = layout.core_rank(replica)
         if device.type == "cuda":
-            torch.cuda.set_device(device)  # NCCL's device for rank 0
-        store = create_store(size, STORE_TIMEOUT)
+            torch.cuda.set_device(device)  # NCCL's device for this rank
+        if store_port is None:
+            store = create_store(layout.world_size, STORE_TIMEOUT)
+        else:
+            store = connect_store(store_port, layout.world_size, STORE_TIMEOUT)
         context = multiprocessing.get_context("spawn")
         current = multiprocessing.current_process()
         daemonic = current.daemon
@@ -155,41 +174,45 @@ class WorkerGroup:
         current.daemon = False
         processes = []
         try:
-            for rank in range(1, size):
+            for rank in range(first + 1, first + layout.tensor_parallel_size):
                 process = context.Process(
-                    target=run_worker, name=f"mlaserve-tp-worker-{rank}", daemon=True,
-                    args=(args, rank, size, store.port, os.getpid(),
+                    target=run_worker, name=f"mlaserve-worker-{rank}", daemon=True,
+                    args=(args, rank, store.port, os.getpid(),
                           logging.getLogger().getEffectiveLevel()))
                 process.start()
                 processes.append(process)
         finally:
             current.daemon = daemonic
-        group = cls(store, processes)
+        group = cls(store, first, processes)
         try:
             group._wait_joined()
-            group.control = init_process_groups(store, 0, size, device, DATA_TIMEOUT)
-            init_tensor_parallel(size)
+            groups = join_world(store, first, layout, device, DATA_TIMEOUT)
+            group.control = groups.control
+            if groups.lockstep is not None:
+                group.lockstep = Lockstep(groups.lockstep)
         except BaseException:
             group.shutdown(graceful=False)
             raise
-        threading.Thread(target=group._watch, name="tp-worker-watch", daemon=True).start()
+        threading.Thread(target=group._watch, name="worker-watch", daemon=True).start()
         atexit.register(group.shutdown)  # an engine never shut down: stop its workers first
-        logger.info("tensor parallel: %d ranks (worker pids %s)", size,
-                    ", ".join(str(p.pid) for p in processes))
+        logger.info("replica %d of %d: tensor parallel over %d ranks (worker pids %s)%s",
+                    replica, layout.data_parallel_size, layout.tensor_parallel_size,
+                    ", ".join(str(p.pid) for p in processes) or "none",
+                    ", expert parallel" if layout.expert_parallel else "")
         return group
 
     def _wait_joined(self) -> None:
         """Wait until every worker is about to join the process group; a worker that dies
         first (an import or a device error) is an error here, not a rendezvous timeout."""
-        for rank, process in enumerate(self.processes, start=1):
+        for rank, process in enumerate(self.processes, start=self.first_rank + 1):
             while not self.store.check([f"mlaserve/joined/{rank}"]):
                 if not process.is_alive():
                     process.join()
-                    raise TensorParallelError(self._describe(rank))
+                    raise ParallelEngineError(self._describe(rank))
                 time.sleep(JOIN_POLL_S)
 
     def _describe(self, rank: int) -> str:
-        process = self.processes[rank - 1]
+        process = self.processes[rank - self.first_rank - 1]
         error = reported_error(self.store, rank)
         if error is not None:
             return f"tensor-parallel worker {rank} (pid {process.pid}) failed: {error}"
@@ -198,12 +221,15 @@ class WorkerGroup:
 
     def _watch(self) -> None:
         """Wait for a worker to exit; unless shutting down, that is the group's failure."""
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        if not self.processes:
+            return
+        sentinels = {p.sentinel: rank
+                     for rank, p in enumerate(self.processes, start=self.first_rank + 1)}
         ready = multiprocessing.connection.wait(list(sentinels))
         if self._closing:
             return
         rank = sentinels[ready[0]]
-        self.processes[rank - 1].join()
+        self.processes[rank - self.first_rank - 1].join()
         self.failure = self.failure or self._describe(rank)
         logger.error("%s", self.failure)
         if self.exit_on_failure:
@@ -214,10 +240,10 @@ class WorkerGroup:
                 os._exit(1)
 
     def check(self) -> None:
-        """Raise TensorParallelError if the group has failed."""
+        """Raise ParallelEngineError if the group has failed."""
         if self.failure is not None:
             self.acknowledged = True
-            raise TensorParallelError(self.failure)
+            raise ParallelEngineError(self.failure)
 
     def wait_for_failure(self, timeout: float) -> str | None:
         """After a collective failed: the failed worker's description, once its exit is seen
@@ -237,7 +263,7 @@ class WorkerGroup:
             failure = self.wait_for_failure(FAILURE_WAIT_S)
             if failure is None:
                 raise
-            raise TensorParallelError(failure) from exc
+            raise ParallelEngineError(failure) from exc
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers (told to exit if `graceful`, else killed), then leave the process
@@ -260,6 +286,7 @@ class WorkerGroup:
                 process.kill()
                 process.join()
         destroy_tensor_parallel()
+        destroy_expert_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -297,6 +324,19 @@ class StepBroadcast:
                 raise
             raise error from exc
 
+    def send_idle(self) -> None:
+        """Tell the workers to join the other replicas' expert exchanges with no batch."""
+        self.workers.check()
+        try:
+            self.workers.control.send(self._encoder.encode(
+                StepDescription(self._leaving, [], [], [], [], idle=True)))
+            self._leaving = []
+        except BaseException as exc:
+            error = self.out_of_step(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
     def _scheduled(self, request: Request, num_new_tokens: int,
                    joining: list[JoiningRequest]) -> ScheduledRequest:
         mirror = self._mirrors.get(request)
@@ -321,7 +361,7 @@ class StepBroadcast:
     def out_of_step(self, exc: BaseException) -> BaseException:
         """A step failed after (or while) it went to the workers: the ranks' collectives no
         longer pair up, so the engine stops. Returns the exception to raise: one naming the
-        worker that failed, if one did, else `exc` as a TensorParallelError (a Ctrl-C stays a
+        worker that failed, if one did, else `exc` as a ParallelEngineError (a Ctrl-C stays a
         KeyboardInterrupt)."""
         workers = self.workers
         failure = workers.failure
@@ -334,7 +374,7 @@ class StepBroadcast:
         logger.error("%s; stopping the tensor-parallel engine", failure)
         workers.acknowledged = True
         workers.shutdown(graceful=False)
-        return TensorParallelError(failure) if isinstance(exc, Exception) else exc
+        return ParallelEngineError(failure) if isinstance(exc, Exception) else exc
 
     def shutdown(self) -> None:
         """Tell the workers to exit and wait for them (killed if they do not)."""
@@ -343,28 +383,30 @@ class StepBroadcast:
 
 
 # ---- ranks 1 .. N-1 --------------------------------------------------------------------------
-def run_worker(args: EngineArgs, rank: int, size: int, store_port: int, parent_pid: int,
+def run_worker(args: EngineArgs, rank: int, store_port: int, parent_pid: int,
                log_level: int) -> None:
-    """Process entry of rank `rank`: join the groups, load the shard, run rank 0's steps."""
-    logging.basicConfig(level=log_level, format=f"%(levelname)s tp{rank} %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
-    exit_with_parent(parent_pid, f"tensor-parallel worker {rank}")
-    store = connect_store(store_port, size, STORE_TIMEOUT)
+    """Process entry of world rank `rank`: join the groups, load the shard, run its engine
+    core's steps."""
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine core's to handle
+    exit_with_parent(parent_pid, f"worker {rank}")
+    layout = parallel_layout(args)
+    store = connect_store(store_port, layout.world_size, STORE_TIMEOUT)
     try:
         device = rank_device(resolve_device(args.device), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
         store.set(f"mlaserve/joined/{rank}", "1")
-        control = init_process_groups(store, rank, size, device, DATA_TIMEOUT)
-        init_tensor_parallel(size)
-        Worker(args, device, control).run()
-    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which stops
-        logger.exception("tensor-parallel worker %d failed", rank)
+        groups = join_world(store, rank, layout, device, DATA_TIMEOUT)
+        Worker(args, device, groups.control).run()
+    except BaseException as exc:  # noqa: BLE001 - reported to the engine core, which stops
+        logger.exception("worker %d failed", rank)
         report_error(store, rank, f"{type(exc).__name__}: {exc}")
         os._exit(1)
     destroy_tensor_parallel()
+    destroy_expert_parallel()
     dist.destroy_process_group()
 
 
@@ -389,6 +431,11 @@ class Worker:
             step = self._decoder.decode(self.control.receive())
             if step.shutdown:
                 return
+            if step.idle:
+                for handle in step.leaving:
+                    self.runner.release(self.requests.pop(handle))
+                self.runner.join_expert_parallel()
+                continue
             launched = self.runner.launch(self.apply(step))
             if pending is not None:
                 self.runner.collect(pending)

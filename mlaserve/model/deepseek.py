@@ -182,18 +182,14 @@ class RoutedExperts(nn.Module):
     """Stacked SwiGLU experts: gate_up_proj [E, 2I, D] (gate rows then up rows), down_proj
     [E, D, I], with I = moe_intermediate_size / tensor-parallel size: every rank holds all E
     experts, each with this rank's I columns (gate and up rows, down columns). Under expert
-    parallelism (size N) a rank holds E / N whole experts instead, global ids `first_expert`
-    onward (`ep_shards` says how they are cut from the full stacks)."""
+    parallelism (size N) a rank holds E / N of the experts instead, global ids `first_expert`
+    onward (`ep_shards` says how they are cut from the full stacks), each with its I columns."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         ep = get_ep_group()
         e, d = config.n_routed_experts, config.hidden_size
         if ep.size > 1:
-            if get_tp_group().size > 1:
-                raise ValueError("expert parallelism runs with tensor_parallel_size 1 per "
-                                 "data-parallel replica; drop --tensor-parallel-size or "
-                                 "--enable-expert-parallel")
             if e % ep.size:
                 raise ValueError(f"n_routed_experts={e} is not divisible by the expert-parallel "
                                  f"size {ep.size} (--data-parallel-size with "
@@ -272,7 +268,8 @@ class MoE(nn.Module):
         return self.tp.all_reduce(out)  # this rank's I columns of each expert: a partial sum
 
     def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        """Routed experts across the expert-parallel ranks, shared experts on this rank."""
+        """Routed experts across the expert-parallel ranks, shared experts on this rank; under
+        tensor parallelism both are this rank's column shards, all-reduced once."""
         num_tokens, num_local = x.shape[0], self.experts.gate_up_proj.shape[0]
         topk_weights, topk_ids = self.gate(x)  # [T, K] global routed ids
         out = expert_parallel_moe(x, topk_weights, topk_ids, self.gate_up_stack[:num_local],
@@ -283,7 +280,17 @@ class MoE(nn.Module):
             ones = torch.ones(num_tokens, num_shared, dtype=torch.float32, device=x.device)
             out = out + fused_experts(x, self.gate_up_stack, self.down_stack, ones,
                                       shared_ids.expand(num_tokens, -1))  # [T, S] ids
-        return out
+        return self.tp.all_reduce(out)
+
+    def join_expert_parallel(self) -> None:
+        """This rank has no tokens; serve the other ranks' pairs for this rank's experts."""
+        num_local, _, hidden = self.experts.gate_up_proj.shape
+        top_k = self.gate.config.num_experts_per_tok
+        x = self.gate_up_stack.new_empty(0, hidden)  # [0, D]
+        ids = torch.empty(0, top_k, dtype=torch.int64, device=x.device)  # [0, K]
+        weights = torch.empty(0, top_k, dtype=torch.float32, device=x.device)  # [0, K]
+        expert_parallel_moe(x, weights, ids, self.gate_up_stack[:num_local],
+                            self.down_stack[:num_local], self.ep)
 
 
 class DecoderLayer(nn.Module):
@@ -353,6 +360,13 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+
+    def join_expert_parallel(self) -> None:
+        """A step without tokens on this rank: every MoE layer's expert exchanges, in order
+        (expert parallelism; the other ranks' forwards meet these)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.join_expert_parallel()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

@@ -6,11 +6,12 @@ layers (index >= num_hidden_layers) are skipped on purpose. FP8 block-quantized 
 (`weight_scale_inv`) are refused with a clear message.
 
 Under tensor parallelism (the model built for a group of size N > 1) each rank reads only its
-shard of every split tensor (`ShardSpec` of the parameter, through safetensors `get_slice`), so
-no rank reads or holds the whole checkpoint; shapes are checked against the full tensor. Dummy
-weights are drawn in full, one tensor at a time, and cut to the rank's shard, so they equal the
-shards of the N = 1 dummy weights of the same seed (at the cost of one full tensor of transient
-memory per rank while drawing).
+shard of every split tensor, and under expert parallelism only its experts (the `ShardSpec`s
+of the parameter, through safetensors `get_slice`), so no rank reads or holds the whole
+checkpoint; shapes are checked against the full tensor. Dummy weights are drawn in full, one
+tensor at a time, and cut to the rank's part, so they equal the parts of the N = 1 dummy
+weights of the same seed (at the cost of one full tensor of transient memory per rank while
+drawing).
 """
 
 import json
@@ -78,10 +79,38 @@ def _expected_tensors(model: DeepseekForCausalLM
     return expected, elsewhere
 
 
-def _expert_parallel_shards(model: DeepseekForCausalLM) -> dict[str, ShardSpec]:
-    """Parameter name -> how this expert-parallel rank's experts are cut from the full stack."""
-    return {f"{prefix}.{name}": spec for prefix, module in model.named_modules()
-            for name, spec in getattr(module, "ep_shards", {}).items()}
+Cut = tuple[ShardSpec, int, int]  # how to cut, this rank's index, the group's size
+
+
+def _cuts(model: DeepseekForCausalLM) -> dict[str, list[Cut]]:
+    """Parameter name -> the cuts that make this rank's parameter from the full tensor, in
+    order: its expert-parallel experts of a stack, then its tensor-parallel columns."""
+    tp, ep = model.tp, get_ep_group()
+    cuts: dict[str, list[Cut]] = {}
+    if ep.size > 1:
+        for prefix, module in model.named_modules():
+            for name, spec in getattr(module, "ep_shards", {}).items():
+                cuts.setdefault(f"{prefix}.{name}", []).append((spec, ep.rank, ep.size))
+    if tp.size > 1:
+        for name, spec in tensor_parallel_shards(model).items():
+            cuts.setdefault(name, []).append((spec, tp.rank, tp.size))
+    return cuts
+
+
+def _full_shape(local_shape: tuple[int, ...], cuts: list[Cut]) -> tuple[int, ...]:
+    shape = tuple(local_shape)
+    for spec, _, size in cuts:
+        shape = spec.full_shape(shape, size)
+    return shape
+
+
+def _cut(source, full_shape: tuple[int, ...], cuts: list[Cut]) -> torch.Tensor:
+    """This rank's part of `source` (a tensor or a safetensors slice of shape full_shape)."""
+    shape = full_shape
+    for spec, rank, size in cuts:
+        source = spec.take(source, shape, rank, size)
+        shape = tuple(source.shape)
+    return source
 
 
 def _target(param: torch.Tensor, spec: ShardSpec | None, expert: int | None,
@@ -100,10 +129,10 @@ def _target(param: torch.Tensor, spec: ShardSpec | None, expert: int | None,
 def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
     """Copy every checkpoint tensor (this rank's shard of it) into its parameter; one
     ValueError lists all problems."""
-    config, tp, ep = model.config, model.tp, get_ep_group()
+    config, tp = model.config, model.tp
     params = dict(model.named_parameters())
     shards = tensor_parallel_shards(model) if tp.size > 1 else {}
-    expert_shards = _expert_parallel_shards(model) if ep.size > 1 else {}
+    cuts = _cuts(model)
     expected, elsewhere = _expected_tensors(model)
     pending = set(expected)
     unexpected: list[str] = []
@@ -129,16 +158,14 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                     continue  # an expert another expert-parallel rank owns
                 fused = key.endswith(".mlp.experts.gate_up_proj") or key.endswith(
                     ".mlp.experts.down_proj")
-                rank, size = tp.rank, tp.size  # of the group that splits this tensor
-                if fused and key in params:
+                if fused and key in params:  # stacked experts: this rank's part of the stack
                     targets = [n for n, (p, _, _) in expected.items() if p == key]
-                    target, spec = params[key], shards.get(key)
-                    if key in expert_shards:  # stacked experts: this rank's rows of the stack
-                        spec, rank, size = expert_shards[key], ep.rank, ep.size
+                    target, key_cuts = params[key], cuts.get(key, [])
                 elif key in expected:
                     targets = [key]
                     name, expert, part = expected[key]
                     target, spec = _target(params[name], shards.get(name), expert, part)
+                    key_cuts = [] if spec is None else [(spec, tp.rank, tp.size)]
                 else:
                     unexpected.append(key)
                     continue
@@ -146,16 +173,15 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                 if source.get_dtype().startswith("F8"):
                     raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
                 shape = tuple(source.get_shape())
-                full_shape = tuple(target.shape) if spec is None else spec.full_shape(
-                    target.shape, size)
+                full_shape = _full_shape(target.shape, key_cuts)
                 if shape != full_shape:
                     wrong_shape.append(f"{key}: checkpoint {shape}, model {full_shape}")
                     pending.difference_update(targets)  # reported once, as wrong shape
                     continue
-                if spec is None:
+                if key_cuts:  # reads this rank's rows / columns only
+                    tensor = _cut(source, shape, key_cuts)
+                else:
                     tensor = handle.get_tensor(key)
-                else:  # reads this rank's rows / columns only
-                    tensor = spec.take(source, shape, rank, size)
                 with torch.no_grad():
                     target.copy_(tensor)
                 pending.difference_update(targets)
@@ -181,11 +207,7 @@ def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
     """Random weights from the config alone: small uniform values, norms at one. A split
     parameter gets its shard of the full tensor drawn with the same generator state, so every
     tensor- or expert-parallel size yields shards of the same model."""
-    tp, ep = model.tp, get_ep_group()
-    shards = {name: (spec, tp.rank, tp.size) for name, spec in (
-        tensor_parallel_shards(model) if tp.size > 1 else {}).items()}
-    shards |= {name: (spec, ep.rank, ep.size) for name, spec in (
-        _expert_parallel_shards(model) if ep.size > 1 else {}).items()}
+    cuts = _cuts(model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
@@ -197,13 +219,12 @@ def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
             if name.endswith("e_score_correction_bias"):
                 param.zero_()
                 continue
-            if name not in shards:
+            if name not in cuts:
                 param.uniform_(-0.02, 0.02, generator=generator)
                 continue
-            spec, rank, size = shards[name]
-            full_shape = spec.full_shape(param.shape, size)
+            full_shape = _full_shape(param.shape, cuts[name])
             full = param.new_empty(full_shape).uniform_(-0.02, 0.02, generator=generator)
-            param.copy_(spec.take(full, full_shape, rank, size))
+            param.copy_(_cut(full, full_shape, cuts[name]))
 
 
 def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.device,
