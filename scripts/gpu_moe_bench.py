@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from mlaserve.bench.kernel_timing import measure_ceilings
 from mlaserve.kernels.fused_moe import (
     FusedMoEConfig,
     GemmTiles,
@@ -53,6 +52,7 @@ from mlaserve.kernels.moe import (
     reference_errors,
 )
 from mlaserve.kernels.moe_align import ExpertAlignment, align_by_expert
+from mlaserve.kernels.testing import measure_ceilings
 
 DTYPE = torch.bfloat16
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)

@@ -21,7 +21,7 @@ from bench_kernel_with import parse_changes  # noqa: E402
 from mlaserve.kernels.mla_decode.common import device_capability  # noqa: E402
 from mlaserve.kernels.mla_decode.launch import mla_decode_triton  # noqa: E402
 from mlaserve.kernels.mla_decode.plan import describe, plan_mla_decode  # noqa: E402
-from mlaserve.kernels.reference import poisoned_paged_batch  # noqa: E402
+from mlaserve.kernels.testing import poisoned_paged_batch  # noqa: E402
 
 
 def main() -> None:

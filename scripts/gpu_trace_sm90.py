@@ -23,7 +23,7 @@ import torch
 
 from mlaserve.kernels.mla_decode.common import GLUON_SM90
 from mlaserve.kernels.mla_decode.plan import plan_mla_decode
-from mlaserve.kernels.reference import poisoned_paged_batch
+from mlaserve.kernels.testing import poisoned_paged_batch
 
 KERNELS = Path(__file__).resolve().parent.parent / "mlaserve" / "kernels" / "mla_decode"
 SLOTS = 12  # int64 stamps per program

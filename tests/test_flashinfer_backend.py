@@ -30,7 +30,8 @@ from mlaserve.attention.flashinfer_backend import (
     build_page_csr,
 )
 from mlaserve.attention.registry import mla_decode, select_backend
-from mlaserve.kernels.reference import mla_decode_reference, poisoned_paged_batch
+from mlaserve.kernels.reference import mla_decode_reference
+from mlaserve.kernels.testing import assert_matches_reference, poisoned_paged_batch
 
 ON_GPU = torch.cuda.is_available()
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -39,9 +40,6 @@ PATH = FlashInferMLABackend.kernel_path(torch.device("cuda")) if ON_GPU else Non
 gpu = pytest.mark.skipif(not (ON_GPU and HAS_FLASHINFER and CAPABILITY >= (9, 0)),
                          reason="needs a CUDA GPU of compute capability >= 9.0 and flashinfer")
 SCALE = 1 / math.sqrt(192)
-# dtype -> (atol, rtol, 1 - least per-row cosine, LSE atol)
-TOLERANCES = {torch.bfloat16: (1e-2, 1e-2, 1e-3, 1e-2), torch.float16: (2e-3, 2e-3, 1e-4, 1e-2),
-              torch.float32: (1e-5, 1e-5, 1e-6, 1e-5)}
 
 
 def make_case(lengths: list[int], block_size: int, num_heads: int, q_len: int,
@@ -55,22 +53,8 @@ def make_case(lengths: list[int], block_size: int, num_heads: int, q_len: int,
 
 
 def assert_matches(o, lse, ref_o, ref_lse, dtype):
-    atol, rtol, cos_gap, lse_atol = TOLERANCES[dtype]
-    assert o.dtype == dtype and o.shape == ref_o.shape
-    out, ref_o = o.float().cpu(), ref_o.float().cpu()
-    assert bool(out.isfinite().all()), "non-finite output"
-    torch.testing.assert_close(out, ref_o, atol=atol, rtol=rtol)
-    rows, ref_rows = out.flatten(0, 1), ref_o.flatten(0, 1)
-    has_keys = ref_rows.norm(dim=-1) > 0
-    cos = torch.nn.functional.cosine_similarity(rows[has_keys], ref_rows[has_keys], dim=-1)
-    assert float(1 - cos.min()) <= cos_gap
-    assert bool((rows[~has_keys] == 0).all()), "requests without keys must give 0"
-    if lse is not None:
-        lse, ref_lse = lse.cpu(), ref_lse.cpu()
-        assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
-        empty = torch.isneginf(ref_lse)
-        assert bool((torch.isneginf(lse) == empty).all()), "lse must be -inf exactly without keys"
-        torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=lse_atol, rtol=0)
+    """The shared comparator (`mlaserve.kernels.testing`) against the float32 reference."""
+    assert_matches_reference(o, lse, ref_o, ref_lse, dtype)
 
 
 def shape_for(num_heads=16, block_size=64, dtype=torch.bfloat16, device="cuda", q_len=1,

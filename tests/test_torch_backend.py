@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mlaserve.attention import mla_decode
-from mlaserve.kernels.reference import mla_decode_reference, poisoned_paged_batch
+from mlaserve.kernels.reference import mla_decode_reference
+from mlaserve.kernels.testing import poisoned_paged_batch
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])

@@ -37,8 +37,9 @@ from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     page_chunk,
     plan_mla_decode,
 )
-from mlaserve.kernels.reference import (  # noqa: E402
-    mla_decode_reference,
+from mlaserve.kernels.reference import mla_decode_reference  # noqa: E402
+from mlaserve.kernels.testing import (  # noqa: E402
+    assert_matches_reference,
     poisoned_paged_batch,
 )
 
@@ -53,12 +54,6 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 4
 CAPABILITY = device_capability(DEVICE)
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
-# dtype -> (atol, rtol, 1 - least per-row cosine similarity)
-TOLERANCES = {
-    torch.float32: (1e-5, 1e-5, 1e-6),
-    torch.float16: (2e-3, 2e-3, 1e-4),
-    torch.bfloat16: (1e-2, 1e-2, 1e-3),
-}
 # Small tiles and splits, so that tiles, splits and the causal window cross page boundaries.
 SMALL_TILES = MLADecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, min_split_len=16)
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -85,23 +80,10 @@ def check(
     kv_lora_rank: int,
     q_len: int,
 ) -> None:
-    """Compare (o, lse) with `mla_decode_reference`: abs/rel tolerance plus a cosine bound."""
-    atol, rtol, cos_tol = TOLERANCES[q.dtype]
+    """Compare (o, lse) with `mla_decode_reference` through the shared comparator."""
     ref_o, ref_lse = mla_decode_reference(q, kv_cache, block_table, seq_lens, softmax_scale,
                                           kv_lora_rank, q_len)
-    assert o.shape == ref_o.shape and o.dtype == q.dtype
-    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
-    o = o.float()
-    assert not o.isnan().any()
-    torch.testing.assert_close(o, ref_o, atol=atol, rtol=rtol)
-    no_key = torch.isneginf(ref_lse)  # [B * q_len, H]
-    assert torch.equal(torch.isneginf(lse), no_key)
-    assert not lse.isnan().any()
-    torch.testing.assert_close(lse[~no_key], ref_lse[~no_key], atol=atol, rtol=rtol)
-    assert torch.count_nonzero(o[no_key]) == 0
-    if (~no_key).any():
-        cosine = torch.nn.functional.cosine_similarity(o[~no_key], ref_o[~no_key], dim=-1)
-        assert cosine.min().item() >= 1 - cos_tol
+    assert_matches_reference(o, lse, ref_o, ref_lse, q.dtype)
 
 
 def run_and_check(

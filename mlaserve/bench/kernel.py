@@ -25,7 +25,7 @@ import torch
 import mlaserve
 from mlaserve.attention import registry
 from mlaserve.attention.base import MLABackend, MLAShape, UnsupportedShape
-from mlaserve.bench.kernel_cases import CellInputs, check_output, copies_needed, make_inputs
+from mlaserve.bench.kernel_cases import CellInputs, copies_needed, make_inputs
 from mlaserve.bench.kernel_grid import (
     Cell,
     anchor_cells,
@@ -43,14 +43,9 @@ from mlaserve.bench.kernel_report import (
     to_json,
     write_json,
 )
-from mlaserve.bench.kernel_timing import (
-    Ceilings,
-    measure_ceilings,
-    time_cpu,
-    time_eager,
-    time_graph,
-)
+from mlaserve.bench.kernel_timing import time_cpu, time_eager, time_graph
 from mlaserve.config import parse_dtype
+from mlaserve.kernels.testing import Ceilings, compare, measure_ceilings
 
 DEFAULT_BACKENDS = ("torch", "triton", "flashinfer")
 GRID_FLAGS = ("heads", "batch_sizes", "kv_lens", "block_sizes", "q_lens")
@@ -219,7 +214,7 @@ class Sweep:
                 o, lse = backend.run(inputs.queries[0], inputs.caches[0], return_lse=True)
             except NotImplementedError:  # a kernel that returns no LSE: check o alone
                 o, lse = backend.run(inputs.queries[0], inputs.caches[0]), None
-            gate = check_output(o, lse, inputs.ref_o, inputs.ref_lse, self.dtype)
+            gate = compare(o, lse, inputs.ref_o, inputs.ref_lse, self.dtype)
             result.gate = gate.metrics
             if not gate.passed:
                 result.reason = f"gate: {gate.message}"
@@ -242,7 +237,7 @@ class Sweep:
             return time_eager(backend, inputs, cell.q_len, self.repeats)
 
         def check(o: torch.Tensor) -> None:
-            gate = check_output(o, None, inputs.ref_o, inputs.ref_lse, self.dtype)
+            gate = compare(o, None, inputs.ref_o, inputs.ref_lse, self.dtype)
             if not gate.passed:
                 raise _GateError(gate.message)
 

@@ -1,105 +1,43 @@
-"""Timing of one backend on one cell, and the device ceilings measured in the same run.
+"""Timing of one backend on one cell, through the shared timers of `mlaserve.kernels.testing`.
 
 - Graph (default on CUDA): the backend's CUDA-graph hooks (`init_graph_buffers`,
-  `plan_for_capture`, `plan_for_replay`); each graph captures `calls_per_graph` calls (16 by
-  default), graphs are captured until every KV copy is used, and one timed round replays them
-  all between two CUDA events. Time per call = round time / calls; the median of the rounds.
-- Eager on CUDA: `triton.testing.do_bench` (median, L2 flushed between calls) over calls that
-  rotate the KV copies; CUDA events around each call when Triton is missing.
-- CPU: `time.perf_counter` around each call, median (for tests on tiny shapes).
-Ceilings: a device-to-device copy (bytes read + written per second) and an 8192^3 bfloat16
-matmul (flop/s), medians of CUDA-event timings.
+  `plan_for_capture`, `plan_for_replay`) around `testing.graph_replay_seconds`: graphs of
+  `calls_per_graph` calls (16 by default) until every KV copy is used, one timed round replays
+  them all; time per call = round time / calls, the median of the rounds.
+- Eager on CUDA: `testing.eager_seconds` (do_bench) over calls that rotate the KV copies.
+- CPU: `testing.cpu_seconds` (time.perf_counter, for tests on tiny shapes).
 """
 
-import itertools
-import math
-import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from mlaserve.attention.base import MLABackend
 from mlaserve.bench.kernel_cases import CellInputs
+from mlaserve.kernels.testing import (
+    cpu_seconds,
+    eager_seconds,
+    graph_replay_seconds,
+    rotating,
+)
 
 
-@dataclass(frozen=True)
-class Ceilings:
-    """Device rates measured in this run."""
-
-    copy_bytes_per_s: float
-    matmul_flops_per_s: float
-
-
-def _event_median(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    """Median seconds of fn() over `repeats` calls, each between two CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def _copy_seconds(device: torch.device, num_bytes: int, repeats: int) -> float:
-    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return _event_median(lambda: dst.copy_(src), repeats)
-
-
-def _matmul_seconds(device: torch.device, n: int, repeats: int) -> float:
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    return _event_median(lambda: torch.mm(a, b), repeats)
-
-
-def measure_ceilings(device: torch.device, copy_bytes: int = 1 << 30, matmul_n: int = 8192,
-                     repeats: int = 10) -> Ceilings:
-    """Copy bandwidth (read + write) and bfloat16 matmul rate on random data."""
-    copy_s = _copy_seconds(device, copy_bytes, repeats)
-    matmul_s = _matmul_seconds(device, matmul_n, repeats)
-    torch.cuda.empty_cache()
-    return Ceilings(2 * copy_bytes / copy_s, 2 * matmul_n**3 / matmul_s)
-
-
-def _rotating_call(backend: MLABackend, inputs: CellInputs) -> Callable[[], object]:
-    copies = itertools.cycle(range(inputs.num_copies))
-
-    def call() -> object:
-        index = next(copies)
-        return backend.run(inputs.queries[index], inputs.caches[index])
-
-    return call
+def _calls(backend: MLABackend, inputs: CellInputs) -> list[Callable[[], torch.Tensor]]:
+    """One call per KV copy: o [B * q_len, H, L] of the planned batch on that copy."""
+    return [lambda i=i: backend.run(inputs.queries[i], inputs.caches[i])
+            for i in range(inputs.num_copies)]
 
 
 def time_eager(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int) -> float:
-    """Median seconds per eager call on CUDA (do_bench when Triton is installed)."""
+    """Median seconds per eager call on CUDA, KV copies rotated."""
     backend.plan(inputs.block_table, inputs.seq_lens, q_len)
-    call = _rotating_call(backend, inputs)
-    try:
-        from triton.testing import do_bench
-    except ImportError:
-        return _event_median(call, max(repeats, 1) * 5)
-    return do_bench(call, warmup=25, rep=100, return_mode="median") / 1e3
+    return eager_seconds(rotating(_calls(backend, inputs)), repeats)
 
 
 def time_cpu(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int) -> float:
-    """Median wall-clock seconds per call (time.perf_counter), after one warm-up call."""
+    """Median wall-clock seconds per call, after one warm-up call."""
     backend.plan(inputs.block_table, inputs.seq_lens, q_len)
-    call = _rotating_call(backend, inputs)
-    call()
-    times = []
-    for _ in range(max(repeats, 1)):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return cpu_seconds(rotating(_calls(backend, inputs)), repeats)
 
 
 def time_graph(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int,
@@ -113,29 +51,7 @@ def time_graph(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int
     batch, width = inputs.block_table.shape
     backend.init_graph_buffers(batch, width)
     backend.plan_for_capture(batch, q_len)
-    # Compile and initialise outside the capture, on a side stream as torch recommends.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        backend.run(inputs.queries[0], inputs.caches[0])
-    torch.cuda.current_stream().wait_stream(side)
-    num_graphs = math.ceil(inputs.num_copies / calls_per_graph)
-    order = [i % inputs.num_copies for i in range(num_graphs * calls_per_graph)]
-    graphs, outputs = [], []
-    for g in range(num_graphs):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs.append([backend.run(inputs.queries[c], inputs.caches[c])
-                            for c in order[g * calls_per_graph:(g + 1) * calls_per_graph]])
-        graphs.append(graph)
-    backend.plan_for_replay(inputs.block_table, inputs.seq_lens, q_len)
-
-    def round_() -> None:
-        for graph in graphs:
-            graph.replay()
-
-    round_()
-    torch.cuda.synchronize()
-    check(outputs[0][0])
-    seconds = _event_median(round_, repeats, warmup=warmup_rounds)
-    return seconds / (num_graphs * calls_per_graph)
+    return graph_replay_seconds(
+        _calls(backend, inputs), repeats, check=check, calls_per_graph=calls_per_graph,
+        warmup_rounds=warmup_rounds,
+        after_capture=lambda: backend.plan_for_replay(inputs.block_table, inputs.seq_lens, q_len))

@@ -55,50 +55,6 @@ def mla_decode_reference(
     return o, lse
 
 
-def poisoned_paged_batch(
-    seq_lens: list[int],
-    num_heads: int,
-    kv_lora_rank: int,
-    rope_dim: int,
-    block_size: int,
-    q_len: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-    spare_pages: int = 3,
-    device: torch.device | str = "cpu",
-    padding_columns: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random paged decode batch built to catch kernels that read what they must not.
-
-    Pages are a random permutation of the pool; every spare page and the tail of each request's
-    last page hold NaN; the block table has `padding_columns` columns past the longest request,
-    and its entries past a request's pages point at (NaN) spare pages, as stale entries would.
-
-    Returns:
-        q [B * q_len, H, L + R] and kv_cache [num_blocks, block_size, L + R] in `dtype`,
-        block_table [B, max_blocks] int32 and seq_lens [B] int32, all on `device`.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    head_dim = kv_lora_rank + rope_dim
-    pages = [-(-n // block_size) for n in seq_lens]
-    width = max(max(pages, default=0) + padding_columns, 1)
-    num_used = sum(pages)
-    order = torch.randperm(num_used + spare_pages, generator=gen)
-    spare = order[num_used:]
-    table = spare[torch.randint(spare_pages, (len(seq_lens), width), generator=gen)]
-    cache = torch.randn(num_used + spare_pages, block_size, head_dim, generator=gen).to(dtype)
-    cache[spare] = float("nan")
-    start = 0
-    for b, (n, p) in enumerate(zip(seq_lens, pages, strict=True)):
-        table[b, :p] = order[start : start + p]
-        start += p
-        if n % block_size:
-            cache[table[b, p - 1], n % block_size :] = float("nan")
-    q = torch.randn(len(seq_lens) * q_len, num_heads, head_dim, generator=gen).to(dtype)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return q.to(device), cache.to(device), table.to(torch.int32).to(device), lens.to(device)
-
-
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32 without intermediate rounding.
 
