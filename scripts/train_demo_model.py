@@ -316,18 +316,40 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if done:
             break
     bar.close()
+    train_s = time.monotonic() - start
     out = Path(args.out)
     save(model, tokenizer, out)
-    print(f"wrote {out} after {step} steps, {time.monotonic() - start:.0f} s", flush=True)
-    if not args.final_eval_count:
-        return {}
-    engine = TransformersEngine.load(out, args.device, batch_size=128)
-    scores = {task: run_task(engine, task, args.final_eval_count).score for task in T.TASKS}
-    print(f"held-out ({args.final_eval_count} per task, the saved checkpoint): "
-          + " ".join(f"{t} {s:.4f}" for t, s in scores.items()), flush=True)
-    (out / "heldout_scores.json").write_text(json.dumps(scores, indent=2) + "\n")
+    print(f"wrote {out} after {step} steps, {train_s:.0f} s", flush=True)
+    scores = {}
+    if args.final_eval_count:
+        engine = TransformersEngine.load(out, args.device, batch_size=128)
+        scores = {task: run_task(engine, task, args.final_eval_count).score for task in T.TASKS}
+        print(f"held-out ({args.final_eval_count} per task, the saved checkpoint): "
+              + " ".join(f"{t} {s:.4f}" for t, s in scores.items()), flush=True)
+    write_readme(out, argv if argv is not None else sys.argv[1:], num_params, step, train_s,
+                 device, scores, args.final_eval_count)
     return scores
 
+
+def write_readme(out: Path, argv: list[str], num_params: int, steps: int, train_s: float,
+                 device: torch.device, scores: dict[str, float], count: int) -> None:
+    """The checkpoint's README: how it was made and what it scores."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [
+        "# mlaserve demo model", "",
+        f"A {num_params / 1e6:.1f}M-parameter DeepSeek-V3-architecture model (MLA with q_lora and "
+        "YaRN, MoE with a shared expert and sigmoid group-limited routing) trained on the "
+        "arith_gen / arith_mc / arith_chat task families of mlaserve/eval/tasks.py.", "",
+        "Made by (from the repository root):", "",
+        "    python scripts/train_demo_model.py " + " ".join(argv), "",
+        f"{steps} steps in {train_s:.0f} s on {where}, torch {torch.__version__}.", ""]
+    if scores:
+        lines += [f"Held-out scores of the saved checkpoint through transformers (first {count} "
+                  "questions per task):", "", "| task | score |", "|---|---|"]
+        lines += [f"| {task} | {score:.4f} |" for task, score in scores.items()]
+        lines += ["", "All engines and backends: `mlaserve eval --tasks "
+                  "arith_gen,arith_mc,arith_chat --engine mlaserve,transformers`."]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()
