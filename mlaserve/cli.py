@@ -82,6 +82,19 @@ def engine_args_from(args: argparse.Namespace):
         enable_expert_parallel=args.enable_expert_parallel)
 
 
+def _torchrun_worker(engine_args) -> int | None:
+    """Under torchrun every rank runs this command: a rank > 0 serves its engine core's steps
+    here (returns its exit status); None on rank 0, or without torchrun."""
+    from mlaserve.distributed.launch import torchrun_rank
+
+    place = torchrun_rank()
+    if place is None or place.rank == 0:
+        return None
+    from mlaserve.engine.worker import run_torchrun_worker
+
+    return run_torchrun_worker(engine_args)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from mlaserve.engine.args import check_parallel
     from mlaserve.engine.engine import LLMEngine
@@ -89,6 +102,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args)
     check_parallel(engine_args)
+    if (status := _torchrun_worker(engine_args)) is not None:
+        return status
     engine = LLMEngine(engine_args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -110,6 +125,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args)
     check_parallel(engine_args)  # before the engine process is spawned
+    if (status := _torchrun_worker(engine_args)) is not None:
+        return status
     options = ServerOptions(
         max_request_body_size=args.max_request_body_size,
         max_waiting_requests=args.max_waiting_requests,

@@ -51,10 +51,15 @@ def test_health_is_503_while_the_model_loads(monkeypatch):
         server.__exit__(None, None, None)
 
 
-def serve(*extra: str) -> tuple[subprocess.Popen, str]:
-    """`mlaserve serve` on the demo model in a subprocess, and its URL once healthy."""
+def serve(*extra: str, torchrun: int = 0) -> tuple[subprocess.Popen, str]:
+    """`mlaserve serve` on the demo model in a subprocess, and its URL once healthy; with
+    `torchrun` N, run by `torchrun --nproc-per-node N` (the subprocess is torchrun's)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlaserve", "serve", "--device", "cpu",
+    launcher = [sys.executable, "-m"]
+    if torchrun:
+        launcher += ["torch.distributed.run", "--nproc-per-node", str(torchrun),
+                     "--master-port", str(free_port()), "-m"]
+    proc = subprocess.Popen([*launcher, "mlaserve", "serve", "--device", "cpu",
                              "--port", str(port), "--num-kv-blocks", "64", "--block-size", "16",
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -3,8 +3,9 @@ runs rank 0 in this process and spawns rank 1; its greedy outputs and prompt log
 those of one process, through chunked prefills and preemptions. A worker killed mid-generation,
 or one whose step raises, must surface as one clear ParallelEngineError within seconds, with no
 process left behind and the process groups left, so a later engine can start. `mlaserve serve
---tensor-parallel-size 2` streams the one-process greedy completion and leaves no process after
-SIGTERM; killing its worker stops the server with exit code 1 and an error naming the worker.
+--tensor-parallel-size 2` launched by torchrun streams the one-process greedy completion and
+leaves no process after SIGTERM; started alone, killing its worker stops the server with exit
+code 1 and an error naming the worker.
 
 Every test runs under a watchdog (`faulthandler.dump_traceback_later(..., exit=True)`): a hang
 dumps the stacks and ends the run instead of blocking it.
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from mlaserve import LLM, SamplingParams
 from mlaserve.engine.request import StructuredOutputs
 from mlaserve.engine.worker import ParallelEngineError
-from tests.server_util import engine_core_pids
+from tests.server_util import child_pids, engine_core_pids
 from tests.test_server_lifecycle import serve, stream_in_background, wait_gone
 from tests.test_server_lm_eval import check_loglikelihoods
 
@@ -147,9 +148,17 @@ def _tp_server() -> tuple:
     return proc, url, core_pid, worker_pid
 
 
-def test_serve_tp2_streams_the_one_process_completion_and_stops_cleanly(tmp_path):
-    """Also lm-eval's loglikelihood run through the tensor-parallel server."""
-    proc, url, core_pid, worker_pid = _tp_server()
+def test_serve_tp2_under_torchrun_streams_the_one_process_completion_and_stops_cleanly(
+        tmp_path):
+    """`torchrun --nproc-per-node 2 -m mlaserve serve -tp 2`: rank 0 serves, rank 1 is its
+    worker. Also lm-eval's loglikelihood run through the tensor-parallel server; SIGTERM to
+    rank 0 stops both ranks and torchrun with status 0."""
+    proc, url = serve("--tensor-parallel-size", "2", "--served-model-name", "demo", torchrun=2)
+    ranks = child_pids(proc.pid)
+    (rank0,) = [pid for pid in ranks if engine_core_pids(pid)]
+    (worker_pid,) = [pid for pid in ranks if pid != rank0]
+    (core_pid,) = engine_core_pids(rank0)
+    assert engine_core_pids(core_pid) == []  # under torchrun the core spawns no worker
     try:
         r = requests.post(url + "/v1/completions", json={
             "prompt": "The cache", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
@@ -163,9 +172,9 @@ def test_serve_tp2_streams_the_one_process_completion_and_stops_cleanly(tmp_path
                                                             ignore_eos=True))[0]
         assert text == expected.text
         check_loglikelihoods(tmp_path, url)
-        proc.send_signal(signal.SIGTERM)
+        os.kill(rank0, signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert wait_gone([core_pid, worker_pid]) == []  # the worker exited with the core
+        assert wait_gone([rank0, core_pid, worker_pid]) == []  # the worker exited with the core
     finally:
         if proc.poll() is None:
             proc.kill()

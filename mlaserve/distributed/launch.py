@@ -1,19 +1,21 @@
-"""The process groups of a parallel engine on one host, and its control channel.
+"""The process groups of a parallel engine, and its control channel.
 
 The world is `data_parallel_size` replicas of `tensor_parallel_size` consecutive ranks
 (`ParallelLayout`): world rank = replica * T + tensor rank, on GPU cuda:(first + world rank).
 The first rank of each replica schedules it (its engine core); the others are its workers.
 
-Whoever starts the world opens a `torch.distributed.TCPStore` on a free port of 127.0.0.1 (the
-kernel picks it: no race between finding a port and binding it) and passes the port on: the
-engine core of a tensor-parallel engine, or the API process of a data-parallel one with expert
-parallelism. Every rank then joins the default process group through that store (NCCL on CUDA,
-gloo on CPU): the data plane, on which the model's all-reduces, all-gathers and expert
-all-to-alls run (`join_world` also cuts the tensor- and expert-parallel groups). Gloo groups on
-the CPU carry the control plane: each replica's `ControlChannel` broadcasts its engine core's
-bytes (an encoded step description) to the replica's ranks in one collective, and the engine
-cores' `lockstep` group keeps replicas whose MoE layers exchange tokens stepping together. The
-store also carries each rank's last words (`report_error`), so a core can name why a rank died.
+Started by mlaserve on one host, whoever starts the world opens a `torch.distributed.TCPStore` on a
+free port of 127.0.0.1 (the kernel picks it: no race between finding a port and binding it) and
+passes the port on: the engine core of a tensor-parallel engine, or the API process of a data-
+parallel one with expert parallelism. Started by torchrun (`TorchrunRank`, any number of hosts),
+every process is a rank already and the store is torchrun's rendezvous (`env://`), and a rank's GPU
+is its local rank. Every rank then joins the default process group through that store (NCCL on CUDA,
+gloo on CPU): the data plane, on which the model's all-reduces, all-gathers and expert all-to-alls
+run (`join_world` also cuts the tensor- and expert-parallel groups). Gloo groups on the CPU carry
+the control plane: each replica's `ControlChannel` broadcasts its engine core's bytes (an encoded
+step description) to the replica's ranks in one collective, and the engine cores' `lockstep` group
+keeps replicas whose MoE layers exchange tokens stepping together. The store also carries each
+rank's last words (`report_error`), so a core can name why a rank died.
 
 Nothing here knows the engine: the engine's worker loop (engine/worker.py) builds on it.
 """
@@ -59,6 +61,32 @@ def connect_store(port: int, world_size: int, timeout: timedelta) -> dist.TCPSto
 
 
 @dataclass(frozen=True)
+class TorchrunRank:
+    """Where torchrun (torch.distributed.run) put this process: its environment."""
+
+    rank: int
+    local_rank: int  # its index on this host: the GPU it uses
+    world_size: int
+    local_world_size: int
+
+
+def torchrun_rank() -> TorchrunRank | None:
+    """This process's place if torchrun started it (its TORCHELASTIC_* and RANK variables; also
+    inherited by the processes it spawns), else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    env = os.environ
+    return TorchrunRank(int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
+                        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+
+
+def torchrun_store(timeout: timedelta) -> dist.Store:
+    """The store of torchrun's rendezvous (`env://`: MASTER_ADDR and MASTER_PORT), on any host."""
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return store
+
+
+@dataclass(frozen=True)
 class ParallelLayout:
     """How the world's ranks split the model: `data_parallel_size` replicas of
     `tensor_parallel_size` consecutive ranks; with `expert_parallel` the replicas' MoE layers
@@ -89,7 +117,7 @@ class ProcessGroups:
     lockstep: dist.ProcessGroup | None
 
 
-def join_world(store: dist.TCPStore, rank: int, layout: ParallelLayout, device: torch.device,
+def join_world(store: dist.Store, rank: int, layout: ParallelLayout, device: torch.device,
                timeout: timedelta) -> ProcessGroups:
     """Join the default process group (the data plane; `timeout` bounds each collective), then
     cut the tensor-parallel groups, the expert-parallel groups (if any) and the gloo control

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from mlaserve.config import ModelConfig, parse_dtype
-from mlaserve.distributed.launch import ParallelLayout
+from mlaserve.distributed.launch import ParallelLayout, torchrun_rank
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 # Decode steps of more requests than this run eagerly (capture time and memory grow with it).
@@ -72,7 +72,8 @@ def check_parallel(args: EngineArgs, config: ModelConfig | None = None) -> None:
     size divides every dimension the model splits, expert parallelism has replicas to split the
     routed experts between and divides them, and on CUDA data_parallel_size x
     tensor_parallel_size GPUs are visible (world rank r uses the r-th GPU from the one
-    `args.device` names). Checked before any process is spawned."""
+    `args.device` names; under torchrun, local rank r and this host's ranks). Checked before any
+    process is spawned."""
     for name in ("tensor_parallel_size", "data_parallel_size"):
         size = getattr(args, name)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -92,9 +93,17 @@ def check_parallel(args: EngineArgs, config: ModelConfig | None = None) -> None:
         raise ValueError(f"n_routed_experts={config.n_routed_experts} is not divisible by "
                          f"--data-parallel-size {dp}, which splits them under "
                          "--enable-expert-parallel; choose a size that divides it")
+    torchrun = torchrun_rank()
+    if torchrun is not None and (dp > 1 or torchrun.world_size != tp):
+        raise ValueError(f"torchrun started {torchrun.world_size} processes for "
+                         f"--tensor-parallel-size {tp} --data-parallel-size {dp}: under torchrun "
+                         "give --tensor-parallel-size the world size (data parallelism is "
+                         "started by `mlaserve serve` itself)")
     device = resolve_device(args.device)
     if device.type == "cuda":
         first, visible, world = device.index or 0, torch.cuda.device_count(), tp * dp
+        if torchrun is not None:
+            world = torchrun.local_world_size  # the ranks of this host
         if first + world > visible:
             raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs "
                              f"{world} GPUs from cuda:{first} on, but {visible} are visible; "

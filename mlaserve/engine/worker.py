@@ -51,6 +51,8 @@ from mlaserve.distributed.launch import (
     join_world,
     report_error,
     reported_error,
+    torchrun_rank,
+    torchrun_store,
 )
 from mlaserve.engine.args import (
     EngineArgs,
@@ -162,7 +164,10 @@ class WorkerGroup:
         first = layout.core_rank(replica)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's device for this rank
-        if store_port is None:
+        torchrun = torchrun_rank()
+        if torchrun is not None:  # the other ranks are torchrun's processes: nothing to spawn
+            store = torchrun_store(STORE_TIMEOUT)
+        elif store_port is None:
             store = create_store(layout.world_size, STORE_TIMEOUT)
         else:
             store = connect_store(store_port, layout.world_size, STORE_TIMEOUT)
@@ -174,7 +179,8 @@ class WorkerGroup:
         current.daemon = False
         processes = []
         try:
-            for rank in range(first + 1, first + layout.tensor_parallel_size):
+            for rank in range(first + 1, first + layout.tensor_parallel_size
+                              if torchrun is None else first + 1):
                 process = context.Process(
                     target=run_worker, name=f"mlaserve-worker-{rank}", daemon=True,
                     args=(args, rank, store.port, os.getpid(),
@@ -385,15 +391,33 @@ class StepBroadcast:
 # ---- ranks 1 .. N-1 --------------------------------------------------------------------------
 def run_worker(args: EngineArgs, rank: int, store_port: int, parent_pid: int,
                log_level: int) -> None:
-    """Process entry of world rank `rank`: join the groups, load the shard, run its engine
-    core's steps."""
+    """Process entry of world rank `rank`, spawned by its engine core: join the groups, load
+    the shard, run the core's steps."""
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine core's to handle
     exit_with_parent(parent_pid, f"worker {rank}")
     layout = parallel_layout(args)
     store = connect_store(store_port, layout.world_size, STORE_TIMEOUT)
+    _serve_steps(args, rank, rank, store)
+
+
+def run_torchrun_worker(args: EngineArgs) -> int:
+    """A rank > 0 that torchrun started (`mlaserve serve` on every rank): run its engine core's
+    steps until the core shuts the engine down; the exit status."""
+    place = torchrun_rank()
+    assert place is not None and place.rank > 0
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine core's to handle
+    _serve_steps(args, place.rank, place.local_rank, torchrun_store(STORE_TIMEOUT))
+    return 0
+
+
+def _serve_steps(args: EngineArgs, rank: int, local_rank: int, store: dist.Store) -> None:
+    """Join the world as `rank` (GPU `local_rank` from --device's), load this rank's shard and
+    run its engine core's steps until told to shut down; a failure is reported in the store and
+    exits the process."""
+    layout = parallel_layout(args)
     try:
-        device = rank_device(resolve_device(args.device), rank)
+        device = rank_device(resolve_device(args.device), local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
