@@ -120,6 +120,19 @@ def test_eval_command_in_process_and_transformers_agree(tmp_path, capsys) -> Non
         assert report["disagreements"]["transformers"][task] == []
 
 
+def test_server_engine_matches_transformers(demo_server) -> None:
+    """Through the OpenAI API (completions with echo + logprobs for the choices, chat
+    completions for arith_chat): the same text and choices as transformers' own."""
+    from mlaserve.eval.engines import ServerEngine, TransformersEngine
+    from mlaserve.eval.harness import run_task
+
+    server = ServerEngine(demo_server.url)
+    reference = TransformersEngine.load(ROOT / "mlaserve" / "demo_model", "cpu")
+    for task in T.TASKS:
+        got, want = run_task(server, task, 1, 6), run_task(reference, task, 1, 6)
+        assert got.predictions == want.predictions and got.correct == want.correct
+
+
 def _train_script():
     spec = importlib.util.spec_from_file_location("train_demo_model",
                                                   ROOT / "scripts" / "train_demo_model.py")
