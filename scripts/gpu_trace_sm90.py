@@ -4,14 +4,14 @@ Usage (GPU): python3 scripts/gpu_trace_sm90.py [--cells 128x64x1024x1,...] [--ou
 Cells are heads x batch x kv length x q_len (block 64, the default plan). The pass is rebuilt
 from `gluon_sm90.py` and `gluon_sm90_tiles.py` with timestamps added by text edits
 (each edit asserts its anchor, so a changed kernel fails loudly here instead of tracing the
-wrong place), written to a temporary folder and imported from there. Each program records,
+wrong place), written to a temporary folder and imported from their files. Each program records,
 as ns of the GPU's global timer: kernel entry, warpgroup 0's start, Q landed, the end of the
 first pair and of the tile loop, the end of the epilogue (both warpgroups), the loader's start
 and last issue, and the SM. Prints per-cell medians (µs) and writes trace_<cell>.npy.
 """
 
 import argparse
-import importlib
+import importlib.util
 import json
 import math
 import sys
@@ -94,8 +94,17 @@ def traced_pass(folder: Path):
     ])
     (folder / "traced_sm90_tiles.py").write_text(tiles)
     (folder / "traced_sm90.py").write_text(main)
-    sys.path.insert(0, str(folder))
-    return importlib.import_module("traced_sm90")
+    _load("traced_sm90_tiles", folder / "traced_sm90_tiles.py")  # imported by name by the pass
+    return _load("traced_sm90", folder / "traced_sm90.py")
+
+
+def _load(name: str, path: Path):
+    """Import the module at path as `name` (registered in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def trace_cell(traced, heads: int, batch: int, kv_len: int, q_len: int, num_sms: int):

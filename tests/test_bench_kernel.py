@@ -26,6 +26,7 @@ from mlaserve.bench.kernel_grid import (
     flag_cells,
     floor_seconds,
 )
+from mlaserve.bench.kernel_sweep import parse_sweep, split_variant, variant_name
 from mlaserve.cli import main
 
 ON_GPU = torch.cuda.is_available()  # without it conftest.py sets TRITON_INTERPRET=1
@@ -112,6 +113,23 @@ def test_grid_flags_and_their_conflict_with_the_preset():
         bench_kernel.grid_cells(bench_kernel_args("--grid", "anchor", "--heads", "16"))
     assert bench_kernel_args().mode == "graph"
     assert bench_kernel_args("--eager").mode == "eager"
+
+
+def test_sweep_specs(capsys):
+    assert parse_sweep("block_n=32,64 num_stages=2;num_splits=4") == [
+        {"block_n": 32, "num_stages": 2, "num_splits": 4},
+        {"block_n": 64, "num_stages": 2, "num_splits": 4}]
+    assert parse_sweep("tma_loads=1 partial_dtype=input") == [
+        {"tma_loads": True, "partial_dtype": "input"}]
+    name = variant_name({"block_n": 32, "programs_per_sm": 2.0})
+    assert name == "triton[block_n=32,programs_per_sm=2.0]"
+    assert split_variant(name) == ("triton", {"block_n": 32, "programs_per_sm": 2.0})
+    assert split_variant("flashinfer") == ("flashinfer", {})
+    for bad in ("bogus=1", "block_n=", "block_n=x", "tma_loads=maybe", ""):
+        with pytest.raises(ValueError):
+            parse_sweep(bad)
+    assert main(["bench", "kernel", *TINY, "--backends", "torch", "--sweep", "block_n=16"]) != 0
+    assert "add it to --backends" in capsys.readouterr().err
 
 
 def test_backend_names():
@@ -241,11 +259,25 @@ def _triton_interpreter_works() -> bool:
 @pytest.mark.skipif(not _triton_interpreter_works(),
                     reason="needs Triton, the triton backend and TRITON_INTERPRET=1 on the CPU")
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-def test_sweep_with_the_triton_interpreter(tmp_path, dtype):
-    rc, record = _sweep(tmp_path, "--dtype", dtype, "--q-lens", "1,2", "--repeats", "1")
+def test_sweep_with_the_triton_interpreter(tmp_path, capsys, dtype):
+    # float32 also sweeps two forced split counts: variants of the plan, gated and timed beside it
+    sweep = ["--sweep", "num_splits=1,3"] if dtype == "fp32" else []
+    rc, record = _sweep(tmp_path, "--dtype", dtype, "--q-lens", "1,2", "--repeats", "1", *sweep)
     assert rc == 0
     names = {r["backend"] for c in record["cells"] for r in c["results"]}
-    assert names == {"torch", "triton"}  # flashinfer left out by default on the CPU
+    variants = {"triton[num_splits=1]", "triton[num_splits=3]"} if sweep else set()
+    assert names == {"torch", "triton"} | variants  # flashinfer left out by default on the CPU
     assert any("flashinfer left out" in note for note in record["notes"])
     for result in _results(record).values():
         assert result["status"] == "ok", result
+    printed = capsys.readouterr().out
+    for key, result in _results(record).items():
+        if key[-1].startswith("triton"):  # the kernel and configuration the plan chose
+            assert result["plan"].startswith("triton_split m16 n")
+            assert f"    {key[-1]} runs {result['plan']}" in printed
+        else:
+            assert result["plan"] == "torch"
+    if sweep:
+        plan = _results(record)[(2, 3, 20, 8, 1, "triton[num_splits=3]")]["plan"]
+        assert " splits 3 (waves" in plan and "splits 1" in _results(record)[
+            (2, 3, 20, 8, 1, "triton[num_splits=1]")]["plan"]

@@ -18,7 +18,7 @@ def test_capture_sizes_cover_every_batch() -> None:
     assert all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_graph_generation_equals_eager_in_fp32() -> None:
     """The demo model's shape through triton, dense MLPs (float32 MoE layers on CUDA loop with a
     host sync and run eagerly), dummy weights: the same greedy tokens and logprobs with and
@@ -48,7 +48,7 @@ def test_graph_generation_equals_eager_in_fp32() -> None:
         assert max(diffs) < 1e-4, diffs  # only the split counts (summation order) differ
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_float32_moe_is_captured_too() -> None:
     """The Triton MoE needs no host sync in any dtype, so float32 decode steps replay graphs."""
     llm = LLM(device="cuda", dtype="float32", attention_backend="triton", block_size=16,
@@ -58,7 +58,7 @@ def test_float32_moe_is_captured_too() -> None:
     assert len(out[0].token_ids) == 3 and llm.engine.runner.graphs.num_replays > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_graph_forward_equals_eager_forward(backend: str) -> None:
     """One decode forward, replayed and eager, on the same inputs (bf16, MLA dims 512 + 64).

@@ -37,8 +37,14 @@ ON_GPU = torch.cuda.is_available()
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else (0, 0)
 PATH = FlashInferMLABackend.kernel_path(torch.device("cuda")) if ON_GPU else None
-gpu = pytest.mark.skipif(not (ON_GPU and HAS_FLASHINFER and CAPABILITY >= (9, 0)),
-                         reason="needs a CUDA GPU of compute capability >= 9.0 and flashinfer")
+_sm90_flashinfer = pytest.mark.skipif(
+    not (ON_GPU and HAS_FLASHINFER and CAPABILITY >= (9, 0)),
+    reason="needs a CUDA GPU of compute capability >= 9.0 and flashinfer")
+
+
+def gpu(test):
+    """The `gpu` marker (skipped without CUDA by conftest.py), and FlashInfer on sm_90+."""
+    return pytest.mark.gpu(_sm90_flashinfer(test))
 SCALE = 1 / math.sqrt(192)
 
 

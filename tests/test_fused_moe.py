@@ -35,7 +35,7 @@ from tests.test_moe import dense_reference  # noqa: E402
 pytestmark = pytest.mark.skipif(
     not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs a CUDA GPU or TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+gpu_only = pytest.mark.gpu  # skipped without CUDA (conftest.py)
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])

@@ -53,10 +53,11 @@ if not ON_GPU:
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 4
 CAPABILITY = device_capability(DEVICE)
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+# bfloat16 runs on the GPU only (the interpreter's bfloat16 dot is not faithful): marked gpu.
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 # Small tiles and splits, so that tiles, splits and the causal window cross page boundaries.
 SMALL_TILES = MLADecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, min_split_len=16)
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+gpu_only = pytest.mark.gpu  # skipped without CUDA (conftest.py)
 
 
 def _dtype_id(dtype: torch.dtype) -> str:
@@ -215,7 +216,7 @@ def test_plan_is_host_side_and_sized() -> None:
     short = plan(64, 1024, 16)
     assert (short.config.block_n, short.config.programs_per_sm, short.num_splits) == (64, 1.0, 2)
     assert plan(64, 2048, 16).config.block_n == 32 and plan(512, 1024, 16).config.block_n == 32
-    # batch 1: the best split counts of scripts/gpu_split_sweep.py on the H200
+    # batch 1: the best forced split counts on the H200 (benchmarks/mla-decode-history.md)
     assert [plan(1, n, 16).num_splits for n in (1024, 4096, 8192)] == [16, 32, 64]
     # 128 heads: the seesaw pass's 64-row groups, at most 32 splits (33 beat 66 at batch 1)
     assert [plan(1, n, 128).num_splits for n in (1024, 4096, 8192)] == [16, 32, 32]

@@ -16,6 +16,7 @@ eager step (the decode rows of a mixed prefill/decode step) on those buffers wit
 graph's plan: it launches only kernels that capture compiled.
 """
 
+import dataclasses
 import os
 from types import ModuleType
 
@@ -26,6 +27,7 @@ from mlaserve.kernels.mla_decode.common import device_capability
 from mlaserve.kernels.mla_decode.plan import (
     MLADecodeConfig,
     MLADecodePlan,
+    default_config,
     describe,
     plan_mla_decode,
 )
@@ -114,8 +116,11 @@ class TritonMLABackend(MLABackend):
         else:
             self.num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
         self.capability = device_capability(shape.device)
-        # A launch configuration to use instead of the per-shape default (e.g. from a sweep).
+        # A launch configuration to use instead of the per-shape default; field changes applied
+        # to the configuration of each plan; a forced split count (`bench kernel --sweep`).
         self.config: MLADecodeConfig | None = None
+        self.config_changes: dict[str, object] = {}
+        self.num_splits: int | None = None
         self._plans: dict[tuple, MLADecodePlan] = {}
         self._eager_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -128,14 +133,20 @@ class TritonMLABackend(MLABackend):
 
     def _make_plan(self, batch_size: int, max_seq_len: int, q_len: int) -> MLADecodePlan:
         """The kernel plan for a batch (memoised: planning is pure in these ints and the config)."""
-        key = (batch_size, max_seq_len, q_len, self.config)
+        changes = tuple(sorted(self.config_changes.items()))
+        key = (batch_size, max_seq_len, q_len, self.config, changes, self.num_splits)
         plan = self._plans.get(key)
         if plan is None:
             shape = self.shape
+            config = self.config
+            if changes:
+                config = dataclasses.replace(config or default_config(
+                    shape.num_heads, q_len, shape.kv_lora_rank, shape.qk_rope_head_dim,
+                    shape.dtype, batch_size, max_seq_len, shape.block_size), **dict(changes))
             plan = plan_mla_decode(
                 batch_size, max_seq_len, shape.num_heads, q_len, shape.kv_lora_rank,
                 shape.qk_rope_head_dim, shape.dtype, self.num_sms, shape.block_size,
-                config=self.config, capability=self.capability)
+                config=config, num_splits=self.num_splits, capability=self.capability)
             self._plans[key] = plan
         return plan
 

@@ -7,8 +7,11 @@ and NaN in every unused page and block tail, checks each backend against the flo
 calls per graph by default, or eager `do_bench`, with KV copies rotated past the L2 cache. The
 copy and matmul ceilings are measured in the same run; each time is reported as µs, GB/s,
 TFLOP/s, % of the floor and as a ratio to the best peer (FlashInfer). The table is printed; JSON
-and a bandwidth plot go to --out. Without CUDA it still runs (tiny shapes, for tests): wall-clock
-timing, no graphs, no ceilings.
+and a bandwidth plot go to --out. Under each cell it prints what each backend's plan chose to run
+(for triton: the kernel, `triton_split` or `gluon_sm90`, and its configuration); `--sweep` adds
+variants of the triton backend's plan as further rows (`kernel_sweep.py`). Inputs, the gate
+and the timers are the shared harness of `mlaserve.kernels.testing`. Without CUDA it still runs
+(tiny shapes, for tests): wall-clock timing, no graphs, no ceilings.
 """
 
 import argparse
@@ -42,6 +45,13 @@ from mlaserve.bench.kernel_report import (
     plot_bandwidth,
     to_json,
     write_json,
+)
+from mlaserve.bench.kernel_sweep import (
+    SWEPT_BACKEND,
+    apply_variant,
+    parse_sweep,
+    split_variant,
+    variant_name,
 )
 from mlaserve.bench.kernel_timing import time_cpu, time_eager, time_graph
 from mlaserve.config import parse_dtype
@@ -99,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls-per-graph", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help=f"directory for {JSON_NAME} and {PLOT_NAME}")
+    parser.add_argument("--sweep", default=None,
+                        help="variants of the triton backend's plan, timed beside it: groups of "
+                             "field=v1,v2 (an MLADecodeConfig field or num_splits), e.g. "
+                             "'block_n=32,64 num_stages=2,3'; the product is swept")
 
 
 def grid_cells(args: argparse.Namespace) -> list[Cell]:
@@ -178,7 +192,7 @@ class Sweep:
     def unsupported(self, name: str, cell: Cell) -> str:
         """Why `name` cannot serve `cell` ("" when it can)."""
         try:
-            cls = registry.backend_class(name)
+            cls = registry.backend_class(split_variant(name)[0])
         except ImportError as exc:
             return f"cannot be imported: {exc}"
         return "; ".join(cls.supports(self.shape(cell)))
@@ -194,9 +208,12 @@ class Sweep:
         return CellResult(cell, num_bytes, flops, floor, num_copies)
 
     def bench(self, name: str, cell: Cell, inputs: CellInputs) -> BackendResult:
-        """Gate, then time, one backend on one cell."""
+        """Gate, then time, one backend (or a `--sweep` variant of triton) on one cell."""
+        base, changes = split_variant(name)
         try:
-            backend = registry.backend_class(name)(self.shape(cell), self.softmax_scale)
+            backend = registry.backend_class(base)(self.shape(cell), self.softmax_scale)
+            if changes:
+                apply_variant(backend, changes)
         except ImportError as exc:
             return BackendResult(name, "skipped", f"cannot be imported: {exc}")
         except UnsupportedShape as exc:
@@ -315,6 +332,10 @@ def run(args: argparse.Namespace) -> int:
                          "positive")
     cells = grid_cells(args)
     names = backend_names(args.backends)
+    if args.sweep is not None:
+        if SWEPT_BACKEND not in names:
+            raise ValueError(f"--sweep varies the {SWEPT_BACKEND} backend: add it to --backends")
+        names += [variant_name(changes) for changes in parse_sweep(args.sweep)]
     sweep = Sweep(args, device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
