@@ -189,7 +189,9 @@ class ExpertBalancer:
     def _hook(self, counts: torch.Tensor):
         def hook(module, inputs, outputs) -> None:
             if module.training:
-                topk_indices = outputs[2]  # [tokens, top_k]
+                # [tokens, top_k]: the router's one integer output (its position varies
+                # between transformers versions)
+                topk_indices = next(o for o in outputs if not o.is_floating_point())
                 counts.add_(torch.bincount(topk_indices.flatten(), minlength=counts.numel()))
         return hook
 

@@ -27,6 +27,8 @@ class TaskResult:
     score: float
     correct: list[int]  # 1 where the question was answered right, in held-out order
     predictions: list[str] = field(default_factory=list)  # generated text, or the chosen letter
+    # arith_mc: log p(" A".." D" | prompt) per question (to tell a near tie from a bug)
+    choice_logprobs: list[list[float]] = field(default_factory=list)
 
 
 def run_task(engine: EvalEngine, task: str, limit: int | None = None,
@@ -43,6 +45,7 @@ def run_task(engine: EvalEngine, task: str, limit: int | None = None,
                   for i in range(len(docs))]
         correct = [int(c == d["answer"]) for c, d in zip(chosen, docs, strict=True)]
         predictions = [T.CHOICE_LETTERS[c] for c in chosen]
+        choice_logprobs = [scores[i * width:(i + 1) * width] for i in range(len(docs))]
     else:
         if task == "arith_chat":
             predictions = engine.chat([T.chat_messages(d, shots) for d in docs], stop, max_tokens)
@@ -50,8 +53,9 @@ def run_task(engine: EvalEngine, task: str, limit: int | None = None,
             predictions = engine.generate([T.completion_prompt(task, d, shots) for d in docs],
                                           stop, max_tokens)
         correct = [int(T.exact_match(p, d)) for p, d in zip(predictions, docs, strict=True)]
+        choice_logprobs = []
     return TaskResult(task, METRICS[task], sum(correct) / max(1, len(correct)), correct,
-                      predictions)
+                      predictions, choice_logprobs)
 
 
 def disagreements(first: TaskResult, other: TaskResult) -> list[int]:
