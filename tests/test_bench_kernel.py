@@ -115,6 +115,22 @@ def test_grid_flags_and_their_conflict_with_the_preset():
     assert bench_kernel_args("--eager").mode == "eager"
 
 
+def test_ragged_cells_beside_uniform_ones(tmp_path):
+    ragged = Cell(2, 5, 20, 8, 2, ragged=True)
+    lengths = ragged.seq_lens()
+    assert lengths == ragged.seq_lens() and len(set(lengths)) > 1
+    assert all(2 <= n <= 20 for n in lengths)
+    assert decode_bytes(ragged, 32, 16, 4) == (sum(lengths) * 48 + 5 * 2 * 2 * 80) * 4
+    assert decode_flops(ragged, 32, 16) == 2 * 2 * 2 * sum(lengths) * 80
+    inputs = make_inputs(ragged, 32, 16, torch.float32, torch.device("cpu"), 0.1, 1, seed=3)
+    assert inputs.seq_lens.tolist() == lengths
+    assert inputs.block_table.shape == (5, -(-max(lengths) // 8))
+    rc, record = _sweep(tmp_path, "--backends", "torch", "--ragged", "--batch-sizes", "3")
+    assert rc == 0
+    assert [c["ragged"] for c in record["cells"]] == [False, True]
+    assert all(r["status"] == "ok" for c in record["cells"] for r in c["results"])
+
+
 def test_sweep_specs(capsys):
     assert parse_sweep("block_n=32,64 num_stages=2;num_splits=4") == [
         {"block_n": 32, "num_stages": 2, "num_splits": 4},

@@ -9,12 +9,14 @@ copy and matmul ceilings are measured in the same run; each time is reported as 
 TFLOP/s, % of the floor and as a ratio to the best peer (FlashInfer). The table is printed; JSON
 and a bandwidth plot go to --out. Under each cell it prints what each backend's plan chose to run
 (for triton: the kernel, `triton_split` or `gluon_sm90`, and its configuration); `--sweep` adds
-variants of the triton backend's plan as further rows (`kernel_sweep.py`). Inputs, the gate
+variants of the triton backend's plan as further rows (`kernel_sweep.py`), and `--ragged` a
+ragged twin of each cell (lengths drawn up to its kv length). Inputs, the gate
 and the timers are the shared harness of `mlaserve.kernels.testing`. Without CUDA it still runs
 (tiny shapes, for tests): wall-clock timing, no graphs, no ceilings.
 """
 
 import argparse
+import dataclasses
 import importlib.metadata
 import platform
 import shlex
@@ -109,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls-per-graph", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help=f"directory for {JSON_NAME} and {PLOT_NAME}")
+    parser.add_argument("--ragged", action="store_true",
+                        help="also time each cell with its request lengths drawn from "
+                             "q_len..kv_len (a ragged batch beside the uniform one)")
     parser.add_argument("--sweep", default=None,
                         help="variants of the triton backend's plan, timed beside it: groups of "
                              "field=v1,v2 (an MLADecodeConfig field or num_splits), e.g. "
@@ -125,6 +130,12 @@ def grid_cells(args: argparse.Namespace) -> list[Cell]:
         return anchor_cells()
     values = {name: getattr(args, name) or GRID_DEFAULTS[name] for name in GRID_FLAGS}
     return flag_cells(**values)
+
+
+def with_ragged(cells: list[Cell]) -> list[Cell]:
+    """The cells and, beside each, its ragged twin (lengths drawn from q_len..kv_len)."""
+    twins = [dataclasses.replace(cell, ragged=True) for cell in cells]
+    return sorted(set(cells) | set(twins), key=Cell.sort_key)
 
 
 def backend_names(spec: str | None) -> list[str]:
@@ -331,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--kv-lora-rank, --rope-dim, --repeats and --calls-per-graph must be "
                          "positive")
     cells = grid_cells(args)
+    if args.ragged:
+        cells = with_ragged(cells)
     names = backend_names(args.backends)
     if args.sweep is not None:
         if SWEPT_BACKEND not in names:

@@ -31,7 +31,7 @@ class CellInputs:
     queries: copies of q [B * q_len, H, L + R].
     caches: copies of the cache [num_blocks, block_size, L + R].
     block_table: [B, blocks_per_seq] int32, a random permutation of pages.
-    seq_lens: [B] int32, all kv_len.
+    seq_lens: [B] int32, `cell.seq_lens()` (all kv_len, or drawn when the cell is ragged).
     ref_o: [B * q_len, H, L] float32 reference output; ref_lse: [B * q_len, H] float32.
     """
 
@@ -67,12 +67,13 @@ def make_inputs(cell: Cell, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
                 seed: int) -> CellInputs:
     """Poisoned inputs for `cell` (see the module docstring) and their float32 reference.
 
-    The block table is exactly as wide as the cell's pages (a backend's plan bounds the lengths
-    by its width); an eighth of the pool (at least 2 pages) is spare NaN pages.
+    The block table is exactly as wide as the longest request's pages (a backend's plan bounds
+    the lengths by its width); an eighth of the pool (at least 2 pages) is spare NaN pages.
     """
-    used = cell.batch_size * cell.blocks_per_seq
+    lengths = cell.seq_lens()
+    used = sum(-(-n // cell.block_size) for n in lengths)
     q, cache, block_table, seq_lens = poisoned_paged_batch(
-        [cell.kv_len] * cell.batch_size, cell.num_heads, kv_lora_rank, rope_dim,
+        lengths, cell.num_heads, kv_lora_rank, rope_dim,
         cell.block_size, cell.q_len, dtype, seed, spare_pages=max(2, used // 8), device=device,
         padding_columns=0, draw_on_device=True)
     ref_o, ref_lse = mla_decode_reference(q, cache, block_table, seq_lens, softmax_scale,

@@ -1,16 +1,18 @@
 """The cells of the MLA decode sweep, the anchor preset, and the roofline of one cell.
 
 A cell is one decode problem: `batch_size` requests of `kv_len` cached tokens each (the q_len new
-tokens included), `num_heads` query heads, pages of `block_size` tokens, `q_len` new tokens per
-request. Its floor (DESIGN §6) is max(bytes / copy rate, flops / matmul rate) with
+tokens included), or, `ragged`, lengths drawn uniformly from q_len..kv_len (fixed per cell);
+`num_heads` query heads, pages of `block_size` tokens, `q_len` new tokens per request. Its floor
+(DESIGN §7) is max(bytes / copy rate, flops / matmul rate) with, for N = the sum of the lengths,
 
-    bytes = B * kv * (L + R) * e + B * q_len * H * (L + R + L) * e   (cache read once, q in, o out)
-    flops = 2 * B * q_len * H * kv * (L + R + L)                    (Q K^T over L + R, P V over L)
+    bytes = N * (L + R) * e + B * q_len * H * (L + R + L) * e   (cache read once, q in, o out)
+    flops = 2 * q_len * H * N * (L + R + L)                     (Q K^T over L + R, P V over L)
 
 where e is the element size (2 for bfloat16).
 """
 
 import itertools
+import random
 from dataclasses import dataclass
 
 
@@ -23,25 +25,36 @@ class Cell:
     kv_len: int
     block_size: int
     q_len: int = 1
+    ragged: bool = False
 
     @property
     def label(self) -> str:
-        return (f"H{self.num_heads} B{self.batch_size} kv{self.kv_len} "
-                f"blk{self.block_size} q{self.q_len}")
+        kv = f"kv{self.q_len}..{self.kv_len}" if self.ragged else f"kv{self.kv_len}"
+        return f"H{self.num_heads} B{self.batch_size} {kv} blk{self.block_size} q{self.q_len}"
 
     @property
     def blocks_per_seq(self) -> int:
         return -(-self.kv_len // self.block_size)
 
-    def sort_key(self) -> tuple[int, int, int, int, int]:
-        """Table order: q_len, heads, batch, kv length, larger blocks first."""
-        return (self.q_len, self.num_heads, self.batch_size, self.kv_len, -self.block_size)
+    def seq_lens(self) -> list[int]:
+        """The KV length of each request: kv_len, or drawn from q_len..kv_len when ragged (the
+        same draw for a cell in every run)."""
+        if not self.ragged:
+            return [self.kv_len] * self.batch_size
+        draw = random.Random(f"{self.batch_size}x{self.kv_len}x{self.q_len}")
+        return [draw.randint(self.q_len, self.kv_len) for _ in range(self.batch_size)]
+
+    def sort_key(self) -> tuple[int, int, int, int, bool, int]:
+        """Table order: q_len, heads, batch, kv length, uniform before ragged, larger blocks
+        first."""
+        return (self.q_len, self.num_heads, self.batch_size, self.kv_len, self.ragged,
+                -self.block_size)
 
 
 def decode_bytes(cell: Cell, kv_lora_rank: int, rope_dim: int, element_size: int = 2) -> int:
     """Fewest bytes one decode call moves: the cache once, q in and o out."""
     head_dim = kv_lora_rank + rope_dim
-    cache = cell.batch_size * cell.kv_len * head_dim
+    cache = sum(cell.seq_lens()) * head_dim
     q_and_o = cell.batch_size * cell.q_len * cell.num_heads * (head_dim + kv_lora_rank)
     return (cache + q_and_o) * element_size
 
@@ -49,8 +62,7 @@ def decode_bytes(cell: Cell, kv_lora_rank: int, rope_dim: int, element_size: int
 def decode_flops(cell: Cell, kv_lora_rank: int, rope_dim: int) -> int:
     """Matmul flops of one decode call: S = Q K^T over L + R columns, O = P V over L."""
     head_dim = kv_lora_rank + rope_dim
-    rows = cell.batch_size * cell.q_len * cell.num_heads
-    return 2 * rows * cell.kv_len * (head_dim + kv_lora_rank)
+    return 2 * cell.q_len * cell.num_heads * sum(cell.seq_lens()) * (head_dim + kv_lora_rank)
 
 
 def floor_seconds(num_bytes: int, flops: int, copy_bytes_per_s: float,

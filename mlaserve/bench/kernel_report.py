@@ -68,7 +68,8 @@ def _fmt(value: float | None, width: int, precision: int, suffix: str = "") -> s
 
 
 def format_table(cells: list[CellResult]) -> str:
-    """The results as a fixed-width text table, one row per cell and backend."""
+    """The results as a fixed-width text table, one row per cell and backend (kv ~N: a ragged
+    cell, lengths drawn up to N)."""
     header = (f"{'heads':>5} {'batch':>5} {'kv':>6} {'blk':>4} {'q':>2} {'floor µs':>9}  "
               f"{'backend':<15}{'µs':>9} {'GB/s':>7} {'TFLOP/s':>8} {'%floor':>7} "
               f"{'x peer':>7}  note")
@@ -79,8 +80,9 @@ def format_table(cells: list[CellResult]) -> str:
         for result in cell_result.results:
             m = cell_result.metrics(result)
             note = "" if result.status == "ok" else f"{result.status}: {result.reason}"
+            kv = f"{'~' if cell.ragged else ''}{cell.kv_len}"  # ~: ragged, lengths up to kv
             lines.append(
-                f"{cell.num_heads:>5} {cell.batch_size:>5} {cell.kv_len:>6} "
+                f"{cell.num_heads:>5} {cell.batch_size:>5} {kv:>6} "
                 f"{cell.block_size:>4} {cell.q_len:>2} {_fmt(floor_us, 9, 1)}  "
                 f"{result.backend:<15}{_fmt(m['time_us'], 9, 1)} {_fmt(m['gbps'], 7, 0)} "
                 f"{_fmt(m['tflops'], 8, 1)} {_fmt(m['pct_floor'], 7, 0, '%')} "
@@ -116,9 +118,13 @@ def plot_bandwidth(path: Path, cells: list[CellResult], title: str,
 
     Dashed black: the floor's bandwidth (bytes / floor time) per q_len; dotted grey: the
     measured copy rate. Cells at another block size or q_len than the most common one are their
-    own series, labelled with it.
+    own series, labelled with it. Ragged cells are in the table and JSON only.
     """
     from matplotlib.figure import Figure
+
+    cells = [c for c in cells if not c.cell.ragged]
+    if not cells:
+        return
 
     heads = sorted({c.cell.num_heads for c in cells})
     kv_lens = sorted({c.cell.kv_len for c in cells})
