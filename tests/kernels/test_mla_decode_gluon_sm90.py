@@ -1,7 +1,7 @@
 """The warp-specialised (seesaw) Gluon split pass (`kernels/mla_decode/gluon_sm90.py`) without
 a GPU: it compiles for sm_90 with no register spills, inside the shared memory the plan's
 `gluon_serves` check assumes, and the plan leaves it out where it does not apply. Its numerics
-are checked against the float32 reference on the GPU in test_triton_mla_decode.py
+are checked against the float32 reference on the GPU in tests/kernels/test_mla_decode.py
 (`test_sm90_paths`)."""
 
 import json
