@@ -44,6 +44,22 @@ def test_chunked_prefill_under_a_small_token_budget(reference):
     assert ids(outs) == [reference[tuple(p)] for p in PROMPTS]
 
 
+def test_prompt_logprobs_of_chunked_prefills_score_their_own_tokens():
+    """A prompt prefilled over several steps: every entry holds the logprob of the prompt token
+    it is for, equal to the one-chunk run's (the pipelined steps land a chunk's entries only
+    after the next chunk has launched)."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    whole = llm(enable_prefix_caching=False).generate(PROMPTS[:4], params)
+    chunked = llm(max_num_batched_tokens=7, enable_prefix_caching=False).generate(
+        PROMPTS[:4], params)
+    for prompt, want, got in zip(PROMPTS, whole, chunked, strict=False):
+        assert len(got.prompt_logprobs) == len(prompt)
+        for token, want_entry, got_entry in zip(prompt[1:], want.prompt_logprobs[1:],
+                                                got.prompt_logprobs[1:], strict=True):
+            assert got_entry.keys() == {token}
+            assert got_entry[token] == pytest.approx(want_entry[token], abs=1e-4)
+
+
 def test_prefix_caching_reuses_blocks_and_changes_nothing(reference):
     engine = llm(enable_prefix_caching=True)
     first = engine.generate([PREFIXED[0]], GREEDY)[0]

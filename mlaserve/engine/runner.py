@@ -281,7 +281,8 @@ class ModelRunner:
         num_decodes = len(batch.decodes)
         sample_rows = list(range(num_decodes))
         sample_positions = [r.num_computed_tokens + 1 for r in batch.decodes]
-        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, count)
+        # (request, first row, first position, count)
+        prompt_rows: list[tuple[Request, int, int, int]] = []
         for chunk, (request, count) in zip(chunks, batch.prefills, strict=True):
             start = request.num_computed_tokens
             if request.prompt_logprobs is not None:
@@ -289,7 +290,7 @@ class ModelRunner:
                 first = max(start, len(request.prompt_logprobs) - 1)
                 last = min(start + count, request.num_prompt_tokens - 1)
                 if last > first:
-                    prompt_rows.append((request, chunk.token_start + first - start,
+                    prompt_rows.append((request, chunk.token_start + first - start, first,
                                         last - first))
             if start + count == request.num_total_tokens:
                 sample_rows.append(chunk.token_start + count - 1)
@@ -317,14 +318,15 @@ class ModelRunner:
                 chosen, values, ids = top_logprobs(logits.log_softmax(dim=-1), sampled, k)
                 pending.logprobs = (samplers, *(t.to("cpu", non_blocking=True)
                                                 for t in (chosen, values, ids)))
-        for request, row, count in prompt_rows:
+        for request, row, first, count in prompt_rows:
             logits = self.model.compute_logits(hidden[row : row + count])  # a collective
             if self.tp.rank != 0:
                 continue  # rank 0 alone reports logprobs
             logprobs = logits.log_softmax(dim=-1)
-            start = len(request.prompt_logprobs)
-            targets = self.inputs.to_device(request.prompt_token_ids[start : start + count],
-                                            torch.int64)
+            # positions first .. first + count - 1 score the tokens after them (the entries of
+            # the request's earlier chunks may not have landed yet: the steps are pipelined)
+            targets = self.inputs.to_device(
+                request.prompt_token_ids[first + 1 : first + 1 + count], torch.int64)
             chosen, values, ids = top_logprobs(logprobs, targets, request.params.prompt_logprobs)
             pending.prompt_logprobs.append((request, *(t.to("cpu", non_blocking=True)
                                                        for t in (chosen, values, ids, targets))))
