@@ -117,8 +117,9 @@ def chat_example(tokenizer, train, shots: int) -> tuple[str, list[Span]]:
 
 
 class TaskStream(IterableDataset):
-    """Endless (input_ids, loss_mask) examples: 40% arith_gen, 30% arith_chat, 30% arith_mc,
-    0-3 few-shot examples (0-1 for mc); train-split problems only."""
+    """Endless (input_ids, loss_mask) examples: 30% arith_gen, 25% arith_chat, 45% arith_mc
+    (whose single target letter learns slowest), 0-3 few-shot examples, every answer a target;
+    train-split problems only."""
 
     def __init__(self, tokenizer, seed: int) -> None:
         self.tokenizer, self.seed = tokenizer, seed
@@ -127,15 +128,16 @@ class TaskStream(IterableDataset):
         info = get_worker_info()
         seed = self.seed * 1000 + (info.id if info else 0)
         rng = random.Random(seed)
-        train, train_mc = T.problems(seed, "train"), T.problems(seed + 1, "train", max_ops=2)
+        train, train_mc = T.problems(seed, "train"), T.problems(seed + 1, "train",
+                                                                  max_ops=T.MC_MAX_OPS)
         while True:
             family = rng.random()
-            if family < 0.4:
+            if family < 0.3:
                 text, spans = gen_example(rng, train, rng.randint(0, 3))
-            elif family < 0.7:
+            elif family < 0.55:
                 text, spans = chat_example(self.tokenizer, train, rng.randint(0, 3))
             else:
-                text, spans = mc_example(rng, train_mc, rng.randint(0, 1))
+                text, spans = mc_example(rng, train_mc, rng.randint(0, 3))
             encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             mask = [int(any(s <= start < e for s, e in spans))
                     for start, _ in encoded["offset_mapping"]]

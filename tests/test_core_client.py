@@ -16,12 +16,8 @@ import zmq
 
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.core import EngineCore
-from mlaserve.engine.core_client import (
-    AsyncEngineClient,
-    EngineDeadError,
-    EngineError,
-    EngineLoadError,
-)
+from mlaserve.engine.core_client import AsyncEngineClient, EngineDeadError, EngineError
+from mlaserve.engine.core_launch import EngineLoadError
 from mlaserve.engine.core_process import (
     AbortRequests,
     AddRequest,
@@ -207,7 +203,7 @@ def test_killing_the_engine_process_fails_requests_in_flight():
         stream = await client.add_request([5, 6, 7], SamplingParams(
             max_tokens=500, ignore_eos=True, output_kind="delta"), "victim")
         await anext(stream)
-        os.kill(client.process.pid, signal.SIGKILL)
+        os.kill(client.processes[0].pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match=r"exited with code -9 \(SIGKILL\)"):
             async for _ in stream:
                 pass
@@ -217,7 +213,7 @@ def test_killing_the_engine_process_fails_requests_in_flight():
         return client
 
     client = asyncio.run(main())
-    assert len(dead) == 1 and not is_alive(client.process.pid)
+    assert len(dead) == 1 and not is_alive(client.processes[0].pid)
 
 
 def test_a_load_error_names_its_cause():

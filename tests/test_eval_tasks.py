@@ -24,7 +24,7 @@ def test_train_and_heldout_never_overlap() -> None:
     heldout = {d["question"] for task in ("arith_gen", "arith_mc")
                for d in T.heldout_docs(task)}
     assert all(T.split_of(q) == "test" for q in heldout)
-    for stream in (T.problems(0, "train"), T.problems(1, "train", max_ops=2)):
+    for stream in (T.problems(0, "train"), T.problems(1, "train", max_ops=T.MC_MAX_OPS)):
         train = {next(stream).question for _ in range(3000)}
         assert not train & heldout
     few = {d["question"] for task in T.TASKS for d in T.fewshot_docs(task)}

@@ -101,6 +101,9 @@ def make_problem(rng: random.Random, min_ops: int = 1, max_ops: int = 3) -> Prob
     return Problem(question, steps, value)
 
 
+MC_MAX_OPS = 1  # arith_mc: one operation (its letter is scored without worked steps)
+
+
 def problems(seed: int, split: str, *, min_ops: int = 1, max_ops: int = 3):
     """An endless deterministic stream of distinct problems of one split ("train"/"test")."""
     rng = random.Random(seed)
@@ -137,7 +140,7 @@ def make_docs(task: str, split: str, count: int, seed: int) -> list[dict]:
     """`count` records of `task` ("arith_gen"/"arith_chat" share records; "arith_mc")."""
     rng = random.Random(seed + 1)
     if task == "arith_mc":
-        stream = problems(seed, split, min_ops=1, max_ops=2)
+        stream = problems(seed, split, max_ops=MC_MAX_OPS)
         return [mc_doc(next(stream), rng) for _ in range(count)]
     stream = problems(seed, split)
     return [gen_doc(next(stream)) for _ in range(count)]
