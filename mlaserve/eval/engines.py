@@ -100,7 +100,17 @@ class MlaserveEngine(TokenizedEngine):
         return scores
 
     def close(self) -> None:
+        """Shut the engine down and give its GPU memory back, so that the next engine (another
+        backend) sizes its KV cache from a free GPU."""
+        import gc
+
+        import torch
+
         self.llm.shutdown()
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class TransformersEngine(TokenizedEngine):
