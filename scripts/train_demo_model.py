@@ -24,7 +24,15 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
@@ -67,6 +75,10 @@ def train_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(tokenizer_corpus(5000, seed), trainer=trainer)
+    # arith_mc scores " A" .. " D" after "Answer:": one token each, whatever BPE merged (it
+    # merged " A" but not " B", so A was one token and the others two)
+    tok.add_tokens([AddedToken(f" {letter}", single_word=True, normalized=False)
+                    for letter in T.CHOICE_LETTERS])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,

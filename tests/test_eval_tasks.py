@@ -161,6 +161,9 @@ def test_training_script_smoke(tmp_path) -> None:
     llm = LLM(str(out), device="cpu", attention_backend="torch")
     ids = llm.tokenizer("Question: 1 + 2\nAnswer:", add_special_tokens=False)["input_ids"]
     assert all(len(t) == 1 for t in llm.tokenizer.tokenize("12345"))  # one digit per token
+    for letter in T.CHOICE_LETTERS:  # arith_mc's continuations: one token each
+        assert llm.tokenizer.tokenize(f"Answer: {letter}")[-1] == f" {letter}"
+    assert llm.tokenizer.tokenize(" Ann")[0] != " A"  # only the letter standing alone
     output = llm.generate(ids, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(output[0].token_ids) == 3
 
