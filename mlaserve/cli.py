@@ -30,6 +30,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=_bytes, default=None,
                         help="CPU KV cache budget, e.g. 2GiB (default: a safe share of RAM)")
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | dummy")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none"),
+                        help="auto: load block-FP8 checkpoints as published; none: dequantize "
+                             "their weights on load to --dtype. Both dequantize on load for "
+                             "now (weight-only: FP8 GEMMs do not exist yet)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
     parser.add_argument("--hf-overrides", type=json.loads, default=None,
@@ -73,7 +77,8 @@ def engine_args_from(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
+        max_model_len=args.max_model_len, load_format=args.load_format,
+        quantization=args.quantization, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, hf_overrides=args.hf_overrides,
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
         max_seq_len_to_capture=args.max_seq_len_to_capture,

@@ -21,6 +21,12 @@ _ROUTING = {  # (scoring_func, topk_method) pairs the model implements
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}
+# DeepSeek-V3/R1's `quantization_config`, the one FP8 format mlaserve loads.
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                           "activation_scheme": "dynamic"}
+# The engine's `quantization` option. auto: follow the checkpoint; none: dequantize FP8
+# weights on load to the model dtype. Both dequantize on load today (no FP8 GEMMs yet).
+QUANTIZATION_MODES = ("auto", "none")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -101,7 +107,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    quant_method: str | None = None
+    quant_method: str | None = None  # "fp8": DeepSeek's block-FP8 weights (config.json)
+    weight_block_size: tuple[int, int] | None = None  # FP8 scale blocks [rows, columns]
     num_nextn_predict_layers: int = 0
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -211,6 +218,30 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, YarnScaling | None]:
     return theta, yarn
 
 
+def _as_list(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _parse_quantization(quant: Any) -> tuple[str | None, tuple[int, int] | None]:
+    """`quantization_config` -> (quant_method, weight_block_size); only DeepSeek's block FP8
+    (FP8_QUANTIZATION_CONFIG; `fmt` and `activation_scheme` may be left out) is supported."""
+    if quant is None:
+        return None, None
+    supported = f"supported: DeepSeek's block FP8, {json.dumps(FP8_QUANTIZATION_CONFIG)}"
+    if not isinstance(quant, dict):
+        raise ValueError(f"config.json: quantization_config = {quant!r} must be an object or "
+                         f"null ({supported})")
+    checks = [("quant_method", quant.get("quant_method"), "fp8"),
+              ("fmt", quant.get("fmt", "e4m3"), "e4m3"),
+              ("weight_block_size", _as_list(quant.get("weight_block_size")), [128, 128]),
+              ("activation_scheme", quant.get("activation_scheme", "dynamic"), "dynamic")]
+    for name, value, want in checks:
+        if value != want:
+            raise ValueError(f"config.json: quantization_config.{name} = {value!r} is not "
+                             f"supported ({supported})")
+    return "fp8", (128, 128)
+
+
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -242,8 +273,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
                              f"n_routed_experts={n_routed}")
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    quant = raw.get("quantization_config")
-    quant_method = quant.get("quant_method") if isinstance(quant, dict) else None
+    quant_method, weight_block_size = _parse_quantization(raw.get("quantization_config"))
     kv_lora_rank = _positive(raw, "kv_lora_rank")
     q_lora_rank = _get(raw, "q_lora_rank", None, int)
     if q_lora_rank is not None and q_lora_rank <= 0:
@@ -285,6 +315,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         torch_dtype=str(torch_dtype),
         quant_method=quant_method,
+        weight_block_size=weight_block_size,
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         hf_config=raw,
     )

@@ -47,19 +47,24 @@ def test_one_error_lists_missing_unexpected_and_wrong_shape(checkpoint_dir, tmp_
     assert "wrong shape 1: model.norm.weight: checkpoint (7,), model (64,)" in message
 
 
-def test_fp8_checkpoint_is_refused_clearly(checkpoint_dir, tmp_path):
+def test_fp8_scale_of_a_high_precision_weight_and_dummy_fp8_config(checkpoint_dir, tmp_path):
+    """FP8 checkpoints load (tests/test_fp8_loading.py); a `weight_scale_inv` beside a weight
+    that is not FP8 is reported as unexpected, and dummy weights of an FP8 config are drawn in
+    the model dtype."""
     src, _ = checkpoint_dir(NAME)
     path = copy_checkpoint(src, tmp_path / "ckpt")
     rewrite(path, lambda t: t.update(
         {"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(1, 1)}))
-    with pytest.raises(ValueError, match="FP8 block-quantized"):
+    with pytest.raises(ValueError, match="unexpected 1: model.layers.0.self_attn.o_proj."
+                                         "weight_scale_inv \\(its weight is not FP8\\)"):
         LLM(str(path), device="cpu", num_kv_blocks=8)
     config = read_config(path)
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="FP8 block-quantized"):
-        LLM(str(path), device="cpu", num_kv_blocks=8)
-    LLM(str(path), device="cpu", num_kv_blocks=8, load_format="dummy")  # dummy ignores it
+    llm = LLM(str(path), device="cpu", num_kv_blocks=8, load_format="dummy")
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0,
+                                                   ignore_eos=True))[0]
+    assert len(out.token_ids) == 2
 
 
 def test_mtp_layers_are_skipped(checkpoint_dir, tmp_path):

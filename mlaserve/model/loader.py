@@ -2,8 +2,15 @@
 
 Checkpoint tensors are streamed one at a time (a progress bar counts them). Every missing,
 unexpected or wrongly shaped tensor is collected and reported in one error. Multi-token-prediction
-layers (index >= num_hidden_layers) are skipped on purpose. FP8 block-quantized checkpoints
-(`weight_scale_inv`) are refused with a clear message.
+layers (index >= num_hidden_layers) are skipped on purpose.
+
+DeepSeek's block-FP8 checkpoints (`mlaserve.model.fp8`) load as published: which tensors are
+FP8 follows the checkpoint (a float8_e4m3fn `X.weight` with its float32 `X.weight_scale_inv`,
+whose shape is checked and which is reported missing like any tensor), and each is dequantized
+weight-only into the model's dtype as it is read (only its shard's rows / columns and their
+scale blocks). FP8 GEMMs do not exist yet, so `--quantization auto` and `none` both load this
+way. Dummy weights of a config with `quantization_config` are drawn in the model's dtype, as
+for any config (no FP8 dummy weights until there are FP8 GEMMs to run them).
 
 Under tensor parallelism (the model built for a group of size N > 1) each rank reads only its
 shard of every split tensor, and under expert parallelism only its experts (the `ShardSpec`s
@@ -17,6 +24,7 @@ drawing).
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -26,6 +34,7 @@ from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
 from mlaserve.distributed.expert_parallel import get_ep_group
 from mlaserve.model.deepseek import DeepseekForCausalLM
+from mlaserve.model.fp8 import BLOCK_SIZE, SCALE_SUFFIX, Fp8WeightSlice, scale_shape
 from mlaserve.model.layers import RMSNorm, RotaryEmbedding
 from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards
 
@@ -33,9 +42,10 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\."
                      r"(?P<part>gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_FP8_MESSAGE = ("FP8 block-quantized checkpoints (weight_scale_inv) are not supported yet: use a "
-                "bf16 checkpoint (e.g. converted with DeepSeek's fp8_cast_bf16.py), or "
-                "--load-format dummy for benchmarks")
+_FUSED_FP8_MESSAGE = ("FP8 weights in the fused-experts layout ({key}, 3-D) have no published "
+                      "format: store the experts one by one (mlp.experts.N.gate_proj.weight ...) "
+                      "as DeepSeek does, or dequantize the checkpoint "
+                      "(python -m mlaserve.model.fp8_checkpoint dequantize SRC DST)")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -135,59 +145,74 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
     cuts = _cuts(model)
     expected, elsewhere = _expected_tensors(model)
     pending = set(expected)
+    missing: list[str] = []  # FP8 scales; the model's own tensors are the `pending` ones
     unexpected: list[str] = []
     wrong_shape: list[str] = []
+    block_size = config.weight_block_size or BLOCK_SIZE
     files = checkpoint_files(model_dir)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-    total = sum(len(h.keys()) for h in handles)
-    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False,
+    locations = {key: handle for handle in handles for key in handle.keys()}
+    with tqdm(total=len(locations), desc="Loading weights", unit="tensor", leave=False,
               disable=None) as bar:
-        for handle in handles:
-            for key in handle.keys():
-                bar.update(1)
-                if key.endswith("weight_scale_inv") or key.endswith("weight_scale"):
-                    raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
-                layer = _LAYER.match(key)
-                if layer and int(layer.group(1)) >= config.num_hidden_layers:
-                    continue  # multi-token-prediction layers are not used for decoding
-                if key.endswith("rotary_emb.inv_freq"):
+        for key, handle in locations.items():
+            bar.update(1)
+            if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in locations:
+                continue  # read with its weight
+            layer = _LAYER.match(key)
+            if layer and int(layer.group(1)) >= config.num_hidden_layers:
+                continue  # multi-token-prediction layers are not used for decoding
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            if config.tie_word_embeddings and key == "lm_head.weight":
+                continue
+            if key in elsewhere:
+                continue  # an expert another expert-parallel rank owns
+            fused = key.endswith(".mlp.experts.gate_up_proj") or key.endswith(
+                ".mlp.experts.down_proj")
+            if fused and key in params:  # stacked experts: this rank's part of the stack
+                targets = [n for n, (p, _, _) in expected.items() if p == key]
+                target, key_cuts = params[key], cuts.get(key, [])
+            elif key in expected:
+                targets = [key]
+                name, expert, part = expected[key]
+                target, spec = _target(params[name], shards.get(name), expert, part)
+                key_cuts = [] if spec is None else [(spec, tp.rank, tp.size)]
+            else:
+                unexpected.append(key)
+                continue
+            source = handle.get_slice(key)
+            shape = tuple(source.get_shape())
+            full_shape = _full_shape(target.shape, key_cuts)
+            if shape != full_shape:
+                wrong_shape.append(f"{key}: checkpoint {shape}, model {full_shape}")
+                pending.difference_update(targets)  # reported once, as wrong shape
+                continue
+            scale_key = key + SCALE_SUFFIX
+            if source.get_dtype().startswith("F8"):
+                if fused:
+                    raise ValueError(f"{model_dir}: " + _FUSED_FP8_MESSAGE.format(key=key))
+                problem = _fp8_problem(key, source.get_dtype(), shape, locations, block_size)
+                if problem is not None:
+                    (missing if problem[0] == "missing" else wrong_shape).append(problem[1])
+                    pending.difference_update(targets)  # reported once, by its scale
                     continue
-                if config.tie_word_embeddings and key == "lm_head.weight":
-                    continue
-                if key in elsewhere:
-                    continue  # an expert another expert-parallel rank owns
-                fused = key.endswith(".mlp.experts.gate_up_proj") or key.endswith(
-                    ".mlp.experts.down_proj")
-                if fused and key in params:  # stacked experts: this rank's part of the stack
-                    targets = [n for n, (p, _, _) in expected.items() if p == key]
-                    target, key_cuts = params[key], cuts.get(key, [])
-                elif key in expected:
-                    targets = [key]
-                    name, expert, part = expected[key]
-                    target, spec = _target(params[name], shards.get(name), expert, part)
-                    key_cuts = [] if spec is None else [(spec, tp.rank, tp.size)]
-                else:
-                    unexpected.append(key)
-                    continue
-                source = handle.get_slice(key)
-                if source.get_dtype().startswith("F8"):
-                    raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
-                shape = tuple(source.get_shape())
-                full_shape = _full_shape(target.shape, key_cuts)
-                if shape != full_shape:
-                    wrong_shape.append(f"{key}: checkpoint {shape}, model {full_shape}")
-                    pending.difference_update(targets)  # reported once, as wrong shape
-                    continue
-                if key_cuts:  # reads this rank's rows / columns only
-                    tensor = _cut(source, shape, key_cuts)
-                else:
-                    tensor = handle.get_tensor(key)
-                with torch.no_grad():
-                    target.copy_(tensor)
-                pending.difference_update(targets)
+                source = Fp8WeightSlice(source, locations[scale_key].get_slice(scale_key),
+                                        shape, target.device, block_size)
+            elif scale_key in locations:
+                unexpected.append(f"{scale_key} (its weight is not FP8)")
+            if key_cuts:  # reads this rank's rows / columns only
+                tensor = _cut(source, shape, key_cuts)
+            elif isinstance(source, Fp8WeightSlice):
+                tensor = source.full()
+            else:
+                tensor = handle.get_tensor(key)
+            with torch.no_grad():
+                target.copy_(tensor)
+            pending.difference_update(targets)
     problems = []
-    if pending:
-        problems.append(f"missing {len(pending)}: {_listing(pending)}")
+    missing += sorted(pending)
+    if missing:
+        problems.append(f"missing {len(missing)}: {_listing(missing)}")
     if unexpected:
         problems.append(f"unexpected {len(unexpected)}: {_listing(unexpected)}")
     if wrong_shape:
@@ -195,6 +220,25 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
     if problems:
         raise ValueError(f"checkpoint {model_dir} does not match its config.json: "
                          + "; ".join(problems))
+
+
+def _fp8_problem(key: str, dtype: str, shape: tuple[int, ...], locations: dict[str, Any],
+                 block_size: tuple[int, int]) -> tuple[str, str] | None:
+    """Why FP8 weight `key` [out, in] cannot be dequantized, as ("missing" or "wrong shape",
+    message), or None: it is not e4m3 or 2-D, or its `weight_scale_inv` is missing or not of
+    shape [ceil(out / b0), ceil(in / b1)]."""
+    scale_key = key + SCALE_SUFFIX
+    if dtype != "F8_E4M3" or len(shape) != 2:
+        return "wrong shape", (f"{key}: checkpoint {dtype} {shape}, model float8_e4m3fn "
+                               "[out, in] (block-FP8 weights are 2-D e4m3)")
+    if scale_key not in locations:
+        return "missing", f"{scale_key} (the scales of FP8 weight {key})"
+    found = tuple(locations[scale_key].get_slice(scale_key).get_shape())
+    want = scale_shape(shape, block_size)
+    if found != want:
+        return "wrong shape", (f"{scale_key}: checkpoint {found}, model {want} (FP8 weight "
+                               f"{shape} in {block_size[0]}x{block_size[1]} blocks)")
+    return None
 
 
 def _listing(names, limit: int = 20) -> str:
@@ -238,8 +282,6 @@ def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.de
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format '{load_format}'; use one of {LOAD_FORMATS}")
     config.check_tensor_parallel_size(get_tp_group().size)
-    if load_format != "dummy" and config.quant_method == "fp8":
-        raise ValueError(f"{model_dir}: {_FP8_MESSAGE}")
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, max_positions)
     model = model.to(dtype).to_empty(device=device)
