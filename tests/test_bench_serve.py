@@ -737,22 +737,3 @@ def test_run_saves_results_and_plot(tokenizer, tokenizer_dir, tmp_path):
         argv = ["--base-url", url, "--random-input-len", "12", "--num-prompts", "2",
                 "--disable-tqdm"]
         assert serve.run(parse_args(argv)) == 1
-
-
-def test_bench_client_against_the_real_server_without_model_or_tokenizer(capsys):
-    """`mlaserve bench serve --base-url URL` alone: the model name and the tokenizer come from
-    /v1/models (`root` is the model directory as the server was given it)."""
-    from mlaserve.bench import serve as bench_serve
-    from mlaserve.engine.args import DEMO_MODEL_DIR
-    from tests.server_util import RunningServer
-
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    with RunningServer(max_model_len=256) as server:
-        args = parser.parse_args([
-            "--base-url", server.url, "--random-input-len", "16", "--random-output-len", "4",
-            "--num-prompts", "4", "--max-concurrency", "2", "--disable-tqdm"])
-        result = asyncio.run(bench_serve.run_benchmark(args))
-    assert result["completed"] == 4 and result["failed"] == 0
-    assert result["model_id"] == result["tokenizer_id"] == str(DEMO_MODEL_DIR)
-    assert "Serving Benchmark Result" in capsys.readouterr().out

@@ -24,12 +24,22 @@ def bench_args(url: str, *extra: str) -> argparse.Namespace:
 
 
 def test_bench_serve_against_the_real_server(capsys):
+    """Also `mlaserve bench serve --base-url URL` alone, on the same server afterwards: the
+    model name and the tokenizer come from /v1/models (`root` is the model directory as the
+    server was given it)."""
     with RunningServer(max_model_len=256) as server:
         result = asyncio.run(bench_serve.run_benchmark(bench_args(server.url)))
         assert "Serving Benchmark Result" in capsys.readouterr().out
         stats = server.wait_idle()
         assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0)
         served = server_metrics(server.url)
+        parser = argparse.ArgumentParser()
+        bench_serve.add_arguments(parser)
+        bare = asyncio.run(bench_serve.run_benchmark(parser.parse_args([
+            "--base-url", server.url, "--random-input-len", "16", "--random-output-len", "4",
+            "--num-prompts", "4", "--max-concurrency", "2", "--disable-tqdm"])))
+    assert bare["completed"] == 4 and bare["failed"] == 0
+    assert bare["model_id"] == bare["tokenizer_id"] == str(DEMO_MODEL_DIR)
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["output_lens"] == [8] * 12  # ignore_eos: exactly max_tokens each
     assert result["total_output_tokens"] == 96
