@@ -25,6 +25,7 @@ when one gets a request (they step together: data_parallel.py).
 import asyncio
 import importlib
 import logging
+import multiprocessing
 import random
 import tempfile
 import time
@@ -196,7 +197,6 @@ class AsyncEngineClient:
                  on_dead: Callable[[EngineDeadError], None] | None, lockstep: bool = False,
                  store=None) -> None:
         self.cores = cores
-        self.processes = [core.process for core in cores]
         self.info = info
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
@@ -216,6 +216,11 @@ class AsyncEngineClient:
         for core in cores:
             self.loop.add_reader(core.process.sentinel, self._on_process_exit, core)
         self._receivers = [asyncio.create_task(self._receive(core)) for core in cores]
+
+    @property
+    def processes(self) -> list[multiprocessing.Process]:
+        """The engine-core processes, one per replica."""
+        return [core.process for core in self.cores]
 
     @property
     def scheduler_stats(self) -> SchedulerStats:
