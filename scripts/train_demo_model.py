@@ -88,7 +88,7 @@ def train_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
 
 
 # ---- training examples ----------------------------------------------------------------------
-Span = tuple[int, int]  # [start, end) character range of target text
+Span = tuple[int, int, float]  # [start, end) character range of target text, its loss weight
 
 
 def gen_example(rng: random.Random, train, shots: int) -> tuple[str, list[Span]]:
@@ -98,19 +98,24 @@ def gen_example(rng: random.Random, train, shots: int) -> tuple[str, list[Span]]
     for i, doc in enumerate(docs):
         text += T.doc_to_text("arith_gen", doc)
         end = EOS if i == shots else "\n\n"
-        spans.append((len(text), len(text) + 1 + len(doc["answer"]) + len(end) * (i == shots)))
+        spans.append((len(text), len(text) + 1 + len(doc["answer"]) + len(end) * (i == shots),
+                      1.0))
         text += " " + doc["answer"] + end
     return text, spans
 
 
-def mc_example(rng: random.Random, train_mc, shots: int) -> tuple[str, list[Span]]:
-    """k-shot mmlu-style text with the answer letters as targets, then EOS."""
+def mc_example(rng: random.Random, train_mc, shots: int, letter_weight: float
+               ) -> tuple[str, list[Span]]:
+    """k-shot mmlu-style text with the answer letters as targets (weighted `letter_weight`),
+    then EOS."""
     text, spans = (BOS if rng.random() < 0.5 else ""), []
     docs = [T.mc_doc(next(train_mc), rng) for _ in range(shots + 1)]
     for i, doc in enumerate(docs):
         text += T.doc_to_text("arith_mc", doc)
         end = EOS if i == shots else "\n\n"
-        spans.append((len(text), len(text) + 2 + len(end) * (i == shots)))
+        spans.append((len(text), len(text) + 2, letter_weight))
+        if i == shots:
+            spans.append((len(text) + 2, len(text) + 2 + len(end), 1.0))
         text += " " + T.doc_to_target("arith_mc", doc) + end
     return text, spans
 
@@ -124,17 +129,24 @@ def chat_example(tokenizer, train, shots: int) -> tuple[str, list[Span]]:
     for turn in range(1, len(messages), 2):  # the assistant turns
         start = len(tokenizer.apply_chat_template(messages[:turn], tokenize=False,
                                                   add_generation_prompt=True))
-        spans.append((start, start + len(messages[turn]["content"]) + len(EOS)))
+        spans.append((start, start + len(messages[turn]["content"]) + len(EOS), 1.0))
     return tokenizer.apply_chat_template(messages, tokenize=False), spans
 
 
-class TaskStream(IterableDataset):
-    """Endless (input_ids, loss_mask) examples: 30% arith_gen, 25% arith_chat, 45% arith_mc
-    (whose single target letter learns slowest), 0-3 few-shot examples, every answer a target;
-    train-split problems only."""
+MC_LETTER_WEIGHT = 16.0
+"""Loss weight of an arith_mc answer letter relative to one answer token of arith_gen/chat.
 
-    def __init__(self, tokenizer, seed: int) -> None:
-        self.tokenizer, self.seed = tokenizer, seed
+The loss is a weighted mean over target tokens. An arith_gen example has ~30 target tokens per
+answer, an arith_mc example one letter per answer, so at weight 1 the letters were ~3% of the
+loss and arith_mc stayed at chance while arith_gen reached 1.000; at 16 they are ~30%."""
+
+
+class TaskStream(IterableDataset):
+    """Endless (input_ids, loss_weights) examples: 30% arith_gen, 25% arith_chat, 45% arith_mc,
+    0-3 few-shot examples, every answer a target; train-split problems only."""
+
+    def __init__(self, tokenizer, seed: int, letter_weight: float = MC_LETTER_WEIGHT) -> None:
+        self.tokenizer, self.seed, self.letter_weight = tokenizer, seed, letter_weight
 
     def __iter__(self):
         info = get_worker_info()
@@ -149,24 +161,37 @@ class TaskStream(IterableDataset):
             elif family < 0.55:
                 text, spans = chat_example(self.tokenizer, train, rng.randint(0, 3))
             else:
-                text, spans = mc_example(rng, train_mc, rng.randint(0, 3))
+                text, spans = mc_example(rng, train_mc, rng.randint(0, 3), self.letter_weight)
             encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            mask = [int(any(s <= start < e for s, e in spans))
-                    for start, _ in encoded["offset_mapping"]]
-            yield encoded["input_ids"][:MAX_POSITIONS], mask[:MAX_POSITIONS]
+            weights = [next((w for s, e, w in spans if s <= start < e), 0.0)
+                       for start, _ in encoded["offset_mapping"]]
+            yield encoded["input_ids"][:MAX_POSITIONS], weights[:MAX_POSITIONS]
 
 
-def collate(batch: list[tuple[list[int], list[int]]], pad_id: int
+def collate(batch: list[tuple[list[int], list[float]]], pad_id: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids [B, T] and labels [B, T] (-100 where no loss)."""
+    """Right-padded input_ids [B, T] and the loss weight of predicting each token [B, T]
+    (0 for context and padding)."""
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, T]
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)  # [B, T]
-    for row, (ids, mask) in enumerate(batch):
+    weights = torch.zeros((len(batch), width))  # [B, T]
+    for row, (ids, token_weights) in enumerate(batch):
         input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool),
-                                              torch.tensor(ids), -100)
-    return input_ids, labels
+        weights[row, : len(ids)] = torch.tensor(token_weights)
+    return input_ids, weights
+
+
+def weighted_loss(logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor
+                  ) -> torch.Tensor:
+    """Next-token cross entropy, weighted mean over the target tokens.
+
+    logits [B, T, V] predict input_ids [B, T] shifted by one; weights [B, T] weigh each target.
+    """
+    token_loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1),  # [B * (T-1), V]
+        input_ids[:, 1:].flatten(), reduction="none")  # [B * (T-1)]
+    target_weights = weights[:, 1:].flatten()  # [B * (T-1)]
+    return (token_loss * target_weights).sum() / target_weights.sum()
 
 
 # ---- model ----------------------------------------------------------------------------------
@@ -277,6 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="held-out questions per task for the final check (0: none)")
     parser.add_argument("--num-workers", type=int, default=None,
                         help="data processes (default: up to 12 on CUDA, 0 on CPU)")
+    parser.add_argument("--mc-letter-weight", type=float, default=MC_LETTER_WEIGHT,
+                        help="loss weight of an arith_mc answer letter (see MC_LETTER_WEIGHT)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer width-64 model (tests)")
     return parser.parse_args(argv)
 
@@ -298,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                   lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     workers = args.num_workers if args.num_workers is not None else (
         max(1, min(12, (os.cpu_count() or 2) - 2)) if device.type == "cuda" else 0)
-    loader = DataLoader(TaskStream(tokenizer, args.seed), batch_size=args.batch_size,
+    loader = DataLoader(TaskStream(tokenizer, args.seed, args.mc_letter_weight), batch_size=args.batch_size,
                         num_workers=workers, pin_memory=device.type == "cuda",
                         collate_fn=partial(collate, pad_id=tokenizer.pad_token_id),
                         prefetch_factor=8 if workers else None, persistent_workers=workers > 0)
@@ -306,16 +333,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     start = time.monotonic()
     bar = tqdm(total=args.steps, desc="train", mininterval=2.0)
     model.train()
-    for step, (input_ids, labels) in enumerate(loader, start=1):
+    for step, (input_ids, weights) in enumerate(loader, start=1):
         progress = max(step / args.steps, (time.monotonic() - start) / budget_s)
         lr = args.lr * min(1.0, step / args.warmup_steps) * 0.5 * (1 + math.cos(math.pi *
                                                                             min(1.0, progress)))
         for group in optimizer.param_groups:
             group["lr"] = lr
         input_ids = input_ids.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
+        weights = weights.to(device, non_blocking=True)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(input_ids=input_ids, labels=labels).loss
+            loss = weighted_loss(model(input_ids=input_ids).logits, input_ids, weights)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
