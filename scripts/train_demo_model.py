@@ -53,14 +53,13 @@ TARGET_SCORE = 0.95  # issue 22's bar for every task
 # ---- tokenizer ------------------------------------------------------------------------------
 def tokenizer_corpus(count: int, seed: int) -> list[str]:
     """Texts of every family (train split) for the BPE merges."""
-    rng = random.Random(seed)
-    stream = T.problems(seed, "train")
+    stream, mc_stream = T.problems(seed, "train"), T.mc_docs(seed, "train")
     texts = []
     for _ in range(count):
         problem = next(stream)
         texts.append(T.completion_prompt("arith_gen", T.gen_doc(problem), []) + " "
                      + problem.target)
-        texts.append(T.completion_prompt("arith_mc", T.mc_doc(problem, rng), []) + " A")
+        texts.append(T.completion_prompt("arith_mc", next(mc_stream), []) + " A")
     return texts
 
 
@@ -109,7 +108,7 @@ def mc_example(rng: random.Random, train_mc, shots: int, letter_weight: float
     """k-shot mmlu-style text with the answer letters as targets (weighted `letter_weight`),
     then EOS."""
     text, spans = (BOS if rng.random() < 0.5 else ""), []
-    docs = [T.mc_doc(next(train_mc), rng) for _ in range(shots + 1)]
+    docs = [next(train_mc) for _ in range(shots + 1)]
     for i, doc in enumerate(docs):
         text += T.doc_to_text("arith_mc", doc)
         end = EOS if i == shots else "\n\n"
@@ -152,8 +151,7 @@ class TaskStream(IterableDataset):
         info = get_worker_info()
         seed = self.seed * 1000 + (info.id if info else 0)
         rng = random.Random(seed)
-        train, train_mc = T.problems(seed, "train"), T.problems(seed + 1, "train",
-                                                                  max_ops=T.MC_MAX_OPS)
+        train, train_mc = T.problems(seed, "train"), T.mc_docs(seed + 1, "train")
         while True:
             family = rng.random()
             if family < 0.3:
@@ -325,8 +323,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                   lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     workers = args.num_workers if args.num_workers is not None else (
         max(1, min(12, (os.cpu_count() or 2) - 2)) if device.type == "cuda" else 0)
-    loader = DataLoader(TaskStream(tokenizer, args.seed, args.mc_letter_weight), batch_size=args.batch_size,
-                        num_workers=workers, pin_memory=device.type == "cuda",
+    loader = DataLoader(TaskStream(tokenizer, args.seed, args.mc_letter_weight),
+                        batch_size=args.batch_size, num_workers=workers,
+                        pin_memory=device.type == "cuda",
                         collate_fn=partial(collate, pad_id=tokenizer.pad_token_id),
                         prefetch_factor=8 if workers else None, persistent_workers=workers > 0)
     budget_s = args.time_budget_min * 60

@@ -21,14 +21,16 @@ def test_generators_are_deterministic() -> None:
 
 
 def test_train_and_heldout_never_overlap() -> None:
-    heldout = {d["question"] for task in ("arith_gen", "arith_mc")
-               for d in T.heldout_docs(task)}
-    assert all(T.split_of(q) == "test" for q in heldout)
-    for stream in (T.problems(0, "train"), T.problems(1, "train", max_ops=T.MC_MAX_OPS)):
-        train = {next(stream).question for _ in range(3000)}
-        assert not train & heldout
-    few = {d["question"] for task in T.TASKS for d in T.fewshot_docs(task)}
-    assert few and not few & heldout
+    for task, train_stream in (("arith_gen", map(T.gen_doc, T.problems(0, "train"))),
+                               ("arith_mc", T.mc_docs(1, "train"))):
+        docs = T.heldout_docs(task)
+        heldout = {T.doc_to_text(task, d) for d in docs}
+        assert len(heldout) == T.TEST_COUNT  # distinct
+        split_by = T.doc_to_text if task == "arith_mc" else (lambda _, d: d["question"])
+        assert all(T.split_of(split_by(task, d)) == "test" for d in docs)
+        train = {T.doc_to_text(task, next(train_stream)) for _ in range(3000)}
+        few = {T.doc_to_text(task, d) for d in T.fewshot_docs(task)}
+        assert not train & heldout and not few & heldout
 
 
 def test_committed_lm_eval_files_are_the_generated_ones() -> None:
@@ -58,13 +60,14 @@ def test_worked_steps_are_correct_arithmetic() -> None:
 
 def test_mc_choices() -> None:
     rng = random.Random(5)
-    for _ in range(300):
-        problem = T.make_problem(rng, max_ops=2)
-        doc = T.mc_doc(problem, rng)
+    answers = []
+    for _ in range(400):
+        doc = T.mc_doc(rng)
         values = [int(c) for c in doc["choices"]]
-        assert doc["choices"][doc["answer"]] == str(problem.answer)
-        assert len({v % 10 for v in values}) == 4 and min(values) >= 0  # distinct last digits
-        assert all(abs(v - problem.answer) <= 9 for v in values)
+        assert len(set(values)) == 4 and 1 <= min(values) and max(values) <= T.MAX_VALUE
+        assert values[doc["answer"]] == max(values)
+        answers.append(doc["answer"])
+    assert all(60 <= answers.count(i) <= 140 for i in range(4))  # every letter, ~uniformly
 
 
 def test_answer_extraction_and_exact_match() -> None:

@@ -3,9 +3,11 @@
 - `arith_gen` (gsm8k-style): a word problem (or a bare "What is 12 + 7 - 5?") with 1-3
   operations; the target is one worked step per line (`12 + 7 = 19`) and a last line
   `#### N`. Scored by exact match of N.
-- `arith_mc` (mmlu-style): a word problem with 1-2 operations and four numeric choices A-D;
-  the distractors are near misses (the answer plus or minus 1..9, each with a different last
-  digit). Scored by the loglikelihood of " A".." D" after `Answer:`.
+- `arith_mc` (mmlu-style): "Which number is the largest?" over four distinct numbers 1-999,
+  choices A-D. Scored by the loglikelihood of " A".." D" after `Answer:`. (A word problem
+  with near-miss numeric choices was tried first: a ~10M model trained for ten minutes stayed
+  at chance on it, and on a variant that printed the result beside the choices, since picking
+  the choice *equal* to a value did not train in that budget; comparing magnitudes does.)
 - `arith_chat`: the arith_gen problems as chat turns (few-shot examples as earlier turns).
 
 Prompts are built exactly as lm-eval 0.4.13 builds them for tasks with these fields (doc_to_text
@@ -101,9 +103,6 @@ def make_problem(rng: random.Random, min_ops: int = 1, max_ops: int = 3) -> Prob
     return Problem(question, steps, value)
 
 
-MC_MAX_OPS = 1  # arith_mc: one operation (its letter is scored without worked steps)
-
-
 def problems(seed: int, split: str, *, min_ops: int = 1, max_ops: int = 3):
     """An endless deterministic stream of distinct problems of one split ("train"/"test")."""
     rng = random.Random(seed)
@@ -120,30 +119,34 @@ def gen_doc(problem: Problem) -> dict:
     return {"question": problem.question, "answer": problem.target}
 
 
-def mc_doc(problem: Problem, rng: random.Random) -> dict:
-    """MMLU's record schema: {"question", "choices": [4 str], "answer": 0-3}.
+MC_QUESTION = "Which number is the largest?"
 
-    Distractors are the answer plus or minus 1..9, all four last digits different.
-    """
-    values = {problem.answer}
-    while len(values) < 4:
-        candidate = problem.answer + rng.choice([-1, 1]) * rng.randint(1, 9)
-        if candidate >= 0 and candidate % 10 not in {v % 10 for v in values}:
-            values.add(candidate)
-    choices = sorted(values)
-    rng.shuffle(choices)
-    return {"question": problem.question, "choices": [str(c) for c in choices],
-            "answer": choices.index(problem.answer)}
+
+def mc_doc(rng: random.Random) -> dict:
+    """MMLU's record schema: {"question", "choices": [4 str], "answer": 0-3}: four distinct
+    numbers in 1..MAX_VALUE, the answer the largest."""
+    values = rng.sample(range(1, MAX_VALUE + 1), len(CHOICE_LETTERS))
+    return {"question": MC_QUESTION, "choices": [str(v) for v in values],
+            "answer": values.index(max(values))}
+
+
+def mc_docs(seed: int, split: str):
+    """An endless deterministic stream of distinct arith_mc records of one split, split by the
+    hash of the whole prompt (the question alone is always the same)."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    while True:
+        doc = mc_doc(rng)
+        text = doc_to_text("arith_mc", doc)
+        if split_of(text) == split and text not in seen:
+            seen.add(text)
+            yield doc
 
 
 def make_docs(task: str, split: str, count: int, seed: int) -> list[dict]:
     """`count` records of `task` ("arith_gen"/"arith_chat" share records; "arith_mc")."""
-    rng = random.Random(seed + 1)
-    if task == "arith_mc":
-        stream = problems(seed, split, max_ops=MC_MAX_OPS)
-        return [mc_doc(next(stream), rng) for _ in range(count)]
-    stream = problems(seed, split)
-    return [gen_doc(next(stream)) for _ in range(count)]
+    stream = mc_docs(seed, split) if task == "arith_mc" else map(gen_doc, problems(seed, split))
+    return [next(stream) for _ in range(count)]
 
 
 # ---- prompts, as lm-eval builds them ------------------------------------------------------
