@@ -370,16 +370,17 @@ def test_cuda_graph_capture_and_replay() -> None:
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dtype_id)
 @pytest.mark.parametrize("num_heads", [16, 128])
-@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_deepseek_sizes(block_size: int, num_heads: int, dtype: torch.dtype, q_len: int) -> None:
     lens = [4096, 1, 1000, 3 * 1024 + 17, 8192 + 3, block_size + 1]
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, seed=num_heads + q_len)
 
 
 @gpu_only
-@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_large_batch_defaults(block_size: int) -> None:
-    # 40 requests take the large-batch tiles (32 tokens, two KV buffers per program).
+    # 40 requests take the large-batch tiles (32 tokens, two KV buffers per program; 16-token
+    # pages gathered row by row into them).
     lens = [(i * 997) % 5000 for i in range(40)]
     lens[:3] = [0, 1, block_size]
     run_and_check(lens, 16, 512, 64, block_size, 1, torch.bfloat16, seed=block_size)

@@ -142,8 +142,9 @@ def default_config(
       padded to 64.
     - Otherwise query rows per program (block_m): all rows up to 64; at >= 64 heads small
       batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
-    - KV tile and pipelining depth per regime (`tuning.TRITON_TILES`): pages under 64 tokens
-      take one page per tile; 16 rows over 32-255 short requests one 64-token program per SM;
+    - KV tile and pipelining depth per regime (`tuning.TRITON_TILES`): pages under 32 tokens
+      take 32-token tiles gathered through the block table row by row, pages of 32-63 tokens
+      one page per tile; 16 rows over 32-255 short requests one 64-token program per SM;
       16 rows over >= 32 requests, or 64-token tiles that do not fit, 32-token tiles; else
       64-token tiles with 2 stages. 64-row Triton programs load whole tiles by TMA.
     - Partial outputs: 16-bit for 16-row programs over 32-255 requests, else float32.
@@ -178,7 +179,9 @@ def default_config(
     short_requests = max_seq_len is not None and max_seq_len <= tuning.SHORT_REQUEST_TOKENS
     one_per_sm = block_m == 16 and medium_batch and short_requests and (
         block_size is None or block_size >= 64)
-    if block_size is not None and block_size < 64:
+    if block_size is not None and block_size < 32:
+        regime = "gathered_pages"
+    elif block_size is not None and block_size < 64:
         regime = "small_pages"
     elif one_per_sm:
         regime = "one_per_sm"
