@@ -16,7 +16,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(VENV)/bin/mlaserve generate --prompt "The latent cache holds" --max-tokens 32 --temperature 0
+	$(VENV)/bin/mlaserve generate --prompt "$$(printf 'Question: What is 48 + 35 - 17?\nAnswer:')" --max-tokens 40 --temperature 0
 
 serve: $(STAMP)
 	$(VENV)/bin/mlaserve serve --device cpu --host 127.0.0.1 --port 8000

@@ -37,14 +37,23 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_demo_model import ASSISTANT, BOS, CHAT_TEMPLATE, EOS, USER  # noqa: E402
-
-from mlaserve.eval import tasks as T  # noqa: E402
-from mlaserve.eval.engines import TransformersEngine  # noqa: E402
-from mlaserve.eval.harness import run_task  # noqa: E402
+from mlaserve.eval import tasks as T
+from mlaserve.eval.engines import TransformersEngine
+from mlaserve.eval.harness import run_task
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the data workers fork
+BOS, EOS, USER, ASSISTANT = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
+                             "<｜Assistant｜>")
+# DeepSeek's chat template in miniature: BOS, a system message then a blank line, user and
+# assistant turns behind their markers, EOS after each assistant turn
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}" + ASSISTANT + "{{ message['content'] }}"
+    + EOS + "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
 MAX_BYTES = 20 * 2**20  # the package's size limit for the checkpoint
 MAX_POSITIONS = 1024
 TARGET_SCORE = 0.95  # issue 22's bar for every task

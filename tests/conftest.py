@@ -37,6 +37,10 @@ CHECKPOINTS = {
         True),
     "v3-dense-nolora-tied": ("v3", dict(q_lora_rank=None, first_k_dense_replace=3,
                                         tie_word_embeddings=True), False),
+    # random weights over the whole demo tokenizer: where a test needs a model that knows
+    # nothing (structured outputs hold by the grammar's mask alone)
+    "v3-random-demo-vocab": ("v3", dict(vocab_size=512, q_lora_rank=32, n_group=4,
+                                        topk_group=2), False),
 }
 
 

@@ -103,13 +103,13 @@ def test_eval_parity_subcommand_still_parses() -> None:
     assert args.handler is harness.run and args.tasks == "arith_mc"
 
 
-def test_eval_command_in_process_and_transformers_agree(tmp_path, capsys) -> None:
-    """The random-weight demo model: scores near zero, but the engine and transformers
-    produce the same text and choices question by question."""
+def test_demo_model_answers_heldout_questions_like_transformers(tmp_path, capsys) -> None:
+    """The trained demo model answers the first held-out questions of every task (it scored
+    1.000 on all 1,000 per task in float32 and bf16), and the engine produces transformers'
+    text and choices question by question."""
     out = tmp_path / "scores.json"
     assert main(["eval", "--device", "cpu", "--engine", "mlaserve,transformers",
-                 "--attention-backend", "torch", "--limit", "2", "--max-gen-tokens", "6",
-                 "--output", str(out)]) == 0
+                 "--attention-backend", "torch", "--limit", "8", "--output", str(out)]) == 0
     table = capsys.readouterr().out
     assert "mlaserve/torch" in table and "transformers" in table
     assert all(task in table for task in T.TASKS)
@@ -118,9 +118,8 @@ def test_eval_command_in_process_and_transformers_agree(tmp_path, capsys) -> Non
     engine, reference = report["results"]["mlaserve/torch"], report["results"]["transformers"]
     for task in T.TASKS:
         assert engine[task]["metric"] == ("acc" if task == "arith_mc" else "exact_match")
-        assert 0.0 <= engine[task]["score"] <= 1.0 and len(engine[task]["correct"]) == 2
+        assert engine[task]["correct"] == [1] * 8, engine[task]["predictions"]
         assert engine[task]["predictions"] == reference[task]["predictions"]
-        assert report["disagreements"]["transformers"][task] == []
 
 
 def test_server_engine_matches_transformers(demo_server) -> None:

@@ -2,6 +2,7 @@
 without touching the innocent requests beside them, and a step that fails because of one request
 fails that request only (the engine core on the demo model, CPU, float32)."""
 
+import json
 from dataclasses import dataclass, field
 
 import msgspec
@@ -11,17 +12,17 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import mlaserve.engine.runner as runner_module
-from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
 from mlaserve.engine.core import EngineCore
 from mlaserve.engine.messages import EngineCoreRequest
 from mlaserve.engine.request import OUTPUT_KINDS, SamplingParams
 from mlaserve.engine.sampler import SamplingBatch
 
-VOCAB = 1024  # the demo model's
+VOCAB = json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
 MAX_MODEL_LEN = 64
 ARGS = EngineArgs(device="cpu", num_kv_blocks=96, block_size=8, max_model_len=MAX_MODEL_LEN,
                   max_num_seqs=16)
-PROMPTS = [[(17 * i + 5 * j) % 1000 + 4 for j in range(3 + 2 * i)] for i in range(10)]
+PROMPTS = [[(17 * i + 5 * j) % 400 + 4 for j in range(3 + 2 * i)] for i in range(10)]
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
@@ -173,7 +174,7 @@ def test_the_two_requests_of_the_brief_are_refused_naming_their_field(core):
     with pytest.raises(ValueError, match=r"top_k must be .* got 9223372036854775808"):
         SamplingParams(max_tokens=4, top_k=2**63)
     params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[99999])
-    with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 1024\)"):
+    with pytest.raises(ValueError, match=rf"stop_token_ids must be in \[0, {VOCAB}\)"):
         core.add_request(EngineCoreRequest("beyond-vocab", [5, 6], params, sample_seed=0))
     assert_idle(core)
 
@@ -222,9 +223,9 @@ def test_bad_parameters_are_value_errors_naming_the_field(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs,prompt,message", [
-    ({"stop_token_ids": [VOCAB]}, [5], r"stop_token_ids must be in \[0, 1024\)"),
-    ({"logit_bias": {VOCAB: 5.0}}, [5], r"logit_bias keys must be token ids in \[0, 1024\)"),
-    ({}, [5, VOCAB], r"prompt token ids must be integers in \[0, 1024\)"),
+    ({"stop_token_ids": [VOCAB]}, [5], rf"stop_token_ids must be in \[0, {VOCAB}\)"),
+    ({"logit_bias": {VOCAB: 5.0}}, [5], rf"logit_bias keys must be token ids in \[0, {VOCAB}\)"),
+    ({}, [5, VOCAB], rf"prompt token ids must be integers in \[0, {VOCAB}\)"),
     ({}, [5, True], "prompt token ids must be integers"),
     ({}, [], "the prompt is empty"),
     ({"max_tokens": 60}, [5] * 8, "exceeds max_model_len=64"),

@@ -9,9 +9,9 @@ from mlaserve import LLM, SamplingParams
 from mlaserve.engine.engine import StepFailed
 
 rng = random.Random(1)
-PROMPTS = [[rng.randrange(4, 1000) for _ in range(rng.randrange(3, 40))] for _ in range(8)]
-SHARED = [rng.randrange(4, 1000) for _ in range(48)]
-PREFIXED = [SHARED + [rng.randrange(4, 1000) for _ in range(rng.randrange(1, 9))]
+PROMPTS = [[rng.randrange(4, 450) for _ in range(rng.randrange(3, 40))] for _ in range(8)]
+SHARED = [rng.randrange(4, 450) for _ in range(48)]
+PREFIXED = [SHARED + [rng.randrange(4, 450) for _ in range(rng.randrange(1, 9))]
             for _ in range(5)]
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 

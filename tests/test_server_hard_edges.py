@@ -21,6 +21,7 @@ from mlaserve.server.api import ServerOptions
 from tests.server_util import RunningServer
 
 MAX_MODEL_LEN = 1024
+VOCAB = json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
 OPTIONS = ServerOptions(max_waiting_requests=8, trust_request_chat_template=True,
                         chat_template_timeout_s=1.0, stream_send_timeout_s=1.0)
 NESTED_LOOPS = ("{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}"
@@ -113,7 +114,7 @@ def test_max_tokens_past_the_context_is_vllms_400(server):
     assert_error(post(server, "/v1/chat/completions", {
         "messages": USER, "max_completion_tokens": MAX_MODEL_LEN}), 400, "max_tokens")
     ok = post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": MAX_MODEL_LEN - 3,
-                                          "stop_token_ids": list(range(1024))})
+                                          "stop_token_ids": list(range(VOCAB))})
     assert ok.status_code == 200, ok.text
 
 

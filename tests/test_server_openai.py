@@ -89,7 +89,8 @@ def test_logprobs_and_echo_for_loglikelihood(server, client):
             max(reference.prompt_logprobs[i].values()), abs=1e-5)
     chat = client.chat.completions.create(model="demo", messages=[{"role": "user",
                                           "content": "x"}], max_tokens=3, logprobs=True,
-                                          top_logprobs=2, temperature=0)
+                                          top_logprobs=2, temperature=0,
+                                          extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
