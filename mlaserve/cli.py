@@ -34,6 +34,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: load block-FP8 checkpoints as published; none: dequantize "
                              "their weights on load to --dtype. Both dequantize on load for "
                              "now (weight-only: FP8 GEMMs do not exist yet)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                        help="the latent cache's element type: auto (the model's dtype) or fp8 "
+                             "(float8_e4m3fn, scale 1; triton and torch backends)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
     parser.add_argument("--hf-overrides", type=json.loads, default=None,
@@ -78,7 +81,7 @@ def engine_args_from(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, load_format=args.load_format,
-        quantization=args.quantization, seed=args.seed,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, hf_overrides=args.hf_overrides,
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
         max_seq_len_to_capture=args.max_seq_len_to_capture,

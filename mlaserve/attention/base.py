@@ -22,9 +22,15 @@ class MLAShape:
     kv_lora_rank: int  # L: width of c_kv and of the latent output
     qk_rope_head_dim: int  # R: width of k_pe
     block_size: int  # tokens per KV page
-    dtype: torch.dtype  # q and kv_cache dtype
+    dtype: torch.dtype  # q's dtype (and the cache's, unless kv_cache_dtype says otherwise)
     device: torch.device
     max_q_len: int = 1  # new tokens per request in one decode call
+    kv_cache_dtype: torch.dtype | None = None  # None: dtype; torch.float8_e4m3fn: an FP8 cache
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The element type of the latent cache."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def head_dim(self) -> int:
@@ -38,6 +44,7 @@ class BackendCapabilities:
 
     device_types: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
+    fp8_kv_cache: bool = False  # reads a float8_e4m3fn latent cache (queries stay in dtype)
     block_sizes: tuple[int, ...] | None = None
     max_num_heads: int | None = None
     max_q_len: int | None = None
@@ -80,6 +87,11 @@ class MLABackend(ABC):
         if shape.dtype not in caps.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in caps.dtypes)
             reasons.append(f"dtype {str(shape.dtype).removeprefix('torch.')} not in ({names})")
+        if shape.cache_dtype != shape.dtype and not (
+                shape.cache_dtype == torch.float8_e4m3fn and caps.fp8_kv_cache):
+            reasons.append(f"cannot read a {str(shape.cache_dtype).removeprefix('torch.')} "
+                           "latent cache (use the triton or torch backend, or --kv-cache-dtype "
+                           "auto)")
         if caps.block_sizes is not None and shape.block_size not in caps.block_sizes:
             reasons.append(f"block_size {shape.block_size} not in {caps.block_sizes}")
         if caps.max_num_heads is not None and shape.num_heads > caps.max_num_heads:

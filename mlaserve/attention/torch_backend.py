@@ -12,6 +12,7 @@ class TorchMLABackend(MLABackend):
     capabilities = BackendCapabilities(
         device_types=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        fp8_kv_cache=True,  # the pages are gathered into float32 (dequantized) either way
         supports_cuda_graphs=True,
     )
     auto_priority = 0

@@ -83,6 +83,7 @@ class TritonMLABackend(MLABackend):
     capabilities = BackendCapabilities(
         device_types=("cuda", "cpu"),
         dtypes=(torch.bfloat16, torch.float16, torch.float32),
+        fp8_kv_cache=True,
         block_sizes=None,  # any power of two (checked in extra_reasons)
         max_num_heads=128,
         max_q_len=8,
@@ -146,7 +147,8 @@ class TritonMLABackend(MLABackend):
             plan = plan_mla_decode(
                 batch_size, max_seq_len, shape.num_heads, q_len, shape.kv_lora_rank,
                 shape.qk_rope_head_dim, shape.dtype, self.num_sms, shape.block_size,
-                config=config, num_splits=self.num_splits, capability=self.capability)
+                config=config, num_splits=self.num_splits, capability=self.capability,
+                kv_cache_dtype=shape.kv_cache_dtype)
             self._plans[key] = plan
         return plan
 

@@ -56,6 +56,7 @@ from mlaserve.bench.kernel_sweep import (
     variant_name,
 )
 from mlaserve.bench.kernel_timing import time_cpu, time_eager, time_graph
+from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import parse_dtype
 from mlaserve.kernels.testing import Ceilings, compare, measure_ceilings
 
@@ -102,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(mode="graph")
     parser.add_argument("--dtype", default="bf16",
                         help="bf16 | fp16 | fp32 (or bfloat16, float16, float32)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                        help="the cache's element type: auto (--dtype) or fp8 (float8_e4m3fn; "
+                             "backends that cannot read it are skipped)")
     parser.add_argument("--kv-lora-rank", type=int, default=512)
     parser.add_argument("--rope-dim", type=int, default=64)
     parser.add_argument("--device", default=None, help="cuda | cuda:N | cpu (default: cuda if "
@@ -185,6 +189,7 @@ class Sweep:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.device = device
         self.dtype = parse_dtype(args.dtype)
+        self.cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.kv_lora_rank = args.kv_lora_rank
         self.rope_dim = args.rope_dim
         self.softmax_scale = (QK_NOPE_HEAD_DIM + args.rope_dim) ** -0.5
@@ -198,7 +203,9 @@ class Sweep:
     def shape(self, cell: Cell) -> MLAShape:
         return MLAShape(num_heads=cell.num_heads, kv_lora_rank=self.kv_lora_rank,
                         qk_rope_head_dim=self.rope_dim, block_size=cell.block_size,
-                        dtype=self.dtype, device=self.device, max_q_len=cell.q_len)
+                        dtype=self.dtype, device=self.device, max_q_len=cell.q_len,
+                        kv_cache_dtype=None if self.cache_dtype == self.dtype
+                        else self.cache_dtype)
 
     def unsupported(self, name: str, cell: Cell) -> str:
         """Why `name` cannot serve `cell` ("" when it can)."""
@@ -209,7 +216,7 @@ class Sweep:
         return "; ".join(cls.supports(self.shape(cell)))
 
     def cell_result(self, cell: Cell, num_copies: int) -> CellResult:
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        element_size = self.cache_dtype.itemsize
         num_bytes = decode_bytes(cell, self.kv_lora_rank, self.rope_dim, element_size)
         flops = decode_flops(cell, self.kv_lora_rank, self.rope_dim)
         floor = None
@@ -298,6 +305,7 @@ class Sweep:
                          "flashinfer": _version("flashinfer-python"),
                          "mlaserve": mlaserve.__version__},
             "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.cache_dtype).removeprefix("torch."),
             "kv_lora_rank": self.kv_lora_rank,
             "rope_dim": self.rope_dim,
             "softmax_scale": self.softmax_scale,
@@ -379,12 +387,13 @@ def run(args: argparse.Namespace) -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     header = sweep.header(args)
-    element_size = torch.empty((), dtype=sweep.dtype).element_size()
+    element_size = sweep.cache_dtype.itemsize
     cell_results: list[CellResult] = []
     for index, cell in enumerate(cells, 1):
         num_copies = copies_needed(cell, args.kv_lora_rank, args.rope_dim, element_size, device)
         inputs = make_inputs(cell, args.kv_lora_rank, args.rope_dim, sweep.dtype, device,
-                             sweep.softmax_scale, num_copies, seed=args.seed + index)
+                             sweep.softmax_scale, num_copies, seed=args.seed + index,
+                             kv_cache_dtype=sweep.cache_dtype)
         cell_result = sweep.cell_result(cell, num_copies)
         for name in names:
             cell_result.results.append(sweep.bench(name, cell, inputs))

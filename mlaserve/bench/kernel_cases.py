@@ -64,8 +64,9 @@ def copies_needed(cell: Cell, kv_lora_rank: int, rope_dim: int, element_size: in
 
 def make_inputs(cell: Cell, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
                 device: torch.device, softmax_scale: float, num_copies: int,
-                seed: int) -> CellInputs:
-    """Poisoned inputs for `cell` (see the module docstring) and their float32 reference.
+                seed: int, kv_cache_dtype: torch.dtype | None = None) -> CellInputs:
+    """Poisoned inputs for `cell` (see the module docstring) and their float32 reference; the
+    cache in kv_cache_dtype (FP8) when given, which the reference dequantizes.
 
     The block table is exactly as wide as the longest request's pages (a backend's plan bounds
     the lengths by its width); an eighth of the pool (at least 2 pages) is spare NaN pages.
@@ -75,7 +76,8 @@ def make_inputs(cell: Cell, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
     q, cache, block_table, seq_lens = poisoned_paged_batch(
         lengths, cell.num_heads, kv_lora_rank, rope_dim,
         cell.block_size, cell.q_len, dtype, seed, spare_pages=max(2, used // 8), device=device,
-        padding_columns=0, draw_on_device=True)
+        padding_columns=0, draw_on_device=True,
+        kv_cache_dtype=None if kv_cache_dtype == dtype else kv_cache_dtype)
     ref_o, ref_lse = mla_decode_reference(q, cache, block_table, seq_lens, softmax_scale,
                                           kv_lora_rank, cell.q_len)
     caches = [cache] + [cache.clone() for _ in range(num_copies - 1)]

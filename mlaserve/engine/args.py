@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from mlaserve.cache.latent_dtype import KV_CACHE_DTYPES
 from mlaserve.config import QUANTIZATION_MODES, ModelConfig, parse_dtype
 from mlaserve.distributed.launch import ParallelLayout, torchrun_rank
 
@@ -34,6 +35,7 @@ class EngineArgs:
     # auto: FP8 checkpoints as published; none: dequantized on load to `dtype`. Both load
     # weight-only dequantized today (FP8 GEMMs do not exist yet); the FP8 path hooks in here.
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn
     seed: int = 0
     enable_prefix_caching: bool = True
     hf_overrides: dict | None = None
@@ -48,6 +50,9 @@ class EngineArgs:
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"unknown quantization '{self.quantization}'; use one of "
                              f"{', '.join(QUANTIZATION_MODES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype '{self.kv_cache_dtype}'; use one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
 
 
 def model_dir_of(args: EngineArgs) -> Path:
@@ -136,11 +141,11 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
 
 
 def kv_blocks_for_memory(config: ModelConfig, args: EngineArgs, device: torch.device,
-                         dtype: torch.dtype) -> int:
+                         cache_dtype: torch.dtype) -> int:
     """Number of KV blocks: given, or sized from the memory left after loading."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
-    bytes_per_block = (args.block_size * config.kv_cache_dim * dtype.itemsize
+    bytes_per_block = (args.block_size * config.kv_cache_dim * cache_dtype.itemsize
                        * config.num_hidden_layers)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

@@ -26,6 +26,7 @@ import torch
 from mlaserve.attention import create_backend
 from mlaserve.attention.base import MLAShape
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
+from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
 from mlaserve.distributed.expert_parallel import get_ep_group
@@ -76,7 +77,8 @@ class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, config: ModelConfig, *, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
                  attention_backend: str | None, max_num_seqs: int, max_model_len: int,
-                 cuda_graph_batch_size: int = 0, max_seq_len_to_capture: int = 8192) -> None:
+                 cuda_graph_batch_size: int = 0, max_seq_len_to_capture: int = 8192,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         """
         Args:
             num_blocks: KV blocks the block pool hands out; the caches hold one more, a scratch
@@ -84,6 +86,7 @@ class ModelRunner:
             cuda_graph_batch_size: capture decode CUDA graphs up to this many requests (0: run
                 every step eagerly). Only on CUDA, with a backend that supports graphs.
             max_seq_len_to_capture: longest sequence a graph step covers; longer run eagerly.
+            kv_cache_dtype: the latent cache's element type (`cache.latent_dtype`); None: dtype.
         """
         self.model = model
         self.config = config
@@ -104,12 +107,12 @@ class ModelRunner:
         # uninitialised: its pages are faulted in as requests first write them, instead of
         # gigabytes of zero pages at start-up. On CUDA zeroing is one fast memset.
         allocate = torch.zeros if device.type == "cuda" else torch.empty
-        self.kv_caches = [allocate(shape, dtype=dtype, device=device)
+        self.kv_caches = [allocate(shape, dtype=kv_cache_dtype or dtype, device=device)
                           for _ in range(config.num_hidden_layers)]
         self.backend = create_backend(attention_backend, MLAShape(
             num_heads=config.num_attention_heads // self.tp.size, kv_lora_rank=config.kv_lora_rank,
             qk_rope_head_dim=config.qk_rope_head_dim, block_size=block_size, dtype=dtype,
-            device=device), config.softmax_scale)
+            device=device, kv_cache_dtype=kv_cache_dtype), config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
         self.graphs: DecodeGraphs | None = None
         wants_graphs = (cuda_graph_batch_size > 0 and device.type == "cuda"
@@ -374,7 +377,8 @@ def load_runner(args: EngineArgs, config: ModelConfig, device: torch.device, dty
     model = build_model(config, model_dir_of(args), device=device, dtype=dtype,
                         load_format=args.load_format, max_positions=max_model_len,
                         seed=args.seed)
-    num_blocks = kv_blocks_for_memory(config, args, device, dtype)
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    num_blocks = kv_blocks_for_memory(config, args, device, cache_dtype)
     if agree_num_blocks is not None:
         num_blocks = agree_num_blocks(num_blocks)
     return ModelRunner(
@@ -383,4 +387,5 @@ def load_runner(args: EngineArgs, config: ModelConfig, device: torch.device, dty
         max_model_len=max_model_len,
         cuda_graph_batch_size=0 if args.enforce_eager
         else min(args.max_num_seqs, MAX_CUDA_GRAPH_BATCH_SIZE),
-        max_seq_len_to_capture=min(args.max_seq_len_to_capture, max_model_len))
+        max_seq_len_to_capture=min(args.max_seq_len_to_capture, max_model_len),
+        kv_cache_dtype=cache_dtype if cache_dtype != dtype else None)

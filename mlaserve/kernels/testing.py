@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaserve.cache.latent_dtype import as_cache_dtype
+
 # ---------------------------------------------------------------------------------------------
 # Inputs
 
@@ -37,6 +39,7 @@ def poisoned_paged_batch(
     device: torch.device | str = "cpu",
     padding_columns: int = 1,
     draw_on_device: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A random paged decode batch built to catch kernels that read what they must not.
 
@@ -45,9 +48,13 @@ def poisoned_paged_batch(
     and its entries past a request's pages point at (NaN) spare pages, as stale entries would.
     Random values are drawn on the CPU (the same batch on every device for a seed), or with
     draw_on_device on `device` directly, in `dtype` (for benchmark-sized caches).
+    kv_cache_dtype (torch.float8_e4m3fn) stores the cache in FP8 as the engine does
+    (`cache.latent_dtype.as_cache_dtype`; NaN stays NaN); the float32 reference then
+    dequantizes that same cache.
 
     Returns:
-        q [B * q_len, H, L + R] and kv_cache [num_blocks, block_size, L + R] in `dtype`,
+        q [B * q_len, H, L + R] in `dtype` and kv_cache [num_blocks, block_size, L + R] in
+        kv_cache_dtype or `dtype`,
         block_table [B, max_blocks] int32 and seq_lens [B] int32, all on `device`.
     """
     where = torch.device(device) if draw_on_device else torch.device("cpu")
@@ -70,6 +77,8 @@ def poisoned_paged_batch(
         start += p
         if n % block_size:
             cache[table[b, p - 1], n % block_size :] = float("nan")
+    if kv_cache_dtype is not None:
+        cache = as_cache_dtype(cache, kv_cache_dtype)
     q = torch.randn(len(seq_lens) * q_len, num_heads, head_dim, generator=gen, device=where,
                     dtype=draw_dtype).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlaserve.cache.latent_dtype import as_cache_dtype
 from mlaserve.config import YarnScaling
 from mlaserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
@@ -194,7 +195,10 @@ def write_latent_cache(kv: torch.Tensor, norm: RMSNorm, rotary: RotaryEmbedding,
         return kv if keep_rows else None
     c_kv, k_pe = kv.split([norm.weight.shape[0], rotary.dim], dim=-1)
     latent = torch.cat((norm(c_kv), rotary(k_pe, angles)), dim=-1)
-    kv_cache_flat.index_copy_(0, slot_mapping, latent.to(kv_cache_flat.dtype))
+    rows = as_cache_dtype(latent, kv_cache_flat.dtype)
+    if rows.element_size() == 1:  # FP8: index_copy_ has no float8 kernels; copy the bytes
+        kv_cache_flat, rows = kv_cache_flat.view(torch.uint8), rows.view(torch.uint8)
+    kv_cache_flat.index_copy_(0, slot_mapping, rows)
     return latent if keep_rows else None
 
 

@@ -64,10 +64,11 @@ def _dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, q_len, dtype, seed=0):
+def make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, q_len, dtype, seed=0,
+               kv_cache_dtype=None):
     """`poisoned_paged_batch` on this module's device."""
     return poisoned_paged_batch(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, q_len,
-                                dtype, seed, device=DEVICE)
+                                dtype, seed, device=DEVICE, kv_cache_dtype=kv_cache_dtype)
 
 
 def check(
@@ -99,15 +100,18 @@ def run_and_check(
     num_splits: int | None = None,
     seed: int = 0,
     poison_workspace: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> None:
     """Run the kernel on a poisoned batch and check it; poison_workspace fills the partial
-    workspace with NaN first (what the merge must never read from an empty split)."""
+    workspace with NaN first (what the merge must never read from an empty split);
+    kv_cache_dtype stores the cache in FP8, which the reference dequantizes."""
     q, kv_cache, block_table, lens = make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim,
-                                                block_size, q_len, dtype, seed)
+                                                block_size, q_len, dtype, seed, kv_cache_dtype)
     scale = 1.5 / math.sqrt(kv_lora_rank + rope_dim)  # peakier than 1/sqrt(192) at small sizes
     plan = plan_mla_decode(len(seq_lens), block_table.shape[1] * block_size, num_heads, q_len,
                            kv_lora_rank, rope_dim, dtype, NUM_SMS, block_size, config=config,
-                           num_splits=num_splits, capability=CAPABILITY)
+                           num_splits=num_splits, capability=CAPABILITY,
+                           kv_cache_dtype=kv_cache_dtype)
     workspace = None
     if poison_workspace:
         workspace = alloc_workspace(plan, q.device)
@@ -125,6 +129,19 @@ def test_block_sizes_and_edge_lengths(block_size: int, dtype: torch.dtype, tilin
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
     config, splits = (SMALL_TILES, 3) if tiling == "small_tiles" else (None, None)
     run_and_check(lens, 16, 64, 16, block_size, 1, dtype, config, splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_fp8_cache_matches_the_reference_of_the_same_cache(block_size: int,
+                                                           dtype: torch.dtype) -> None:
+    """An FP8 (float8_e4m3fn) cache read with queries in dtype: every FP8 value is exact in
+    dtype, so the kernel is held to dtype's own bounds against the float32 reference that
+    dequantizes the same cache (NaN page tails and stale pages included)."""
+    lens = [0, 1, block_size - 1, 3 * block_size + 5, 300]
+    run_and_check(lens, 16, 64, 16, block_size, 1, dtype, SMALL_TILES, 3,
+                  kv_cache_dtype=torch.float8_e4m3fn)
+    run_and_check(lens, 16, 64, 16, block_size, 2, dtype, kv_cache_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -239,6 +239,7 @@ def plan_mla_decode(
     config: MLADecodeConfig | None = None,
     num_splits: int | None = None,
     capability: tuple[int, int] | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> MLADecodePlan:
     """Choose the kernel, its configuration, the split count and the workspace sizes for one
     decode step; host-side ints only.
@@ -251,7 +252,7 @@ def plan_mla_decode(
         q_len: new tokens per request.
         kv_lora_rank: L.
         qk_rope_head_dim: R.
-        dtype: q and cache dtype.
+        dtype: q's dtype (and the cache's unless kv_cache_dtype is given).
         num_sms: streaming multiprocessors on the device.
         block_size: tokens per KV page.
         config: launch configuration; `default_config` of the shape when None.
@@ -259,10 +260,15 @@ def plan_mla_decode(
             one count for a captured CUDA graph.
         capability: the CUDA device's (major, minor) compute capability (`device_capability`);
             None off CUDA (the Triton interpreter).
+        kv_cache_dtype: the cache's dtype when it differs from q's: torch.float8_e4m3fn (an FP8
+            cache, read by the Triton split pass's pointer loads and converted to q's dtype;
+            no TMA loads, no Gluon pass).
 
     Returns:
         The plan to pass to `mla_decode_triton`.
     """
+    cache_dtype = kv_cache_dtype or dtype
+    fp8_cache = cache_dtype.itemsize == 1
     if config is None:
         config = default_config(num_heads, q_len, kv_lora_rank, qk_rope_head_dim, dtype,
                                 batch_size, max_seq_len, block_size)
@@ -271,7 +277,7 @@ def plan_mla_decode(
     num_head_groups = -(-rows // config.block_m)
     if num_splits is None:
         head_dim = kv_lora_rank + qk_rope_head_dim
-        itemsize = dtype.itemsize
+        itemsize = cache_dtype.itemsize
         # A split costs a launch slot plus writing and re-reading a float32 [block_m, L] partial
         # output: count that in KV tokens of the same number of bytes.
         overhead = 32 + (2 * 4 * config.block_m * kv_lora_rank) // (head_dim * itemsize)
@@ -286,13 +292,13 @@ def plan_mla_decode(
     merge_rows, merge_l, merge_chunk = merge_tile(config, batch_size, rows, num_splits,
                                                   kv_lora_rank)
     kernel = TRITON_SPLIT
-    if config.warp_specialized and gluon_serves(capability, dtype, kv_lora_rank,
+    if not fp8_cache and config.warp_specialized and gluon_serves(capability, dtype, kv_lora_rank,
                                                 qk_rope_head_dim, config.block_m,
                                                 config.block_n, config.num_stages, block_size):
         kernel = GLUON_SM90
     sm90_or_newer = capability is not None and capability >= (9, 0)
     tma_loads = (kernel == TRITON_SPLIT and config.tma_loads and sm90_or_newer
-                 and dtype.itemsize == 2 and block_size >= config.block_n)
+                 and cache_dtype.itemsize == 2 and block_size >= config.block_n)
     programmatic_launch = num_splits > 1 and config.programmatic_launch and sm90_or_newer
     return MLADecodePlan(kernel=kernel, tma_loads=tma_loads,
                          programmatic_launch=programmatic_launch,

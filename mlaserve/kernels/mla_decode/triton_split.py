@@ -72,16 +72,18 @@ def _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale, 
 
 
 @triton.jit
-def _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr):
+def _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+                 dtype: tl.constexpr):
     """Pointer loads of one KV tile at row offsets kv_offs [BLOCK_N]: k_nope [BLOCK_N, L] (also
-    V) and k_pe [BLOCK_N, R], zeros where key_mask is off (page tails may hold NaN)."""
+    V) and k_pe [BLOCK_N, R] in `dtype` (q's: an FP8 cache is converted here), zeros where
+    key_mask is off (page tails may hold NaN)."""
     offs_l = tl.arange(0, KV_LORA_RANK)
     offs_r = tl.arange(0, ROPE_DIM)
     k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :], mask=key_mask[:, None],
                      other=0.0)
     k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
                    mask=key_mask[:, None], other=0.0)
-    return k_nope, k_pe
+    return k_nope.to(dtype), k_pe.to(dtype)
 
 
 @triton.jit
@@ -186,7 +188,8 @@ def _mla_decode_split_kernel(
                 k_nope = kv_nope_desc.load([row, 0])  # [BLOCK_N, L], also V
                 k_pe = kv_pe_desc.load([row, 0])  # [BLOCK_N, R]
             else:
-                k_nope, k_pe = _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK, ROPE_DIM)
+                k_nope, k_pe = _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK, ROPE_DIM,
+                                            q_nope.dtype)
             acc, m_i, l_i = _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
                                          qk_scale, acc, m_i, l_i, DOT_PRECISION)
     if USE_TMA and whole_end < split_end:
@@ -196,7 +199,8 @@ def _mla_decode_split_kernel(
         key_mask = pos < split_end
         page = tl.load(bt_row + whole_end // BLOCK_SIZE).to(tl.int64)
         kv_offs = page * stride_kv_block + (whole_end % BLOCK_SIZE + offs_n) * stride_kv_slot
-        k_nope, k_pe = _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK, ROPE_DIM)
+        k_nope, k_pe = _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK, ROPE_DIM,
+                                    q_nope.dtype)
         acc, m_i, l_i = _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
                                      qk_scale, acc, m_i, l_i, DOT_PRECISION)
 

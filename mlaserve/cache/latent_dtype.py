@@ -1,0 +1,30 @@
+"""The element type of the paged latent cache (`--kv-cache-dtype`).
+
+"auto" stores the latents [c_kv | k_pe] in the model's dtype. "fp8" (or "fp8_e4m3", vLLM's
+names) stores them as float8_e4m3fn with scale 1: both MLA decode reads (c_kv as keys and values,
+k_pe as rope keys) then move half the bytes of bf16, and the readers convert to the query's
+dtype. Scale 1 is what vLLM's FP8 cache uses without calibrated scales: c_kv leaves an RMSNorm
+(unit RMS times the norm's weight) and k_pe a rotation, so both sit well inside e4m3's +-448
+(larger values saturate); its 3 mantissa bits round each element by at most 2^-4 relative.
+"""
+
+import torch
+
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for `--kv-cache-dtype name` under a model in `dtype`."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype '{name}'; use one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or dtype
+
+
+def as_cache_dtype(latent: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """latent converted to the cache's element type as the cache stores it: to FP8 it saturates
+    at +-448 (as the GPU's saturating conversion does) instead of overflowing to NaN."""
+    if cache_dtype == torch.float8_e4m3fn:
+        latent = latent.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return latent.to(cache_dtype)
