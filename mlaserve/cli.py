@@ -1,4 +1,4 @@
-"""The `mlaserve` command: serve | generate | bench serve | bench kernel | eval [parity]."""
+"""The `mlaserve` command: serve | generate | bench serve | kernel | gemm | eval [parity]."""
 
 import argparse
 import importlib
@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True, parser_class=_ModuleParser)
     for name, module, text in (("serve", "mlaserve.bench.serve", "serving benchmark client"),
-                               ("kernel", "mlaserve.bench.kernel", "MLA decode kernel sweep")):
+                               ("kernel", "mlaserve.bench.kernel", "MLA decode kernel sweep"),
+                               ("gemm", "mlaserve.bench.gemm", "block-FP8 GEMM against bf16")):
         sub = bench.add_parser(name, parents=[common], help=text, module_name=module)
         sub.set_defaults(module=module)
     commands.add_parser("eval", parents=[common],

@@ -10,8 +10,9 @@ dtype. Scale 1 is what vLLM's FP8 cache uses without calibrated scales: c_kv lea
 
 import torch
 
+from mlaserve.model.fp8 import FP8_MAX
+
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -26,5 +27,5 @@ def as_cache_dtype(latent: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tens
     """latent converted to the cache's element type as the cache stores it: to FP8 it saturates
     at +-448 (as the GPU's saturating conversion does) instead of overflowing to NaN."""
     if cache_dtype == torch.float8_e4m3fn:
-        latent = latent.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        latent = latent.clamp(-FP8_MAX, FP8_MAX)
     return latent.to(cache_dtype)

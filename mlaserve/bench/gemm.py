@@ -1,0 +1,130 @@
+"""`mlaserve bench gemm`: block-FP8 (w8a8) against bf16 on a model's projection shapes.
+
+For each projection of a DeepSeek config (one rank, no tensor parallelism: the attention
+projections, the dense MLP and one routed expert) and each token count, it times:
+- `bf16`: torch.matmul of bf16 activations with the bf16 weight (cuBLAS);
+- `fp8`: `block_fp8_linear`, the per-token-group activation quantization plus the block-FP8
+  Triton product (what a layer would run);
+- `fp8-mm`: the block-FP8 product alone, on activations quantized beforehand.
+Each FP8 output is first checked against the float32 product of the same dequantized operands
+(relative error printed). Times are medians under CUDA-graph replay (`kernels.testing`); the
+table gives microseconds and the FP8 speed-up over bf16. Needs a CUDA GPU.
+"""
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from mlaserve.config import ModelConfig
+
+DEFAULT_TOKENS = "1,16,64,256,1024,4096,8192"
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One GEMM y [M, N] = x [M, K] W^T of the model."""
+
+    name: str
+    out_features: int  # N
+    in_features: int  # K
+
+
+def projections(config: ModelConfig) -> list[Projection]:
+    """The Linear shapes of one decoder layer of `config` (and one routed expert)."""
+    heads = config.num_attention_heads
+    qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+    hidden = config.hidden_size
+    shapes = []
+    if config.q_lora_rank:
+        shapes += [Projection("q_a_proj", config.q_lora_rank, hidden),
+                   Projection("q_b_proj", heads * qk_head, config.q_lora_rank)]
+    else:
+        shapes.append(Projection("q_proj", heads * qk_head, hidden))
+    shapes += [
+        Projection("kv_a_proj_with_mqa", config.kv_lora_rank + config.qk_rope_head_dim, hidden),
+        Projection("kv_b_proj", heads * (config.qk_nope_head_dim + config.v_head_dim),
+                   config.kv_lora_rank),
+        Projection("o_proj", hidden, heads * config.v_head_dim),
+        Projection("mlp.gate_up_proj", 2 * config.intermediate_size, hidden),
+        Projection("mlp.down_proj", hidden, config.intermediate_size),
+    ]
+    if config.n_routed_experts:
+        shapes += [Projection("expert.gate_up_proj", 2 * config.moe_intermediate_size, hidden),
+                   Projection("expert.down_proj", hidden, config.moe_intermediate_size)]
+    return shapes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `mlaserve bench gemm` flags."""
+    parser.add_argument("--models", default="deepseek-v3,deepseek-v2-lite",
+                        help="comma list of config names in benchmarks/configs or paths to "
+                             "config.json files / model directories")
+    parser.add_argument("--tokens", default=DEFAULT_TOKENS, help="comma list of token counts M")
+    parser.add_argument("--repeats", type=int, default=20, help="timed rounds of graph replays")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _config(name: str) -> ModelConfig:
+    path = CONFIGS_DIR / f"{name}.json" if "/" not in name and not name.endswith(".json") \
+        else Path(name)
+    if path.is_file():
+        return ModelConfig.from_dict(json.loads(path.read_text()))
+    return ModelConfig.from_pretrained(path)
+
+
+def _time(call, repeats: int) -> float:
+    from mlaserve.kernels.testing import graph_replay_seconds
+
+    return graph_replay_seconds([call], repeats, calls_per_graph=8)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time every (model, projection, tokens) cell; 1 when an FP8 output fails its check."""
+    if not torch.cuda.is_available():
+        raise ValueError("mlaserve bench gemm times GPU kernels: it needs a CUDA GPU")
+    from mlaserve.kernels.fp8_gemm import (
+        block_fp8_linear,
+        block_fp8_matmul,
+        block_fp8_reference,
+        quantize_activations,
+    )
+    from mlaserve.model.fp8 import quantize_block_fp8
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    device = torch.device("cuda")
+    rows, failed = [], False
+    print(f"{'model':18} {'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>9} "
+          f"{'fp8 us':>9} {'fp8-mm us':>9}  {'x bf16':>6}  rel err")
+    for model in args.models.split(","):
+        config = _config(model)
+        for proj in projections(config):
+            weight = torch.randn(proj.out_features, proj.in_features, device=device) * 0.02
+            w_fp8, w_scales = quantize_block_fp8(weight)
+            w_bf16 = weight.to(torch.bfloat16)
+            for m in tokens:
+                x = torch.randn(m, proj.in_features, device=device, dtype=torch.bfloat16)
+                x_q, x_scales = quantize_activations(x)
+                got = block_fp8_matmul(x_q, x_scales, w_fp8, w_scales, torch.float32)
+                want = block_fp8_reference(x_q, x_scales, w_fp8, w_scales)
+                rel_err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                failed |= rel_err > 1e-5
+                bf16 = _time(partial(torch.matmul, x, w_bf16.T), args.repeats)
+                fp8 = _time(partial(block_fp8_linear, x, w_fp8, w_scales), args.repeats)
+                fp8_mm = _time(partial(block_fp8_matmul, x_q, x_scales, w_fp8, w_scales,
+                                       torch.bfloat16), args.repeats)
+                row = dict(model=model, **asdict(proj), tokens=m, bf16_us=bf16 * 1e6,
+                           fp8_us=fp8 * 1e6, fp8_mm_us=fp8_mm * 1e6, rel_err=rel_err)
+                rows.append(row)
+                print(f"{model:18} {proj.name:20} {proj.out_features:6} {proj.in_features:6} "
+                      f"{m:5}  {bf16 * 1e6:9.1f} {fp8 * 1e6:9.1f} {fp8_mm * 1e6:9.1f}  "
+                      f"{bf16 / fp8:6.2f}  {rel_err:.1e}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"benchmark": "block_fp8_gemm",
+                                              "device": torch.cuda.get_device_name(device),
+                                              "rows": rows}, indent=1) + "\n")
+    return 1 if failed else 0

@@ -1,0 +1,130 @@
+"""Block-FP8 GEMM (w8a8), the format DeepSeek-V3/R1 are published in.
+
+y = x W^T with W [N, K] float8_e4m3fn and its float32 scales S_w [ceil(N / 128), ceil(K / 128)]
+(one per 128x128 block, `model/fp8.py`), and x [M, K] quantized on the fly per token and group
+of 128 columns: x_q [M, K] float8_e4m3fn with S_x [M, ceil(K / 128)], S_x = amax(|x group|) /
+448. Then, for the 128-wide K block k,
+
+    y[m, n] = sum_k  S_x[m, k] * S_w[n // 128, k] * sum_{j in block k} x_q[m, j] W[n, j],
+
+so the kernel runs one FP8 tensor-core product per K block in float32 and scales it before
+adding it to the accumulator (the scales are constant across a block, so this is exact up to
+float32 rounding against the dequantized product). BLOCK_N and BLOCK_K are 128: a tile never
+straddles a weight scale block.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from mlaserve.model.fp8 import BLOCK_SIZE, dequantize_block_fp8, quantize_block_fp8
+
+ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group quantization: DeepSeek's block quantization with 1 x 128 blocks.
+
+    Args:
+        x: [M, K] activations (any float dtype).
+
+    Returns:
+        x_q [M, K] float8_e4m3fn and scales [M, ceil(K / 128)] float32 with
+        x ~= x_q * scales[:, k // 128] (an all-zero group gets scale 1).
+    """
+    return quantize_block_fp8(x, ACTIVATION_BLOCK)
+
+
+@triton.jit
+def _block_fp8_matmul_kernel(
+    x_ptr,  # [M, K] float8_e4m3fn
+    w_ptr,  # [N, K] float8_e4m3fn
+    y_ptr,  # [M, N] output dtype
+    x_scale_ptr,  # [M, ceil(K / 128)] float32
+    w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32
+    M, N, K,
+    stride_xm, stride_wn, stride_ym, stride_xs, stride_ws,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # 128: one weight scale row per tile
+    BLOCK_K: tl.constexpr,  # 128: one scale column per K step
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_block in range(0, tl.cdiv(K, BLOCK_K)):
+        cols = k_block * BLOCK_K + offs_k
+        k_mask = cols < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + cols[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
+        x_scale = tl.load(x_scale_ptr + offs_m * stride_xs + k_block, mask=m_mask, other=0.0)
+        w_scale = tl.load(w_scale_ptr + pid_n * stride_ws + k_block)
+        partial = tl.dot(x, tl.trans(w), out_dtype=tl.float32)  # [BM, BN]
+        acc += partial * (x_scale[:, None] * w_scale)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
+                     weight_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                     block_m: int | None = None) -> torch.Tensor:
+    """y [M, N] = dequant(x_q, x_scales) @ dequant(weight, weight_scale_inv)^T in float32,
+    stored in out_dtype.
+
+    Args:
+        x_q: [M, K] float8_e4m3fn and x_scales [M, ceil(K / 128)] float32
+            (`quantize_activations`).
+        weight: [N, K] float8_e4m3fn, weight_scale_inv [ceil(N / 128), ceil(K / 128)] float32
+            (DeepSeek's checkpoint layout).
+        block_m: rows per program (default: 16 up to 16 rows, 64 beyond).
+    """
+    rows, cols = x_q.shape
+    out_features = weight.shape[0]
+    if weight.shape[1] != cols:
+        raise ValueError(f"x has {cols} columns, the weight {weight.shape[1]}")
+    if tuple(weight_scale_inv.shape) != (-(-out_features // 128), -(-cols // 128)):
+        raise ValueError(f"weight_scale_inv {tuple(weight_scale_inv.shape)} does not cover "
+                         f"a [{out_features}, {cols}] weight in 128x128 blocks")
+    if x_q.device.type == "cpu":  # Triton's interpreter: its workarounds first (idempotent)
+        from mlaserve.attention.triton_backend import patch_triton_interpreter
+
+        patch_triton_interpreter()
+    x_q, weight = x_q.contiguous(), weight.contiguous()
+    x_scales, weight_scale_inv = x_scales.contiguous(), weight_scale_inv.contiguous()
+    y = torch.empty(rows, out_features, dtype=out_dtype, device=x_q.device)
+    if block_m is None:
+        block_m = 16 if rows <= 16 else 64
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, 128))
+    _block_fp8_matmul_kernel[grid](
+        x_q, weight, y, x_scales, weight_scale_inv, rows, out_features, cols,
+        x_q.stride(0), weight.stride(0), y.stride(0), x_scales.stride(0),
+        weight_scale_inv.stride(0), BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128)
+    return y
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
+                     weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> y [..., N] in x's dtype: quantize x per token group, then the block-FP8
+    product with an FP8 weight [N, K] and its scales."""
+    flat = x.reshape(-1, x.shape[-1])  # [M, K]
+    x_q, x_scales = quantize_activations(flat)
+    y = block_fp8_matmul(x_q, x_scales, weight, weight_scale_inv, x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])  # [..., N]
+
+
+def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
+                        weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """The float32 product of the dequantized operands, [M, N] (the oracle of the kernel)."""
+    x = dequantize_block_fp8(x_q, x_scales, block_size=ACTIVATION_BLOCK)  # [M, K]
+    w = dequantize_block_fp8(weight, weight_scale_inv)  # [N, K]
+    return x @ w.T
+
+
+__all__ = ["block_fp8_linear", "block_fp8_matmul", "block_fp8_reference",
+           "quantize_activations"]

@@ -1,0 +1,81 @@
+"""Block-FP8 GEMM (w8a8, 1x128 activation and 128x128 weight scales) against the float32
+product of the same dequantized operands; Triton's interpreter on CPU, the GPU where present."""
+
+import pytest
+import torch
+
+from mlaserve.kernels.fp8_gemm import (
+    block_fp8_linear,
+    block_fp8_matmul,
+    block_fp8_reference,
+    quantize_activations,
+)
+from mlaserve.model.fp8 import FP8_MAX, quantize_block_fp8
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_activation_groups_quantize_per_token_and_128_columns() -> None:
+    x = torch.randn(3, 300) * torch.tensor([1.0, 10.0, 0.0])[:, None]
+    x[0, 130] = 40.0  # one large value rescales only its own group
+    x_q, scales = quantize_activations(x)
+    assert x_q.dtype == torch.float8_e4m3fn and scales.shape == (3, 3)
+    assert scales[0, 1] == pytest.approx(40.0 / FP8_MAX) and scales[0, 0] < scales[0, 1] / 5
+    assert torch.all(scales[2] == 1.0)  # all-zero rows
+    back = x_q.float() * scales.repeat_interleave(128, dim=1)[:, :300]
+    assert torch.allclose(back, x, rtol=2**-4, atol=0)  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 128, 128), (5, 200, 300),
+                                                           (33, 256, 512)])
+def test_matches_the_dequantized_product(rows: int, out_features: int, in_features: int) -> None:
+    """Exact up to float32 rounding against the product of the dequantized operands, partial
+    scale blocks included; far from it if one K block's scale is dropped."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight, scale_inv = quantize_block_fp8(torch.randn(out_features, in_features,
+                                                       generator=gen) * 0.05)
+    x_q, x_scales = quantize_activations(x)
+    want = block_fp8_reference(x_q, x_scales, weight, scale_inv)
+    got = block_fp8_matmul(x_q.to(DEVICE), x_scales.to(DEVICE), weight.to(DEVICE),
+                           scale_inv.to(DEVICE), torch.float32).cpu()
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if in_features > 128:  # the bound would catch a kernel that ignored one block's scale
+        wrong = x_scales.clone()
+        wrong[:, -1] *= 2
+        assert not torch.allclose(block_fp8_reference(x_q, wrong, weight, scale_inv), want,
+                                  rtol=1e-5, atol=1e-5)
+
+
+def test_linear_keeps_leading_dims_and_dtype() -> None:
+    x = torch.randn(2, 3, 256)
+    weight, scale_inv = quantize_block_fp8(torch.randn(128, 256) * 0.05)
+    y = block_fp8_linear(x.to(DEVICE), weight.to(DEVICE), scale_inv.to(DEVICE)).cpu()
+    assert y.shape == (2, 3, 128) and y.dtype == x.dtype
+    exact = x @ (weight.float() * scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)).T
+    assert (y - exact).norm() / exact.norm() < 0.1  # activation quantization error only
+
+
+def test_refuses_mismatched_scales() -> None:
+    weight, scale_inv = quantize_block_fp8(torch.randn(256, 256))
+    x_q, x_scales = quantize_activations(torch.randn(2, 256))
+    with pytest.raises(ValueError, match="does not cover"):
+        block_fp8_matmul(x_q, x_scales, weight, scale_inv[:1], torch.float32)
+
+
+def test_bench_gemm_shapes_and_cpu_refusal(capsys) -> None:
+    """`mlaserve bench gemm` times DeepSeek-V3's projections (one rank), and says on a CPU-only
+    machine that it needs a GPU."""
+    from mlaserve.bench.gemm import _config, projections
+    from mlaserve.cli import main
+
+    shapes = {p.name: (p.out_features, p.in_features) for p in projections(_config("deepseek-v3"))}
+    assert shapes["q_b_proj"] == (128 * 192, 1536) and shapes["kv_b_proj"] == (128 * 256, 512)
+    assert shapes["kv_a_proj_with_mqa"] == (576, 7168) and shapes["o_proj"] == (7168, 16384)
+    assert shapes["expert.gate_up_proj"] == (4096, 7168) and shapes["mlp.down_proj"][1] == 18432
+    lite = {p.name for p in projections(_config("deepseek-v2-lite"))}
+    assert "q_proj" in lite and "q_a_proj" not in lite  # V2-Lite has no q_lora
+    if not torch.cuda.is_available():
+        assert main(["bench", "gemm"]) == 2
+        assert "it needs a CUDA GPU" in capsys.readouterr().err
