@@ -67,7 +67,7 @@ def test_sort_free_kernel_draws_what_the_torch_path_draws():
     """The Triton Gumbel-max pass (interpreted on CPU) hashes the same noise as seeded_uniform
     and picks the same ids, greedy rows included; a wrong hash bit would change most picks."""
     pytest.importorskip("triton")
-    from mlaserve.attention.triton_backend import patch_triton_interpreter
+    from mlaserve.kernels.interpreter import patch_triton_interpreter
     from mlaserve.kernels.sampling import _gumbel_argmax_triton, gumbel_argmax_torch
 
     if not torch.cuda.is_available():

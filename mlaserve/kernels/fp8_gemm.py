@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.interpreter import prepare_launch
 from mlaserve.model.fp8 import BLOCK_SIZE, dequantize_block_fp8, quantize_block_fp8
 
 ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
@@ -91,10 +92,7 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
     if tuple(weight_scale_inv.shape) != (-(-out_features // 128), -(-cols // 128)):
         raise ValueError(f"weight_scale_inv {tuple(weight_scale_inv.shape)} does not cover "
                          f"a [{out_features}, {cols}] weight in 128x128 blocks")
-    if x_q.device.type == "cpu":  # Triton's interpreter: its workarounds first (idempotent)
-        from mlaserve.attention.triton_backend import patch_triton_interpreter
-
-        patch_triton_interpreter()
+    prepare_launch(x_q)
     x_q, weight = x_q.contiguous(), weight.contiguous()
     x_scales, weight_scale_inv = x_scales.contiguous(), weight_scale_inv.contiguous()
     y = torch.empty(rows, out_features, dtype=out_dtype, device=x_q.device)

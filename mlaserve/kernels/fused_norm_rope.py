@@ -29,13 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def _prepare_launch(x: torch.Tensor) -> None:
-    """CPU tensors run in Triton's interpreter: apply its workarounds first (idempotent)."""
-    if x.device.type == "cpu":
-        from mlaserve.attention.triton_backend import patch_triton_interpreter
-
-        patch_triton_interpreter()
+from mlaserve.kernels.interpreter import prepare_launch
 
 
 def _check_rows(name: str, x: torch.Tensor, width: int) -> None:
@@ -165,7 +159,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      out: torch.Tensor, eps: float, add_residual: bool) -> None:
-    _prepare_launch(x)
+    prepare_launch(x)
     num_tokens, n_cols = x.shape
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(num_tokens,)](
@@ -235,7 +229,7 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     _check_angles(cos, sin, num_tokens, rope_dim)
     if num_tokens == 0:
         return out
-    _prepare_launch(x)
+    prepare_launch(x)
     block_h = min(triton.next_power_of_2(num_heads), 16)
     _rope_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         heads_x, cos, sin, heads_out, num_heads, heads_x.stride(0), heads_x.stride(1),
@@ -332,7 +326,7 @@ def write_latent(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
                          f"{tuple(slot_mapping.shape)}")
     if num_tokens == 0:
         return
-    _prepare_launch(kv)
+    prepare_launch(kv)
     latent = kv if latent_out is None else latent_out  # an unused pointer when not stored
     _write_latent_kernel[(num_tokens,)](
         kv, norm_weight, cos, sin, slot_mapping, kv_cache_flat, latent, eps, kv.stride(0),
@@ -376,7 +370,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = width // 2
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
-        _prepare_launch(gate_up)
+        prepare_launch(gate_up)
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,

@@ -23,16 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.interpreter import prepare_launch
+
 # larger than any expert or group index: "no lane" in the min-index reductions
 _NO_INDEX = tl.constexpr(1 << 30)
-
-
-def _prepare_launch(x: torch.Tensor) -> None:
-    """CPU tensors run in Triton's interpreter: apply its workarounds first (idempotent)."""
-    if x.device.type == "cpu":
-        from mlaserve.attention.triton_backend import patch_triton_interpreter
-
-        patch_triton_interpreter()
 
 
 @triton.jit
@@ -195,7 +189,7 @@ def select_experts_triton(
     topk_ids = torch.empty(num_tokens, width, dtype=torch.int64, device=device)
     if num_tokens == 0:
         return topk_weights, topk_ids
-    _prepare_launch(router_logits)
+    prepare_launch(router_logits)
     groups_pad = triton.next_power_of_2(num_groups)
     group_size_pad = triton.next_power_of_2(group_size)
     bias = router_logits if e_score_correction_bias is None else e_score_correction_bias

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.interpreter import prepare_launch
+
 
 class ExpertAlignment(NamedTuple):
     """The (token, slot) pairs grouped by expert, each expert's run padded to block_m rows.
@@ -30,15 +32,6 @@ class ExpertAlignment(NamedTuple):
     expert_ids: torch.Tensor
     num_padded: torch.Tensor
     block_m: int
-
-
-def _prepare_launch(x: torch.Tensor) -> None:
-    """CPU tensors run in Triton's interpreter: apply its workarounds first (idempotent)."""
-    if x.device.type == "cpu":
-        # Imported here: kernels/ does not depend on the attention package, which owns the patch.
-        from mlaserve.attention.triton_backend import patch_triton_interpreter
-
-        patch_triton_interpreter()
 
 
 # Integer arguments that vary with the step's token count are not specialised (Triton would
@@ -209,7 +202,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_m_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    _prepare_launch(topk_ids)
+    prepare_launch(topk_ids)
     if num_chunks == 1:
         _align_one_program_kernel[(1,)](
             flat_ids, sorted_ids, expert_ids, num_padded, num_pairs, num_experts, max_padded,

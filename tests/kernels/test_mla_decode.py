@@ -19,10 +19,8 @@ pytest.importorskip("triton")
 
 from mlaserve.attention import mla_decode  # noqa: E402
 from mlaserve.attention.base import MLAShape  # noqa: E402
-from mlaserve.attention.triton_backend import (  # noqa: E402
-    TritonMLABackend,
-    patch_triton_interpreter,
-)
+from mlaserve.attention.triton_backend import TritonMLABackend  # noqa: E402
+from mlaserve.kernels.interpreter import patch_triton_interpreter  # noqa: E402
 from mlaserve.kernels.mla_decode.common import (  # noqa: E402
     GLUON_SM90,
     TRITON_SPLIT,
