@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from mlaserve.server.tool_call_models import DeltaToolCall, ToolCall, ToolStreamDelta
 from mlaserve.server.tool_calls import (
     CALL_BEGIN,
     CALL_END,
@@ -15,15 +16,11 @@ from mlaserve.server.tool_calls import (
     CALLS_END,
     TOOL_CALL_PARSERS,
     DeepSeekV3ToolParser,
-    DeltaToolCall,
-    ToolCall,
-    ToolStreamDelta,
-    constrained_tool_calls,
     extract_tool_calls,
     get_tool_call_parser,
     parse_call_header,
-    tool_call_json_schema,
 )
+from mlaserve.server.tool_choice import constrained_tool_calls, tool_call_json_schema
 
 ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
 PARSER = get_tool_call_parser("deepseek_v3")

@@ -35,25 +35,23 @@ from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
 from mlaserve.engine.core_client import AsyncEngineClient, EngineDeadError
 from mlaserve.engine.messages import SchedulerStats
 from mlaserve.server.metrics import ServerMetrics
-from mlaserve.server.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
+from mlaserve.server.protocol import ErrorResponse
+from mlaserve.server.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
+from mlaserve.server.protocol_completions import CompletionRequest, CompletionResponse
+from mlaserve.server.protocol_extras import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
-    ResponsesRequest,
-    ResponsesResponse,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfoResponse,
     VersionResponse,
 )
+from mlaserve.server.protocol_responses import ResponsesRequest, ResponsesResponse
 from mlaserve.server.reasoning import get_reasoning_parser
-from mlaserve.server.serving import APIError, Serving, ServingOptions
+from mlaserve.server.serving import Serving
+from mlaserve.server.serving_base import APIError, ServingOptions
 from mlaserve.server.serving_chat import ChatServing
 from mlaserve.server.serving_responses import ResponsesServing
 from mlaserve.server.tool_calls import get_tool_call_parser

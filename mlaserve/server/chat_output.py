@@ -8,7 +8,7 @@ content is read for tool calls according to the request's tool choice:
 * "auto" (needs `--enable-auto-tool-choice --tool-call-parser NAME`): the tool-call parser (see
   tool_calls.py) takes the calls out of the content;
 * "required" or a named function: the output was constrained to the JSON of
-  `tool_calls.tool_call_json_schema`, and `constrained_tool_calls` reads it back; text that does
+  `tool_choice.tool_call_json_schema`, and `constrained_tool_calls` reads it back; text that does
   not have that shape (an answer cut short by max_tokens) stays content.
 
 `ChatOutputParser.parse` does this on a whole text, `ChatOutputParser.stream()` on the text deltas
@@ -21,17 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlaserve.server.reasoning import ReasoningParser, ReasoningStream
-from mlaserve.server.tool_calls import (
-    DeepSeekV3ToolParser,
-    DeepSeekV3ToolStream,
+from mlaserve.server.tool_call_models import (
     DeltaFunctionCall,
     DeltaToolCall,
     ToolCall,
-    constrained_tool_calls,
-    forced_function_name,
     make_tool_call_id,
-    valid_json,
 )
+from mlaserve.server.tool_calls import DeepSeekV3ToolParser, DeepSeekV3ToolStream, valid_json
+from mlaserve.server.tool_choice import constrained_tool_calls, forced_function_name
 
 ToolMode = Literal["none", "auto", "forced"]
 

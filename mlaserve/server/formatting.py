@@ -15,6 +15,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
 
+from mlaserve.server.protocol import PromptLogprob, PromptLogprobs
+
 _encoder = msgspec.json.Encoder()
 
 LOGPROB_FLOOR = -9999.0
@@ -75,6 +77,28 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int,
                               "bytes": list(token_text(t).encode("utf-8"))} for t, v in ranked],
         })
     return {"content": content}
+
+
+def prompt_logprob_entries(token_ids: list[int], entries: list[dict[int, float] | None] | None,
+                           k: int, token_text: TokenText) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt position (the first None) token id -> its logprob,
+    rank (1 = most likely; None for a chosen token outside the top k) and text."""
+    result: PromptLogprobs = []
+    for token, entry in zip(token_ids, entries or [], strict=False):
+        if entry is None:
+            result.append(None)
+            continue
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        position = {tid: PromptLogprob(logprob=floor_logprob(value), rank=rank,
+                                       decoded_token=token_text(tid))
+                    for rank, (tid, value) in enumerate(top, start=1)}
+        if token not in position:  # the chosen token is not among the k most likely
+            position = {token: PromptLogprob(logprob=floor_logprob(entry[token]),
+                                             decoded_token=token_text(token)), **position}
+        else:
+            position = {token: position.pop(token), **position}
+        result.append(position)
+    return result
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -3,7 +3,7 @@ reasoning and tool calls (see chat_output.py for how an answer's text is read).
 
 Tool choice, as vLLM serves it: with `tools` and no `tool_choice` the choice is "auto", which
 needs `--enable-auto-tool-choice --tool-call-parser NAME` (else 400); "required" and a named
-function constrain the output to `tool_calls.tool_call_json_schema` and always answer with tool
+function constrain the output to `tool_choice.tool_call_json_schema` and always answer with tool
 calls; "none" passes the tools to the template and reads no calls. With `--reasoning-parser`,
 a constraint starts after the reasoning: `after_token_id` is the `</think>` token, unless the
 prompt has already ended the reasoning.
@@ -19,8 +19,8 @@ from fastapi.responses import Response
 from mlaserve.engine.core_client import EngineError
 from mlaserve.engine.request import RequestOutput, StructuredOutputs
 from mlaserve.server.chat_output import ChatOutputParser, ChatOutputStream, ToolMode
-from mlaserve.server.formatting import chat_logprobs, error_body, sse, usage
-from mlaserve.server.protocol import (
+from mlaserve.server.formatting import chat_logprobs, error_body, prompt_logprob_entries, sse, usage
+from mlaserve.server.protocol_chat import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -28,17 +28,17 @@ from mlaserve.server.protocol import (
     ChatResponseMessage,
 )
 from mlaserve.server.reasoning import ReasoningParser, get_reasoning_parser
-from mlaserve.server.serving import (
+from mlaserve.server.serving import Serving
+from mlaserve.server.serving_base import (
     APIError,
     EventStreamResponse,
     Prepared,
-    Serving,
     json_response,
     merge,
-    prompt_logprob_entries,
     prompt_token_count,
 )
-from mlaserve.server.tool_calls import get_tool_call_parser, tool_call_json_schema
+from mlaserve.server.tool_calls import get_tool_call_parser
+from mlaserve.server.tool_choice import tool_call_json_schema
 
 
 class ChatServing:

@@ -24,8 +24,8 @@ from fastapi.responses import Response
 
 from mlaserve.engine.core_client import EngineError
 from mlaserve.server.formatting import error_body
-from mlaserve.server.protocol import (
-    ChatCompletionRequest,
+from mlaserve.server.protocol_chat import ChatCompletionRequest
+from mlaserve.server.protocol_responses import (
     IncompleteDetails,
     OutputTokensDetails,
     ReasoningText,
@@ -37,7 +37,7 @@ from mlaserve.server.protocol import (
     ResponseStreamEvent,
     ResponseUsage,
 )
-from mlaserve.server.serving import APIError, EventStreamResponse, json_response
+from mlaserve.server.serving_base import APIError, EventStreamResponse, json_response
 from mlaserve.server.serving_chat import ChatServing
 
 

@@ -5,7 +5,7 @@ A request may carry one constraint, from any of: OpenAI's `response_format` (`js
 (`json` / `regex` / `choice` / `grammar` / `json_object`), vLLM's older `guided_json`,
 `guided_regex`, `guided_choice` and `guided_grammar`, the Responses API's `text.format`, and a
 chat `tool_choice` that forces a call ("required" or a named function; see
-`tool_calls.tool_call_json_schema`). Two at once are refused (`StructuredOutputError`, a 400
+`tool_choice.tool_call_json_schema`). Two at once are refused (`StructuredOutputError`, a 400
 naming both fields), as is a schema that is not a JSON object.
 """
 
@@ -14,12 +14,8 @@ import re
 from typing import Any
 
 from mlaserve.engine.request import StructuredOutputs
-from mlaserve.server.protocol import (
-    ResponseFormat,
-    SamplingFields,
-    StructuredOutputsParams,
-    TextFormat,
-)
+from mlaserve.server.protocol import ResponseFormat, SamplingFields, StructuredOutputsParams
+from mlaserve.server.protocol_responses import TextFormat
 
 
 class StructuredOutputError(ValueError):
