@@ -13,6 +13,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# fixtures of the bench serve tests (a scripted server on a virtual clock, a tiny tokenizer)
+pytest_plugins = ["tests.bench_serve_util"]
+
 DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "mlaserve" / "demo_model"
 
 BASE = dict(
