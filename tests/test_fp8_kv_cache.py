@@ -60,30 +60,37 @@ def test_demo_model_answers_the_same_from_an_fp8_cache() -> None:
     assert all(T.exact_match(text, doc) for text, doc in zip(answers["fp8"], docs, strict=True))
 
 
-def test_chunked_prefill_over_an_fp8_cache_changes_nothing(checkpoint_dir) -> None:
-    """A chunk attends to its own latents as the cache stores them, so prompt logprobs are the
-    same whether the prompt is prefilled at once or in 7-token chunks (and then read back from
-    the FP8 cache), and the triton kernel (interpreter) decodes as the torch backend does."""
+def test_prefill_reads_fp8_context_and_decode_reads_fp8_rows(checkpoint_dir) -> None:
+    """A prompt prefilled in one chunk attends to its exact latents: the prompt logprobs are
+    those of a float32 cache. Prefilled in 7-token chunks, later chunks read the earlier ones
+    back from the FP8 cache, so the logprobs move (how far depends on the model: this random
+    one is sensitive; the demo model's answers do not change). Decode
+    reads FP8 rows: the triton kernel (interpreter) gives the torch backend's tokens and
+    logprobs over the same cache."""
     path, _ = checkpoint_dir("v3-noaux-lora-yarn-sharded")
     prompt = [(7 * i + 3) % 250 + 2 for i in range(40)]
     params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, logprobs=0,
                             ignore_eos=True)
     runs = {}
-    for name, backend, budget in (("whole", "torch", None), ("chunked", "torch", 7),
-                                  ("triton", "triton", None)):
-        llm = LLM(str(path), device="cpu", kv_cache_dtype="fp8", attention_backend=backend,
+    for name, cache, backend, budget in (("exact", "auto", "torch", None),
+                                         ("whole", "fp8", "torch", None),
+                                         ("chunked", "fp8", "torch", 7),
+                                         ("triton", "fp8", "triton", None)):
+        llm = LLM(str(path), device="cpu", kv_cache_dtype=cache, attention_backend=backend,
                   num_kv_blocks=32, block_size=16, max_num_batched_tokens=budget,
                   enable_prefix_caching=False)
         runs[name] = llm.generate([prompt], params)[0]
-    whole = runs["whole"]
-    for name in ("chunked", "triton"):
-        other = runs[name]
-        assert other.token_ids == whole.token_ids
-        for want, got in zip(whole.prompt_logprobs[1:], other.prompt_logprobs[1:], strict=True):
-            assert got.keys() == want.keys()
-            assert max(abs(got[t] - want[t]) for t in want) < 1e-5
-        for want, got in zip(whole.logprobs, other.logprobs, strict=True):
-            assert max(abs(got[t] - want[t]) for t in want) < 1e-5
+
+    def prompt_gap(a, b) -> float:
+        return max(abs(x[t] - y[t]) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:],
+                                                     strict=True) for t in x)
+
+    assert prompt_gap(runs["whole"], runs["exact"]) < 1e-5
+    assert prompt_gap(runs["chunked"], runs["exact"]) > 1e-3  # the context came from FP8
+    assert runs["triton"].token_ids == runs["whole"].token_ids
+    assert prompt_gap(runs["triton"], runs["whole"]) < 1e-5
+    for want, got in zip(runs["whole"].logprobs, runs["triton"].logprobs, strict=True):
+        assert max(abs(got[t] - want[t]) for t in want) < 1e-5
 
 
 def test_cli_flag() -> None:

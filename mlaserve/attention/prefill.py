@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from mlaserve.attention.metadata import PrefillChunk
-from mlaserve.cache.latent_dtype import as_cache_dtype
 
 
 def expanded_prefill(
@@ -38,11 +37,9 @@ def expanded_prefill(
         [n, H, V] attention output.
     """
     n = q.shape[0]
-    if kv_cache_flat.dtype != latent.dtype:
-        # a narrower (FP8) cache: the chunk attends to its own latents as the cache holds
-        # them, as later chunks and decode steps will, so chunking changes nothing
-        latent = as_cache_dtype(latent, kv_cache_flat.dtype).to(latent.dtype)
     if chunk.context_slots is not None and chunk.context_len:
+        # an FP8 cache is read back dequantized; the chunk's own latents stay exact (as in
+        # vLLM), so a prompt prefilled in one chunk scores as with a model-dtype cache
         context = kv_cache_flat[chunk.context_slots].to(latent.dtype)  # [ctx, L + R]
         latent = torch.cat((context, latent))  # [ctx + n, L + R]
     num_keys = latent.shape[0]
