@@ -25,7 +25,7 @@ class MLAShape:
     dtype: torch.dtype  # q's dtype (and the cache's, unless kv_cache_dtype says otherwise)
     device: torch.device
     max_q_len: int = 1  # new tokens per request in one decode call
-    kv_cache_dtype: torch.dtype | None = None  # None: dtype; torch.float8_e4m3fn: an FP8 cache
+    kv_cache_dtype: torch.dtype | None = None  # None or dtype: the same; float8_e4m3fn: FP8
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -56,7 +56,7 @@ from mlaserve.bench.kernel_sweep import (
     variant_name,
 )
 from mlaserve.bench.kernel_timing import time_cpu, time_eager, time_graph
-from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
+from mlaserve.cache.latent_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from mlaserve.config import parse_dtype
 from mlaserve.kernels.testing import Ceilings, compare, measure_ceilings
 
@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(mode="graph")
     parser.add_argument("--dtype", default="bf16",
                         help="bf16 | fp16 | fp32 (or bfloat16, float16, float32)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
                         help="the cache's element type: auto (--dtype) or fp8 (float8_e4m3fn; "
                              "backends that cannot read it are skipped)")
     parser.add_argument("--kv-lora-rank", type=int, default=512)
@@ -204,8 +204,7 @@ class Sweep:
         return MLAShape(num_heads=cell.num_heads, kv_lora_rank=self.kv_lora_rank,
                         qk_rope_head_dim=self.rope_dim, block_size=cell.block_size,
                         dtype=self.dtype, device=self.device, max_q_len=cell.q_len,
-                        kv_cache_dtype=None if self.cache_dtype == self.dtype
-                        else self.cache_dtype)
+                        kv_cache_dtype=self.cache_dtype)
 
     def unsupported(self, name: str, cell: Cell) -> str:
         """Why `name` cannot serve `cell` ("" when it can)."""

@@ -76,8 +76,7 @@ def make_inputs(cell: Cell, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
     q, cache, block_table, seq_lens = poisoned_paged_batch(
         lengths, cell.num_heads, kv_lora_rank, rope_dim,
         cell.block_size, cell.q_len, dtype, seed, spare_pages=max(2, used // 8), device=device,
-        padding_columns=0, draw_on_device=True,
-        kv_cache_dtype=None if kv_cache_dtype == dtype else kv_cache_dtype)
+        padding_columns=0, draw_on_device=True, kv_cache_dtype=kv_cache_dtype)
     ref_o, ref_lse = mla_decode_reference(q, cache, block_table, seq_lens, softmax_scale,
                                           kv_lora_rank, cell.q_len)
     caches = [cache] + [cache.clone() for _ in range(num_copies - 1)]

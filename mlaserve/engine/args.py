@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mlaserve.cache.latent_dtype import KV_CACHE_DTYPES
+from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import QUANTIZATION_MODES, ModelConfig, parse_dtype
 from mlaserve.distributed.launch import ParallelLayout, torchrun_rank
 
@@ -50,9 +50,7 @@ class EngineArgs:
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"unknown quantization '{self.quantization}'; use one of "
                              f"{', '.join(QUANTIZATION_MODES)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown kv_cache_dtype '{self.kv_cache_dtype}'; use one of "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # refuses unknown names
 
 
 def model_dir_of(args: EngineArgs) -> Path:

@@ -388,4 +388,4 @@ def load_runner(args: EngineArgs, config: ModelConfig, device: torch.device, dty
         cuda_graph_batch_size=0 if args.enforce_eager
         else min(args.max_num_seqs, MAX_CUDA_GRAPH_BATCH_SIZE),
         max_seq_len_to_capture=min(args.max_seq_len_to_capture, max_model_len),
-        kv_cache_dtype=cache_dtype if cache_dtype != dtype else None)
+        kv_cache_dtype=cache_dtype)

@@ -48,9 +48,9 @@ def poisoned_paged_batch(
     and its entries past a request's pages point at (NaN) spare pages, as stale entries would.
     Random values are drawn on the CPU (the same batch on every device for a seed), or with
     draw_on_device on `device` directly, in `dtype` (for benchmark-sized caches).
-    kv_cache_dtype (torch.float8_e4m3fn) stores the cache in FP8 as the engine does
-    (`cache.latent_dtype.as_cache_dtype`; NaN stays NaN); the float32 reference then
-    dequantizes that same cache.
+    kv_cache_dtype (torch.float8_e4m3fn; None or `dtype`: no change) stores the cache in FP8 as
+    the engine does (`cache.latent_dtype.as_cache_dtype`; NaN stays NaN); the float32 reference
+    then dequantizes that same cache.
 
     Returns:
         q [B * q_len, H, L + R] in `dtype` and kv_cache [num_blocks, block_size, L + R] in

@@ -260,9 +260,9 @@ def plan_mla_decode(
             one count for a captured CUDA graph.
         capability: the CUDA device's (major, minor) compute capability (`device_capability`);
             None off CUDA (the Triton interpreter).
-        kv_cache_dtype: the cache's dtype when it differs from q's: torch.float8_e4m3fn (an FP8
+        kv_cache_dtype: the cache's dtype (None: q's); torch.float8_e4m3fn is an FP8
             cache, read by the Triton split pass's pointer loads and converted to q's dtype;
-            no TMA loads, no Gluon pass).
+            no TMA loads, no Gluon pass.
 
     Returns:
         The plan to pass to `mla_decode_triton`.
