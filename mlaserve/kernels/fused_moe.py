@@ -18,6 +18,14 @@ Weights are read K-major as stored ([E, 2I, D] and [E, D, I]). Tile sizes come f
 `moe_config` (one place): 16-row M-blocks with wide K tiles while experts get a few rows each
 (decode, weight streaming), 64-128-row blocks as the rows per expert grow (prefill).
 
+Block-FP8 experts (w8a8, DeepSeek's format: float8_e4m3fn weights with a float32 scale per
+128x128 block, `model/fp8.py`) run through the same kernels: x and the activation are quantized
+per token and 128-column group (`fp8_gemm.quantize_activations`), every BLOCK_K step (BLOCK_K
+divides 128, so it lies in one scale block) is one FP8 `tl.dot` scaled by the rows' activation
+scales times the columns' weight scales (looked up per column, so any BLOCK_N works) and added to
+the float32 accumulator. The activation is stored in x's dtype before it is quantized, as in the
+16-bit path.
+
 On CPU tensors the kernels run in Triton's interpreter (TRITON_INTERPRET=1, for tests), where
 `tl.dot` needs M, N, K >= 16 and is faithful in float32 and float16 only.
 """
@@ -28,7 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.fp8_gemm import quantize_activations
+from mlaserve.kernels.moe import check_fp8_experts
 from mlaserve.kernels.moe_align import ExpertAlignment, align_by_expert
+from mlaserve.model.fp8 import BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,8 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> Fuse
     as leave room for two programs per SM (3 for the gate kernel's two weight tiles, 4 for down).
     m <= 128: 64-row blocks; above, 128-row blocks with 8 warps; both with 64-deep K tiles and
     8 M-blocks grouped per N-block so an expert's blocks share its weight tiles in L2.
-    float32 halves block_k: the same shared memory per stage.
+    float32 halves block_k: the same shared memory per stage. FP8 weights take the 16-bit tiles,
+    whose block_k divides the 128-wide scale blocks.
     """
     rows_per_expert = num_pairs / num_experts
     depth = 2 if dtype == torch.float32 else 1
@@ -90,9 +102,9 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> Fuse
 def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int,
                dtype: torch.dtype) -> FusedMoEConfig:
     """The configuration for T * K = num_pairs pairs: the tuned table's entry for this shape
-    nearest in ratio to num_pairs, else `default_config`."""
+    nearest in ratio to num_pairs (16-bit weights), else `default_config`. dtype: the weights'."""
     tuned = TUNED_CONFIGS.get((num_experts, hidden, inter))
-    if tuned and dtype != torch.float32:
+    if tuned and dtype in (torch.float16, torch.bfloat16):
         nearest = min(tuned, key=lambda n: max(n, num_pairs) / min(n, num_pairs))
         return tuned[nearest]
     return default_config(num_pairs, num_experts, dtype)
@@ -112,6 +124,8 @@ def _gate_up_silu_kernel(
     x_ptr,  # [T, D]
     w_ptr,  # [E, 2I, D]: gate rows then up rows
     act_ptr,  # [max_padded, I], out, unit column stride
+    x_scale_ptr,  # FP8: [T, ceil(D / 128)] float32, unit column stride
+    w_scale_ptr,  # FP8: [E, 2I / 128, ceil(D / 128)] float32, unit column stride
     sorted_ids_ptr,  # [max_padded] int32
     expert_ids_ptr,  # [num_m_blocks] int32
     num_padded_ptr,  # [1] int32
@@ -126,12 +140,16 @@ def _gate_up_silu_kernel(
     stride_wn,
     stride_wd,
     stride_am,
+    stride_xst,
+    stride_wse,
+    stride_wsn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of_program(tl.program_id(0), num_m_blocks, tl.cdiv(inter, BLOCK_N),
                                     GROUP_SIZE_M)
@@ -149,6 +167,9 @@ def _gate_up_silu_kernel(
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xd  # [BLOCK_M, BLOCK_K]
     gate_ptrs = w_ptr + expert * stride_we + w_cols[None, :] * stride_wn + ks[:, None] * stride_wd
     up_ptrs = gate_ptrs + inter * stride_wn  # [BLOCK_K, BLOCK_N] like gate_ptrs
+    x_scale_ptrs = x_scale_ptr + tokens * stride_xst  # [BLOCK_M]
+    gate_scale_ptrs = w_scale_ptr + expert * stride_wse + w_cols // 128 * stride_wsn  # [BLOCK_N]
+    up_scale_ptrs = gate_scale_ptrs + inter // 128 * stride_wsn  # gate and up: I % 128 == 0
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, hidden, BLOCK_K):
@@ -161,8 +182,13 @@ def _gate_up_silu_kernel(
             a = tl.load(x_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
             w_gate = tl.load(gate_ptrs, mask=in_k[:, None], other=0.0)
             w_up = tl.load(up_ptrs, mask=in_k[:, None], other=0.0)
-        gate = tl.dot(a, w_gate, gate, input_precision=DOT_PRECISION)
-        up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
+        if FP8:  # the step lies in scale block k // 128 (BLOCK_K divides 128)
+            a_scale = tl.load(x_scale_ptrs + k // 128, mask=valid, other=0.0)[:, None]
+            gate += tl.dot(a, w_gate) * (a_scale * tl.load(gate_scale_ptrs + k // 128)[None, :])
+            up += tl.dot(a, w_up) * (a_scale * tl.load(up_scale_ptrs + k // 128)[None, :])
+        else:
+            gate = tl.dot(a, w_gate, gate, input_precision=DOT_PRECISION)
+            up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xd
         gate_ptrs += BLOCK_K * stride_wd
         up_ptrs += BLOCK_K * stride_wd
@@ -176,6 +202,8 @@ def _down_kernel(
     act_ptr,  # [max_padded, I], unit column stride
     w_ptr,  # [E, D, I]
     out_ptr,  # [T * K, D], out, unit column stride
+    act_scale_ptr,  # FP8: [max_padded, I / 128] float32, unit column stride
+    w_scale_ptr,  # FP8: [E, ceil(D / 128), I / 128] float32, unit column stride
     topk_weights_ptr,  # [T * K] float32
     sorted_ids_ptr,  # [max_padded] int32
     expert_ids_ptr,  # [num_m_blocks] int32
@@ -189,12 +217,16 @@ def _down_kernel(
     stride_wn,
     stride_wk,
     stride_om,
+    stride_asm,
+    stride_wse,
+    stride_wsn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of_program(tl.program_id(0), num_m_blocks, tl.cdiv(hidden, BLOCK_N),
                                     GROUP_SIZE_M)
@@ -209,6 +241,8 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * stride_am + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + w_cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    a_scale_ptrs = act_scale_ptr + rows * stride_asm  # [BLOCK_M]
+    w_scale_ptrs = w_scale_ptr + expert * stride_wse + w_cols // 128 * stride_wsn  # [BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, inter, BLOCK_K):
         if EVEN_K:
@@ -218,7 +252,11 @@ def _down_kernel(
             in_k = ks < inter - k
             a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if FP8:  # as in the gate kernel
+            a_scale = tl.load(a_scale_ptrs + k // 128, mask=valid, other=0.0)
+            acc += tl.dot(a, w) * (a_scale[:, None] * tl.load(w_scale_ptrs + k // 128)[None, :])
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     routing = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)
@@ -232,60 +270,83 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+def _scale_args(scales: tuple[torch.Tensor, torch.Tensor] | None, dummy: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """The kernels' scale operands: (activation scales, weight scales, the activation scales'
+    row stride, the weight scales' expert and row strides); `dummy` and zero strides without
+    FP8."""
+    if scales is None:
+        return dummy, dummy, 0, 0, 0
+    act_scales, weight_scales = (scale.contiguous() for scale in scales)
+    return act_scales, weight_scales, act_scales.stride(0), *weight_scales.stride()[:2]
+
+
 def gate_up_silu(x: torch.Tensor, gate_up_proj: torch.Tensor, alignment: ExpertAlignment,
-                 top_k: int, tiles: GemmTiles) -> torch.Tensor:
+                 top_k: int, tiles: GemmTiles,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 act_dtype: torch.dtype | None = None) -> torch.Tensor:
     """silu(x gate_e^T) * (x up_e^T) for every aligned row.
 
     Args:
         x: [T, D]; gate_up_proj: [E, 2I, D] (gate rows then up rows), x's dtype.
+        scales: FP8 only (x and gate_up_proj float8_e4m3fn): x's per-token-group scales
+            [T, ceil(D / 128)] and the weight's scales [E, 2I / 128, ceil(D / 128)], float32.
+        act_dtype: the activation's dtype (default x's).
 
     Returns:
-        [max_padded, I] in x's dtype; row r is pair sorted_ids[r]'s activation (rows of
+        [max_padded, I] in act_dtype; row r is pair sorted_ids[r]'s activation (rows of
         padding are not written).
     """
     num_tokens, hidden = x.shape
     inter = gate_up_proj.shape[1] // 2
     max_padded = alignment.sorted_ids.shape[0]
     num_m_blocks = alignment.expert_ids.shape[0]
-    act = torch.empty(max_padded, inter, dtype=x.dtype, device=x.device)
+    act = torch.empty(max_padded, inter, dtype=act_dtype or x.dtype, device=x.device)
     grid = (num_m_blocks * triton.cdiv(inter, tiles.block_n),)
+    x_scales, w_scales, *scale_strides = _scale_args(scales, x)
     _gate_up_silu_kernel[grid](
-        x, gate_up_proj, act, alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
-        num_tokens * top_k, top_k, hidden, inter, num_m_blocks,
-        x.stride(0), x.stride(1), *gate_up_proj.stride(), act.stride(0),
+        x, gate_up_proj, act, x_scales, w_scales, alignment.sorted_ids, alignment.expert_ids,
+        alignment.num_padded, num_tokens * top_k, top_k, hidden, inter, num_m_blocks,
+        x.stride(0), x.stride(1), *gate_up_proj.stride(), act.stride(0), *scale_strides,
         BLOCK_M=alignment.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_SIZE_M=tiles.group_size_m, EVEN_K=hidden % tiles.block_k == 0,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        DOT_PRECISION=_dot_precision(x.dtype), FP8=scales is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return act
 
 
 def down_weighted(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-                  alignment: ExpertAlignment, tiles: GemmTiles) -> torch.Tensor:
+                  alignment: ExpertAlignment, tiles: GemmTiles,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """w_k * act down_e^T per pair, in the pairs' original order.
 
     Args:
         act: [max_padded, I] from `gate_up_silu`; down_proj: [E, D, I], act's dtype.
         topk_weights: [T, K] float32.
+        scales: FP8 only (act and down_proj float8_e4m3fn): act's per-token-group scales
+            [max_padded, I / 128] and the weight's scales [E, ceil(D / 128), I / 128], float32.
+        out_dtype: the output's dtype (default act's).
 
     Returns:
-        [T, K, D] in act's dtype: row (t, k) is the weighted output of token t's k-th expert.
+        [T, K, D] in out_dtype: row (t, k) is the weighted output of token t's k-th expert.
     """
     num_tokens, top_k = topk_weights.shape
     num_pairs = num_tokens * top_k
     hidden, inter = down_proj.shape[1:]
     num_m_blocks = alignment.expert_ids.shape[0]
-    out = torch.empty(num_tokens, top_k, hidden, dtype=act.dtype, device=act.device)
+    out = torch.empty(num_tokens, top_k, hidden, dtype=out_dtype or act.dtype, device=act.device)
     grid = (num_m_blocks * triton.cdiv(hidden, tiles.block_n),)
+    act_scales, w_scales, *scale_strides = _scale_args(scales, act)
     _down_kernel[grid](
-        act, down_proj, out, topk_weights.reshape(num_pairs),  # [T * K]
+        act, down_proj, out, act_scales, w_scales, topk_weights.reshape(num_pairs),  # [T * K]
         alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
         num_pairs, hidden, inter, num_m_blocks,
-        act.stride(0), *down_proj.stride(), out.stride(1),
+        act.stride(0), *down_proj.stride(), out.stride(1), *scale_strides,
         BLOCK_M=alignment.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_SIZE_M=tiles.group_size_m, EVEN_K=inter % tiles.block_k == 0,
-        DOT_PRECISION=_dot_precision(act.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        DOT_PRECISION=_dot_precision(act.dtype), FP8=scales is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -297,21 +358,27 @@ def fused_experts_triton(
     topk_ids: torch.Tensor,
     config: FusedMoEConfig | None = None,
     shared_experts: int = 0,
+    gate_up_scale_inv: torch.Tensor | None = None,
+    down_scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's experts e = ids_k.
 
     Args:
         x: [T, D] float32, float16 or bfloat16.
-        gate_up_proj: [E, 2I, D] (gate rows then up rows), x's dtype.
-        down_proj: [E, D, I], x's dtype.
+        gate_up_proj: [E, 2I, D] (gate rows then up rows), x's dtype, or float8_e4m3fn with
+            gate_up_scale_inv [E, 2I / 128, ceil(D / 128)] float32 (`fused_experts`).
+        down_proj: [E, D, I], x's dtype, or float8_e4m3fn with down_scale_inv
+            [E, ceil(D / 128), I / 128] float32.
         topk_weights: [T, K] float32; topk_ids: [T, K] int64, ids in [0, E).
         config: tiles; `moe_config` when None, chosen from the routed experts' rows (the last
             `shared_experts` experts, which every token takes, are left out of that choice).
+            With FP8 weights both block_k divide 128.
 
     Returns:
         [T, D] in x's dtype. Matmuls accumulate in float32; the activation and each pair's
         weighted output are rounded to x's dtype, the sum over K accumulates in float32.
-        Five launches plus the sum, no host sync (CUDA-graph capturable).
+        Five launches plus the sum, no host sync (CUDA-graph capturable); with FP8 weights x
+        and the activation are also quantized per token and 128-column group, in torch ops.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up_proj.shape
@@ -323,9 +390,21 @@ def fused_experts_triton(
             f"fused_experts_triton: x {tuple(x.shape)}, gate_up_proj "
             f"{tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}, topk_weights "
             f"{topk_weights.dtype} {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}")
+    fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     if config is None:
         config = moe_config(num_tokens * (top_k - shared_experts), num_experts - shared_experts,
-                            hidden, two_inter // 2, x.dtype)
+                            hidden, two_inter // 2, gate_up_proj.dtype)
+    if fp8 and (BLOCK_SIZE[1] % config.gate_up.block_k or BLOCK_SIZE[1] % config.down.block_k):
+        raise ValueError(f"FP8 experts need block_k dividing {BLOCK_SIZE[1]} (one scale block "
+                         f"per K step), not {config.gate_up.block_k} / {config.down.block_k}")
     alignment = align_by_expert(topk_ids, num_experts, config.block_m)
-    act = gate_up_silu(x, gate_up_proj, alignment, top_k, config.gate_up)
-    return down_weighted(act, down_proj, topk_weights, alignment, config.down).sum(dim=1)
+    if not fp8:
+        act = gate_up_silu(x, gate_up_proj, alignment, top_k, config.gate_up)
+        return down_weighted(act, down_proj, topk_weights, alignment, config.down).sum(dim=1)
+    x_q, x_scales = quantize_activations(x)  # [T, D] fp8, [T, ceil(D / 128)]
+    act = gate_up_silu(x_q, gate_up_proj, alignment, top_k, config.gate_up,
+                       (x_scales, gate_up_scale_inv), act_dtype=x.dtype)  # [max_padded, I]
+    act_q, act_scales = quantize_activations(act)  # [max_padded, I] fp8, [max_padded, I / 128]
+    out = down_weighted(act_q, down_proj, topk_weights, alignment, config.down,
+                        (act_scales, down_scale_inv), out_dtype=x.dtype)  # [T, K, D]
+    return out.sum(dim=1)

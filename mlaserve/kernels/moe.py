@@ -9,7 +9,9 @@ biased scores. Weights are the unbiased scores of the chosen experts, renormalis
 tensors), else as the torch code of `select_experts_torch`, which states the semantics.
 
 The experts run as the Triton kernels of `fused_moe` on CUDA, as grouped GEMMs on CPU (and bf16
-CUDA without Triton), or as a per-expert loop, which in float32 is the reference.
+CUDA without Triton), or as a per-expert loop, which in float32 is the reference. Expert stacks
+may also be DeepSeek's block FP8 (`model/fp8.py`, per expert): the Triton kernels run them w8a8,
+the other implementations dequantize them to float32 (weight-only).
 """
 
 import functools
@@ -116,8 +118,56 @@ def _triton_available() -> bool:
 
 def moe_graph_capturable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `fused_experts` (impl "auto") runs without a host sync, so CUDA graphs can capture
-    it: on CPU, on CUDA with Triton (any dtype), and on CUDA in bf16 through grouped GEMMs."""
+    it: on CPU, on CUDA with Triton (any dtype), and on CUDA in bf16 through grouped GEMMs.
+    dtype: the expert weights' (float8_e4m3fn for FP8 experts, which grouped GEMMs do not run)."""
     return device.type != "cuda" or _triton_available() or dtype == torch.bfloat16
+
+
+def check_fp8_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                      gate_up_scale_inv: torch.Tensor | None,
+                      down_scale_inv: torch.Tensor | None) -> bool:
+    """Whether the expert stacks are block FP8; raises ValueError where their scales are
+    missing, or where weights or scales do not have the shapes and dtypes `fused_experts` states.
+    """
+    from mlaserve.model.fp8 import BLOCK_SIZE, FP8_DTYPE
+
+    fp8_weights = {gate_up_proj.dtype, down_proj.dtype} & {FP8_DTYPE}
+    if gate_up_scale_inv is None and down_scale_inv is None and not fp8_weights:
+        return False
+    if gate_up_scale_inv is None or down_scale_inv is None:
+        raise ValueError("FP8 experts need both gate_up_scale_inv and down_scale_inv")
+    if gate_up_proj.dtype != FP8_DTYPE or down_proj.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 experts need float8_e4m3fn gate_up_proj and down_proj, not "
+                         f"{gate_up_proj.dtype} and {down_proj.dtype}")
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(f"expert stacks are [E, 2I, D] and [E, D, I], not "
+                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+    num_experts, two_inter, hidden = gate_up_proj.shape
+    inter = two_inter // 2
+    if x.shape[-1] != hidden or tuple(down_proj.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"x {tuple(x.shape)}, gate_up_proj {tuple(gate_up_proj.shape)} and "
+                         f"down_proj {tuple(down_proj.shape)} are not [T, D], [E, 2I, D], "
+                         f"[E, D, I]")
+    block_n, block_k = BLOCK_SIZE
+    if inter % block_n or two_inter != 2 * inter:
+        raise ValueError(f"FP8 experts need I = {inter} a multiple of {block_n}, so that the up "
+                         f"rows start at a scale block")
+    for name, scale, (rows, cols) in (("gate_up_scale_inv", gate_up_scale_inv, (two_inter, hidden)),
+                                      ("down_scale_inv", down_scale_inv, (hidden, inter))):
+        want = (num_experts, -(-rows // block_n), -(-cols // block_k))
+        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            raise ValueError(f"{name} is {scale.dtype} {tuple(scale.shape)}, not float32 {want} "
+                             f"(one scale per expert and {block_n}x{block_k} block)")
+    return True
+
+
+def dequantize_experts(proj: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """FP8 expert stack [E, N, K] and its scales [E, ceil(N / 128), ceil(K / 128)] -> the
+    dequantized stack [E, N, K] float32 (`model.fp8.dequantize_block_fp8` per expert)."""
+    from mlaserve.model.fp8 import dequantize_block_fp8
+
+    return torch.stack([dequantize_block_fp8(weight, scale)
+                        for weight, scale in zip(proj, scale_inv, strict=True)])
 
 
 def fused_experts(
@@ -128,33 +178,49 @@ def fused_experts(
     topk_ids: torch.Tensor,
     impl: str = "auto",
     shared_experts: int = 0,
+    gate_up_scale_inv: torch.Tensor | None = None,
+    down_scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e = ids_k.
 
     Args:
         x: [T, D] hidden states.
-        gate_up_proj: [E, 2 * I, D] (gate rows then up rows).
-        down_proj: [E, D, I].
+        gate_up_proj: [E, 2 * I, D] (gate rows then up rows), x's dtype or float8_e4m3fn.
+        down_proj: [E, D, I], like gate_up_proj.
         topk_weights: [T, K] float32; topk_ids: [T, K] int64.
         impl: "triton" (`fused_moe.fused_experts_triton`), "grouped" (two `torch._grouped_mm`
             calls; CPU, or bf16 on CUDA), "loop" (`fused_experts_loop`, one host sync), or
             "auto": Triton on CUDA when it is installed, else grouped where it runs, else loop.
         shared_experts: how many of the stacks' last experts every token takes (shared experts
             folded in; the last columns of topk_ids). Only the Triton tile choice reads it.
+        gate_up_scale_inv: [E, 2I / 128, ceil(D / 128)] float32 and down_scale_inv
+            [E, ceil(D / 128), I / 128] float32, given with FP8 weights: DeepSeek's scale per
+            128x128 block of each expert's weight (`model/fp8.py`); I is a multiple of 128, so
+            the up rows start at a block. "triton" runs them w8a8 (x and the activation
+            quantized per token and 128 columns); the other impls dequantize the weights and
+            compute in float32.
 
     Returns:
         [T, D] in x's dtype.
     """
+    fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     if impl == "auto":
         if x.device.type == "cuda" and _triton_available():
             impl = "triton"
         else:
-            impl = "grouped" if moe_graph_capturable(x.device, x.dtype) else "loop"
+            impl = "grouped" if moe_graph_capturable(x.device, gate_up_proj.dtype) else "loop"
     if impl == "triton":
         from mlaserve.kernels.fused_moe import fused_experts_triton  # imports triton
 
         return fused_experts_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids,
-                                    shared_experts=shared_experts)
+                                    shared_experts=shared_experts,
+                                    gate_up_scale_inv=gate_up_scale_inv,
+                                    down_scale_inv=down_scale_inv)
+    if fp8 and impl in ("grouped", "loop"):  # weight-only: dequantize, compute in float32
+        gate_up_proj = dequantize_experts(gate_up_proj, gate_up_scale_inv)  # [E, 2I, D]
+        down_proj = dequantize_experts(down_proj, down_scale_inv)  # [E, D, I]
+        return fused_experts(x.float(), gate_up_proj, down_proj, topk_weights, topk_ids,
+                             impl=impl).to(x.dtype)
     if impl == "grouped":
         return fused_experts_grouped(x, gate_up_proj, down_proj, topk_weights, topk_ids)
     if impl == "loop":

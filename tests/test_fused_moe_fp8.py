@@ -1,0 +1,205 @@
+"""Block-FP8 (w8a8) experts through `fused_experts`.
+
+The Triton kernels (Triton's interpreter on CPU) against a float64 reference built from the same
+operands: the same dequantized weights and the same per-token-group quantized x and activation,
+so only the accumulation differs. The other implementations dequantize the weights (weight-only)
+and must equal the 16-bit path run on the dequantized weights in float32.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from mlaserve.kernels.fp8_gemm import ACTIVATION_BLOCK, quantize_activations  # noqa: E402
+from mlaserve.kernels.fused_moe import (  # noqa: E402
+    FusedMoEConfig,
+    GemmTiles,
+    fused_experts_triton,
+)
+from mlaserve.kernels.moe import (  # noqa: E402
+    dequantize_experts,
+    fused_experts,
+    fused_experts_loop,
+    reference_errors,
+)
+from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+needs_triton = pytest.mark.skipif(
+    not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+# The interpreter's bfloat16 casts truncate, so bfloat16 x is checked on the GPU only.
+DTYPES = [torch.float32] + ([torch.bfloat16] if ON_GPU else [])
+# (relative error, 1 - least per-row cosine) against the w8a8 reference. The interpreter
+# multiplies FP8 values exactly and sums in float32: float32 rounding only (~1e-7 seen). Hopper
+# sums an FP8 product of one 128-deep K block with ~14-bit precision, so an activation element
+# may round to a neighbouring FP8 value on one side only; activations perturbed by 1e-4 move
+# the output by up to 3e-3 (1.5e-5 in cosine).
+BOUNDS = (1e-2, 1e-4) if ON_GPU else (1e-5, 1e-9)
+# several M-, N- and K-blocks, two K steps per scale block (gate) and 32-column tiles
+SMALL_TILES = FusedMoEConfig(
+    block_m=16,
+    gate_up=GemmTiles(block_n=32, block_k=64, group_size_m=2, num_warps=4, num_stages=2),
+    down=GemmTiles(block_n=64, block_k=32, group_size_m=1, num_warps=4, num_stages=2),
+)
+
+
+def quantize_experts(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, ceil(N / 128), ceil(K / 128)]),
+    each expert as DeepSeek's checkpoints store it."""
+    weights, scales = zip(*(quantize_block_fp8(weight) for weight in stack), strict=True)
+    return torch.stack(weights), torch.stack(scales)
+
+
+def make_fp8_inputs(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                    seed: int = 0) -> dict[str, torch.Tensor]:
+    """`fused_experts` keyword inputs on DEVICE: x [T, D] float32, FP8 stacks of E routed
+    experts plus one shared expert (id E, the last column of topk_ids, weight 1), each token's
+    routed experts distinct."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts + 1, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(num_experts + 1, hidden, inter, generator=gen) / inter ** 0.5
+    gate_up_proj, gate_up_scale_inv = quantize_experts(gate_up)
+    down_proj, down_scale_inv = quantize_experts(down)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
+                       for _ in range(num_tokens)])
+    ids = torch.cat((ids, torch.full((num_tokens, 1), num_experts)), dim=1)  # [T, K + 1]
+    weights = torch.cat((torch.rand(num_tokens, top_k, generator=gen) + 0.1,
+                         torch.ones(num_tokens, 1)), dim=1)
+    inputs = dict(x=torch.randn(num_tokens, hidden, generator=gen), gate_up_proj=gate_up_proj,
+                  down_proj=down_proj, topk_weights=weights, topk_ids=ids,
+                  gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv)
+    return {name: tensor.to(DEVICE) for name, tensor in inputs.items()}
+
+
+def dequantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> its per-token-group quantization, dequantized, [M, K] float64."""
+    return dequantize_block_fp8(*quantize_activations(x), block_size=ACTIVATION_BLOCK).double()
+
+
+def w8a8_reference(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   gate_up_scale_inv: torch.Tensor, down_scale_inv: torch.Tensor
+                   ) -> torch.Tensor:
+    """The w8a8 computation per (token, expert) pair in float64 from the dequantized weights and
+    activations, the activation rounded to x's dtype before it is quantized as the kernels
+    store it. Returns [T, D] float64."""
+    x_deq = dequantize_activations(x)  # [T, D]
+    gate_up = dequantize_experts(gate_up_proj, gate_up_scale_inv).double()  # [E, 2I, D]
+    down = dequantize_experts(down_proj, down_scale_inv).double()  # [E, D, I]
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t, k in torch.cartesian_prod(torch.arange(topk_ids.shape[0]),
+                                     torch.arange(topk_ids.shape[1])).tolist():
+        expert = int(topk_ids[t, k])
+        gate, up = (gate_up[expert] @ x_deq[t]).chunk(2)
+        act = dequantize_activations((F.silu(gate) * up).to(x.dtype)[None])[0]  # [I]
+        out[t] += topk_weights[t, k].double() * (down[expert] @ act)
+    return out
+
+
+def assert_within(out: torch.Tensor, ref: torch.Tensor, bounds: tuple[float, float]) -> None:
+    rel_err, cos_gap = reference_errors(out, ref)
+    assert rel_err < bounds[0] and cos_gap < bounds[1], (rel_err, cos_gap)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["default", "small"])
+@pytest.mark.parametrize("shape", [(5, 256, 128, 4, 2), (3, 320, 256, 4, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_triton_w8a8_matches_the_reference(shape, config, dtype) -> None:
+    """T, D, I, E, K: D = 320 ends in a partial scale block (and a ragged K edge), I = 256 gives
+    gate and up two scale rows each."""
+    inputs = make_fp8_inputs(*shape)
+    inputs["x"] = inputs["x"].to(dtype)
+    out = fused_experts_triton(**inputs, config=config, shared_experts=1)
+    assert out.shape == inputs["x"].shape and out.dtype == dtype
+    bounds = BOUNDS if dtype == torch.float32 else (1e-2, 1e-4)
+    assert_within(out, w8a8_reference(**inputs), bounds)
+
+
+@needs_triton
+def test_dispatch_runs_triton_and_the_bound_catches_a_dropped_block_or_pair() -> None:
+    """impl="triton" through `fused_experts`; then the same kernels fed one zeroed weight-scale
+    block (one K block of one expert's gate rows) or one zeroed routing weight fail the bound by
+    far."""
+    inputs = make_fp8_inputs(5, 256, 128, 4, 2)
+    ref = w8a8_reference(**inputs)
+    assert_within(fused_experts(**inputs, impl="triton", shared_experts=1), ref, BOUNDS)
+    expert = int(inputs["topk_ids"][0, 0])
+    no_block = inputs["gate_up_scale_inv"].clone()
+    no_block[expert, 0, 1] = 0  # gate rows 0-127, columns 128-255
+    no_pair = inputs["topk_weights"].clone()
+    no_pair[2, 1] = 0  # token 2 loses its second routed expert
+    for wrong in (dict(gate_up_scale_inv=no_block), dict(topk_weights=no_pair)):
+        out = fused_experts_triton(**{**inputs, **wrong}, config=SMALL_TILES, shared_experts=1)
+        rel_err, cos_gap = reference_errors(out, ref)
+        assert rel_err > 10 * BOUNDS[0] and cos_gap > 10 * BOUNDS[1], (rel_err, cos_gap)
+
+
+@pytest.mark.parametrize("impl", ["auto", "grouped", "loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_weight_only_paths_equal_the_dequantized_weights(impl, dtype) -> None:
+    """Without Triton the FP8 stacks are dequantized and run in float32: the float32 loop over
+    the dequantized stacks, rounded once to x's dtype."""
+    inputs = make_fp8_inputs(5, 256, 128, 4, 2)
+    x = inputs["x"].to(dtype)
+    if impl == "auto" and DEVICE.type == "cuda":
+        pytest.skip("auto runs Triton on CUDA")
+    gate_up = dequantize_experts(inputs["gate_up_proj"], inputs["gate_up_scale_inv"])
+    down = dequantize_experts(inputs["down_proj"], inputs["down_scale_inv"])
+    ref = fused_experts_loop(x.float(), gate_up, down, inputs["topk_weights"],
+                             inputs["topk_ids"], compute_dtype=torch.float32)
+    out = fused_experts(**{**inputs, "x": x}, impl=impl, shared_experts=1)
+    assert out.dtype == dtype
+    bounds = (1e-5, 1e-9) if dtype == torch.float32 else (4e-3, 2e-5)  # one bf16 rounding
+    assert_within(out, ref, bounds)
+
+
+def test_bad_fp8_inputs_raise() -> None:
+    inputs = make_fp8_inputs(2, 256, 128, 4, 2)
+    scales = inputs["gate_up_scale_inv"]
+    bad_inputs = [  # (wrong inputs, the error's words)
+        (dict(down_scale_inv=None), "need both"),
+        (dict(gate_up_scale_inv=None, down_scale_inv=None), "need both"),  # FP8 weights only
+        (dict(down_proj=inputs["down_proj"].float()), "float8_e4m3fn"),
+        (dict(gate_up_scale_inv=scales.double()), "not float32"),
+        (dict(gate_up_scale_inv=scales[:, :, :1]), r"is torch.float32 \(5, 2, 1\), not"),
+        (dict(x=inputs["x"][:, :128]), r"are not \[T, D\]"),
+    ]
+    for wrong, message in bad_inputs:
+        for impl in ("triton", "loop"):
+            with pytest.raises(ValueError, match=message):
+                fused_experts(**{**inputs, **wrong}, impl=impl)
+    narrow = make_fp8_inputs(2, 256, 64, 4, 2)  # I = 64: the up rows start inside a block
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fused_experts(**narrow)
+    deep_k = FusedMoEConfig(block_m=16, gate_up=SMALL_TILES.gate_up,
+                            down=GemmTiles(block_n=64, block_k=256, group_size_m=1, num_warps=4,
+                                           num_stages=2))
+    with pytest.raises(ValueError, match="block_k dividing 128"):
+        fused_experts_triton(**inputs, config=deep_k)
+
+
+@pytest.mark.gpu
+def test_v2_lite_shape_bf16_w8a8_and_cuda_graph_replay() -> None:
+    """DeepSeek-V2-Lite's expert shape (D = 2048, I = 1408 = 11 blocks) in bf16 against the
+    reference, and a CUDA-graph replay of the FP8 path (the quantizations are torch ops)."""
+    inputs = make_fp8_inputs(16, 2048, 1408, 8, 6)
+    inputs["x"] = inputs["x"].to(torch.bfloat16)
+    eager = fused_experts(**inputs, impl="triton", shared_experts=1)
+    assert_within(eager, w8a8_reference(**inputs), (1e-2, 1e-4))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_experts(**inputs, impl="triton", shared_experts=1)
+    inputs["x"].copy_(torch.flip(inputs["x"], dims=[0]))
+    inputs["topk_ids"].copy_(torch.flip(inputs["topk_ids"], dims=[0]))
+    inputs["topk_weights"].copy_(torch.flip(inputs["topk_weights"], dims=[0]))
+    graph.replay()
+    torch.testing.assert_close(captured, torch.flip(eager, dims=[0]))
