@@ -30,10 +30,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=_bytes, default=None,
                         help="CPU KV cache budget, e.g. 2GiB (default: a safe share of RAM)")
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | dummy")
-    parser.add_argument("--quantization", default="auto", choices=("auto", "none"),
-                        help="auto: load block-FP8 checkpoints as published; none: dequantize "
-                             "their weights on load to --dtype. Both dequantize on load for "
-                             "now (weight-only: FP8 GEMMs do not exist yet)")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none", "fp8"),
+                        help="auto: a block-FP8 checkpoint keeps its Linear weights FP8 (w8a8 "
+                             "block GEMMs) on GPUs of compute capability >= 8.9 and is "
+                             "dequantized on load to --dtype elsewhere; none: always dequantize "
+                             "on load; fp8: keep FP8 weights on any device (the CPU dequantizes "
+                             "per GEMM; dummy weights are drawn FP8)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                         help="the latent cache's element type: auto (the model's dtype) or fp8 "
                              "(float8_e4m3fn, scale 1; triton and torch backends)")

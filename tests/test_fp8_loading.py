@@ -1,8 +1,10 @@
-"""DeepSeek block-FP8 checkpoints: the format, loading as published (weight-only dequantized),
-sharded reads under tensor / expert parallelism, and the errors."""
+"""DeepSeek block-FP8 checkpoints: the format, loading as published (weight-only dequantized,
+or kept FP8 in the Linear layers), sharded reads under tensor / expert parallelism, FP8 dummy
+weights, and the errors."""
 
 import argparse
 import json
+import math
 import shutil
 
 import pytest
@@ -21,10 +23,12 @@ from mlaserve.model.fp8 import (
     FP8_MAX,
     Fp8WeightSlice,
     dequantize_block_fp8,
+    keep_fp8_weights,
     quantize_block_fp8,
 )
 from mlaserve.model.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
-from mlaserve.model.loader import _cut, _cuts, load_weights
+from mlaserve.model.fp8_linear import linear
+from mlaserve.model.loader import _cut, _cuts, build_model, load_weights
 from tests.conftest import CHECKPOINTS, read_config, write_checkpoint
 
 PROMPTS = [[0, 5, 17, 42, 99, 3, 250, 7], [0, 200, 1, 13]]
@@ -97,12 +101,13 @@ def test_fp8_checkpoint_matches_its_dequantized_model(name, checkpoint_dir, fp8_
         assert set(index["weight_map"]) == set(tensors)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)
     outs = {}
-    for label, path, quantization in [("fp8", fp8_dir, "auto"), ("none", fp8_dir, "none"),
+    for label, path, quantization in [("auto", fp8_dir, "auto"), ("none", fp8_dir, "none"),
+                                      ("fp8", fp8_dir, "fp8"),
                                       ("dequantized", dequantized_dir, "auto")]:
         llm = LLM(str(path), device="cpu", num_kv_blocks=16, block_size=16,
                   quantization=quantization)
         outs[label] = llm.generate(PROMPTS, params)
-    for label in ("fp8", "none"):
+    for label in ("auto", "none", "fp8"):  # fp8: FP8 Linear weights, dequantized per GEMM
         for got, want in zip(outs[label], outs["dequantized"], strict=True):
             assert got.token_ids == want.token_ids
             for got_pos, want_pos in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:],
@@ -250,7 +255,132 @@ def test_quantization_option(fp8_pair):
     add_engine_arguments(parser)
     assert engine_args_from(parser.parse_args(["--quantization", "none"])).quantization == "none"
     assert engine_args_from(parser.parse_args([])).quantization == "auto"
-    with pytest.raises(ValueError, match="unknown quantization 'fp4'; use one of auto, none"):
+    with pytest.raises(ValueError, match="unknown quantization 'fp4'; use one of auto, none, fp8"):
         EngineArgs(quantization="fp4")
     config = ModelConfig.from_pretrained(fp8_pair("v2-greedy-nolora-untied")[0])
     assert config.quant_method == "fp8" and config.weight_block_size == (128, 128)
+
+
+def _build(path, quantization: str, load_format: str = "safetensors") -> DeepseekForCausalLM:
+    return build_model(ModelConfig.from_pretrained(path), path, device=torch.device("cpu"),
+                       dtype=torch.float32, load_format=load_format, max_positions=64,
+                       quantization=quantization)
+
+
+@pytest.mark.parametrize("name", ["v2-greedy-nolora-untied", "v3-noaux-lora-yarn-sharded"])
+def test_fp8_linears_hold_the_checkpoint_tensors(name, fp8_pair):
+    """With the FP8 path on, every Linear but kv_b_proj holds the checkpoint's FP8 weight and
+    scales as stored; kv_b_proj, the experts and the high-precision tensors are those of the
+    dequantized checkpoint."""
+    fp8_dir, dequantized_dir = fp8_pair(name)
+    stored, dequantized = _tensors(fp8_dir), _tensors(dequantized_dir)
+    model = _build(fp8_dir, "fp8")
+    params = dict(model.named_parameters())
+    kept = {n for n, p in params.items() if p.dtype == FP8_DTYPE}
+    assert kept == {n for n, t in stored.items() if t.dtype == FP8_DTYPE
+                    and ".kv_b_proj." not in n and ".mlp.experts." not in n
+                    and ".shared_experts." not in n}
+    for param_name in kept:
+        scale_name = param_name + "_scale_inv"
+        assert torch.equal(params[param_name].view(torch.uint8),
+                           stored[param_name].view(torch.uint8)), param_name
+        assert torch.equal(params[scale_name], stored[scale_name]), scale_name
+    kv_b = [n for n in params if n.endswith("kv_b_proj.weight")]
+    assert kv_b and all(params[n].dtype == torch.float32 for n in kv_b)
+    for param_name, param in params.items():
+        if param_name in dequantized and param_name not in kept:  # kv_b_proj, norms, router,
+            # embeddings, LM head
+            assert torch.equal(param, dequantized[param_name]), param_name
+
+
+def test_fp8_path_decision_and_the_fused_projection_pads_to_scale_blocks(fp8_pair):
+    cpu = torch.device("cpu")
+    assert not keep_fp8_weights("fp8", "auto", cpu, dummy=False)  # no FP8 tensor cores
+    assert not keep_fp8_weights("fp8", "none", cpu, dummy=False)
+    assert keep_fp8_weights("fp8", "fp8", cpu, dummy=False)
+    assert not keep_fp8_weights(None, "auto", cpu, dummy=False)
+    assert keep_fp8_weights(None, "fp8", cpu, dummy=True)  # FP8 dummy weights of any config
+    with pytest.raises(ValueError, match="this checkpoint is not FP8 .*fp8_checkpoint quantize"):
+        keep_fp8_weights(None, "fp8", cpu, dummy=False)
+    # q_a_proj (32 rows) and kv_a_proj_with_mqa (48 rows) run as one GEMM: q_a padded to 128
+    attention = _build(fp8_pair("v3-noaux-lora-yarn-sharded")[0], "fp8").model.layers[0].self_attn
+    fused = attention.q_kv_a
+    assert fused.weight.shape == (128 + 48, 64) and fused.weight_scale_inv.shape == (2, 1)
+    assert not fused.weight[32:128].float().any()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    want = torch.cat([x @ dequantize_block_fp8(m.weight, m.weight_scale_inv).T
+                      for m in (attention.q_a_proj, attention.kv_a_proj_with_mqa)], dim=-1)
+    torch.testing.assert_close(fused(x), want, rtol=0, atol=1e-6)
+
+
+def test_tensor_parallel_fp8_shards_must_cover_whole_scale_blocks(fp8_pair, monkeypatch):
+    monkeypatch.setattr(parallel_state, "_tp_group", TensorParallelGroup(rank=0, size=2))
+    with pytest.raises(ValueError) as info:
+        _build(fp8_pair("v2-greedy-nolora-untied")[0], "fp8")
+    assert str(info.value) == (
+        "model.layers.0.self_attn.q_proj: under tensor_parallel_size 2 each rank holds 128 / 2 "
+        "= 64 rows (output features) of the FP8 weight, which does not cover whole 128x128 "
+        "scale blocks (it must be a multiple of 128): use --quantization none to dequantize "
+        "the weights at load, or a tensor-parallel size that keeps the shards block-aligned")
+
+
+@pytest.fixture(scope="module")
+def block_aligned_fp8(tmp_path_factory):
+    """A two-layer V3 FP8 checkpoint whose tensor-parallel shards (size 2) are whole 128-blocks
+    (q_b 256 rows, o_proj 256 columns, dense MLP 256), with partial blocks along the hidden
+    size (200)."""
+    arch, overrides, _ = CHECKPOINTS["v3-noaux-lora-yarn-sharded"]
+    root = tmp_path_factory.mktemp("fp8-aligned")
+    write_checkpoint(root / "bf16", arch, {
+        **overrides, "num_hidden_layers": 2, "hidden_size": 200, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "v_head_dim": 32, "intermediate_size": 256}, sharded=True)
+    quantize_checkpoint(root / "bf16", root / "fp8")
+    return root / "fp8"
+
+
+def test_tensor_parallel_ranks_read_their_fp8_rows_columns_and_scale_blocks(
+        block_aligned_fp8, monkeypatch):
+    full = dict(_build(block_aligned_fp8, "fp8").named_parameters())
+    monkeypatch.setattr(parallel_state, "_tp_group", TensorParallelGroup(rank=1, size=2))
+    model = _build(block_aligned_fp8, "fp8")
+    cuts = _cuts(model)
+    assert "model.layers.0.self_attn.o_proj.weight_scale_inv" in cuts
+    num_fp8 = 0
+    for name, param in model.named_parameters():
+        want = full[name] if name not in cuts else _cut(full[name], full[name].shape, cuts[name])
+        num_fp8 += param.dtype == FP8_DTYPE
+        assert param.dtype == want.dtype and torch.equal(
+            param.view(torch.uint8), want.view(torch.uint8)), name
+    assert num_fp8 == 11  # q_a, q_b, kv_a, o_proj per layer; gate, up, down of the dense one
+
+
+@pytest.mark.parametrize("quantization", ["auto", "fp8"])
+def test_dummy_fp8_weights_are_fp8_and_the_model_runs(fp8_pair, quantization):
+    """An FP8 config with dummy weights: FP8 Linear weights (half the bytes of bf16) and
+    finite outputs where the FP8 path is on, model-dtype weights elsewhere (auto on CPU)."""
+    path = fp8_pair("v3-noaux-lora-yarn-sharded")[0]
+    model = _build(path, quantization, load_format="dummy")
+    fp8 = {n: p for n, p in model.named_parameters() if p.dtype == FP8_DTYPE}
+    assert bool(fp8) == (quantization == "fp8")
+    for name, weight in fp8.items():
+        scale = model.get_parameter(name + "_scale_inv")
+        dequantized = dequantize_block_fp8(weight, scale)
+        assert 0.01 < dequantized.abs().max() <= 0.02, name  # the other dummy weights' range
+    llm = LLM(str(path), device="cpu", num_kv_blocks=16, block_size=16, load_format="dummy",
+              quantization=quantization)
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1,
+                                               ignore_eos=True))
+    for request in out:
+        assert len(request.token_ids) == 2
+        assert all(math.isfinite(v) for pos in request.prompt_logprobs[1:] for v in pos.values())
+
+
+@pytest.mark.gpu
+def test_fp8_linear_on_cuda_runs_the_block_gemm():
+    gen = torch.Generator().manual_seed(0)
+    weight, scale = quantize_block_fp8(torch.randn(300, 256, generator=gen) * 0.02)
+    x = torch.randn(5, 256, generator=gen)
+    want = linear(x, weight, None, scale)  # CPU: dequantized, float32
+    got = linear(x.cuda().bfloat16(), weight.cuda(), None, scale.cuda())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float().cpu(), want, rtol=0.05, atol=0.02)

@@ -31,10 +31,10 @@ from mlaserve.kernels.reference import (  # noqa: E402
     rope_reference,
 )
 from mlaserve.model.layers import (  # noqa: E402
+    FusedLinear,
     RMSNorm,
     RotaryEmbedding,
     force_fused_kernels,
-    fuse_linears,
 )
 from mlaserve.model.loader import build_model  # noqa: E402
 
@@ -84,17 +84,17 @@ def test_silu_and_mul(dtype: torch.dtype, num_tokens: int, inter: int) -> None:
     _check(out, (torch.nn.functional.silu(gate) * up).float(), dtype)  # torch's rounding
 
 
-def test_fuse_linears_stacks_weights_into_shared_storage() -> None:
+def test_fused_linear_stacks_weights_into_shared_storage() -> None:
     gen = torch.Generator().manual_seed(0)
     first, second = torch.nn.Linear(6, 4, bias=False), torch.nn.Linear(6, 3, bias=True)
     x = torch.randn(5, 6, generator=gen)
     expected = torch.cat((first(x), second(x)), dim=-1)
-    weight, bias = fuse_linears(first, second)
-    assert weight.shape == (7, 6) and bias.shape == (7,)
-    torch.testing.assert_close(torch.nn.functional.linear(x, weight, bias), expected)
-    assert first.weight.data_ptr() == weight.data_ptr()  # views: one copy of the weights
-    assert second.bias.data_ptr() == bias[4:].data_ptr()
-    assert fuse_linears(first)[1] is None
+    fused = FusedLinear(first, second)
+    assert fused.weight.shape == (7, 6) and fused.bias.shape == (7,)
+    torch.testing.assert_close(fused(x), expected)
+    assert first.weight.data_ptr() == fused.weight.data_ptr()  # views: one copy of the weights
+    assert second.bias.data_ptr() == fused.bias[4:].data_ptr()
+    assert FusedLinear(first).bias is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

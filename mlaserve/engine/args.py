@@ -32,8 +32,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     load_format: str = "auto"
-    # auto: FP8 checkpoints as published; none: dequantized on load to `dtype`. Both load
-    # weight-only dequantized today (FP8 GEMMs do not exist yet); the FP8 path hooks in here.
+    # auto | none | fp8: whether FP8 checkpoints keep FP8 Linear weights
+    # (`mlaserve.model.fp8.keep_fp8_weights`)
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn
     seed: int = 0

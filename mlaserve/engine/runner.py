@@ -376,7 +376,7 @@ def load_runner(args: EngineArgs, config: ModelConfig, device: torch.device, dty
     """
     model = build_model(config, model_dir_of(args), device=device, dtype=dtype,
                         load_format=args.load_format, max_positions=max_model_len,
-                        seed=args.seed)
+                        quantization=args.quantization, seed=args.seed)
     cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     num_blocks = kv_blocks_for_memory(config, args, device, cache_dtype)
     if agree_num_blocks is not None:

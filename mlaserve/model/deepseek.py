@@ -29,10 +29,10 @@ from mlaserve.distributed.expert_parallel import get_ep_group
 from mlaserve.kernels.moe import fused_experts, select_experts
 from mlaserve.model.expert_parallel import expert_parallel_moe
 from mlaserve.model.layers import (
+    FusedLinear,
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
-    fuse_linears,
     write_latent_cache,
 )
 from mlaserve.model.parallel_linear import (
@@ -92,10 +92,11 @@ class MLAAttention(nn.Module):
         """Stack the two projections of the layer input (q or q_a, and kv_a) into one GEMM
         (under tensor parallelism [this rank's q rows | all kv_a rows]); split kv_b_proj into
         the absorbed decode matrices W_UK [H, P, L] and W_UV^T [H, L, V] of this rank's
-        heads."""
+        heads. kv_b_proj is in the model dtype even where the other projections are block-FP8
+        (`mlaserve.model.fp8_linear`): the absorbed products read it per head."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         self.q_kv_a_split = [first.out_features, self.kv_a_proj_with_mqa.out_features]
-        self.q_kv_a_weight, self.q_kv_a_bias = fuse_linears(first, self.kv_a_proj_with_mqa)
+        self.q_kv_a = FusedLinear(first, self.kv_a_proj_with_mqa)
         w = self.kv_b_proj.weight.detach()
         w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim,
                    self.kv_lora_rank)  # [H * (P + V), L] -> [H, P + V, L]
@@ -109,8 +110,8 @@ class MLAAttention(nn.Module):
         rope: the step's rotary angles (cos, sin) [T, R / 2] from `RotaryEmbedding.angles`.
         """
         num_tokens = hidden.shape[0]
-        q, kv = F.linear(hidden, self.q_kv_a_weight, self.q_kv_a_bias).split(
-            self.q_kv_a_split, dim=-1)  # [T, H * (P + R)] (or [T, q_lora_rank]), [T, L + R]
+        # [T, H * (P + R)] (or [T, q_lora_rank]), [T, L + R]
+        q, kv = self.q_kv_a(hidden).split(self.q_kv_a_split, dim=-1)
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(num_tokens, self.num_heads, -1)  # [T, H, P + R]

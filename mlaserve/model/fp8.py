@@ -12,9 +12,12 @@ layout they are the embeddings, the norms, the router (`mlp.gate.weight`), the L
 `e_score_correction_bias` (`stays_high_precision`); every other Linear weight, experts and
 attention projections included, is FP8.
 
-The loader dequantizes weight-only, at load, one tensor (or one rank's shard of it) at a time:
-`Fp8WeightSlice` indexes like a safetensors slice of the dequantized weight and reads only the
-indexed rows / columns of the FP8 tensor and of the scale blocks that cover them.
+Whether the model keeps those weights FP8 (block-FP8 GEMMs, `mlaserve.model.fp8_linear`) or
+dequantizes them at load is decided in one place, `keep_fp8_weights`, from the checkpoint's
+`quant_method`, the engine's `quantization` option and the device. Where a weight is
+dequantized, the loader does it weight-only, at load, one tensor (or one rank's shard of it) at
+a time: `Fp8WeightSlice` indexes like a safetensors slice of the dequantized weight and reads
+only the indexed rows / columns of the FP8 tensor and of the scale blocks that cover them.
 """
 
 import math
@@ -29,6 +32,48 @@ BLOCK_SIZE = (128, 128)
 SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`
 _HIGH_PRECISION = re.compile(
     r"(^|\.)(embed_tokens|lm_head|mlp\.gate)\.weight$|norm\.weight$|e_score_correction_bias$")
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper, Blackwell
+
+
+def keep_fp8_weights(quant_method: str | None, quantization: str, device: torch.device,
+                     dummy: bool) -> bool:
+    """Whether the model's Linear weights stay block-FP8 (True) or are dequantized to the model
+    dtype at load (False): the one place this is decided.
+
+    - `none`: never; every FP8 weight is dequantized at load.
+    - `auto`: for an FP8 checkpoint (`quant_method` "fp8") on a CUDA device of compute
+      capability >= 8.9, whose tensor cores run the block-FP8 GEMM; on the CPU and older GPUs
+      the weights are dequantized at load.
+    - `fp8`: always, on any device. The checkpoint must be FP8 (dummy weights are drawn FP8
+      whatever the config says); on the CPU each GEMM dequantizes its weight in float32, which
+      keeps FP8's memory, not its speed.
+
+    Args:
+        quant_method: the config's `quantization_config.quant_method` (None: not quantized).
+        quantization: the engine's option, one of `mlaserve.config.QUANTIZATION_MODES`.
+        device: where the model runs.
+        dummy: whether the weights are drawn at random instead of read (`--load-format dummy`).
+    """
+    if quantization == "none" or (quantization == "auto" and quant_method != "fp8"):
+        return False
+    capable = device.type == "cuda" and (
+        torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY)
+    if quantization == "auto":
+        return capable
+    if quant_method != "fp8" and not dummy:
+        raise ValueError("--quantization fp8 keeps a block-FP8 checkpoint's weights FP8, but "
+                         "this checkpoint is not FP8 (its config.json has no "
+                         "quantization_config): write an FP8 copy with `python -m "
+                         "mlaserve.model.fp8_checkpoint quantize SRC DST`, or use "
+                         "--quantization auto")
+    if device.type == "cuda" and not capable:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"--quantization fp8 needs FP8 tensor cores (compute capability >= "
+                         f"8.9), this GPU has {major}.{minor}: use --quantization none to "
+                         "dequantize the weights at load")
+    return True
 
 
 def stays_high_precision(name: str, tensor: torch.Tensor) -> bool:

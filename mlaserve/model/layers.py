@@ -1,5 +1,5 @@
 """Building blocks: RMSNorm, YaRN rotary embedding, the latent cache write, the SwiGLU MLP
-(tensor-parallel: `mlaserve.model.parallel_linear`), and `fuse_linears`, which stacks
+(tensor-parallel: `mlaserve.model.parallel_linear`), and `FusedLinear`, which stacks
 projections of one input into one GEMM.
 
 The norms, the rotary embedding, the latent cache write and SiLU-and-multiply have two
@@ -21,6 +21,8 @@ from torch import nn
 
 from mlaserve.cache.latent_dtype import as_cache_dtype
 from mlaserve.config import YarnScaling
+from mlaserve.model.fp8 import BLOCK_SIZE
+from mlaserve.model.fp8_linear import linear
 from mlaserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 _fused_on_cpu = False
@@ -202,31 +204,58 @@ def write_latent_cache(kv: torch.Tensor, norm: RMSNorm, rotary: RotaryEmbedding,
     return latent if keep_rows else None
 
 
-def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack linears that read the same input into one weight, so one GEMM computes them all.
+class FusedLinear:
+    """Linears that read the same input, stacked into one weight so one GEMM computes them all.
 
-    Args:
-        linears: with weights [N_i, K] (and optional biases [N_i]).
-
-    Returns:
-        (weight [sum N_i, K], bias [sum N_i] or None when no linear has a bias). Each linear's
-        weight and bias become views into these (no second copy), so parameter names and
-        `state_dict` stay those of the checkpoint; y = F.linear(x, weight, bias) splits into the
-        linears' outputs in order.
+    weight [sum N_i, K] (and bias [sum N_i] when any linear has one) over linears with weights
+    [N_i, K]. Block-FP8 linears (`mlaserve.model.fp8_linear`) stack their float8_e4m3fn
+    weights and their `weight_scale_inv` blocks; a linear whose N_i is not a multiple of 128
+    (but the last) is padded with zero rows to whole scale blocks, and the GEMM's padding
+    columns are dropped from the output. Each linear's weight, bias and scales become views
+    into the stacks (no second copy), so parameter names and `state_dict` stay those of the
+    checkpoint.
     """
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    bias = None
-    if any(linear.bias is not None for linear in linears):
-        bias = torch.cat([linear.bias.detach() if linear.bias is not None
-                          else weight.new_zeros(linear.out_features) for linear in linears])
-    start = 0
-    for linear in linears:
-        rows = slice(start, start + linear.out_features)
-        linear.weight = nn.Parameter(weight[rows], requires_grad=False)
-        if linear.bias is not None:
-            linear.bias = nn.Parameter(bias[rows], requires_grad=False)
-        start += linear.out_features
-    return weight, bias
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        scales = [getattr(layer, "weight_scale_inv", None) for layer in linears]
+        if len({scale is None for scale in scales}) > 1:
+            raise ValueError("fused linears are all block-FP8 or all high precision")
+        fp8 = scales[0] is not None
+        rows = [layer.out_features for layer in linears]
+        block = BLOCK_SIZE[0] if fp8 else 1
+        padded = [-(-n // block) * block for n in rows[:-1]] + rows[-1:]
+        self.weight = torch.cat([_pad_rows(layer.weight.detach(), n) for layer, n in zip(
+            linears, padded, strict=True)])  # [sum padded N_i, K]
+        self.bias = None
+        given = [layer.bias.detach() for layer in linears if layer.bias is not None]
+        if given:  # zeros for the linears without one
+            self.bias = torch.cat([_pad_rows(
+                layer.bias.detach() if layer.bias is not None else given[0].new_zeros(0), n)
+                for layer, n in zip(linears, padded, strict=True)])  # [sum padded N_i]
+        self.weight_scale_inv = torch.cat([s.detach() for s in scales]) if fp8 else None
+        starts = [sum(padded[:i]) for i in range(len(linears))]
+        # the output columns to keep, None when nothing is padded
+        self.columns = None if padded == rows else torch.cat(
+            [torch.arange(a, a + n) for a, n in zip(starts, rows, strict=True)]).to(
+            self.weight.device)  # [sum N_i]
+        for layer, start, n in zip(linears, starts, rows, strict=True):
+            layer.weight = nn.Parameter(self.weight[start : start + n], requires_grad=False)
+            if layer.bias is not None:
+                layer.bias = nn.Parameter(self.bias[start : start + n], requires_grad=False)
+            if fp8:
+                first = start // block
+                layer.weight_scale_inv = nn.Parameter(
+                    self.weight_scale_inv[first : first + -(-n // block)], requires_grad=False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, sum N_i] in x's dtype: the linears' outputs side by side, in order."""
+        y = linear(x, self.weight, self.bias, self.weight_scale_inv)  # [T, sum padded N_i]
+        return y if self.columns is None else y.index_select(-1, self.columns)
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """tensor [N, ...] followed by zero rows up to [rows, ...]."""
+    return torch.cat((tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -245,7 +274,7 @@ class GatedMLP(nn.Module):
     column-parallel, down row-parallel): the SwiGLU is per column, so a rank's down projection
     is a partial sum of the output, all-reduced by down_proj (or by the caller when
     reduce_results is False). After loading, gate and up run as one GEMM over their stacked
-    local weights (`fuse_linears`).
+    local weights (`FusedLinear`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int,
@@ -257,8 +286,8 @@ class GatedMLP(nn.Module):
                                            reduce_results=reduce_results)
 
     def process_weights_after_loading(self) -> None:
-        self.gate_up_weight, _ = fuse_linears(self.gate_proj, self.up_proj)  # [2I / size, D]
+        self.gate_up = FusedLinear(self.gate_proj, self.up_proj)  # [2I / size, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
-        return self.down_proj(silu_and_mul(F.linear(x, self.gate_up_weight)))  # via [T, 2I/size]
+        return self.down_proj(silu_and_mul(self.gate_up(x)))  # via [T, 2I / size]

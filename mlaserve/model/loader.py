@@ -6,11 +6,14 @@ layers (index >= num_hidden_layers) are skipped on purpose.
 
 DeepSeek's block-FP8 checkpoints (`mlaserve.model.fp8`) load as published: which tensors are
 FP8 follows the checkpoint (a float8_e4m3fn `X.weight` with its float32 `X.weight_scale_inv`,
-whose shape is checked and which is reported missing like any tensor), and each is dequantized
-weight-only into the model's dtype as it is read (only its shard's rows / columns and their
-scale blocks). FP8 GEMMs do not exist yet, so `--quantization auto` and `none` both load this
-way. Dummy weights of a config with `quantization_config` are drawn in the model's dtype, as
-for any config (no FP8 dummy weights until there are FP8 GEMMs to run them).
+whose shape is checked and which is reported missing like any tensor). Where the model keeps
+FP8 Linear weights (`keep_fp8_weights` decides, from `--quantization` and the device; the
+layers are `mlaserve.model.fp8_linear`'s), the FP8 weight and its scales are copied as stored
+(this rank's rows / columns and the scale blocks that cover them); every other FP8 weight
+(all of them with `--quantization none`, and kv_b_proj and the experts always) is dequantized
+weight-only into the model's dtype as it is read, again only its shard. Dummy weights of a
+model that keeps FP8 Linear weights are drawn FP8, with scales that give them the magnitude of
+the other dummy weights, so a model holds half the bytes it would in bf16 for those layers.
 
 Under tensor parallelism (the model built for a group of size N > 1) each rank reads only its
 shard of every split tensor, and under expert parallelism only its experts (the `ShardSpec`s
@@ -34,7 +37,16 @@ from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
 from mlaserve.distributed.expert_parallel import get_ep_group
 from mlaserve.model.deepseek import DeepseekForCausalLM
-from mlaserve.model.fp8 import BLOCK_SIZE, SCALE_SUFFIX, Fp8WeightSlice, scale_shape
+from mlaserve.model.fp8 import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    FP8_MAX,
+    SCALE_SUFFIX,
+    Fp8WeightSlice,
+    keep_fp8_weights,
+    scale_shape,
+)
+from mlaserve.model.fp8_linear import keep_linears_fp8
 from mlaserve.model.layers import RMSNorm, RotaryEmbedding
 from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards
 
@@ -42,6 +54,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\."
                      r"(?P<part>gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+DUMMY_WEIGHT_RANGE = 0.02  # dummy weights are uniform in [-0.02, 0.02]
 _FUSED_FP8_MESSAGE = ("FP8 weights in the fused-experts layout ({key}, 3-D) have no published "
                       "format: store the experts one by one (mlp.experts.N.gate_proj.weight ...) "
                       "as DeepSeek does, or dequantize the checkpoint "
@@ -120,7 +133,7 @@ def _cut(source, full_shape: tuple[int, ...], cuts: list[Cut]) -> torch.Tensor:
     for spec, rank, size in cuts:
         source = spec.take(source, shape, rank, size)
         shape = tuple(source.shape)
-    return source
+    return source if cuts else source[:]
 
 
 def _target(param: torch.Tensor, spec: ShardSpec | None, expert: int | None,
@@ -157,7 +170,7 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
         for key, handle in locations.items():
             bar.update(1)
             if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in locations:
-                continue  # read with its weight
+                continue  # read with its weight (into its parameter if the model keeps FP8)
             layer = _LAYER.match(key)
             if layer and int(layer.group(1)) >= config.num_hidden_layers:
                 continue  # multi-token-prediction layers are not used for decoding
@@ -173,7 +186,7 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                 targets = [n for n, (p, _, _) in expected.items() if p == key]
                 target, key_cuts = params[key], cuts.get(key, [])
             elif key in expected:
-                targets = [key]
+                targets = [key, key + SCALE_SUFFIX]  # an FP8 Linear's scales load with it
                 name, expert, part = expected[key]
                 target, spec = _target(params[name], shards.get(name), expert, part)
                 key_cuts = [] if spec is None else [(spec, tp.rank, tp.size)]
@@ -196,8 +209,24 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                     (missing if problem[0] == "missing" else wrong_shape).append(problem[1])
                     pending.difference_update(targets)  # reported once, by its scale
                     continue
-                source = Fp8WeightSlice(source, locations[scale_key].get_slice(scale_key),
-                                        shape, target.device, block_size)
+                scale = locations[scale_key].get_slice(scale_key)
+                if target.dtype == FP8_DTYPE:  # kept FP8: the weight and scales as stored
+                    scale_cuts = [(shards[scale_key], tp.rank, tp.size)] if scale_key in \
+                        shards else []
+                    with torch.no_grad():
+                        target.copy_(_cut(source, shape, key_cuts))
+                        params[scale_key].copy_(_cut(scale, tuple(scale.get_shape()),
+                                                     scale_cuts))
+                    pending.difference_update(targets)
+                    continue
+                source = Fp8WeightSlice(source, scale, shape, target.device, block_size)
+            elif target.dtype == FP8_DTYPE:
+                wrong_shape.append(f"{key}: checkpoint {source.get_dtype()}, model "
+                                   "float8_e4m3fn (the model keeps this Linear block-FP8, as "
+                                   "--quantization auto / fp8 does for an FP8 checkpoint; load "
+                                   "with --quantization none)")
+                pending.difference_update(targets)
+                continue
             elif scale_key in locations:
                 unexpected.append(f"{scale_key} (its weight is not FP8)")
             if key_cuts:  # reads this rank's rows / columns only
@@ -250,7 +279,8 @@ def _listing(names, limit: int = 20) -> str:
 def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
     """Random weights from the config alone: small uniform values, norms at one. A split
     parameter gets its shard of the full tensor drawn with the same generator state, so every
-    tensor- or expert-parallel size yields shards of the same model."""
+    tensor- or expert-parallel size yields shards of the same model. FP8 weights are uniform
+    FP8 values in [-448, 448] with scales 0.02 / 448 (the magnitude of the other weights)."""
     cuts = _cuts(model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
@@ -263,28 +293,40 @@ def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
             if name.endswith("e_score_correction_bias"):
                 param.zero_()
                 continue
-            if name not in cuts:
-                param.uniform_(-0.02, 0.02, generator=generator)
+            if name.endswith(SCALE_SUFFIX):
+                param.fill_(DUMMY_WEIGHT_RANGE / FP8_MAX)
                 continue
-            full_shape = _full_shape(param.shape, cuts[name])
-            full = param.new_empty(full_shape).uniform_(-0.02, 0.02, generator=generator)
-            param.copy_(_cut(full, full_shape, cuts[name]))
+            fp8 = param.dtype == FP8_DTYPE  # drawn in float32 (uniform_ has no FP8 kernel)
+            bound = FP8_MAX if fp8 else DUMMY_WEIGHT_RANGE
+            if name not in cuts and not fp8:
+                param.uniform_(-bound, bound, generator=generator)
+                continue
+            full_shape = _full_shape(param.shape, cuts.get(name, []))
+            full = param.new_empty(full_shape, dtype=torch.float32 if fp8 else param.dtype)
+            full.uniform_(-bound, bound, generator=generator)
+            param.copy_(_cut(full, full_shape, cuts.get(name, [])))
 
 
 def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.device,
                 dtype: torch.dtype, load_format: str, max_positions: int,
-                seed: int = 0) -> DeepseekForCausalLM:
+                quantization: str = "auto", seed: int = 0) -> DeepseekForCausalLM:
     """Allocate the model directly on `device` in `dtype`, then load or randomise its weights.
 
+    Its Linear weights stay block-FP8 where `keep_fp8_weights` says so for the config's
+    `quant_method`, `quantization` (`mlaserve.config.QUANTIZATION_MODES`) and the device.
     Under tensor parallelism (`mlaserve.distributed.init_tensor_parallel` called before) the
     model is this rank's shard; every rank of the group calls this with the same arguments.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format '{load_format}'; use one of {LOAD_FORMATS}")
-    config.check_tensor_parallel_size(get_tp_group().size)
+    tp_size = get_tp_group().size
+    config.check_tensor_parallel_size(tp_size)
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, max_positions)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)  # before the FP8 layers, which the cast would cast too
+    if keep_fp8_weights(config.quant_method, quantization, device, load_format == "dummy"):
+        keep_linears_fp8(model, tp_size)
+    model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():

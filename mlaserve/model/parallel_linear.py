@@ -11,7 +11,9 @@
 
 Each module names, in `tp_shards`, how its parameters are cut from the full checkpoint tensors
 (`ShardSpec`), so the loader reads only this rank's slice of every tensor. At tensor-parallel
-size 1 the layers are plain `nn.Linear` / `F.embedding` computations, bit for bit.
+size 1 the layers are plain `nn.Linear` / `F.embedding` computations, bit for bit. The two
+Linears may hold a block-FP8 weight with its `weight_scale_inv` (`mlaserve.model.fp8_linear`);
+`weight_scale_inv` is None otherwise.
 """
 
 from collections.abc import Sequence
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.distributed import get_tp_group
+from mlaserve.model.fp8_linear import linear
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,11 @@ class ColumnParallelLinear(nn.Linear):
                          bias=bias)
         self.tp = tp
         self.tp_shards = {"weight": ShardSpec(0)} | ({"bias": ShardSpec(0)} if bias else {})
+        self.register_parameter("weight_scale_inv", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] -> [T, out_features / size]."""
+        return linear(x, self.weight, self.bias, self.weight_scale_inv)
 
 
 class RowParallelLinear(nn.Linear):
@@ -115,14 +123,16 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
         self.reduce_results = reduce_results
         self.tp_shards = {"weight": ShardSpec(1)}
+        self.register_parameter("weight_scale_inv", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features / size] -> [T, out_features] (a partial sum without the reduce)."""
+        scale = self.weight_scale_inv
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, scale)
         if not self.reduce_results:
-            return F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias if self.tp.rank == 0 else None, scale)
+        y = self.tp.all_reduce(linear(x, self.weight, None, scale))
         return y if self.bias is None else y + self.bias
 
 

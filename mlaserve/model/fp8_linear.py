@@ -1,0 +1,86 @@
+"""Linear layers that keep DeepSeek's block-FP8 weights as the checkpoint stores them.
+
+`keep_linears_fp8` turns the model's Linear layers (built on the meta device) into FP8 ones:
+`weight` [out, in] becomes float8_e4m3fn and a float32 `weight_scale_inv`
+[ceil(out / 128), ceil(in / 128)] joins it under the checkpoint's name, so the loader copies
+both straight from the checkpoint (a tensor-parallel rank reads its rows or columns and the
+scale blocks that cover them). `linear` computes any of the model's Linear products: the
+block-FP8 w8a8 GEMM (`mlaserve.kernels.fp8_gemm.block_fp8_linear`: per-token 1 x 128
+activation scales) on CUDA, and on the CPU the weight dequantized in float32 (weight-only).
+
+Which Linears stay high precision: `kv_b_proj`, dequantized to the model dtype at load because
+the absorbed MLA products read it per head as W_UK [H, P, L] and W_UV [H, L, V] in the model
+dtype (and the expanded prefill up-projects the latents with it); the shared experts, which
+are folded into the routed expert stacks (dequantized at load); and every tensor that is no
+Linear weight (embeddings, norms, router, LM head stay as the checkpoint has them).
+"""
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlaserve.model.fp8 import BLOCK_SIZE, FP8_DTYPE, dequantize_block_fp8, scale_shape
+
+_STAYS_DEQUANTIZED = re.compile(r"(^|\.)(kv_b_proj|shared_experts\.\w+)$")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b for a high-precision or a block-FP8 weight.
+
+    Args:
+        x: [..., in] activations in the model dtype.
+        weight: [out, in], the model dtype; or float8_e4m3fn with weight_scale_inv
+            [ceil(out / 128), ceil(in / 128)] float32.
+        bias: [out] or None.
+
+    Returns:
+        [..., out] in x's dtype. An FP8 weight runs `block_fp8_linear` on CUDA; on the CPU it
+        is dequantized and the product computed in float32.
+    """
+    if weight_scale_inv is None:
+        return F.linear(x, weight, bias)
+    if x.is_cuda:
+        from mlaserve.kernels.fp8_gemm import block_fp8_linear  # imports triton
+
+        y = block_fp8_linear(x, weight, weight_scale_inv)
+    else:
+        y = F.linear(x.float(), dequantize_block_fp8(weight, weight_scale_inv)).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+def keep_linears_fp8(model: nn.Module, tp_size: int) -> None:
+    """Give every Linear of `model` that the checkpoint stores in FP8 (all but those named in
+    the module docstring) an FP8 `weight` and a float32 `weight_scale_inv` parameter.
+
+    Call on the model as built on the meta device, after its cast to the model dtype (which
+    would cast FP8 too). Under tensor parallelism (tp_size > 1) a rank's shard of a split
+    weight must cover whole 128 x 128 scale blocks: its rows (column-parallel) or columns
+    (row-parallel) a multiple of 128; otherwise a ValueError names the layer and says to load
+    with --quantization none.
+    """
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or _STAYS_DEQUANTIZED.search(name):
+            continue
+        weight = module.weight  # [out, in], this rank's shard
+        shards = getattr(module, "tp_shards", {})
+        spec = shards.get("weight")
+        if spec is not None and tp_size > 1 and weight.shape[spec.dim] % BLOCK_SIZE[spec.dim]:
+            side = ("rows (output features)", "columns (input features)")[spec.dim]
+            full = weight.shape[spec.dim] * tp_size
+            raise ValueError(
+                f"{name}: under tensor_parallel_size {tp_size} each rank holds {full} / "
+                f"{tp_size} = {weight.shape[spec.dim]} {side} of the FP8 weight, which does "
+                f"not cover whole {BLOCK_SIZE[0]}x{BLOCK_SIZE[1]} scale blocks (it must be a "
+                f"multiple of {BLOCK_SIZE[spec.dim]}): use --quantization none to dequantize "
+                "the weights at load, or a tensor-parallel size that keeps the shards "
+                "block-aligned")
+        module.weight = nn.Parameter(torch.empty_like(weight, dtype=FP8_DTYPE),
+                                     requires_grad=False)
+        module.weight_scale_inv = nn.Parameter(
+            torch.empty(scale_shape(weight.shape), dtype=torch.float32, device=weight.device),
+            requires_grad=False)
+        if spec is not None:
+            module.tp_shards = {**shards, "weight_scale_inv": spec}
