@@ -10,7 +10,6 @@ import json
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 import requests
 
@@ -23,6 +22,8 @@ from mlaserve.server.serving_chat import ChatServing
 from mlaserve.server.serving_responses import ResponsesServing
 from mlaserve.server.tool_calls import CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN, CALLS_END
 from tests.server_util import RunningServer
+
+openai = pytest.importorskip("openai")  # test-only; absent on a bare GPU machine
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",

@@ -5,7 +5,9 @@ projections, the dense MLP and one routed expert) and each token count, it times
 - `bf16`: torch.matmul of bf16 activations with the bf16 weight (cuBLAS);
 - `fp8`: `block_fp8_linear`, the per-token-group activation quantization plus the block-FP8
   Triton product (what a layer would run);
-- `fp8-mm`: the block-FP8 product alone, on activations quantized beforehand.
+- `fp8-mm`: the block-FP8 Triton product alone, on activations quantized beforehand;
+- `torch-mm`: the same product through torch's blockwise scaled matmul (cuBLASLt,
+  `scaled_mm_block_fp8`), where it accepts the shape.
 Each FP8 output is first checked against the float32 product of the same dequantized operands
 (relative error printed). Times are medians under CUDA-graph replay (`kernels.testing`); the
 table gives microseconds and the FP8 speed-up over bf16. Needs a CUDA GPU.
@@ -92,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         block_fp8_matmul,
         block_fp8_reference,
         quantize_activations,
+        scaled_mm_block_fp8,
     )
     from mlaserve.model.fp8 import quantize_block_fp8
 
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     rows, failed = [], False
     print(f"{'model':18} {'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>9} "
-          f"{'fp8 us':>9} {'fp8-mm us':>9}  {'x bf16':>6}  rel err")
+          f"{'fp8 us':>9} {'fp8-mm us':>9} {'torch-mm us':>11}  {'x bf16':>6}  rel err")
     for model in args.models.split(","):
         config = _config(model)
         for proj in projections(config):
@@ -117,12 +120,24 @@ def run(args: argparse.Namespace) -> int:
                 fp8 = _time(partial(block_fp8_linear, x, w_fp8, w_scales), args.repeats)
                 fp8_mm = _time(partial(block_fp8_matmul, x_q, x_scales, w_fp8, w_scales,
                                        torch.bfloat16), args.repeats)
+                torch_mm = torch_err = None
+                try:
+                    got = scaled_mm_block_fp8(x_q, x_scales, w_fp8, w_scales, torch.float32)
+                    torch_err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                    torch_mm = _time(partial(scaled_mm_block_fp8, x_q, x_scales, w_fp8,
+                                             w_scales, torch.bfloat16), args.repeats)
+                except (RuntimeError, ValueError, NotImplementedError) as exc:
+                    torch_err = str(exc).splitlines()[0][:120]
                 row = dict(model=model, **asdict(proj), tokens=m, bf16_us=bf16 * 1e6,
-                           fp8_us=fp8 * 1e6, fp8_mm_us=fp8_mm * 1e6, rel_err=rel_err)
+                           fp8_us=fp8 * 1e6, fp8_mm_us=fp8_mm * 1e6, rel_err=rel_err,
+                           torch_mm_us=None if torch_mm is None else torch_mm * 1e6,
+                           torch_mm_rel_err=torch_err)
                 rows.append(row)
+                torch_text = "n/a" if torch_mm is None else f"{torch_mm * 1e6:.1f}"
                 print(f"{model:18} {proj.name:20} {proj.out_features:6} {proj.in_features:6} "
-                      f"{m:5}  {bf16 * 1e6:9.1f} {fp8 * 1e6:9.1f} {fp8_mm * 1e6:9.1f}  "
-                      f"{bf16 / fp8:6.2f}  {rel_err:.1e}", flush=True)
+                      f"{m:5}  {bf16 * 1e6:9.1f} {fp8 * 1e6:9.1f} {fp8_mm * 1e6:9.1f} "
+                      f"{torch_text:>11}  {bf16 / fp8:6.2f}  {rel_err:.1e}  {torch_err}",
+                      flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"benchmark": "block_fp8_gemm",
                                               "device": torch.cuda.get_device_name(device),

@@ -1,8 +1,9 @@
 """`mlaserve bench kernel`: paged MLA decode backends side by side, against the roofline.
 
-For every cell of the grid (heads x batch x kv length x block size x q_len, or the anchor preset
-of DeepSeek decode shapes) this builds random q and a paged cache with shuffled pages
-and NaN in every unused page and block tail, checks each backend against the float32 reference
+For every cell of the grid (heads x batch x kv length x block size x q_len, or a preset: the
+anchor grid of DeepSeek decode shapes, or `coverage`, which adds page sizes and ragged
+batches) this builds random q and a paged cache with shuffled pages and NaN in every unused
+page and block tail, checks each backend against the float32 reference
 (a backend that fails is reported and never timed), then times it: CUDA-graph replay of 16
 calls per graph by default, or eager `do_bench`, with KV copies rotated past the L2 cache. The
 copy and matmul ceilings are measured in the same run; each time is reported as µs, GB/s,
@@ -34,6 +35,7 @@ from mlaserve.bench.kernel_cases import CellInputs, copies_needed, make_inputs
 from mlaserve.bench.kernel_grid import (
     Cell,
     anchor_cells,
+    coverage_cells,
     decode_bytes,
     decode_flops,
     flag_cells,
@@ -67,6 +69,7 @@ GRID_DEFAULTS = {"heads": [16, 128], "batch_sizes": [1, 64, 512], "kv_lens": [10
 # DeepSeek-V2/V3 qk_nope_head_dim: the softmax scale is 1 / sqrt(128 + rope_dim).
 QK_NOPE_HEAD_DIM = 128
 JSON_NAME, PLOT_NAME = "kernel_bench.json", "kernel_bench.png"
+PRESETS = {"anchor": anchor_cells, "coverage": coverage_cells}  # --grid NAME: fixed cells
 
 
 def _int_list(text: str) -> list[int]:
@@ -86,9 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None,
                         help=f"comma list of {known} (default: those of "
                              f"{', '.join(DEFAULT_BACKENDS)} that can run here)")
-    parser.add_argument("--grid", choices=("flags", "anchor"), default="flags",
+    parser.add_argument("--grid", choices=tuple(PRESETS) + ("flags",), default="flags",
                         help="flags: the product of the grid flags; anchor: exactly the cells of "
-                             "the H200 peer tables (the grid flags must then be left out)")
+                             "the H200 peer tables; coverage: anchor plus block sizes 16, 32 "
+                             "and 128 and ragged batches (presets fix the cells: leave the grid "
+                             "flags out)")
     for flag, dest in (("--heads", "heads"), ("--batch-sizes", "batch_sizes"),
                        ("--kv-lens", "kv_lens"), ("--block-sizes", "block_sizes"),
                        ("--q-lens", "q_lens")):
@@ -128,10 +133,10 @@ def grid_cells(args: argparse.Namespace) -> list[Cell]:
     """The cells the flags ask for."""
     given = [f"--{name.replace('_', '-')}" for name in GRID_FLAGS
              if getattr(args, name) is not None]
-    if args.grid == "anchor":
+    if args.grid in PRESETS:
         if given:
-            raise ValueError(f"--grid anchor fixes the cells; drop {' '.join(given)}")
-        return anchor_cells()
+            raise ValueError(f"--grid {args.grid} fixes the cells; drop {' '.join(given)}")
+        return PRESETS[args.grid]()
     values = {name: getattr(args, name) or GRID_DEFAULTS[name] for name in GRID_FLAGS}
     return flag_cells(**values)
 

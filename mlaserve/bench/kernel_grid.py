@@ -1,4 +1,5 @@
-"""The cells of the MLA decode sweep, the anchor preset, and the roofline of one cell.
+"""The cells of the MLA decode sweep, its presets (anchor, coverage), and the roofline of one
+cell.
 
 A cell is one decode problem: `batch_size` requests of `kv_len` cached tokens each (the q_len new
 tokens included), or, `ragged`, lengths drawn uniformly from q_len..kv_len (fixed per cell);
@@ -89,4 +90,18 @@ def anchor_cells() -> list[Cell]:
     cells |= {Cell(heads, 1, 8192, 64) for heads in (16, 128)}
     cells.add(Cell(16, 512, 4096, 32))
     cells |= {Cell(16, 64, 4096, 64, q_len) for q_len in (2, 4)}
+    return sorted(cells, key=Cell.sort_key)
+
+
+def coverage_cells() -> list[Cell]:
+    """The anchor cells plus what serving adds: page sizes and ragged batches.
+
+    Block sizes 16, 32 and 128 at 16 heads x batch {1, 64, 512} x kv 4096 (block 64 is in the
+    anchor grid), and ragged batches (lengths drawn from 1..8192) at heads {16, 128} x batch
+    {64, 512}, block 64.
+    """
+    cells = set(anchor_cells())
+    cells |= set(flag_cells([16], [1, 64, 512], [4096], [16, 32, 128], [1]))
+    cells |= {Cell(heads, batch, 8192, 64, ragged=True) for heads in (16, 128)
+              for batch in (64, 512)}
     return sorted(cells, key=Cell.sort_key)

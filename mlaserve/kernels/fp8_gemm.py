@@ -18,13 +18,44 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.interpreter import prepare_launch
-from mlaserve.model.fp8 import BLOCK_SIZE, dequantize_block_fp8, quantize_block_fp8
+from mlaserve.model.fp8 import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_block_fp8,
+    quantize_block_fp8,
+)
 
 ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
 
 
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr,  # [M, K]
+    x_q_ptr,  # [M, K] float8_e4m3fn
+    scale_ptr,  # [M, ceil(K / 128)] float32
+    K, stride_x, stride_q, stride_s,
+    FP8_MAX: tl.constexpr,
+    GROUP: tl.constexpr,  # 128 columns per scale
+    GROUPS: tl.constexpr,  # groups per program
+):
+    row = tl.program_id(0)
+    first = tl.program_id(1) * GROUPS
+    groups = first + tl.arange(0, GROUPS)  # [GROUPS]
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [GROUPS]
+    scale = tl.where(amax > 0.0, amax / FP8_MAX, 1.0)
+    x_q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    tl.store(x_q_ptr + row * stride_q + cols, x_q.to(x_q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups * GROUP < K)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token-group quantization: DeepSeek's block quantization with 1 x 128 blocks.
+    """Dynamic per-token-group quantization: DeepSeek's block quantization with 1 x 128 blocks
+    (one Triton kernel on CUDA, `quantize_block_fp8` elsewhere: the interpreter does not round
+    float32 to FP8 as the GPU does).
 
     Args:
         x: [M, K] activations (any float dtype).
@@ -33,7 +64,18 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_q [M, K] float8_e4m3fn and scales [M, ceil(K / 128)] float32 with
         x ~= x_q * scales[:, k // 128] (an all-zero group gets scale 1).
     """
-    return quantize_block_fp8(x, ACTIVATION_BLOCK)
+    if x.device.type != "cuda":
+        return quantize_block_fp8(x, ACTIVATION_BLOCK)
+    rows, cols = x.shape
+    num_groups = -(-cols // ACTIVATION_BLOCK[1])
+    x_q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
+    groups_per_program = 8
+    grid = (rows, triton.cdiv(num_groups, groups_per_program))
+    _quantize_groups_kernel[grid](x, x_q, scales, cols, x.stride(0), x_q.stride(0),
+                                  scales.stride(0), FP8_MAX=FP8_MAX, GROUP=ACTIVATION_BLOCK[1],
+                                  GROUPS=groups_per_program)
+    return x_q, scales
 
 
 @triton.jit
@@ -83,7 +125,8 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
             (`quantize_activations`).
         weight: [N, K] float8_e4m3fn, weight_scale_inv [ceil(N / 128), ceil(K / 128)] float32
             (DeepSeek's checkpoint layout).
-        block_m: rows per program (default: 16 up to 16 rows, 64 beyond).
+        block_m: rows per program (default: the fewest of 16, 32, 64 and 128 that cover M,
+            with 8 warps and 3 stages at 128 rows, else 4 warps and 4 stages).
     """
     rows, cols = x_q.shape
     out_features = weight.shape[0]
@@ -97,12 +140,14 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
     x_scales, weight_scale_inv = x_scales.contiguous(), weight_scale_inv.contiguous()
     y = torch.empty(rows, out_features, dtype=out_dtype, device=x_q.device)
     if block_m is None:
-        block_m = 16 if rows <= 16 else 64
+        block_m = next((m for m in (16, 32, 64) if rows <= m), 128)
+    num_warps, num_stages = (8, 3) if block_m >= 128 else (4, 4)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, 128))
     _block_fp8_matmul_kernel[grid](
         x_q, weight, y, x_scales, weight_scale_inv, rows, out_features, cols,
         x_q.stride(0), weight.stride(0), y.stride(0), x_scales.stride(0),
-        weight_scale_inv.stride(0), BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128)
+        weight_scale_inv.stride(0), BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128,
+        num_warps=num_warps, num_stages=num_stages)
     return y
 
 
@@ -116,6 +161,28 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
     return y.view(*x.shape[:-1], weight.shape[0])  # [..., N]
 
 
+def scaled_mm_block_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
+                        weight_scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The same product as `block_fp8_matmul` through torch's blockwise scaled matmul (cuBLASLt
+    on sm_90: 1x128 scales for x, 128x128 for the weight), [M, N] in out_dtype.
+
+    cuBLASLt wants x's scales M-major and the weight column-major (the transposed view of the
+    [N, K] checkpoint layout); it may refuse shapes whose M or K / 128 is not a multiple of 4,
+    which raises here (`mlaserve bench gemm` reports such cells as not run).
+    """
+    functional = torch.nn.functional
+    rows, groups = x_scales.shape
+    scales_m_major = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32,
+                                         device=x_scales.device).copy_(x_scales)
+    if hasattr(functional, "scaled_mm"):  # torch >= 2.10
+        return functional.scaled_mm(
+            x_q, weight.t(), scales_m_major, functional.ScalingType.BlockWise1x128,
+            weight_scale_inv.t(), functional.ScalingType.BlockWise128x128,
+            output_dtype=out_dtype)
+    return torch._scaled_mm(x_q, weight.t(), scale_a=scales_m_major,
+                            scale_b=weight_scale_inv.t(), out_dtype=out_dtype)
+
+
 def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
                         weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """The float32 product of the dequantized operands, [M, N] (the oracle of the kernel)."""
@@ -125,4 +192,4 @@ def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
 
 
 __all__ = ["block_fp8_linear", "block_fp8_matmul", "block_fp8_reference",
-           "quantize_activations"]
+           "quantize_activations", "scaled_mm_block_fp8"]

@@ -31,6 +31,7 @@ from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     MLADecodeConfig,
     alloc_workspace,
     default_config,
+    describe,
     merge_tile,
     page_chunk,
     plan_mla_decode,
@@ -140,6 +141,20 @@ def test_fp8_cache_matches_the_reference_of_the_same_cache(block_size: int,
     run_and_check(lens, 16, 64, 16, block_size, 1, dtype, SMALL_TILES, 3,
                   kv_cache_dtype=torch.float8_e4m3fn)
     run_and_check(lens, 16, 64, 16, block_size, 2, dtype, kv_cache_dtype=torch.float8_e4m3fn)
+
+
+def test_bfloat16_queries_over_an_fp8_cache_take_float16_dots() -> None:
+    """The plan runs a bfloat16 q over an FP8 cache with float16 dots (one conversion
+    instruction per two FP8 values); q is rounded to float16 once, so the output is held to
+    bfloat16's bounds against the float32 reference of the same cache (on CPU too: the
+    interpreter's float16 dots are faithful)."""
+    plan = plan_mla_decode(4, 512, 16, 1, 64, 16, torch.bfloat16, NUM_SMS, 16,
+                           kv_cache_dtype=torch.float8_e4m3fn)
+    assert plan.fp16_dots and "fp16-dots" in describe(plan)
+    assert not plan_mla_decode(4, 512, 16, 1, 64, 16, torch.bfloat16, NUM_SMS, 16).fp16_dots
+    lens = [0, 1, 15, 53, 300]
+    run_and_check(lens, 16, 64, 16, 16, 1, torch.bfloat16, SMALL_TILES, 3,
+                  kv_cache_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -102,6 +102,10 @@ class MLADecodePlan:
             half the partial outputs' count when they are 16-bit, viewed in their dtype).
         workspace_lse_numel: float32 elements of the partial-LSE workspace (0 with one split).
         page_chunk: page ids the split pass reads at once (`page_chunk`).
+        fp16_dots: the split pass runs its dots in float16 (q converted once per program): a
+            bfloat16 q over an FP8 cache, whose tiles convert to float16 in one instruction per
+            two elements, against three for bfloat16 (through float16 and float32); the
+            conversions, not the halved bytes, bounded the FP8 pass in bfloat16.
         merge_block_rows, merge_block_l, merge_split_chunk: the merge kernel's tile
             (`merge_tile`).
 
@@ -121,6 +125,7 @@ class MLADecodePlan:
     merge_block_rows: int
     merge_block_l: int
     merge_split_chunk: int
+    fp16_dots: bool = False
 
 
 def default_config(
@@ -143,7 +148,7 @@ def default_config(
     - Otherwise query rows per program (block_m): all rows up to 64; at >= 64 heads small
       batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
     - KV tile and pipelining depth per regime (`tuning.TRITON_TILES`): pages under 32 tokens
-      take 32-token tiles gathered through the block table row by row, pages of 32-63 tokens
+      take tiles of whole pages (32 tokens; 64 under the "fill" policy), pages of 32-63 tokens
       one page per tile; 16 rows over 32-255 short requests one 64-token program per SM;
       16 rows over >= 32 requests, or 64-token tiles that do not fit, 32-token tiles; else
       64-token tiles with 2 stages. 64-row Triton programs load whole tiles by TMA.
@@ -197,6 +202,8 @@ def default_config(
     if (block_m == 16 and batch_size is not None and long_requests
             and batch_size >= tuning.FILL_MIN_BATCH):
         policy, per_sm = "fill", tuning.FILL_PROGRAMS_PER_SM
+        if regime == "gathered_pages":
+            block_n, num_stages = tuning.TRITON_TILES["gathered_pages_fill"]
     min_split_len = tuning.MIN_SPLIT_LEN[(block_m, long_requests)]
     partial_dtype = "input" if block_m == 16 and medium_batch else "float32"
     return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
@@ -261,8 +268,8 @@ def plan_mla_decode(
         capability: the CUDA device's (major, minor) compute capability (`device_capability`);
             None off CUDA (the Triton interpreter).
         kv_cache_dtype: the cache's dtype (None: q's); torch.float8_e4m3fn is an FP8
-            cache, read by the Triton split pass's pointer loads and converted to q's dtype;
-            no TMA loads, no Gluon pass.
+            cache, read by the Triton split pass's pointer loads and converted to q's dtype
+            (float16 for a bfloat16 q: `fp16_dots`); no TMA loads, no Gluon pass.
 
     Returns:
         The plan to pass to `mla_decode_triton`.
@@ -306,7 +313,8 @@ def plan_mla_decode(
                          workspace_o_numel=o_numel, workspace_lse_numel=lse_numel,
                          page_chunk=page_chunk(config, max_seq_len, num_splits),
                          merge_block_rows=merge_rows, merge_block_l=merge_l,
-                         merge_split_chunk=merge_chunk)
+                         merge_split_chunk=merge_chunk,
+                         fp16_dots=fp8_cache and dtype == torch.bfloat16)
 
 
 def partial_dtype_of(config: MLADecodeConfig, dtype: torch.dtype) -> torch.dtype:
@@ -370,6 +378,6 @@ def describe(plan: MLADecodePlan) -> str:
     if plan.num_splits > 1:
         parts.append(f"({c.split_policy} {c.programs_per_sm:g}/SM, min {c.min_split_len}, "
                      f"{c.partial_dtype} partials)")
-    flags = [name for name, on in (("tma", plan.tma_loads), ("pdl", plan.programmatic_launch))
-             if on]
+    flags = [name for name, on in (("tma", plan.tma_loads), ("pdl", plan.programmatic_launch),
+                                   ("fp16-dots", plan.fp16_dots)) if on]
     return " ".join(parts + flags)

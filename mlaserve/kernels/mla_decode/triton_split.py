@@ -27,7 +27,9 @@ Kernel design:
 - Pages: with block_size >= block_n a tile lies inside one page (one page id per tile); the page
   ids of a split are loaded as a vector before its tile loop, up to 64 tiles at a time, so no
   load in the loop depends on another load of the loop and Triton's pipeliner gives the KV
-  loads every stage. Smaller pages are gathered row by row through the block table. Loads past
+  loads every stage. Smaller pages that divide the tile are read the same way, as
+  [tiles, pages per tile] ids, and each row of a tile takes its page's id; other page sizes are
+  gathered row by row through the block table inside the loop. Loads past
   the request's length are masked (other=0) and their scores set to -inf, so NaN in unused
   pages or in the tail of the last page never reaches the output.
 - With `plan.tma_loads` (64-row programs on sm_90 and newer) whole tiles are loaded by TMA
@@ -117,6 +119,7 @@ def _mla_decode_split_kernel(
     DIRECT_OUTPUT: tl.constexpr,
     USE_PDL: tl.constexpr,
     USE_TMA: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     if USE_PDL:
         # The merge kernel is a programmatic dependent launch: let it be scheduled now (it
@@ -141,6 +144,9 @@ def _mla_decode_split_kernel(
     q_nope = tl.load(q_ptr + q_offs[:, None] + offs_l[None, :], mask=row_mask[:, None], other=0.0)
     q_pe = tl.load(q_ptr + q_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
                    mask=row_mask[:, None], other=0.0)
+    if FP16_DOTS:  # bfloat16 q over an FP8 cache: dots in float16 (`MLADecodePlan.fp16_dots`)
+        q_nope = q_nope.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
     # Token t of the request sits at position seq_len - q_len + t and sees keys up to there.
     last_key = seq_len - q_len + token  # [BLOCK_M]
 
@@ -150,6 +156,7 @@ def _mla_decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     tile_ids = tl.arange(0, max(PAGE_CHUNK, 1))
+    page_slots = tl.arange(0, max(BLOCK_N // BLOCK_SIZE, 1))  # pages of one tile (small pages)
     # With PAGE_CHUNK > 0 the page ids are read PAGE_CHUNK tiles at a time before the tile loop,
     # so the tile loads in it do not depend on a load of the same loop: the software pipeliner
     # then gives them all NUM_STAGES - 1 buffers (a page-id load in the loop would take half of
@@ -168,6 +175,13 @@ def _mla_decode_split_kernel(
             tile_starts = chunk_start + tile_ids * BLOCK_N  # [PAGE_CHUNK]
             chunk_pages = tl.load(bt_row + tile_starts // BLOCK_SIZE, mask=tile_starts < chunk_end,
                                   other=0)
+        elif BLOCK_N % BLOCK_SIZE == 0 and PAGE_CHUNK > 0:
+            # Small pages, PAGES_PER_TILE whole pages per tile: the chunk's page ids as
+            # [PAGE_CHUNK, PAGES_PER_TILE], read before the tile loop like one id per tile.
+            page_starts = chunk_start + (tile_ids[:, None] * BLOCK_N
+                                         + page_slots[None, :] * BLOCK_SIZE)
+            chunk_pages = tl.load(bt_row + page_starts // BLOCK_SIZE,
+                                  mask=page_starts < chunk_end, other=0)
         for start in tl.range(chunk_start, chunk_end, BLOCK_N, num_stages=NUM_STAGES):
             pos = start + offs_n  # [BLOCK_N] key positions
             key_mask = pos < split_end
@@ -180,6 +194,15 @@ def _mla_decode_split_kernel(
                     page = tl.load(bt_row + start // BLOCK_SIZE)
                 page = page.to(tl.int64)
                 kv_offs = page * stride_kv_block + (start % BLOCK_SIZE + offs_n) * stride_kv_slot
+            elif BLOCK_N % BLOCK_SIZE == 0 and PAGE_CHUNK > 0:
+                # Row n of the tile lies in the tile's page n // BLOCK_SIZE: pick the tile's
+                # [PAGES_PER_TILE] ids from the chunk, then each row's id from those.
+                tile = (start - chunk_start) // BLOCK_N
+                tile_pages = tl.sum(tl.where((tile_ids == tile)[:, None], chunk_pages, 0), axis=0)
+                row_page = offs_n // BLOCK_SIZE  # [BLOCK_N]
+                page = tl.sum(tl.where(row_page[:, None] == page_slots[None, :],
+                                       tile_pages[None, :], 0), axis=1).to(tl.int64)
+                kv_offs = page * stride_kv_block + (offs_n % BLOCK_SIZE) * stride_kv_slot
             else:
                 page = tl.load(bt_row + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
                 kv_offs = page * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_slot
@@ -345,7 +368,8 @@ def launch_split(
         BLOCK_SIZE=kv_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, PAGE_CHUNK=plan.page_chunk,
         DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=plan.programmatic_launch,
-        USE_TMA=plan.tma_loads, num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_TMA=plan.tma_loads, FP16_DOTS=plan.fp16_dots, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 

@@ -24,7 +24,8 @@ FLOAT32_MIN_SPLIT_LEN = 64  # and at least two tiles
 # num_stages - 1 KV buffers and a 64-row program (wgmma) num_stages.
 TRITON_TILES: dict[str, tuple[int, int]] = {
     "small_pages": (0, 3),  # pages of 32-63 tokens: one page per tile (block_n = page)
-    "gathered_pages": (32, 2),  # pages under 32 tokens: 32-token tiles gathered row by row
+    "gathered_pages": (32, 3),  # pages under 32 tokens: tiles of whole pages, ids read ahead
+    "gathered_pages_fill": (64, 2),  # the same under the "fill" split policy (many requests)
     "one_per_sm": (64, 3),  # 16 rows x 32-255 requests of <= 1024 tokens, 8 warps (166 KB)
     "many_requests": (32, 3),  # 16 rows over >= 32 requests, or 64-token tiles do not fit
     "default": (64, 2),
