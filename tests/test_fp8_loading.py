@@ -1,10 +1,9 @@
 """DeepSeek block-FP8 checkpoints: the format, loading as published (weight-only dequantized,
-or kept FP8 in the Linear layers), sharded reads under tensor / expert parallelism, FP8 dummy
-weights, and the errors."""
+or kept FP8 in the Linear layers), sharded reads under tensor / expert parallelism, and the
+errors. FP8 experts, FP8 shards and FP8 dummy weights: tests/test_fp8_weights.py."""
 
 import argparse
 import json
-import math
 import shutil
 
 import pytest
@@ -27,7 +26,6 @@ from mlaserve.model.fp8 import (
     quantize_block_fp8,
 )
 from mlaserve.model.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
-from mlaserve.model.fp8_linear import linear
 from mlaserve.model.loader import _cut, _cuts, build_model, load_weights
 from tests.conftest import CHECKPOINTS, read_config, write_checkpoint
 
@@ -311,76 +309,3 @@ def test_fp8_path_decision_and_the_fused_projection_pads_to_scale_blocks(fp8_pai
     want = torch.cat([x @ dequantize_block_fp8(m.weight, m.weight_scale_inv).T
                       for m in (attention.q_a_proj, attention.kv_a_proj_with_mqa)], dim=-1)
     torch.testing.assert_close(fused(x), want, rtol=0, atol=1e-6)
-
-
-def test_tensor_parallel_fp8_shards_must_cover_whole_scale_blocks(fp8_pair, monkeypatch):
-    monkeypatch.setattr(parallel_state, "_tp_group", TensorParallelGroup(rank=0, size=2))
-    with pytest.raises(ValueError) as info:
-        _build(fp8_pair("v2-greedy-nolora-untied")[0], "fp8")
-    assert str(info.value) == (
-        "model.layers.0.self_attn.q_proj: under tensor_parallel_size 2 each rank holds 128 / 2 "
-        "= 64 rows (output features) of the FP8 weight, which does not cover whole 128x128 "
-        "scale blocks (it must be a multiple of 128): use --quantization none to dequantize "
-        "the weights at load, or a tensor-parallel size that keeps the shards block-aligned")
-
-
-@pytest.fixture(scope="module")
-def block_aligned_fp8(tmp_path_factory):
-    """A two-layer V3 FP8 checkpoint whose tensor-parallel shards (size 2) are whole 128-blocks
-    (q_b 256 rows, o_proj 256 columns, dense MLP 256), with partial blocks along the hidden
-    size (200)."""
-    arch, overrides, _ = CHECKPOINTS["v3-noaux-lora-yarn-sharded"]
-    root = tmp_path_factory.mktemp("fp8-aligned")
-    write_checkpoint(root / "bf16", arch, {
-        **overrides, "num_hidden_layers": 2, "hidden_size": 200, "num_attention_heads": 8,
-        "num_key_value_heads": 8, "v_head_dim": 32, "intermediate_size": 256}, sharded=True)
-    quantize_checkpoint(root / "bf16", root / "fp8")
-    return root / "fp8"
-
-
-def test_tensor_parallel_ranks_read_their_fp8_rows_columns_and_scale_blocks(
-        block_aligned_fp8, monkeypatch):
-    full = dict(_build(block_aligned_fp8, "fp8").named_parameters())
-    monkeypatch.setattr(parallel_state, "_tp_group", TensorParallelGroup(rank=1, size=2))
-    model = _build(block_aligned_fp8, "fp8")
-    cuts = _cuts(model)
-    assert "model.layers.0.self_attn.o_proj.weight_scale_inv" in cuts
-    num_fp8 = 0
-    for name, param in model.named_parameters():
-        want = full[name] if name not in cuts else _cut(full[name], full[name].shape, cuts[name])
-        num_fp8 += param.dtype == FP8_DTYPE
-        assert param.dtype == want.dtype and torch.equal(
-            param.view(torch.uint8), want.view(torch.uint8)), name
-    assert num_fp8 == 11  # q_a, q_b, kv_a, o_proj per layer; gate, up, down of the dense one
-
-
-@pytest.mark.parametrize("quantization", ["auto", "fp8"])
-def test_dummy_fp8_weights_are_fp8_and_the_model_runs(fp8_pair, quantization):
-    """An FP8 config with dummy weights: FP8 Linear weights (half the bytes of bf16) and
-    finite outputs where the FP8 path is on, model-dtype weights elsewhere (auto on CPU)."""
-    path = fp8_pair("v3-noaux-lora-yarn-sharded")[0]
-    model = _build(path, quantization, load_format="dummy")
-    fp8 = {n: p for n, p in model.named_parameters() if p.dtype == FP8_DTYPE}
-    assert bool(fp8) == (quantization == "fp8")
-    for name, weight in fp8.items():
-        scale = model.get_parameter(name + "_scale_inv")
-        dequantized = dequantize_block_fp8(weight, scale)
-        assert 0.01 < dequantized.abs().max() <= 0.02, name  # the other dummy weights' range
-    llm = LLM(str(path), device="cpu", num_kv_blocks=16, block_size=16, load_format="dummy",
-              quantization=quantization)
-    out = llm.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1,
-                                               ignore_eos=True))
-    for request in out:
-        assert len(request.token_ids) == 2
-        assert all(math.isfinite(v) for pos in request.prompt_logprobs[1:] for v in pos.values())
-
-
-@pytest.mark.gpu
-def test_fp8_linear_on_cuda_runs_the_block_gemm():
-    gen = torch.Generator().manual_seed(0)
-    weight, scale = quantize_block_fp8(torch.randn(300, 256, generator=gen) * 0.02)
-    x = torch.randn(5, 256, generator=gen)
-    want = linear(x, weight, None, scale)  # CPU: dequantized, float32
-    got = linear(x.cuda().bfloat16(), weight.cuda(), None, scale.cuda())
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float().cpu(), want, rtol=0.05, atol=0.02)

@@ -28,6 +28,8 @@ from mlaserve.distributed import get_tp_group
 from mlaserve.distributed.expert_parallel import get_ep_group
 from mlaserve.kernels.moe import fused_experts, select_experts
 from mlaserve.model.expert_parallel import expert_parallel_moe
+from mlaserve.model.fp8 import BLOCK_SIZE, FP8_DTYPE, scale_shape
+from mlaserve.model.fp8_linear import keep_linear_fp8
 from mlaserve.model.layers import (
     FusedLinear,
     GatedMLP,
@@ -200,8 +202,31 @@ class RoutedExperts(nn.Module):
         i = divide(config.moe_intermediate_size, get_tp_group().size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.register_parameter("gate_up_scale_inv", None)  # block-FP8 stacks only
+        self.register_parameter("down_scale_inv", None)
         self.tp_shards = {"gate_up_proj": ShardSpec(1, pieces=2), "down_proj": ShardSpec(2)}
         self.ep_shards = {"gate_up_proj": ShardSpec(0), "down_proj": ShardSpec(0)}
+
+    def keep_fp8(self) -> bool:
+        """Hold the stacks as the checkpoint's block-FP8 experts: float8_e4m3fn gate_up_proj
+        and down_proj with float32 gate_up_scale_inv [E, 2I / 128, ceil(D / 128)] and
+        down_scale_inv [E, ceil(D / 128), I / 128], cut like the stacks. Only where I is a
+        multiple of 128 (the FP8 MoE kernels start the up rows at a scale block, and a
+        tensor-parallel rank's columns must cover whole blocks); returns whether it did."""
+        num_experts, two_inter, hidden = self.gate_up_proj.shape
+        if (two_inter // 2) % BLOCK_SIZE[0]:
+            return False
+        for name, (rows, cols) in (("gate_up", (two_inter, hidden)),
+                                   ("down", (hidden, two_inter // 2))):
+            weight = getattr(self, f"{name}_proj")
+            setattr(self, f"{name}_proj", nn.Parameter(
+                torch.empty_like(weight, dtype=FP8_DTYPE), requires_grad=False))
+            setattr(self, f"{name}_scale_inv", nn.Parameter(torch.empty(
+                num_experts, *scale_shape((rows, cols)), device=weight.device),
+                requires_grad=False))
+            self.tp_shards[f"{name}_scale_inv"] = self.tp_shards[f"{name}_proj"]
+            self.ep_shards[f"{name}_scale_inv"] = self.ep_shards[f"{name}_proj"]
+        return True
 
 
 class MoE(nn.Module):
@@ -236,26 +261,43 @@ class MoE(nn.Module):
                 reduce_results=False)
         self.num_shared_experts = 0  # folded into the stacks after loading
 
+    def keep_experts_fp8(self, prefix: str, tp_size: int) -> None:
+        """Keep the routed and shared experts block-FP8 where `RoutedExperts.keep_fp8` can
+        (I a multiple of 128); otherwise both stay in the model dtype, dequantized at load."""
+        if self.experts.keep_fp8() and self.shared_experts is not None:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                keep_linear_fp8(getattr(self.shared_experts, name),
+                                f"{prefix}.shared_experts.{name}", tp_size)
+
     def process_weights_after_loading(self) -> None:
-        """Stack [routed | shared] experts: gate_up [E + S, 2I, D], down [E + S, D, I]. The
-        routed parameters become views of the stacks; the shared MLP module is dropped."""
+        """Stack [routed | shared] experts: gate_up [E + S, 2I, D], down [E + S, D, I], and
+        for block-FP8 experts their scales alike ([E + S, 2I / 128, ceil(D / 128)],
+        [E + S, ceil(D / 128), I / 128]). The routed parameters become views of the stacks;
+        the shared MLP module is dropped."""
         experts, shared = self.experts, self.shared_experts
         if shared is None:
             if not self.num_shared_experts:  # no shared experts: the stacks are the parameters
                 self.gate_up_stack = experts.gate_up_proj.detach()
                 self.down_stack = experts.down_proj.detach()
+                self.gate_up_scale_stack = _detached(experts.gate_up_scale_inv)
+                self.down_scale_stack = _detached(experts.down_scale_inv)
             return
-        num_routed, two_inter, hidden = experts.gate_up_proj.shape
-        num_shared, inter = self.gate.config.n_shared_experts, two_inter // 2
-        gate = shared.gate_proj.weight.detach().view(num_shared, inter, hidden)  # [S*I, D] ->
-        up = shared.up_proj.weight.detach().view(num_shared, inter, hidden)  # [S, I, D], local I
-        down = shared.down_proj.weight.detach().view(hidden, num_shared, inter).transpose(
-            0, 1)  # [D, S * I] -> [S, D, I]
-        self.gate_up_stack = torch.cat(
-            (experts.gate_up_proj.detach(), torch.cat((gate, up), dim=1)))  # [E + S, 2I, D]
-        self.down_stack = torch.cat((experts.down_proj.detach(), down))  # [E + S, D, I]
+        num_routed, num_shared = experts.gate_up_proj.shape[0], self.gate.config.n_shared_experts
+        self.gate_up_stack, self.down_stack = _fold_shared_experts(
+            experts.gate_up_proj, experts.down_proj, shared.gate_proj.weight,
+            shared.up_proj.weight, shared.down_proj.weight, num_shared)
         experts.gate_up_proj = nn.Parameter(self.gate_up_stack[:num_routed], requires_grad=False)
         experts.down_proj = nn.Parameter(self.down_stack[:num_routed], requires_grad=False)
+        self.gate_up_scale_stack = self.down_scale_stack = None
+        if experts.gate_up_scale_inv is not None:  # the scale blocks fold the same way
+            self.gate_up_scale_stack, self.down_scale_stack = _fold_shared_experts(
+                experts.gate_up_scale_inv, experts.down_scale_inv,
+                shared.gate_proj.weight_scale_inv, shared.up_proj.weight_scale_inv,
+                shared.down_proj.weight_scale_inv, num_shared)
+            experts.gate_up_scale_inv = nn.Parameter(self.gate_up_scale_stack[:num_routed],
+                                                     requires_grad=False)
+            experts.down_scale_inv = nn.Parameter(self.down_scale_stack[:num_routed],
+                                                  requires_grad=False)
         self.shared_experts = None
         self.num_shared_experts = num_shared
 
@@ -265,8 +307,16 @@ class MoE(nn.Module):
             return self._forward_expert_parallel(x)
         topk_weights, topk_ids = self.gate(x, self.num_shared_experts)  # [T, K + S]
         out = fused_experts(x, self.gate_up_stack, self.down_stack, topk_weights, topk_ids,
-                            shared_experts=self.num_shared_experts)
+                            shared_experts=self.num_shared_experts, **self._scales())
         return self.tp.all_reduce(out)  # this rank's I columns of each expert: a partial sum
+
+    def _scales(self, num_experts: int | None = None) -> dict[str, torch.Tensor | None]:
+        """`fused_experts`' scale arguments for the first num_experts of the stacks (all of
+        them by default); None for stacks in the model dtype."""
+        stacks = {"gate_up_scale_inv": self.gate_up_scale_stack,
+                  "down_scale_inv": self.down_scale_stack}
+        return {name: None if stack is None else stack[:num_experts]
+                for name, stack in stacks.items()}
 
     def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
         """Routed experts across the expert-parallel ranks, shared experts on this rank; under
@@ -274,24 +324,46 @@ class MoE(nn.Module):
         num_tokens, num_local = x.shape[0], self.experts.gate_up_proj.shape[0]
         topk_weights, topk_ids = self.gate(x)  # [T, K] global routed ids
         out = expert_parallel_moe(x, topk_weights, topk_ids, self.gate_up_stack[:num_local],
-                                  self.down_stack[:num_local], self.ep)
+                                  self.down_stack[:num_local], self.ep,
+                                  **self._scales(num_local))
         num_shared = self.num_shared_experts
         if num_shared and num_tokens:
             shared_ids = torch.arange(num_local, num_local + num_shared, device=x.device)
             ones = torch.ones(num_tokens, num_shared, dtype=torch.float32, device=x.device)
             out = out + fused_experts(x, self.gate_up_stack, self.down_stack, ones,
-                                      shared_ids.expand(num_tokens, -1))  # [T, S] ids
+                                      shared_ids.expand(num_tokens, -1),  # [T, S] ids
+                                      **self._scales())
         return self.tp.all_reduce(out)
 
     def join_expert_parallel(self) -> None:
         """This rank has no tokens; serve the other ranks' pairs for this rank's experts."""
         num_local, _, hidden = self.experts.gate_up_proj.shape
         top_k = self.gate.config.num_experts_per_tok
-        x = self.gate_up_stack.new_empty(0, hidden)  # [0, D]
+        x = self.gate.weight.new_empty(0, hidden)  # [0, D] in the model dtype
         ids = torch.empty(0, top_k, dtype=torch.int64, device=x.device)  # [0, K]
         weights = torch.empty(0, top_k, dtype=torch.float32, device=x.device)  # [0, K]
         expert_parallel_moe(x, weights, ids, self.gate_up_stack[:num_local],
-                            self.down_stack[:num_local], self.ep)
+                            self.down_stack[:num_local], self.ep, **self._scales(num_local))
+
+
+def _detached(param: torch.Tensor | None) -> torch.Tensor | None:
+    return None if param is None else param.detach()
+
+
+def _fold_shared_experts(gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor,
+                         shared_up: torch.Tensor, shared_down: torch.Tensor,
+                         num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append S shared experts to the routed stacks: gate_up [E, 2I, D] and down [E, D, I]
+    with the shared MLP's gate, up [S * I, D] and down [D, S * I] give [E + S, 2I, D] and
+    [E + S, D, I]. The same for FP8 scale blocks, with I / 128 and ceil(D / 128) blocks in place
+    of I and D."""
+    inter, rows = shared_gate.shape[0] // num_shared, shared_down.shape[0]
+    gate = shared_gate.detach().view(num_shared, inter, -1)  # [S * I, D] -> [S, I, D]
+    up = shared_up.detach().view(num_shared, inter, -1)  # [S * I, D] -> [S, I, D]
+    shared = shared_down.detach().view(rows, num_shared, inter).transpose(
+        0, 1)  # [D, S * I] -> [S, D, I]
+    return (torch.cat((gate_up.detach(), torch.cat((gate, up), dim=1))),  # [E + S, 2I, D]
+            torch.cat((down.detach(), shared)))  # [E + S, D, I]
 
 
 class DecoderLayer(nn.Module):

@@ -16,7 +16,8 @@ from mlaserve.kernels.moe import fused_experts
 
 def expert_parallel_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                        ep: ExpertParallelGroup) -> torch.Tensor:
+                        ep: ExpertParallelGroup, gate_up_scale_inv: torch.Tensor | None = None,
+                        down_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k w_k * expert_{ids_k}(x) with the routed experts split over the group's ranks.
 
     Args:
@@ -24,6 +25,8 @@ def expert_parallel_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         topk_weights: [T, K] float32; topk_ids: [T, K] int64 global routed expert ids.
         gate_up_proj: [E_local, 2I, D] and down_proj: [E_local, D, I], this rank's experts
             (global ids rank * E_local onward).
+        gate_up_scale_inv, down_scale_inv: their block scales where they are FP8
+            (`fused_experts`).
 
     Returns:
         [T, D] in x's dtype.
@@ -41,7 +44,9 @@ def expert_parallel_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     local_ids = ep.all_to_all((flat_ids - owner * num_local)[order], send_splits, recv_splits)
     if rows.shape[0]:
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=x.device)
-        outputs = fused_experts(rows, gate_up_proj, down_proj, ones, local_ids[:, None])
+        outputs = fused_experts(rows, gate_up_proj, down_proj, ones, local_ids[:, None],
+                                gate_up_scale_inv=gate_up_scale_inv,
+                                down_scale_inv=down_scale_inv)
     else:
         outputs = rows  # [0, D]
     returned = ep.all_to_all(outputs, recv_splits, send_splits)  # [T * K, D] in `order`

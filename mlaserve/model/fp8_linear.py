@@ -10,9 +10,11 @@ activation scales) on CUDA, and on the CPU the weight dequantized in float32 (we
 
 Which Linears stay high precision: `kv_b_proj`, dequantized to the model dtype at load because
 the absorbed MLA products read it per head as W_UK [H, P, L] and W_UV [H, L, V] in the model
-dtype (and the expanded prefill up-projects the latents with it); the shared experts, which
-are folded into the routed expert stacks (dequantized at load); and every tensor that is no
-Linear weight (embeddings, norms, router, LM head stay as the checkpoint has them).
+dtype (and the expanded prefill up-projects the latents with it), and every tensor that is no
+Linear weight (embeddings, norms, router, LM head stay as the checkpoint has them). The routed
+experts and the shared experts folded into their stacks stay FP8 too where each expert's I (per
+tensor-parallel rank) is a multiple of 128, as the FP8 MoE kernels need
+(`MoE.keep_experts_fp8`); otherwise they are dequantized at load.
 """
 
 import re
@@ -23,6 +25,7 @@ from torch import nn
 
 from mlaserve.model.fp8 import BLOCK_SIZE, FP8_DTYPE, dequantize_block_fp8, scale_shape
 
+# kv_b_proj; the shared experts go with their MoE's routed experts (MoE.keep_experts_fp8)
 _STAYS_DEQUANTIZED = re.compile(r"(^|\.)(kv_b_proj|shared_experts\.\w+)$")
 
 
@@ -52,35 +55,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def keep_linears_fp8(model: nn.Module, tp_size: int) -> None:
-    """Give every Linear of `model` that the checkpoint stores in FP8 (all but those named in
-    the module docstring) an FP8 `weight` and a float32 `weight_scale_inv` parameter.
+    """Give every Linear of `model` that the checkpoint stores in FP8 (all but kv_b_proj) an
+    FP8 `weight` and a float32 `weight_scale_inv` parameter (`keep_linear_fp8`), and let each
+    MoE keep its routed and shared experts FP8 where it can (`MoE.keep_experts_fp8`).
 
     Call on the model as built on the meta device, after its cast to the model dtype (which
-    would cast FP8 too). Under tensor parallelism (tp_size > 1) a rank's shard of a split
-    weight must cover whole 128 x 128 scale blocks: its rows (column-parallel) or columns
-    (row-parallel) a multiple of 128; otherwise a ValueError names the layer and says to load
-    with --quantization none.
+    would cast FP8 too).
     """
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or _STAYS_DEQUANTIZED.search(name):
-            continue
-        weight = module.weight  # [out, in], this rank's shard
-        shards = getattr(module, "tp_shards", {})
-        spec = shards.get("weight")
-        if spec is not None and tp_size > 1 and weight.shape[spec.dim] % BLOCK_SIZE[spec.dim]:
-            side = ("rows (output features)", "columns (input features)")[spec.dim]
-            full = weight.shape[spec.dim] * tp_size
-            raise ValueError(
-                f"{name}: under tensor_parallel_size {tp_size} each rank holds {full} / "
-                f"{tp_size} = {weight.shape[spec.dim]} {side} of the FP8 weight, which does "
-                f"not cover whole {BLOCK_SIZE[0]}x{BLOCK_SIZE[1]} scale blocks (it must be a "
-                f"multiple of {BLOCK_SIZE[spec.dim]}): use --quantization none to dequantize "
-                "the weights at load, or a tensor-parallel size that keeps the shards "
-                "block-aligned")
-        module.weight = nn.Parameter(torch.empty_like(weight, dtype=FP8_DTYPE),
-                                     requires_grad=False)
-        module.weight_scale_inv = nn.Parameter(
-            torch.empty(scale_shape(weight.shape), dtype=torch.float32, device=weight.device),
-            requires_grad=False)
-        if spec is not None:
-            module.tp_shards = {**shards, "weight_scale_inv": spec}
+        if hasattr(module, "keep_experts_fp8"):
+            module.keep_experts_fp8(name, tp_size)
+        elif isinstance(module, nn.Linear) and not _STAYS_DEQUANTIZED.search(name):
+            keep_linear_fp8(module, name, tp_size)
+
+
+def keep_linear_fp8(module: nn.Linear, name: str, tp_size: int) -> None:
+    """Make `module` (named `name` in the model) hold an FP8 weight [out, in] and its float32
+    weight_scale_inv [ceil(out / 128), ceil(in / 128)], cut like the weight.
+
+    Under tensor parallelism (tp_size > 1) a rank's shard of a split weight must cover whole
+    128 x 128 scale blocks: its rows (column-parallel) or columns (row-parallel) a multiple of
+    128; otherwise a ValueError names the layer and says to load with --quantization none.
+    """
+    weight = module.weight  # [out, in], this rank's shard
+    shards = getattr(module, "tp_shards", {})
+    spec = shards.get("weight")
+    if spec is not None and tp_size > 1 and weight.shape[spec.dim] % BLOCK_SIZE[spec.dim]:
+        side = ("rows (output features)", "columns (input features)")[spec.dim]
+        full = weight.shape[spec.dim] * tp_size
+        raise ValueError(
+            f"{name}: under tensor_parallel_size {tp_size} each rank holds {full} / "
+            f"{tp_size} = {weight.shape[spec.dim]} {side} of the FP8 weight, which does "
+            f"not cover whole {BLOCK_SIZE[0]}x{BLOCK_SIZE[1]} scale blocks (it must be a "
+            f"multiple of {BLOCK_SIZE[spec.dim]}): use --quantization none to dequantize "
+            "the weights at load, or a tensor-parallel size that keeps the shards "
+            "block-aligned")
+    module.weight = nn.Parameter(torch.empty_like(weight, dtype=FP8_DTYPE),
+                                 requires_grad=False)
+    module.weight_scale_inv = nn.Parameter(
+        torch.empty(scale_shape(weight.shape), dtype=torch.float32, device=weight.device),
+        requires_grad=False)
+    if spec is not None:
+        module.tp_shards = {**shards, "weight_scale_inv": spec}

@@ -9,9 +9,10 @@ FP8 follows the checkpoint (a float8_e4m3fn `X.weight` with its float32 `X.weigh
 whose shape is checked and which is reported missing like any tensor). Where the model keeps
 FP8 Linear weights (`keep_fp8_weights` decides, from `--quantization` and the device; the
 layers are `mlaserve.model.fp8_linear`'s), the FP8 weight and its scales are copied as stored
-(this rank's rows / columns and the scale blocks that cover them); every other FP8 weight
-(all of them with `--quantization none`, and kv_b_proj and the experts always) is dequantized
-weight-only into the model's dtype as it is read, again only its shard. Dummy weights of a
+(this rank's rows / columns, or its experts, and the scale blocks that cover them); every
+other FP8 weight (all of them with `--quantization none`; kv_b_proj always; the experts where
+their I is not whole 128-blocks) is dequantized weight-only into the model's dtype as it is
+read, again only its shard. Dummy weights of a
 model that keeps FP8 Linear weights are drawn FP8, with scales that give them the magnitude of
 the other dummy weights, so a model holds half the bytes it would in bf16 for those layers.
 
@@ -54,6 +55,11 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\."
                      r"(?P<part>gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# stacked experts' parameter -> (the per-expert checkpoint tensors it holds, their suffix)
+_EXPERT_STACKS = {"gate_up_proj": (("gate_proj", "up_proj"), "weight"),
+                  "down_proj": (("down_proj",), "weight"),
+                  "gate_up_scale_inv": (("gate_proj", "up_proj"), "weight" + SCALE_SUFFIX),
+                  "down_scale_inv": (("down_proj",), "weight" + SCALE_SUFFIX)}
 DUMMY_WEIGHT_RANGE = 0.02  # dummy weights are uniform in [-0.02, 0.02]
 _FUSED_FP8_MESSAGE = ("FP8 weights in the fused-experts layout ({key}, 3-D) have no published "
                       "format: store the experts one by one (mlp.experts.N.gate_proj.weight ...) "
@@ -85,14 +91,14 @@ def _expected_tensors(model: DeepseekForCausalLM
     expected, elsewhere = {}, set()
     num_experts = model.config.n_routed_experts
     for name, param in model.named_parameters():
-        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-            prefix = name.rsplit(".", 1)[0]
+        prefix, _, stack = name.rpartition(".")
+        if prefix.endswith(".experts") and stack in _EXPERT_STACKS:
             first = model.get_submodule(prefix).first_expert
-            parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+            parts, suffix = _EXPERT_STACKS[stack]
             for e in range(num_experts):
                 local = e - first
                 for part in parts:
-                    key = f"{prefix}.{e}.{part}.weight"
+                    key = f"{prefix}.{e}.{part}.{suffix}"
                     if 0 <= local < param.shape[0]:
                         expected[key] = (name, local, part)
                     else:
@@ -211,12 +217,13 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                     continue
                 scale = locations[scale_key].get_slice(scale_key)
                 if target.dtype == FP8_DTYPE:  # kept FP8: the weight and scales as stored
-                    scale_cuts = [(shards[scale_key], tp.rank, tp.size)] if scale_key in \
-                        shards else []
+                    scale_name, scale_expert, scale_part = expected[scale_key]
+                    scale_target, scale_spec = _target(
+                        params[scale_name], shards.get(scale_name), scale_expert, scale_part)
+                    scale_cuts = [] if scale_spec is None else [(scale_spec, tp.rank, tp.size)]
                     with torch.no_grad():
                         target.copy_(_cut(source, shape, key_cuts))
-                        params[scale_key].copy_(_cut(scale, tuple(scale.get_shape()),
-                                                     scale_cuts))
+                        scale_target.copy_(_cut(scale, tuple(scale.get_shape()), scale_cuts))
                     pending.difference_update(targets)
                     continue
                 source = Fp8WeightSlice(source, scale, shape, target.device, block_size)

@@ -1,0 +1,136 @@
+"""Block-FP8 weights kept FP8 in the model (`mlaserve.model.fp8_linear`): FP8 experts with the
+shared experts folded in, tensor- and expert-parallel reads of FP8 weights and their scale
+blocks, the shard rule's error, FP8 dummy weights, and the CUDA GEMM. On a checkpoint whose
+expert I and tensor-parallel shards are whole 128-blocks."""
+
+import math
+
+import pytest
+import torch
+
+from mlaserve import LLM, SamplingParams
+from mlaserve.config import ModelConfig
+from mlaserve.distributed import TensorParallelGroup, expert_parallel, parallel_state
+from mlaserve.model.deepseek import DeepseekForCausalLM, MoE
+from mlaserve.model.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+from mlaserve.model.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
+from mlaserve.model.fp8_linear import linear
+from mlaserve.model.loader import _cut, _cuts, build_model
+from tests.conftest import CHECKPOINTS, write_checkpoint
+
+PROMPTS = [[0, 5, 17, 42, 99, 3, 250, 7], [0, 200, 1, 13]]
+
+
+@pytest.fixture(scope="module")
+def aligned_pair(tmp_path_factory):
+    """A two-layer V3 checkpoint (dense layer, then MoE with a shared expert) whose shards under
+    tensor parallelism 2 are whole 128-blocks (q_b 256 rows, o_proj 256 columns, dense MLP 256,
+    expert I 256), with partial blocks along the hidden size (200); as FP8 and dequantized."""
+    arch, overrides, _ = CHECKPOINTS["v3-noaux-lora-yarn-sharded"]
+    root = tmp_path_factory.mktemp("fp8-aligned")
+    write_checkpoint(root / "bf16", arch, {
+        **overrides, "num_hidden_layers": 2, "hidden_size": 200, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "v_head_dim": 32, "intermediate_size": 256,
+        "moe_intermediate_size": 256}, sharded=True)
+    quantize_checkpoint(root / "bf16", root / "fp8")
+    dequantize_checkpoint(root / "fp8", root / "dequantized", torch.float32)
+    return root / "fp8", root / "dequantized"
+
+
+def _build(path, quantization: str, load_format: str = "safetensors") -> DeepseekForCausalLM:
+    return build_model(ModelConfig.from_pretrained(path), path, device=torch.device("cpu"),
+                       dtype=torch.float32, load_format=load_format, max_positions=64,
+                       quantization=quantization)
+
+
+def test_fp8_experts_give_the_dequantized_models_logprobs(aligned_pair):
+    """Routed and shared experts stay FP8 (one stack of E + S experts with per-expert scale
+    stacks), and the model scores prompts as the dequantized checkpoint does."""
+    fp8_dir, dequantized_dir = aligned_pair
+    moe = _build(fp8_dir, "fp8").model.layers[1].mlp
+    assert isinstance(moe, MoE) and moe.num_shared_experts == 1
+    assert moe.gate_up_stack.dtype == moe.down_stack.dtype == FP8_DTYPE
+    assert moe.gate_up_stack.shape == (9, 512, 200) and moe.down_stack.shape == (9, 200, 256)
+    assert moe.gate_up_scale_stack.shape == (9, 4, 2)  # [E + S, 2I / 128, ceil(D / 128)]
+    assert moe.down_scale_stack.shape == (9, 2, 2)  # [E + S, ceil(D / 128), I / 128]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)
+    outs = [LLM(str(path), device="cpu", num_kv_blocks=16, block_size=16,
+                quantization=quantization).generate(PROMPTS, params)
+            for path, quantization in [(fp8_dir, "fp8"), (dequantized_dir, "auto")]]
+    for got, want in zip(*outs, strict=True):
+        assert got.token_ids == want.token_ids
+        for got_pos, want_pos in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:],
+                                     strict=True):
+            assert got_pos.keys() == want_pos.keys()
+            assert all(abs(got_pos[t] - lp) <= 1e-4 for t, lp in want_pos.items())
+
+
+@pytest.mark.parametrize("tp_rank,ep_rank", [(1, None), (0, 1), (1, 1)],
+                         ids=["tp2-rank1", "ep2-rank1-tp2-rank0", "ep2-rank1-tp2-rank1"])
+def test_parallel_ranks_read_their_fp8_blocks(tp_rank, ep_rank, aligned_pair, monkeypatch):
+    """A tensor- / expert-parallel rank's FP8 weights and scales, read from the checkpoint a
+    shard at a time, are its cut of the one-process model's (bytes equal)."""
+    fp8_dir = aligned_pair[0]
+    full = dict(_build(fp8_dir, "fp8").named_parameters())
+    monkeypatch.setattr(parallel_state, "_tp_group", TensorParallelGroup(rank=tp_rank, size=2))
+    if ep_rank is not None:
+        monkeypatch.setattr(expert_parallel, "_ep_group",
+                            expert_parallel.ExpertParallelGroup(rank=ep_rank, size=2))
+    model = _build(fp8_dir, "fp8")
+    cuts = _cuts(model)
+    assert "model.layers.1.mlp.experts.gate_up_scale_inv" in cuts
+    num_fp8 = 0
+    for name, param in model.named_parameters():
+        want = full[name] if name not in cuts else _cut(full[name], full[name].shape, cuts[name])
+        num_fp8 += param.dtype == FP8_DTYPE
+        assert param.dtype == want.dtype and torch.equal(
+            param.view(torch.uint8), want.view(torch.uint8)), name
+    assert num_fp8 == 13  # q_a, q_b, kv_a, o_proj per layer; the dense MLP's 3; 2 stacks
+
+
+def test_fp8_shards_must_cover_whole_scale_blocks(aligned_pair, monkeypatch):
+    monkeypatch.setattr(parallel_state, "_tp_group", TensorParallelGroup(rank=0, size=4))
+    with pytest.raises(ValueError) as info:
+        _build(aligned_pair[0], "fp8")
+    assert str(info.value) == (
+        "model.layers.0.self_attn.q_b_proj: under tensor_parallel_size 4 each rank holds 256 / "
+        "4 = 64 rows (output features) of the FP8 weight, which does not cover whole 128x128 "
+        "scale blocks (it must be a multiple of 128): use --quantization none to dequantize "
+        "the weights at load, or a tensor-parallel size that keeps the shards block-aligned")
+    _build(aligned_pair[0], "none")  # dequantized at load, any shard
+
+
+@pytest.mark.parametrize("quantization", ["auto", "fp8"])
+def test_dummy_fp8_weights_are_fp8_and_the_model_runs(aligned_pair, quantization):
+    """An FP8 config with dummy weights: FP8 Linear and expert weights (half the bytes of
+    bf16) of the other dummy weights' magnitude, and finite outputs, where the FP8 path is on;
+    model-dtype weights elsewhere (auto on the CPU)."""
+    path = aligned_pair[0]
+    model = _build(path, quantization, load_format="dummy")
+    fp8 = {n: p for n, p in model.named_parameters() if p.dtype == FP8_DTYPE}
+    assert len(fp8) == (13 if quantization == "fp8" else 0)
+    for name, weight in fp8.items():
+        scale = model.get_parameter(  # X.weight_scale_inv; experts.gate_up_scale_inv
+            name + "_scale_inv" if name.endswith(".weight")
+            else name.removesuffix("_proj") + "_scale_inv")
+        pairs = zip(weight, scale, strict=True) if weight.dim() == 3 else [(weight, scale)]
+        for w, s in pairs:
+            assert 0.01 < dequantize_block_fp8(w, s).abs().max() <= 0.02, name
+    llm = LLM(str(path), device="cpu", num_kv_blocks=16, block_size=16, load_format="dummy",
+              quantization=quantization)
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1,
+                                               ignore_eos=True))
+    for request in out:
+        assert len(request.token_ids) == 2
+        assert all(math.isfinite(v) for pos in request.prompt_logprobs[1:] for v in pos.values())
+
+
+@pytest.mark.gpu
+def test_fp8_linear_on_cuda_runs_the_block_gemm():
+    gen = torch.Generator().manual_seed(0)
+    weight, scale = quantize_block_fp8(torch.randn(300, 256, generator=gen) * 0.02)
+    x = torch.randn(5, 256, generator=gen)
+    want = linear(x, weight, None, scale)  # CPU: dequantized, float32
+    got = linear(x.cuda().bfloat16(), weight.cuda(), None, scale.cuda())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float().cpu(), want, rtol=0.05, atol=0.02)
