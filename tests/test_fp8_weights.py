@@ -126,11 +126,17 @@ def test_dummy_fp8_weights_are_fp8_and_the_model_runs(aligned_pair, quantization
 
 
 @pytest.mark.gpu
-def test_fp8_linear_on_cuda_runs_the_block_gemm():
+@pytest.mark.parametrize("in_features", [256, 1024])  # the Triton product; cuBLASLt's
+def test_fp8_linear_on_cuda_runs_the_block_gemm(in_features: int):
+    """On CUDA `linear` quantizes x per token and 128 columns and runs the w8a8 product: equal,
+    up to the bf16 output's rounding, to the float32 product of the same quantized operands."""
+    from mlaserve.kernels.fp8_gemm import block_fp8_reference, quantize_activations
+
     gen = torch.Generator().manual_seed(0)
-    weight, scale = quantize_block_fp8(torch.randn(300, 256, generator=gen) * 0.02)
-    x = torch.randn(5, 256, generator=gen)
-    want = linear(x, weight, None, scale)  # CPU: dequantized, float32
-    got = linear(x.cuda().bfloat16(), weight.cuda(), None, scale.cuda())
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float().cpu(), want, rtol=0.05, atol=0.02)
+    weight, scale = quantize_block_fp8(torch.randn(304, in_features, generator=gen) * 0.02)
+    x = torch.randn(5, in_features, generator=gen).cuda().bfloat16()
+    got = linear(x, weight.cuda(), None, scale.cuda())
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 304)
+    x_q, x_scales = quantize_activations(x)
+    want = block_fp8_reference(x_q.cpu(), x_scales.cpu(), weight, scale)
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2**-7, atol=1e-3)
