@@ -33,8 +33,8 @@ ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
 def _quantize_groups_kernel(
     x_ptr,  # [M, K]
     x_q_ptr,  # [M, K] float8_e4m3fn
-    scale_ptr,  # [M, ceil(K / 128)] float32
-    K, stride_x, stride_q, stride_s,
+    scale_ptr,  # [M, ceil(K / 128)] float32, any strides
+    K, stride_x, stride_q, stride_sm, stride_sk,
     FP8_MAX: tl.constexpr,
     GROUP: tl.constexpr,  # 128 columns per scale
     GROUPS: tl.constexpr,  # groups per program
@@ -49,7 +49,7 @@ def _quantize_groups_kernel(
     scale = tl.where(amax > 0.0, amax / FP8_MAX, 1.0)
     x_q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
     tl.store(x_q_ptr + row * stride_q + cols, x_q.to(x_q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups * GROUP < K)
+    tl.store(scale_ptr + row * stride_sm + groups * stride_sk, scale, mask=groups * GROUP < K)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,19 +62,22 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         x_q [M, K] float8_e4m3fn and scales [M, ceil(K / 128)] float32 with
-        x ~= x_q * scales[:, k // 128] (an all-zero group gets scale 1).
+        x ~= x_q * scales[:, k // 128] (an all-zero group gets scale 1). On CUDA the scales are
+        M-major (strides (1, M)), the layout cuBLASLt's blockwise scaling reads.
     """
     if x.device.type != "cuda":
         return quantize_block_fp8(x, ACTIVATION_BLOCK)
     rows, cols = x.shape
     num_groups = -(-cols // ACTIVATION_BLOCK[1])
     x_q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
-    groups_per_program = 8
+    scales = torch.empty_strided((rows, num_groups), (1, rows), dtype=torch.float32,
+                                 device=x.device)
+    groups_per_program = min(32, triton.next_power_of_2(num_groups))  # up to 4096 columns
     grid = (rows, triton.cdiv(num_groups, groups_per_program))
     _quantize_groups_kernel[grid](x, x_q, scales, cols, x.stride(0), x_q.stride(0),
-                                  scales.stride(0), FP8_MAX=FP8_MAX, GROUP=ACTIVATION_BLOCK[1],
-                                  GROUPS=groups_per_program)
+                                  scales.stride(0), scales.stride(1), FP8_MAX=FP8_MAX,
+                                  GROUP=ACTIVATION_BLOCK[1], GROUPS=groups_per_program,
+                                  num_warps=8 if groups_per_program >= 16 else 4)
     return x_q, scales
 
 
@@ -86,7 +89,7 @@ def _block_fp8_matmul_kernel(
     x_scale_ptr,  # [M, ceil(K / 128)] float32
     w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32
     M, N, K,
-    stride_xm, stride_wn, stride_ym, stride_xs, stride_ws,
+    stride_xm, stride_wn, stride_ym, stride_xsm, stride_xsk, stride_ws,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # 128: one weight scale row per tile
     BLOCK_K: tl.constexpr,  # 128: one scale column per K step
@@ -106,7 +109,8 @@ def _block_fp8_matmul_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + cols[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-        x_scale = tl.load(x_scale_ptr + offs_m * stride_xs + k_block, mask=m_mask, other=0.0)
+        x_scale = tl.load(x_scale_ptr + offs_m * stride_xsm + k_block * stride_xsk, mask=m_mask,
+                          other=0.0)
         w_scale = tl.load(w_scale_ptr + pid_n * stride_ws + k_block)
         partial = tl.dot(x, tl.trans(w), out_dtype=tl.float32)  # [BM, BN]
         acc += partial * (x_scale[:, None] * w_scale)
@@ -137,7 +141,7 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
                          f"a [{out_features}, {cols}] weight in 128x128 blocks")
     prepare_launch(x_q)
     x_q, weight = x_q.contiguous(), weight.contiguous()
-    x_scales, weight_scale_inv = x_scales.contiguous(), weight_scale_inv.contiguous()
+    weight_scale_inv = weight_scale_inv.contiguous()
     y = torch.empty(rows, out_features, dtype=out_dtype, device=x_q.device)
     if block_m is None:
         block_m = next((m for m in (16, 32, 64) if rows <= m), 128)
@@ -145,7 +149,7 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
     grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, 128))
     _block_fp8_matmul_kernel[grid](
         x_q, weight, y, x_scales, weight_scale_inv, rows, out_features, cols,
-        x_q.stride(0), weight.stride(0), y.stride(0), x_scales.stride(0),
+        x_q.stride(0), weight.stride(0), y.stride(0), x_scales.stride(0), x_scales.stride(1),
         weight_scale_inv.stride(0), BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128,
         num_warps=num_warps, num_stages=num_stages)
     return y
@@ -170,8 +174,9 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
     rows = flat.shape[0]
     if cublas_runs(x, weight):
-        padded = torch.nn.functional.pad(flat, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
-        x_q, x_scales = quantize_activations(padded)
+        if rows % 4:
+            flat = torch.nn.functional.pad(flat, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
+        x_q, x_scales = quantize_activations(flat)
         y = scaled_mm_block_fp8(x_q, x_scales, weight, weight_scale_inv, x.dtype)[:rows]
     else:
         x_q, x_scales = quantize_activations(flat)
@@ -190,8 +195,10 @@ def scaled_mm_block_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
     """
     functional = torch.nn.functional
     rows, groups = x_scales.shape
-    scales_m_major = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32,
-                                         device=x_scales.device).copy_(x_scales)
+    scales_m_major = x_scales  # as `quantize_activations` leaves them on CUDA
+    if x_scales.stride() != (1, rows):
+        scales_m_major = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32,
+                                             device=x_scales.device).copy_(x_scales)
     if hasattr(functional, "scaled_mm"):  # torch >= 2.10
         return functional.scaled_mm(
             x_q, weight.t(), scales_m_major, functional.ScalingType.BlockWise1x128,

@@ -401,10 +401,13 @@ def fused_experts_triton(
     if not fp8:
         act = gate_up_silu(x, gate_up_proj, alignment, top_k, config.gate_up)
         return down_weighted(act, down_proj, topk_weights, alignment, config.down).sum(dim=1)
+    # The kernels read scales with a unit column stride; CUDA's quantizer writes them M-major.
     x_q, x_scales = quantize_activations(x)  # [T, D] fp8, [T, ceil(D / 128)]
     act = gate_up_silu(x_q, gate_up_proj, alignment, top_k, config.gate_up,
-                       (x_scales, gate_up_scale_inv), act_dtype=x.dtype)  # [max_padded, I]
+                       (x_scales.contiguous(), gate_up_scale_inv),
+                       act_dtype=x.dtype)  # [max_padded, I]
     act_q, act_scales = quantize_activations(act)  # [max_padded, I] fp8, [max_padded, I / 128]
+    act_scales = act_scales.contiguous()
     out = down_weighted(act_q, down_proj, topk_weights, alignment, config.down,
                         (act_scales, down_scale_inv), out_dtype=x.dtype)  # [T, K, D]
     return out.sum(dim=1)
