@@ -104,8 +104,8 @@ class MLADecodePlan:
         page_chunk: page ids the split pass reads at once (`page_chunk`).
         fp16_dots: the split pass runs its dots in float16 (q converted once per program): a
             bfloat16 q over an FP8 cache, whose tiles convert to float16 in one instruction per
-            two elements, against three for bfloat16 (through float16 and float32); the
-            conversions, not the halved bytes, bounded the FP8 pass in bfloat16.
+            two elements, against three per element for bfloat16 (through float16 and
+            float32); benchmarks/mla-decode-history.md ("FP8 caches") has the timings.
         merge_block_rows, merge_block_l, merge_split_chunk: the merge kernel's tile
             (`merge_tile`).
 
