@@ -264,6 +264,11 @@ def test_gate_excludes_wrong_backends_from_timing(tmp_path, monkeypatch, capsys)
             assert result["status"] == "failed" and why in result["reason"]
             assert result["time_us"] is None and result["gbps"] is None
     assert "failed: gate:" in captured.out  # and the table says so
+    # the table prints each gated backend's cosine gap to the float32 reference
+    header, _, *rows = captured.out[captured.out.index("heads batch"):].splitlines()
+    assert "1-cos" in header
+    torch_gap = results[(2, 1, 20, 8, 1, "torch")]["gate"]["cos_gap"]
+    assert any(" torch " in row and f"{torch_gap:8.1e}" in row for row in rows)
 
 
 def test_sweep_reports_unsupported_backends_as_skipped(tmp_path):

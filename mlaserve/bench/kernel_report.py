@@ -69,10 +69,11 @@ def _fmt(value: float | None, width: int, precision: int, suffix: str = "") -> s
 
 def format_table(cells: list[CellResult]) -> str:
     """The results as a fixed-width text table, one row per cell and backend (kv ~N: a ragged
-    cell, lengths drawn up to N)."""
+    cell, lengths drawn up to N; 1-cos: the gate's cosine gap to the float32 reference, 1 - the
+    least per-row cosine similarity)."""
     header = (f"{'heads':>5} {'batch':>5} {'kv':>6} {'blk':>4} {'q':>2} {'floor µs':>9}  "
               f"{'backend':<15}{'µs':>9} {'GB/s':>7} {'TFLOP/s':>8} {'%floor':>7} "
-              f"{'x peer':>7}  note")
+              f"{'x peer':>7} {'1-cos':>8}  note")
     lines = [header, "-" * len(header)]
     for cell_result in cells:
         cell = cell_result.cell
@@ -86,8 +87,13 @@ def format_table(cells: list[CellResult]) -> str:
                 f"{cell.block_size:>4} {cell.q_len:>2} {_fmt(floor_us, 9, 1)}  "
                 f"{result.backend:<15}{_fmt(m['time_us'], 9, 1)} {_fmt(m['gbps'], 7, 0)} "
                 f"{_fmt(m['tflops'], 8, 1)} {_fmt(m['pct_floor'], 7, 0, '%')} "
-                f"{_fmt(m['vs_best_peer'], 7, 3)}  {note}".rstrip())
+                f"{_fmt(m['vs_best_peer'], 7, 3)} {_cos_gap(result.gate)}  {note}".rstrip())
     return "\n".join(lines)
+
+
+def _cos_gap(gate: dict[str, float]) -> str:
+    gap = gate.get("cos_gap")
+    return f"{'-':>8}" if gap is None else f"{gap:8.1e}"
 
 
 def to_json(cells: list[CellResult], header: dict[str, Any]) -> dict[str, Any]:
