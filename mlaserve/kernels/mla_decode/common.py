@@ -6,7 +6,10 @@ where Triton is missing. The device-side split arithmetic is `splits.split_bound
 Split arithmetic: request b with N_b keys is cut into `num_splits` contiguous runs of whole
 tiles of block_n keys, each split_len = max(min_split_len, round_up(ceil(N_b / num_splits),
 block_n)) keys long (min_split_len itself a multiple of block_n), so any split count is valid
-for any lengths and splits past the end are empty.
+for any lengths and splits past the end are empty. Under the "balanced" policy the split length
+is at least the batch's keys over the splits of a uniform batch (`MLADecodePlan.balance_splits`),
+computed on the device, so a long request of a ragged batch takes more of the grid's splits
+than a short one and one grid (one CUDA graph) serves uniform and ragged batches.
 """
 
 import functools

@@ -21,6 +21,8 @@ from mlaserve.kernels.mla_decode.common import (
     whole_tiles,
 )
 
+SPLIT_POLICIES = ("waves", "fill", "balanced")
+
 
 @dataclass(frozen=True)
 class MLADecodeConfig:
@@ -34,7 +36,11 @@ class MLADecodeConfig:
         num_stages: software-pipelining depth of the KV loop.
         split_policy: how `plan_mla_decode` picks the split count. "waves": minimise the
             estimated makespan (waves of programs times tokens per split plus a per-split
-            overhead); "fill": just enough splits to put `programs_per_sm` programs on every SM.
+            overhead); "fill": just enough splits to put `programs_per_sm` programs on every SM;
+            "balanced": the "waves" count S for a uniform batch, a grid of
+            `tuning.BALANCED_HEADROOM` x S splits, and on the device a split length of at
+            least the batch's keys over B x S (common.py), so a ragged batch's long requests
+            take more splits than its short ones (Triton split pass only).
         programs_per_sm: programs that run at once on one SM (for "waves"), or the target grid
             size per SM (for "fill").
         min_split_len: fewest KV tokens per split; also enforced on the device, so short requests
@@ -75,8 +81,9 @@ class MLADecodeConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.split_policy not in ("waves", "fill"):
-            raise ValueError(f"split_policy must be 'waves' or 'fill', got {self.split_policy!r}")
+        if self.split_policy not in SPLIT_POLICIES:
+            raise ValueError(f"split_policy must be one of {SPLIT_POLICIES}, "
+                             f"got {self.split_policy!r}")
         if self.partial_dtype not in ("float32", "input"):
             raise ValueError(
                 f"partial_dtype must be 'float32' or 'input', got {self.partial_dtype!r}")
@@ -102,6 +109,8 @@ class MLADecodePlan:
             half the partial outputs' count when they are 16-bit, viewed in their dtype).
         workspace_lse_numel: float32 elements of the partial-LSE workspace (0 with one split).
         page_chunk: page ids the split pass reads at once (`page_chunk`).
+        balance_splits: under the "balanced" policy, B x the split count of a uniform batch:
+            the device divides the batch's keys by it for the least split length (0: off).
         fp16_dots: the split pass runs its dots in float16 (q converted once per program): a
             bfloat16 q over an FP8 cache, whose tiles convert to float16 in one instruction per
             two elements, against three per element for bfloat16 (through float16 and
@@ -126,6 +135,7 @@ class MLADecodePlan:
     merge_block_l: int
     merge_split_chunk: int
     fp16_dots: bool = False
+    balance_splits: int = 0
 
 
 def default_config(
@@ -290,8 +300,14 @@ def plan_mla_decode(
         overhead = 32 + (2 * 4 * config.block_m * kv_lora_rank) // (head_dim * itemsize)
         num_splits = _choose_num_splits(max(1, batch_size * num_head_groups), max(1, max_seq_len),
                                         config, num_sms, overhead)
+        if config.split_policy == "balanced":  # headroom for a ragged batch's long requests
+            uniform_splits = num_splits
+            num_splits = min(config.max_num_splits, tuning.BALANCED_HEADROOM * num_splits)
+    elif config.split_policy == "balanced":
+        uniform_splits = max(1, num_splits // tuning.BALANCED_HEADROOM)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    balance_splits = batch_size * uniform_splits if config.split_policy == "balanced" else 0
     o_numel = batch_size * num_splits * rows * kv_lora_rank if num_splits > 1 else 0
     if partial_dtype_of(config, dtype) != torch.float32:
         o_numel = -(-o_numel // 2)  # 16-bit partials: float32 storage viewed as q's dtype
@@ -299,9 +315,10 @@ def plan_mla_decode(
     merge_rows, merge_l, merge_chunk = merge_tile(config, batch_size, rows, num_splits,
                                                   kv_lora_rank)
     kernel = TRITON_SPLIT
-    if not fp8_cache and config.warp_specialized and gluon_serves(capability, dtype, kv_lora_rank,
-                                                qk_rope_head_dim, config.block_m,
-                                                config.block_n, config.num_stages, block_size):
+    gluon = config.warp_specialized and gluon_serves(
+        capability, dtype, kv_lora_rank, qk_rope_head_dim, config.block_m, config.block_n,
+        config.num_stages, block_size)
+    if gluon and not fp8_cache and not balance_splits:  # neither is in the Gluon pass
         kernel = GLUON_SM90
     sm90_or_newer = capability is not None and capability >= (9, 0)
     tma_loads = (kernel == TRITON_SPLIT and config.tma_loads and sm90_or_newer
@@ -311,10 +328,12 @@ def plan_mla_decode(
                          programmatic_launch=programmatic_launch,
                          num_splits=num_splits, num_head_groups=num_head_groups, config=config,
                          workspace_o_numel=o_numel, workspace_lse_numel=lse_numel,
-                         page_chunk=page_chunk(config, max_seq_len, num_splits),
+                         page_chunk=page_chunk(config, max_seq_len,
+                                               balance_splits // max(batch_size, 1) or num_splits),
                          merge_block_rows=merge_rows, merge_block_l=merge_l,
                          merge_split_chunk=merge_chunk,
-                         fp16_dots=fp8_cache and dtype == torch.bfloat16)
+                         fp16_dots=fp8_cache and dtype == torch.bfloat16,
+                         balance_splits=balance_splits)
 
 
 def partial_dtype_of(config: MLADecodeConfig, dtype: torch.dtype) -> torch.dtype:
@@ -376,8 +395,9 @@ def describe(plan: MLADecodePlan) -> str:
         parts.append(f"w{c.num_warps}")
     parts += [f"s{c.num_stages}", f"splits {plan.num_splits}"]
     if plan.num_splits > 1:
-        parts.append(f"({c.split_policy} {c.programs_per_sm:g}/SM, min {c.min_split_len}, "
-                     f"{c.partial_dtype} partials)")
+        balance = f" keys/{plan.balance_splits}" if plan.balance_splits else ""
+        parts.append(f"({c.split_policy}{balance} {c.programs_per_sm:g}/SM, "
+                     f"min {c.min_split_len}, {c.partial_dtype} partials)")
     flags = [name for name, on in (("tma", plan.tma_loads), ("pdl", plan.programmatic_launch),
                                    ("fp16-dots", plan.fp16_dots)) if on]
     return " ".join(parts + flags)

@@ -103,6 +103,8 @@ def _mla_decode_split_kernel(
     num_heads,
     num_splits,
     min_split_len,  # a multiple of BLOCK_N
+    batch_size,  # B (the balanced split length sums seq_lens over it)
+    balance_splits,  # splits a uniform batch would use, over the batch (BALANCED only)
     stride_q_token,
     stride_q_head,
     stride_kv_block,
@@ -120,6 +122,7 @@ def _mla_decode_split_kernel(
     USE_PDL: tl.constexpr,
     USE_TMA: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    BALANCED: tl.constexpr,
 ):
     if USE_PDL:
         # The merge kernel is a programmatic dependent launch: let it be scheduled now (it
@@ -131,8 +134,15 @@ def _mla_decode_split_kernel(
     num_rows = q_len * num_heads
 
     seq_len = tl.load(seq_lens_ptr + req)
+    balanced_len = 0
+    if BALANCED:  # the batch's keys over the splits of a uniform batch (common.py)
+        total = tl.full([], 0, tl.int32)
+        for first in range(0, batch_size, 128):
+            reqs = first + tl.arange(0, 128)
+            total += tl.sum(tl.load(seq_lens_ptr + reqs, mask=reqs < batch_size, other=0))
+        balanced_len = tl.cdiv(total, balance_splits)
     split_len, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len,
-                                                     BLOCK_N)
+                                                     BLOCK_N, balanced_len)
 
     rows = group * BLOCK_M + tl.arange(0, BLOCK_M)  # row r = t * H + h of this request
     row_mask = rows < num_rows
@@ -295,7 +305,8 @@ def _mla_decode_merge_kernel(
                 weight_s = tl.sum(tl.where((offs_s == s)[:, None], weight, 0.0), 0)  # [BLOCK_R]
                 row_s = (split_base + first + s) * num_rows + rows  # [BLOCK_R]
                 part = tl.load(partial_o_ptr + row_s[:, None] * KV_LORA_RANK + offs_l[None, :],
-                               mask=row_mask[:, None] & (first + s < num_splits), other=0.0)
+                               mask=(row_mask & (weight_s > 0.0))[:, None]
+                               & (first + s < num_splits), other=0.0)
                 # Empty splits never stored a partial: dropped by the select.
                 acc += tl.where((weight_s > 0.0)[:, None],
                                 weight_s[:, None] * part.to(tl.float32), 0.0)
@@ -362,13 +373,15 @@ def launch_split(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _mla_decode_split_kernel[(plan.num_head_groups, num_splits, batch)](
         q, kv_cache, nope_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse,
-        qk_scale, q_len, num_heads, num_splits, config.min_split_len,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0), KV_LORA_RANK=kv_lora_rank, ROPE_DIM=head_dim - kv_lora_rank,
+        qk_scale, q_len, num_heads, num_splits, config.min_split_len, batch,
+        max(plan.balance_splits, 1), q.stride(0), q.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), block_table.stride(0), KV_LORA_RANK=kv_lora_rank,
+        ROPE_DIM=head_dim - kv_lora_rank,
         BLOCK_SIZE=kv_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, PAGE_CHUNK=plan.page_chunk,
         DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=plan.programmatic_launch,
-        USE_TMA=plan.tma_loads, FP16_DOTS=plan.fp16_dots, num_warps=config.num_warps,
+        USE_TMA=plan.tma_loads, FP16_DOTS=plan.fp16_dots, BALANCED=plan.balance_splits > 0,
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
