@@ -4,9 +4,13 @@ blocks, the shard rule's error, FP8 dummy weights, and the CUDA GEMM. On a check
 expert I and tensor-parallel shards are whole 128-blocks."""
 
 import math
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.config import ModelConfig
@@ -123,6 +127,41 @@ def test_dummy_fp8_weights_are_fp8_and_the_model_runs(aligned_pair, quantization
     for request in out:
         assert len(request.token_ids) == 2
         assert all(math.isfinite(v) for pos in request.prompt_logprobs[1:] for v in pos.values())
+
+
+def _moe_input(rank: int, hidden: int) -> torch.Tensor:
+    """Rank 0 has 5 tokens, rank 1 three."""
+    return torch.randn(5 if rank == 0 else 3, hidden, generator=torch.Generator().manual_seed(rank))
+
+
+def _ep_rank_main(rank: int, store: str, fp8_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        expert_parallel.init_expert_parallel()
+        moe = _build(Path(fp8_dir), "fp8").model.layers[1].mlp
+        assert moe.gate_up_stack.dtype == FP8_DTYPE  # this rank's half of the FP8 experts
+        with torch.inference_mode():
+            out = moe(_moe_input(rank, moe.gate_up_stack.shape[2]))
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        expert_parallel.destroy_expert_parallel()
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_fp8_experts_equal_one_process(aligned_pair, tmp_path):
+    """Two gloo ranks, each with half of the FP8 experts and their scales (the shared expert
+    on both), compute for their own tokens what one process with all FP8 experts computes."""
+    fp8_dir = aligned_pair[0]
+    mp.spawn(_ep_rank_main, args=(str(tmp_path / "store"), str(fp8_dir), str(tmp_path)),
+             nprocs=2)
+    moe = _build(fp8_dir, "fp8").model.layers[1].mlp
+    for rank in range(2):
+        with torch.inference_mode():
+            want = moe(_moe_input(rank, moe.gate_up_stack.shape[2]))
+        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), want, atol=1e-5,
+                                   rtol=1e-5)
 
 
 @pytest.mark.gpu
