@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlaserve import __version__
+from mlaserve.option_values import KV_CACHE_DTYPE_NAMES, QUANTIZATION_MODES
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,13 +31,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=_bytes, default=None,
                         help="CPU KV cache budget, e.g. 2GiB (default: a safe share of RAM)")
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | dummy")
-    parser.add_argument("--quantization", default="auto", choices=("auto", "none", "fp8"),
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
                         help="auto: a block-FP8 checkpoint keeps its Linear weights FP8 (w8a8 "
                              "block GEMMs) on GPUs of compute capability >= 8.9 and is "
                              "dequantized on load to --dtype elsewhere; none: always dequantize "
                              "on load; fp8: keep FP8 weights on any device (the CPU dequantizes "
                              "per GEMM; dummy weights are drawn FP8)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
                         help="the latent cache's element type: auto (the model's dtype) or fp8 "
                              "(float8_e4m3fn, scale 1; triton and torch backends)")
     parser.add_argument("--seed", type=int, default=0)

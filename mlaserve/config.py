@@ -24,10 +24,6 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # DeepSeek-V3/R1's `quantization_config`, the one FP8 format mlaserve loads.
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                            "activation_scheme": "dynamic"}
-# The engine's `quantization` option: auto (FP8 checkpoints keep FP8 Linear weights where the
-# GPU has FP8 tensor cores), none (dequantize FP8 weights on load to the model dtype), fp8
-# (keep them FP8 on any device). `mlaserve.model.fp8.keep_fp8_weights` applies it.
-QUANTIZATION_MODES = ("auto", "none", "fp8")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -58,9 +58,10 @@ from mlaserve.bench.kernel_sweep import (
     variant_name,
 )
 from mlaserve.bench.kernel_timing import time_cpu, time_eager, time_graph
-from mlaserve.cache.latent_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import parse_dtype
 from mlaserve.kernels.testing import Ceilings, compare, measure_ceilings
+from mlaserve.option_values import KV_CACHE_DTYPE_NAMES
 
 DEFAULT_BACKENDS = ("torch", "triton", "flashinfer")
 GRID_FLAGS = ("heads", "batch_sizes", "kv_lens", "block_sizes", "q_lens")
@@ -108,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(mode="graph")
     parser.add_argument("--dtype", default="bf16",
                         help="bf16 | fp16 | fp32 (or bfloat16, float16, float32)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
                         help="the cache's element type: auto (--dtype) or fp8 (float8_e4m3fn; "
                              "backends that cannot read it are skipped)")
     parser.add_argument("--kv-lora-rank", type=int, default=512)

@@ -11,8 +11,11 @@ dtype. Scale 1 is what vLLM's FP8 cache uses without calibrated scales: c_kv lea
 import torch
 
 from mlaserve.model.fp8 import FP8_MAX
+from mlaserve.option_values import KV_CACHE_DTYPE_NAMES
 
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# name -> the cache's element type (None: the model's dtype)
+KV_CACHE_DTYPES = {name: None if name == "auto" else torch.float8_e4m3fn
+                   for name in KV_CACHE_DTYPE_NAMES}
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
-from mlaserve.config import QUANTIZATION_MODES, ModelConfig, parse_dtype
+from mlaserve.config import ModelConfig, parse_dtype
 from mlaserve.distributed.launch import ParallelLayout, torchrun_rank
+from mlaserve.option_values import QUANTIZATION_MODES
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 # Decode steps of more requests than this run eagerly (capture time and memory grow with it).

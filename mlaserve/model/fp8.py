@@ -52,7 +52,7 @@ def keep_fp8_weights(quant_method: str | None, quantization: str, device: torch.
 
     Args:
         quant_method: the config's `quantization_config.quant_method` (None: not quantized).
-        quantization: the engine's option, one of `mlaserve.config.QUANTIZATION_MODES`.
+        quantization: the engine's option, one of `mlaserve.option_values.QUANTIZATION_MODES`.
         device: where the model runs.
         dummy: whether the weights are drawn at random instead of read (`--load-format dummy`).
     """

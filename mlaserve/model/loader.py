@@ -320,7 +320,7 @@ def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.de
     """Allocate the model directly on `device` in `dtype`, then load or randomise its weights.
 
     Its Linear weights stay block-FP8 where `keep_fp8_weights` says so for the config's
-    `quant_method`, `quantization` (`mlaserve.config.QUANTIZATION_MODES`) and the device.
+    `quant_method`, `quantization` (`mlaserve.option_values.QUANTIZATION_MODES`) and the device.
     Under tensor parallelism (`mlaserve.distributed.init_tensor_parallel` called before) the
     model is this rank's shard; every rank of the group calls this with the same arguments.
     """
