@@ -21,7 +21,6 @@ from mlaserve.kernels.fused_moe import (  # noqa: E402
     fused_experts_triton,
 )
 from mlaserve.kernels.moe import (  # noqa: E402
-    dequantize_experts,
     fused_experts,
     fused_experts_loop,
     reference_errors,
@@ -30,6 +29,14 @@ from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8  # noqa:
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def dequantize_experts(proj: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The reference dequantization of a stack [E, N, K]: each expert's 2-D weight on its own."""
+    return torch.stack([dequantize_block_fp8(weight, scale)
+                        for weight, scale in zip(proj, scale_inv, strict=True)])
+
+
 needs_triton = pytest.mark.skipif(
     not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs a CUDA GPU or TRITON_INTERPRET=1")
@@ -190,7 +197,7 @@ def test_bad_fp8_inputs_raise() -> None:
 @pytest.mark.gpu
 def test_v2_lite_shape_bf16_w8a8_and_cuda_graph_replay() -> None:
     """DeepSeek-V2-Lite's expert shape (D = 2048, I = 1408 = 11 blocks) in bf16 against the
-    reference, and a CUDA-graph replay of the FP8 path (the quantizations are torch ops)."""
+    reference, and a CUDA-graph replay of the FP8 path (quantizations included)."""
     inputs = make_fp8_inputs(16, 2048, 1408, 8, 6)
     inputs["x"] = inputs["x"].to(torch.bfloat16)
     eager = fused_experts(**inputs, impl="triton", shared_experts=1)

@@ -157,12 +157,11 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
 
 def cublas_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `block_fp8_linear` takes torch's blockwise scaled matmul (cuBLASLt) for x
-    [..., K] and weight [N, K]: on CUDA with torch >= 2.10, K a multiple of 512 (cuBLASLt wants
+    [..., K] and weight [N, K]: on CUDA, K a multiple of 512 (cuBLASLt wants
     the K blocks of the scales in fours) and N a multiple of 16. On the H200 it is the faster
     product on every DeepSeek-V3 projection from 64 tokens on (`mlaserve bench gemm`)."""
     out_features, in_features = weight.shape
-    return (x.is_cuda and hasattr(torch.nn.functional, "scaled_mm")
-            and in_features % 512 == 0 and out_features % 16 == 0)
+    return x.is_cuda and in_features % 512 == 0 and out_features % 16 == 0
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -173,14 +172,12 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
     kernel."""
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
     rows = flat.shape[0]
-    if cublas_runs(x, weight):
-        if rows % 4:
-            flat = torch.nn.functional.pad(flat, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
-        x_q, x_scales = quantize_activations(flat)
-        y = scaled_mm_block_fp8(x_q, x_scales, weight, weight_scale_inv, x.dtype)[:rows]
-    else:
-        x_q, x_scales = quantize_activations(flat)
-        y = block_fp8_matmul(x_q, x_scales, weight, weight_scale_inv, x.dtype)
+    cublas = cublas_runs(x, weight)
+    if cublas and rows % 4:
+        flat = torch.nn.functional.pad(flat, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
+    x_q, x_scales = quantize_activations(flat)
+    product = scaled_mm_block_fp8 if cublas else block_fp8_matmul
+    y = product(x_q, x_scales, weight, weight_scale_inv, x.dtype)[:rows]  # [M, N]
     return y.view(*x.shape[:-1], weight.shape[0])  # [..., N]
 
 
@@ -199,13 +196,9 @@ def scaled_mm_block_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
     if x_scales.stride() != (1, rows):
         scales_m_major = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32,
                                              device=x_scales.device).copy_(x_scales)
-    if hasattr(functional, "scaled_mm"):  # torch >= 2.10
-        return functional.scaled_mm(
-            x_q, weight.t(), scales_m_major, functional.ScalingType.BlockWise1x128,
-            weight_scale_inv.t(), functional.ScalingType.BlockWise128x128,
-            output_dtype=out_dtype)
-    return torch._scaled_mm(x_q, weight.t(), scale_a=scales_m_major,
-                            scale_b=weight_scale_inv.t(), out_dtype=out_dtype)
+    return functional.scaled_mm(
+        x_q, weight.t(), scales_m_major, functional.ScalingType.BlockWise1x128,
+        weight_scale_inv.t(), functional.ScalingType.BlockWise128x128, output_dtype=out_dtype)
 
 
 def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,

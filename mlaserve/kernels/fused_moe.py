@@ -277,6 +277,7 @@ def _scale_args(scales: tuple[torch.Tensor, torch.Tensor] | None, dummy: torch.T
     FP8."""
     if scales is None:
         return dummy, dummy, 0, 0, 0
+    # the kernels read unit column strides; CUDA's `quantize_activations` writes M-major scales
     act_scales, weight_scales = (scale.contiguous() for scale in scales)
     return act_scales, weight_scales, act_scales.stride(0), *weight_scales.stride()[:2]
 
@@ -378,8 +379,10 @@ def fused_experts_triton(
         [T, D] in x's dtype. Matmuls accumulate in float32; the activation and each pair's
         weighted output are rounded to x's dtype, the sum over K accumulates in float32.
         Five launches plus the sum, no host sync (CUDA-graph capturable); with FP8 weights x
-        and the activation are also quantized per token and 128-column group, in torch ops.
+        and the activation are also quantized per token and 128-column group
+        (`quantize_activations`) and their scales made row-major.
     """
+    fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up_proj.shape
     top_k = topk_ids.shape[1]
@@ -390,7 +393,6 @@ def fused_experts_triton(
             f"fused_experts_triton: x {tuple(x.shape)}, gate_up_proj "
             f"{tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}, topk_weights "
             f"{topk_weights.dtype} {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}")
-    fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     if config is None:
         config = moe_config(num_tokens * (top_k - shared_experts), num_experts - shared_experts,
                             hidden, two_inter // 2, gate_up_proj.dtype)
@@ -401,13 +403,10 @@ def fused_experts_triton(
     if not fp8:
         act = gate_up_silu(x, gate_up_proj, alignment, top_k, config.gate_up)
         return down_weighted(act, down_proj, topk_weights, alignment, config.down).sum(dim=1)
-    # The kernels read scales with a unit column stride; CUDA's quantizer writes them M-major.
     x_q, x_scales = quantize_activations(x)  # [T, D] fp8, [T, ceil(D / 128)]
     act = gate_up_silu(x_q, gate_up_proj, alignment, top_k, config.gate_up,
-                       (x_scales.contiguous(), gate_up_scale_inv),
-                       act_dtype=x.dtype)  # [max_padded, I]
+                       (x_scales, gate_up_scale_inv), act_dtype=x.dtype)  # [max_padded, I]
     act_q, act_scales = quantize_activations(act)  # [max_padded, I] fp8, [max_padded, I / 128]
-    act_scales = act_scales.contiguous()
     out = down_weighted(act_q, down_proj, topk_weights, alignment, config.down,
                         (act_scales, down_scale_inv), out_dtype=x.dtype)  # [T, K, D]
     return out.sum(dim=1)

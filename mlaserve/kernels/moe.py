@@ -161,15 +161,6 @@ def check_fp8_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: to
     return True
 
 
-def dequantize_experts(proj: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """FP8 expert stack [E, N, K] and its scales [E, ceil(N / 128), ceil(K / 128)] -> the
-    dequantized stack [E, N, K] float32 (`model.fp8.dequantize_block_fp8` per expert)."""
-    from mlaserve.model.fp8 import dequantize_block_fp8
-
-    return torch.stack([dequantize_block_fp8(weight, scale)
-                        for weight, scale in zip(proj, scale_inv, strict=True)])
-
-
 def fused_experts(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -203,7 +194,6 @@ def fused_experts(
     Returns:
         [T, D] in x's dtype.
     """
-    fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     if impl == "auto":
         if x.device.type == "cuda" and _triton_available():
             impl = "triton"
@@ -215,10 +205,13 @@ def fused_experts(
         return fused_experts_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids,
                                     shared_experts=shared_experts,
                                     gate_up_scale_inv=gate_up_scale_inv,
-                                    down_scale_inv=down_scale_inv)
+                                    down_scale_inv=down_scale_inv)  # checks its inputs
+    fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     if fp8 and impl in ("grouped", "loop"):  # weight-only: dequantize, compute in float32
-        gate_up_proj = dequantize_experts(gate_up_proj, gate_up_scale_inv)  # [E, 2I, D]
-        down_proj = dequantize_experts(down_proj, down_scale_inv)  # [E, D, I]
+        from mlaserve.model.fp8 import dequantize_block_fp8
+
+        gate_up_proj = dequantize_block_fp8(gate_up_proj, gate_up_scale_inv)  # [E, 2I, D]
+        down_proj = dequantize_block_fp8(down_proj, down_scale_inv)  # [E, D, I]
         return fused_experts(x.float(), gate_up_proj, down_proj, topk_weights, topk_ids,
                              impl=impl).to(x.dtype)
     if impl == "grouped":

@@ -118,20 +118,23 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, *, row_s
     """fp8 * scale_inv of each element's block, in float32.
 
     Args:
-        weight: [r, c] float8_e4m3fn, rows row_start .. row_start + r and columns col_start ..
-            col_start + c of the full weight (the whole weight with the default starts).
-        scale_inv: float32 scale blocks from block row row_start // b0 and block column
-            col_start // b1 on, covering at least `weight`.
+        weight: [..., r, c] float8_e4m3fn, rows row_start .. row_start + r and columns
+            col_start .. col_start + c of the full weight (the whole weight with the default
+            starts); leading dims (a stack of experts) are dequantized alike.
+        scale_inv: [..., blocks, blocks] float32 scale blocks from block row row_start // b0
+            and block column col_start // b1 on, covering at least `weight`.
 
     Returns:
-        [r, c] float32, the dequantized rows and columns.
+        [..., r, c] float32, the dequantized rows and columns.
     """
-    rows = (torch.arange(row_start, row_start + weight.shape[0]) // block_size[0]
+    rows = (torch.arange(row_start, row_start + weight.shape[-2]) // block_size[0]
             - row_start // block_size[0])  # [r]: each row's block row in scale_inv
-    cols = (torch.arange(col_start, col_start + weight.shape[1]) // block_size[1]
+    cols = (torch.arange(col_start, col_start + weight.shape[-1]) // block_size[1]
             - col_start // block_size[1])  # [c]
     scale = scale_inv.to(device=weight.device, dtype=torch.float32)
-    return weight.to(torch.float32) * scale[rows.to(scale.device)][:, cols.to(scale.device)]
+    scale = scale.index_select(-2, rows.to(scale.device)).index_select(
+        -1, cols.to(scale.device))  # [..., r, c]
+    return weight.to(torch.float32) * scale
 
 
 class Fp8WeightSlice:

@@ -292,22 +292,23 @@ def plan_mla_decode(
     config = replace(config, min_split_len=whole_tiles(config.min_split_len, config.block_n))
     rows = q_len * num_heads
     num_head_groups = -(-rows // config.block_m)
+    balanced = config.split_policy == "balanced"
     if num_splits is None:
         head_dim = kv_lora_rank + qk_rope_head_dim
         itemsize = cache_dtype.itemsize
         # A split costs a launch slot plus writing and re-reading a float32 [block_m, L] partial
         # output: count that in KV tokens of the same number of bytes.
         overhead = 32 + (2 * 4 * config.block_m * kv_lora_rank) // (head_dim * itemsize)
-        num_splits = _choose_num_splits(max(1, batch_size * num_head_groups), max(1, max_seq_len),
-                                        config, num_sms, overhead)
-        if config.split_policy == "balanced":  # headroom for a ragged batch's long requests
-            uniform_splits = num_splits
-            num_splits = min(config.max_num_splits, tuning.BALANCED_HEADROOM * num_splits)
-    elif config.split_policy == "balanced":
-        uniform_splits = max(1, num_splits // tuning.BALANCED_HEADROOM)
+        uniform_splits = _choose_num_splits(max(1, batch_size * num_head_groups),
+                                            max(1, max_seq_len), config, num_sms, overhead)
+        num_splits = uniform_splits
+        if balanced:  # headroom for a ragged batch's long requests
+            num_splits = min(config.max_num_splits, tuning.BALANCED_HEADROOM * uniform_splits)
+    else:
+        uniform_splits = max(1, num_splits // tuning.BALANCED_HEADROOM) if balanced else num_splits
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    balance_splits = batch_size * uniform_splits if config.split_policy == "balanced" else 0
+    balance_splits = batch_size * uniform_splits if balanced else 0
     o_numel = batch_size * num_splits * rows * kv_lora_rank if num_splits > 1 else 0
     if partial_dtype_of(config, dtype) != torch.float32:
         o_numel = -(-o_numel // 2)  # 16-bit partials: float32 storage viewed as q's dtype
@@ -328,8 +329,7 @@ def plan_mla_decode(
                          programmatic_launch=programmatic_launch,
                          num_splits=num_splits, num_head_groups=num_head_groups, config=config,
                          workspace_o_numel=o_numel, workspace_lse_numel=lse_numel,
-                         page_chunk=page_chunk(config, max_seq_len,
-                                               balance_splits // max(batch_size, 1) or num_splits),
+                         page_chunk=page_chunk(config, max_seq_len, uniform_splits),
                          merge_block_rows=merge_rows, merge_block_l=merge_l,
                          merge_split_chunk=merge_chunk,
                          fp16_dots=fp8_cache and dtype == torch.bfloat16,

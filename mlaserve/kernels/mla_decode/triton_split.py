@@ -304,12 +304,11 @@ def _mla_decode_merge_kernel(
             for s in tl.static_range(SPLIT_CHUNK):
                 weight_s = tl.sum(tl.where((offs_s == s)[:, None], weight, 0.0), 0)  # [BLOCK_R]
                 row_s = (split_base + first + s) * num_rows + rows  # [BLOCK_R]
+                # Empty splits (weight 0) never stored a partial: not loaded (zeros).
                 part = tl.load(partial_o_ptr + row_s[:, None] * KV_LORA_RANK + offs_l[None, :],
                                mask=(row_mask & (weight_s > 0.0))[:, None]
                                & (first + s < num_splits), other=0.0)
-                # Empty splits never stored a partial: dropped by the select.
-                acc += tl.where((weight_s > 0.0)[:, None],
-                                weight_s[:, None] * part.to(tl.float32), 0.0)
+                acc += weight_s[:, None] * part.to(tl.float32)
         else:  # many splits (small batches): one wide load, empty splits masked off
             part = tl.load(partial_o_ptr + flat[:, :, None] * KV_LORA_RANK
                            + offs_l[None, None, :], mask=(weight > 0.0)[:, :, None],
