@@ -165,17 +165,28 @@ def test_expert_parallel_fp8_experts_equal_one_process(aligned_pair, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("in_features", [256, 1024])  # the Triton product; cuBLASLt's
-def test_fp8_linear_on_cuda_runs_the_block_gemm(in_features: int):
-    """On CUDA `linear` quantizes x per token and 128 columns and runs the w8a8 product: equal,
-    up to the bf16 output's rounding, to the float32 product of the same quantized operands."""
-    from mlaserve.kernels.fp8_gemm import block_fp8_reference, quantize_activations
+@pytest.mark.parametrize("in_features", [256, 1024])  # w8a8: the Triton product; cuBLASLt's
+@pytest.mark.parametrize("weight_only", [True, False])
+def test_fp8_linear_on_cuda_runs_the_block_gemm(in_features: int, weight_only: bool):
+    """On CUDA `linear` runs the weight-only product up to WEIGHT_ONLY_MAX_ROWS rows: equal, up
+    to the bf16 output's rounding, to the float32 product of x and the dequantized weight; past
+    that it quantizes x per token and 128 columns and runs the w8a8 product: equal, up to the
+    same rounding, to the float32 product of the same quantized operands."""
+    from mlaserve.kernels.fp8_gemm import (
+        WEIGHT_ONLY_MAX_ROWS,
+        block_fp8_reference,
+        quantize_activations,
+    )
 
+    rows = 5 if weight_only else WEIGHT_ONLY_MAX_ROWS + 3
     gen = torch.Generator().manual_seed(0)
     weight, scale = quantize_block_fp8(torch.randn(304, in_features, generator=gen) * 0.02)
-    x = torch.randn(5, in_features, generator=gen).cuda().bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).cuda().bfloat16()
     got = linear(x, weight.cuda(), None, scale.cuda())
-    assert got.dtype == torch.bfloat16 and got.shape == (5, 304)
-    x_q, x_scales = quantize_activations(x)
-    want = block_fp8_reference(x_q.cpu(), x_scales.cpu(), weight, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 304)
+    if weight_only:
+        want = x.float().cpu() @ dequantize_block_fp8(weight, scale).T
+    else:
+        x_q, x_scales = quantize_activations(x)
+        want = block_fp8_reference(x_q.cpu(), x_scales.cpu(), weight, scale)
     torch.testing.assert_close(got.float().cpu(), want, rtol=2**-7, atol=1e-3)

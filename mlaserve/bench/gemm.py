@@ -1,16 +1,20 @@
-"""`mlaserve bench gemm`: block-FP8 (w8a8) against bf16 on a model's projection shapes.
+"""`mlaserve bench gemm`: block-FP8 (w8a8 and w8a16) against bf16 on a model's projection shapes.
 
 For each projection of a DeepSeek config (one rank, no tensor parallelism: the attention
 projections, the dense MLP and one routed expert) and each token count, it times:
 - `bf16`: torch.matmul of bf16 activations with the bf16 weight (cuBLAS);
-- `fp8`: `block_fp8_linear`, what a layer runs: the per-token-group activation quantization
-  plus the product `cublas_runs` picks (column `path`);
-- `fp8-mm`: the block-FP8 Triton product alone, on activations quantized beforehand;
+- `fp8`: `block_fp8_linear`, what a layer runs: the product `product_path` picks (column
+  `path`): the weight-only product up to `WEIGHT_ONLY_MAX_ROWS` tokens, else the
+  per-token-group activation quantization plus cuBLASLt's or the Triton w8a8 product;
+- `w8a16`: the weight-only product (`fp8_weight_only_matmul`) alone, on the bf16 activations;
+- `fp8-mm`: the block-FP8 Triton w8a8 product alone, on activations quantized beforehand;
 - `torch-mm`: the same product through torch's blockwise scaled matmul (cuBLASLt,
   `scaled_mm_block_fp8`), where it accepts the shape.
-Each FP8 output is first checked against the float32 product of the same dequantized operands
-(relative error printed). Times are medians under CUDA-graph replay (`kernels.testing`); the
-table gives microseconds and the FP8 speed-up over bf16. Needs a CUDA GPU.
+Each FP8 output is first checked against the float32 product of the same operands (relative
+error printed): for w8a8 the dequantized FP8 activations and weight, for w8a16 the bf16
+activations and the dequantized weight. Times are medians under CUDA-graph replay
+(`kernels.testing`), every call reading the same weight (one that fits the L2 may be read from
+it); the table gives microseconds and the `fp8` speed-up over bf16. Needs a CUDA GPU.
 """
 
 import argparse
@@ -28,6 +32,9 @@ DEFAULT_TOKENS = "1,16,64,256,1024,4096,8192"
 # FP8 tensor cores add each 128-deep block in reduced precision (the H200 shows 1.3e-4 relative
 # from 64 rows on, 3e-7 below), far under the 3e-2 of rounding x to e4m3 in the first place.
 FP8_MMA_REL_ERR = 1e-3
+# Gate of the weight-only product (bf16 output) against x.float() @ dequant(W)^T: bf16's rounding
+# of the output (half a step is 2^-9 relative) and nothing of its own.
+WEIGHT_ONLY_REL_ERR = 1e-2
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 
 
@@ -97,32 +104,40 @@ def run(args: argparse.Namespace) -> int:
         block_fp8_linear,
         block_fp8_matmul,
         block_fp8_reference,
-        cublas_runs,
+        fp8_weight_only_matmul,
+        product_path,
         quantize_activations,
         scaled_mm_block_fp8,
     )
-    from mlaserve.model.fp8 import quantize_block_fp8
+    from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8
 
     tokens = [int(t) for t in args.tokens.split(",")]
     device = torch.device("cuda")
     rows, failed = [], False
     print(f"{'model':18} {'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>9} "
-          f"{'fp8 us':>9} {'path':>6} {'fp8-mm us':>9} {'torch-mm us':>11}  {'x bf16':>6}  rel err")
+          f"{'fp8 us':>9} {'path':>11} {'w8a16 us':>9} {'fp8-mm us':>9} {'torch-mm us':>11}  "
+          f"{'x bf16':>6}  rel err (w8a16, fp8-mm, torch-mm)")
     for model in args.models.split(","):
         config = _config(model)
         for proj in projections(config):
             weight = torch.randn(proj.out_features, proj.in_features, device=device) * 0.02
             w_fp8, w_scales = quantize_block_fp8(weight)
             w_bf16 = weight.to(torch.bfloat16)
+            w_dequantized = dequantize_block_fp8(w_fp8, w_scales)  # [N, K] float32
             for m in tokens:
                 x = torch.randn(m, proj.in_features, device=device, dtype=torch.bfloat16)
                 x_q, x_scales = quantize_activations(x)
                 got = block_fp8_matmul(x_q, x_scales, w_fp8, w_scales, torch.float32)
                 want = block_fp8_reference(x_q, x_scales, w_fp8, w_scales)
                 rel_err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-                failed |= rel_err > FP8_MMA_REL_ERR
+                w8a16_got = fp8_weight_only_matmul(x, w_fp8, w_scales).float()
+                w8a16_want = x.float() @ w_dequantized.T  # [M, N]
+                w8a16_err = float((w8a16_got - w8a16_want).norm()
+                                  / w8a16_want.norm().clamp_min(1e-30))
+                failed |= rel_err > FP8_MMA_REL_ERR or w8a16_err > WEIGHT_ONLY_REL_ERR
                 bf16 = _time(partial(torch.matmul, x, w_bf16.T), args.repeats)
                 fp8 = _time(partial(block_fp8_linear, x, w_fp8, w_scales), args.repeats)
+                w8a16 = _time(partial(fp8_weight_only_matmul, x, w_fp8, w_scales), args.repeats)
                 fp8_mm = _time(partial(block_fp8_matmul, x_q, x_scales, w_fp8, w_scales,
                                        torch.bfloat16), args.repeats)
                 torch_mm = torch_err = None
@@ -133,17 +148,18 @@ def run(args: argparse.Namespace) -> int:
                                              w_scales, torch.bfloat16), args.repeats)
                 except (RuntimeError, ValueError, NotImplementedError) as exc:
                     torch_err = str(exc).splitlines()[0][:120]
-                path = "cublas" if cublas_runs(x, w_fp8) else "triton"
+                path = product_path(x.is_cuda, m, proj.out_features, proj.in_features)
                 row = dict(model=model, **asdict(proj), tokens=m, bf16_us=bf16 * 1e6,
-                           fp8_us=fp8 * 1e6, fp8_path=path, fp8_mm_us=fp8_mm * 1e6,
-                           rel_err=rel_err,
+                           fp8_us=fp8 * 1e6, fp8_path=path, w8a16_us=w8a16 * 1e6,
+                           w8a16_rel_err=w8a16_err, fp8_mm_us=fp8_mm * 1e6, rel_err=rel_err,
                            torch_mm_us=None if torch_mm is None else torch_mm * 1e6,
                            torch_mm_rel_err=torch_err)
                 rows.append(row)
                 torch_text = "n/a" if torch_mm is None else f"{torch_mm * 1e6:.1f}"
                 print(f"{model:18} {proj.name:20} {proj.out_features:6} {proj.in_features:6} "
-                      f"{m:5}  {bf16 * 1e6:9.1f} {fp8 * 1e6:9.1f} {path:>6} {fp8_mm * 1e6:9.1f} "
-                      f"{torch_text:>11}  {bf16 / fp8:6.2f}  {rel_err:.1e}  {torch_err}",
+                      f"{m:5}  {bf16 * 1e6:9.1f} {fp8 * 1e6:9.1f} {path:>11} {w8a16 * 1e6:9.1f} "
+                      f"{fp8_mm * 1e6:9.1f} {torch_text:>11}  {bf16 / fp8:6.2f}  "
+                      f"{w8a16_err:.1e}  {rel_err:.1e}  {torch_err}",
                       flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"benchmark": "block_fp8_gemm",

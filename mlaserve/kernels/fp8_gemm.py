@@ -1,4 +1,4 @@
-"""Block-FP8 GEMM (w8a8), the format DeepSeek-V3/R1 are published in.
+"""Block-FP8 GEMMs (w8a8, and w8a16 at a few tokens), the format DeepSeek-V3/R1 are published in.
 
 y = x W^T with W [N, K] float8_e4m3fn and its float32 scales S_w [ceil(N / 128), ceil(K / 128)]
 (one per 128x128 block, `model/fp8.py`), and x [M, K] quantized on the fly per token and group
@@ -11,7 +11,20 @@ so the kernel runs one FP8 tensor-core product per K block in float32 and scales
 adding it to the accumulator (the scales are constant across a block, so this is exact up to
 float32 rounding against the dequantized product). BLOCK_N and BLOCK_K are 128: a tile never
 straddles a weight scale block.
+
+At a few tokens the product reads little but the weight, and quantizing x costs a launch of its
+own, so there `fp8_weight_only_matmul` (w8a16) runs instead: x is read as it is (bf16, fp16 or
+float32) and each weight tile is converted to x's dtype in registers,
+
+    y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j],
+
+one launch that reads the weight's FP8 bytes, half of a bf16 weight's. `product_path` picks one
+of the three products for `block_fp8_linear`: "weight-only" on CUDA up to
+`WEIGHT_ONLY_MAX_ROWS` rows, else "cublas" (torch's blockwise scaled matmul) where cuBLASLt
+takes the shape, else "triton".
 """
+
+import math
 
 import torch
 import triton
@@ -27,6 +40,10 @@ from mlaserve.model.fp8 import (
 )
 
 ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
+# Up to this many rows (tokens) a CUDA `block_fp8_linear` runs the weight-only product; a first
+# guess, to be tuned on the H200 with scripts/fp8_weight_only_check.py.
+WEIGHT_ONLY_MAX_ROWS = 64
+HOPPER_SMS = 132  # H100 / H200 SXM: the SM count `weight_only_tiles` assumes off CUDA
 
 
 @triton.jit
@@ -79,6 +96,17 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                   GROUP=ACTIVATION_BLOCK[1], GROUPS=groups_per_program,
                                   num_warps=8 if groups_per_program >= 16 else 4)
     return x_q, scales
+
+
+def _check_weight(in_features: int, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> None:
+    """Raise unless weight [N, K] has x's K columns and weight_scale_inv covers it in 128x128
+    blocks."""
+    out_features, cols = weight.shape
+    if cols != in_features:
+        raise ValueError(f"x has {in_features} columns, the weight {cols}")
+    if tuple(weight_scale_inv.shape) != (-(-out_features // 128), -(-cols // 128)):
+        raise ValueError(f"weight_scale_inv {tuple(weight_scale_inv.shape)} does not cover "
+                         f"a [{out_features}, {cols}] weight in 128x128 blocks")
 
 
 @triton.jit
@@ -134,11 +162,7 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
     """
     rows, cols = x_q.shape
     out_features = weight.shape[0]
-    if weight.shape[1] != cols:
-        raise ValueError(f"x has {cols} columns, the weight {weight.shape[1]}")
-    if tuple(weight_scale_inv.shape) != (-(-out_features // 128), -(-cols // 128)):
-        raise ValueError(f"weight_scale_inv {tuple(weight_scale_inv.shape)} does not cover "
-                         f"a [{out_features}, {cols}] weight in 128x128 blocks")
+    _check_weight(cols, weight, weight_scale_inv)
     prepare_launch(x_q)
     x_q, weight = x_q.contiguous(), weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
@@ -155,30 +179,161 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
     return y
 
 
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count of a BLOCK_M
+def _fp8_weight_only_matmul_kernel(
+    x_ptr,  # [M, K] bfloat16, float16 or float32
+    w_ptr,  # [N, K] float8_e4m3fn
+    y_ptr,  # [M, N] x's dtype
+    w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_ym, stride_ws,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # 16, 32 or 64, a divisor of 128: one weight scale row per tile
+    BLOCK_K: tl.constexpr,  # 128: one scale column per K step
+    INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 x (16-bit operands ignore it)
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    scale_row = (pid_n * BLOCK_N) // 128
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_block in range(0, tl.cdiv(K, BLOCK_K)):  # pipelined by the launch's num_stages
+        cols = k_block * BLOCK_K + offs_k
+        k_mask = cols < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + cols[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK] FP8
+        w_scale = tl.load(w_scale_ptr + scale_row * stride_ws + k_block)
+        partial = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION,
+                         out_dtype=tl.float32)  # [BM, BN]
+        acc += partial * w_scale
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def weight_only_tiles(rows: int, out_features: int, num_sms: int = HOPPER_SMS
+                      ) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of `fp8_weight_only_matmul` for x [rows, K] and a weight [N, K].
+
+    BLOCK_M: the fewest of 16, 32 and 64 rows that cover `rows` (64 past that, in several row
+    blocks). BLOCK_N: at these row counts the product streams the weight once, and the N tiles
+    are what spread that stream over the SMs, so the widest of 64, 32 and 16 columns (divisors
+    of 128: a tile never straddles a scale block) that still gives at least two programs per
+    SM, else 16.
+    """
+    block_m = next((m for m in (16, 32) if rows <= m), 64)
+    row_blocks = -(-rows // block_m)
+    block_n = next((n for n in (64, 32)
+                    if row_blocks * -(-out_features // n) >= 2 * num_sms), 16)
+    return block_m, block_n
+
+
+def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
+                           weight_scale_inv: torch.Tensor, *, block_n: int | None = None,
+                           num_stages: int = 4, num_warps: int = 4) -> torch.Tensor:
+    """y [M, N] = x @ dequant(weight, weight_scale_inv)^T in x's dtype (w8a16, one launch).
+
+        y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j]
+
+    over the 128-wide K blocks k: each [BLOCK_N, 128] FP8 weight tile is converted to x's dtype
+    in registers (float32 x: float32, multiplied in IEEE float32), multiplied with x's tile in
+    float32, and the product scaled by the tile's one weight scale before it is added to the
+    float32 accumulator. x is not quantized. Made for a few rows (M <= 64), where the product
+    is bound by reading the weight, in FP8 half of a bf16 weight's bytes.
+
+    Args:
+        x: [M, K] bfloat16, float16 or float32 (any strides).
+        weight: [N, K] float8_e4m3fn (any row stride), weight_scale_inv
+            [ceil(N / 128), ceil(K / 128)] float32 (DeepSeek's checkpoint layout).
+        block_n: columns per program, 16, 32 or 64 (default: `weight_only_tiles`);
+            num_stages, num_warps: the launch's (software pipelining depth of the K loop,
+            warps per program); these three are for tuning.
+    """
+    rows, cols = x.shape
+    out_features = weight.shape[0]
+    _check_weight(cols, weight, weight_scale_inv)
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bfloat16, float16 or float32, not {x.dtype}")
+    prepare_launch(x)
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    weight_scale_inv = weight_scale_inv.contiguous()
+    num_sms = (torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda
+               else HOPPER_SMS)
+    block_m, default_block_n = weight_only_tiles(rows, out_features, num_sms)
+    block_n = default_block_n if block_n is None else block_n
+    if block_n not in (16, 32, 64):
+        raise ValueError(f"block_n must be 16, 32 or 64, not {block_n}")
+    y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))
+    _fp8_weight_only_matmul_kernel[grid](
+        x, weight, y, weight_scale_inv, rows, out_features, cols,
+        x.stride(0), x.stride(1), weight.stride(0), y.stride(0), weight_scale_inv.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int) -> str:
+    """Which product `block_fp8_linear` runs for x [rows, K] on CUDA (is_cuda) or not and a
+    weight [N, K]: the one place this is decided.
+
+    - "weight-only": on CUDA up to `WEIGHT_ONLY_MAX_ROWS` rows, `fp8_weight_only_matmul`
+      (there the product is bound by reading the weight, and x's quantization would be a
+      launch of its own);
+    - "cublas": on CUDA past that, torch's blockwise scaled matmul (cuBLASLt) where it takes
+      the shape: K a multiple of 512 (it wants the K blocks of the scales in fours) and N a
+      multiple of 16. On the H200 it is the faster w8a8 product on every DeepSeek-V3
+      projection from 64 tokens on (`mlaserve bench gemm`);
+    - "triton": else (the CPU included), `block_fp8_matmul` on x quantized per token group.
+    """
+    if not is_cuda:
+        return "triton"
+    if rows <= WEIGHT_ONLY_MAX_ROWS:
+        return "weight-only"
+    if in_features % 512 == 0 and out_features % 16 == 0:
+        return "cublas"
+    return "triton"
+
+
 def cublas_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `block_fp8_linear` takes torch's blockwise scaled matmul (cuBLASLt) for x
-    [..., K] and weight [N, K]: on CUDA, K a multiple of 512 (cuBLASLt wants
-    the K blocks of the scales in fours) and N a multiple of 16. On the H200 it is the faster
-    product on every DeepSeek-V3 projection from 64 tokens on (`mlaserve bench gemm`)."""
-    out_features, in_features = weight.shape
-    return x.is_cuda and in_features % 512 == 0 and out_features % 16 == 0
+    [..., K] and weight [N, K] (`product_path`)."""
+    return product_path(x.is_cuda, math.prod(x.shape[:-1]), *weight.shape) == "cublas"
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
                      weight_scale_inv: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> y [..., N] in x's dtype: quantize x per token group, then the block-FP8
-    product with an FP8 weight [N, K] and its scales: torch's blockwise scaled matmul where
-    `cublas_runs` (the rows padded to a multiple of 4, as cuBLASLt needs), else the Triton
-    kernel."""
+    """x [..., K] -> y [..., N] in x's dtype with an FP8 weight [N, K] and its scales, by the
+    product `product_path` picks: `fp8_weight_only_matmul` on x as it is, or `block_fp8_w8a8`
+    through cuBLASLt or the Triton kernel."""
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    rows = flat.shape[0]
-    cublas = cublas_runs(x, weight)
-    if cublas and rows % 4:
-        flat = torch.nn.functional.pad(flat, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
-    x_q, x_scales = quantize_activations(flat)
-    product = scaled_mm_block_fp8 if cublas else block_fp8_matmul
-    y = product(x_q, x_scales, weight, weight_scale_inv, x.dtype)[:rows]  # [M, N]
+    path = product_path(x.is_cuda, flat.shape[0], *weight.shape)
+    if path == "weight-only":
+        y = fp8_weight_only_matmul(flat, weight, weight_scale_inv)  # [M, N]
+    else:
+        y = block_fp8_w8a8(flat, weight, weight_scale_inv, cublas=path == "cublas")  # [M, N]
     return y.view(*x.shape[:-1], weight.shape[0])  # [..., N]
+
+
+def block_fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                   cublas: bool) -> torch.Tensor:
+    """x [M, K] -> y [M, N] in x's dtype: x quantized per token group (`quantize_activations`),
+    then the block-FP8 product with weight [N, K] and its scales, through torch's blockwise
+    scaled matmul (cublas; the rows padded to a multiple of 4, as cuBLASLt needs) or the Triton
+    kernel (`block_fp8_matmul`)."""
+    rows = x.shape[0]
+    if cublas and rows % 4:
+        x = torch.nn.functional.pad(x, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
+    x_q, x_scales = quantize_activations(x)
+    product = scaled_mm_block_fp8 if cublas else block_fp8_matmul
+    return product(x_q, x_scales, weight, weight_scale_inv, x.dtype)[:rows]  # [M, N]
 
 
 def scaled_mm_block_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
@@ -209,5 +364,6 @@ def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
     return x @ w.T
 
 
-__all__ = ["block_fp8_linear", "block_fp8_matmul", "block_fp8_reference", "cublas_runs",
-           "quantize_activations", "scaled_mm_block_fp8"]
+__all__ = ["WEIGHT_ONLY_MAX_ROWS", "block_fp8_linear", "block_fp8_matmul", "block_fp8_reference",
+           "block_fp8_w8a8", "cublas_runs", "fp8_weight_only_matmul", "product_path",
+           "quantize_activations", "scaled_mm_block_fp8", "weight_only_tiles"]

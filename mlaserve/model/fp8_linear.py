@@ -4,9 +4,10 @@
 `weight` [out, in] becomes float8_e4m3fn and a float32 `weight_scale_inv`
 [ceil(out / 128), ceil(in / 128)] joins it under the checkpoint's name, so the loader copies
 both straight from the checkpoint (a tensor-parallel rank reads its rows or columns and the
-scale blocks that cover them). `linear` computes any of the model's Linear products: the
-block-FP8 w8a8 GEMM (`mlaserve.kernels.fp8_gemm.block_fp8_linear`: per-token 1 x 128
-activation scales) on CUDA, and on the CPU the weight dequantized in float32 (weight-only).
+scale blocks that cover them). `linear` computes any of the model's Linear products: on CUDA
+`mlaserve.kernels.fp8_gemm.block_fp8_linear` (a weight-only w8a16 GEMM at a few tokens, else
+the block-FP8 w8a8 GEMM with per-token 1 x 128 activation scales), and on the CPU the weight
+dequantized in float32 (weight-only).
 
 Which Linears stay high precision: `kv_b_proj`, dequantized to the model dtype at load because
 the absorbed MLA products read it per head as W_UK [H, P, L] and W_UV [H, L, V] in the model

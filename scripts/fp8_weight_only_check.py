@@ -1,0 +1,170 @@
+"""The weight-only block-FP8 product (w8a16, `fp8_weight_only_matmul`) at DeepSeek-V3's
+projection shapes on one GPU: checked, timed against bf16 and the w8a8 path, and its launch
+configuration swept, so that `WEIGHT_ONLY_MAX_ROWS` and `weight_only_tiles` can be set from one
+run.
+
+Usage (GPU): python3 scripts/fp8_weight_only_check.py [--shapes 2112x7168,24576x1536,...]
+    [--tokens 1,16,32,64,128] [--block-n 16,32,64] [--stages 3,4,5] [--warps 2,4]
+    [--repeats 10] [--out FILE.json]
+
+Per weight shape N x K: a random bf16 weight (randn * 0.02), quantized per 128x128 block as the
+checkpoints are (`quantize_block_fp8`), and per token count M random bf16 activations x. The
+weight-only output is checked against x.float() @ dequant(W)^T (relative Frobenius error, gate
+1e-2: bf16's rounding of the output), every swept configuration's output too before it is
+timed; a failure is printed and makes the exit status 1. Times (median per call under CUDA-graph
+replay, `kernels.testing.graph_replay_seconds`), each call rotating over copies of its weight
+so that the L2 holds none of the weight a call reads (as in a model, where every layer has its
+own):
+- `bf16`: x @ w_bf16.T (cuBLAS);
+- `w8a16`: `fp8_weight_only_matmul` with its default configuration (`weight_only_tiles`, 4
+  stages, 4 warps);
+- `w8a8`: `block_fp8_w8a8`, the path `block_fp8_linear` runs past `WEIGHT_ONLY_MAX_ROWS`: the
+  per-token-group quantization of x plus the product (cuBLASLt where it takes the shape);
+- `best`: the fastest of the swept configurations (block_n x num_stages x num_warps), named.
+The table gives microseconds, speed-ups over bf16 (above 1: faster than bf16) and the weight
+bytes per second of the w8a16 default and of the best configuration, beside the device's copy
+rate measured in the same run.
+"""
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from mlaserve.kernels.fp8_gemm import (
+    WEIGHT_ONLY_MAX_ROWS,
+    block_fp8_w8a8,
+    fp8_weight_only_matmul,
+    product_path,
+    weight_only_tiles,
+)
+from mlaserve.kernels.testing import graph_replay_seconds, measure_ceilings
+from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8
+
+# N x K of DeepSeek-V3 at one rank: q_a_proj and kv_a_proj_with_mqa fused (1536 + 576), q_b_proj,
+# o_proj, the dense MLP's gate_up and down, one routed expert's gate_up and down
+V3_SHAPES = "2112x7168,24576x1536,7168x16384,36864x7168,7168x18432,4096x7168,7168x2048"
+WEIGHT_ONLY_REL_ERR = 1e-2  # bf16 output: half a step is 2^-9 relative
+DEFAULT_L2_BYTES = 60 * 1024 * 1024
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=V3_SHAPES, help="comma list of NxK weight shapes")
+    parser.add_argument("--tokens", default="1,16,32,64,128", help="comma list of token counts M")
+    parser.add_argument("--block-n", default="16,32,64", help="swept BLOCK_N (16, 32, 64)")
+    parser.add_argument("--stages", default="3,4,5", help="swept num_stages")
+    parser.add_argument("--warps", default="2,4", help="swept num_warps")
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    return parser.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _copies(tensor: torch.Tensor, l2_bytes: int) -> list[torch.Tensor]:
+    """`tensor` and identical copies, enough that a rotation over them reads 2x the L2 between
+    two reads of one copy (at most what fits in half the free memory)."""
+    size = tensor.numel() * tensor.element_size()
+    wanted = max(1, math.ceil(2 * l2_bytes / size) + 1)
+    free, _ = torch.cuda.mem_get_info()
+    count = max(1, min(wanted, int(0.5 * free) // size))
+    return [tensor] + [tensor.clone() for _ in range(count - 1)]
+
+
+def _time(calls: list, repeats: int) -> float:
+    return graph_replay_seconds(calls, repeats, calls_per_graph=8)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fp8_weight_only_check.py times GPU kernels: it needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    l2_bytes = int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+    ceilings = measure_ceilings(device, copy_bytes=1 << 28, matmul_n=4096, repeats=5)
+    copy_rate = ceilings.copy_bytes_per_s / 1e9
+    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2_bytes >> 20} MiB, copy rate "
+          f"{copy_rate:.0f} GB/s (read + write); WEIGHT_ONLY_MAX_ROWS = {WEIGHT_ONLY_MAX_ROWS}")
+    sweep = list(itertools.product(_ints(args.block_n), _ints(args.stages), _ints(args.warps)))
+    print(f"{'N x K':>12} {'M':>4} {'path':>11}  {'bf16 us':>8} {'w8a16 us':>8} {'w8a8 us':>8} "
+          f"{'best us':>8} {'best (bn,st,wp)':>15}  {'x w8a16':>7} {'x w8a8':>6} {'x best':>6}  "
+          f"{'GB/s':>5} {'best':>5}  {'tiles':>7}  rel err", flush=True)
+    rows, failed = [], False
+    for shape in args.shapes.split(","):
+        out_features, in_features = (int(v) for v in shape.lower().split("x"))
+        gen = torch.Generator(device=device).manual_seed(out_features * in_features)
+        weight = torch.randn(out_features, in_features, generator=gen, device=device) * 0.02
+        w_fp8, w_scales = quantize_block_fp8(weight)
+        w_dequantized = dequantize_block_fp8(w_fp8, w_scales)  # [N, K] float32
+        w_bf16s = _copies(weight.to(torch.bfloat16), l2_bytes)
+        del weight
+        w_fp8s = _copies(w_fp8, l2_bytes)
+        weight_bytes = w_fp8.numel() + w_scales.numel() * 4
+        # the w8a8 product `block_fp8_linear` takes past the weight-only rows
+        cublas = product_path(True, WEIGHT_ONLY_MAX_ROWS + 1, out_features,
+                              in_features) == "cublas"
+        for rows_m in _ints(args.tokens):
+            x = torch.randn(rows_m, in_features, generator=gen, device=device,
+                            dtype=torch.bfloat16)
+            want = x.float() @ w_dequantized.T  # [M, N]
+            rel_err = _rel_err(fp8_weight_only_matmul(x, w_fp8, w_scales), want)
+            failed |= rel_err > WEIGHT_ONLY_REL_ERR
+            bf16 = _time([partial(torch.matmul, x, w.T) for w in w_bf16s], args.repeats)
+            w8a16 = _time([partial(fp8_weight_only_matmul, x, w, w_scales) for w in w_fp8s],
+                          args.repeats)
+            w8a8 = _time([partial(block_fp8_w8a8, x, w, w_scales, cublas=cublas)
+                          for w in w_fp8s], args.repeats)
+            swept = {}
+            for block_n, num_stages, num_warps in sweep:
+                config = dict(block_n=block_n, num_stages=num_stages, num_warps=num_warps)
+                err = _rel_err(fp8_weight_only_matmul(x, w_fp8, w_scales, **config), want)
+                if err > WEIGHT_ONLY_REL_ERR:
+                    print(f"  FAIL {shape} M={rows_m} {config}: rel err {err:.1e}")
+                    failed = True
+                    continue
+                swept[(block_n, num_stages, num_warps)] = _time(
+                    [partial(fp8_weight_only_matmul, x, w, w_scales, **config) for w in w_fp8s],
+                    args.repeats)
+            best_config = min(swept, key=swept.get, default=None)
+            best = swept[best_config] if best_config else math.nan
+            tiles = weight_only_tiles(rows_m, out_features, props.multi_processor_count)
+            path = product_path(True, rows_m, out_features, in_features)
+            rows.append(dict(
+                out_features=out_features, in_features=in_features, tokens=rows_m, path=path,
+                bf16_us=bf16 * 1e6, w8a16_us=w8a16 * 1e6, w8a8_us=w8a8 * 1e6,
+                w8a8_cublas=cublas, best_us=best * 1e6, best_config=best_config,
+                default_tiles=tiles, rel_err=rel_err,
+                sweep_us={f"{bn},{st},{wp}": t * 1e6 for (bn, st, wp), t in swept.items()}))
+            best_text = ",".join(map(str, best_config)) if best_config else "-"
+            print(f"{shape:>12} {rows_m:4} {path:>11}  {bf16 * 1e6:8.1f} {w8a16 * 1e6:8.1f} "
+                  f"{w8a8 * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>15}  {bf16 / w8a16:7.2f} "
+                  f"{bf16 / w8a8:6.2f} {bf16 / best:6.2f}  {weight_bytes / w8a16 / 1e9:5.0f} "
+                  f"{weight_bytes / best / 1e9:5.0f}  {tiles[0]:3}x{tiles[1]:<3}  {rel_err:.1e}"
+                  f"{'  FAIL' if rel_err > WEIGHT_ONLY_REL_ERR else ''}", flush=True)
+        del w_bf16s, w_fp8s, w_dequantized
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": props.name,
+                                              "copy_gb_per_s": copy_rate,
+                                              "weight_only_max_rows": WEIGHT_ONLY_MAX_ROWS,
+                                              "rows": rows}, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The weight-only block-FP8 product (w8a16, `fp8_weight_only_matmul`) against the float32
+product of x with the dequantized weight, and the choice of `block_fp8_linear`'s product.
+
+Without a CUDA GPU the kernel runs in Triton's CPU interpreter (conftest.py sets
+TRITON_INTERPRET=1), in float32 and float16 (the interpreter's bfloat16 dot is not faithful);
+with one it runs natively, in bfloat16 too. Every shape has ragged edges: N (40, 200) is no
+multiple of the 16-column tile the kernel picks for them, K = 200 ends in a partial 128-block,
+and so does N = 200 (N = 40 is one partial block).
+"""
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+pytest.importorskip("triton")
+
+from mlaserve.kernels.fp8_gemm import (  # noqa: E402
+    WEIGHT_ONLY_MAX_ROWS,
+    cublas_runs,
+    fp8_weight_only_matmul,
+    product_path,
+    weight_only_tiles,
+)
+from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+# max |y - reference| / max |reference|: float32 rounding of the sums (the interpreter shows
+# 4e-7), else the output dtype's rounding (float16: 4e-4 in the interpreter; bfloat16's half
+# step is 2^-9 relative).
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _error(y: torch.Tensor, want: torch.Tensor) -> float:
+    return float((y.float() - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("out_features,in_features", [(40, 200), (40, 384), (200, 200),
+                                                      (200, 384)])
+def test_matches_the_dequantized_product(dtype: torch.dtype, rows: int, out_features: int,
+                                         in_features: int) -> None:
+    """Equal, up to float32 sums and the output's rounding, to x.float() @ dequant(W)^T; far
+    from it if one scale block (the last, partial one where N or K is ragged) were 2x off.
+    At 5 rows x and the weight are views into NaN-padded rows, so a read past K shows."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight, scale_inv = quantize_block_fp8(torch.randn(out_features, in_features,
+                                                       generator=gen) * 0.05)
+    scale_inv *= 1 + torch.rand(scale_inv.shape, generator=gen)  # a distinct scale per block
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    want = x.float() @ dequantize_block_fp8(weight, scale_inv).T  # [M, N]
+    x, weight = x.to(DEVICE), weight.to(DEVICE)
+    if rows == 5:
+        x = torch.nn.functional.pad(x, (3, 16), value=float("nan"))[:, 3:-16]  # [M, K] view
+        weight = torch.nn.functional.pad(weight.float(), (0, 16), value=float("nan")).to(
+            weight.dtype)[:, :in_features]  # [N, K] view, exact: FP8 values are float32's
+        assert weight.stride(0) == in_features + 16
+    y = fp8_weight_only_matmul(x, weight, scale_inv.to(DEVICE)).cpu()
+    assert y.shape == (rows, out_features) and y.dtype == dtype
+    assert _error(y, want) <= TOLERANCES[dtype]
+    wrong = scale_inv.clone()
+    wrong[-1, -1] *= 2
+    assert _error(y, x.float() @ dequantize_block_fp8(weight, wrong).T) > 10 * TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_every_tile_width_gives_the_same_product(block_n: int) -> None:
+    """The tuning knobs change the tiling, not the result (float32, N = 200 ragged at every
+    width)."""
+    gen = torch.Generator().manual_seed(block_n)
+    weight, scale_inv = quantize_block_fp8(torch.randn(200, 384, generator=gen) * 0.05)
+    x = torch.randn(3, 384, generator=gen)
+    want = x @ dequantize_block_fp8(weight, scale_inv).T
+    y = fp8_weight_only_matmul(x.to(DEVICE), weight.to(DEVICE), scale_inv.to(DEVICE),
+                               block_n=block_n, num_stages=3, num_warps=2).cpu()
+    assert _error(y, want) <= TOLERANCES[torch.float32]
+
+
+def test_refuses_bad_operands() -> None:
+    weight, scale_inv = quantize_block_fp8(torch.randn(256, 256))
+    with pytest.raises(ValueError, match="does not cover"):
+        fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv[:1])
+    with pytest.raises(ValueError, match="block_n"):
+        fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, block_n=128)
+    with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        fp8_weight_only_matmul(torch.randn(2, 256, dtype=torch.float64), weight, scale_inv)
+
+
+def test_product_path_and_tiles() -> None:
+    """On CUDA a few rows take the weight-only product, more rows cuBLASLt where it takes the
+    shape, else the Triton w8a8 kernel; the CPU always the Triton kernel. The tile widens only
+    while two programs per SM remain."""
+    v3_fused_qkv_a = (2112, 7168)  # q_a_proj and kv_a_proj_with_mqa, N x K
+    assert product_path(True, 1, *v3_fused_qkv_a) == "weight-only"
+    assert product_path(True, WEIGHT_ONLY_MAX_ROWS, *v3_fused_qkv_a) == "weight-only"
+    assert product_path(True, WEIGHT_ONLY_MAX_ROWS + 1, *v3_fused_qkv_a) == "cublas"
+    assert product_path(True, 1000, 200, 300) == "triton"  # K not a multiple of 512
+    assert product_path(False, 1, *v3_fused_qkv_a) == "triton"
+    assert not cublas_runs(torch.empty(2, 3, 7168), torch.empty(2112, 7168))
+    assert weight_only_tiles(1, 2112) == (16, 16)  # 132 programs of 16 columns
+    assert weight_only_tiles(16, 24576) == (16, 64)  # 384 programs of 64
+    assert weight_only_tiles(1, 9000) == (16, 32)  # 282 programs of 32 (64: 141)
+    assert weight_only_tiles(33, 7168) == (64, 16)  # 32 columns: 224 programs, too few
+    assert weight_only_tiles(100, 7168) == (64, 32)  # two row blocks: 448 programs of 32
