@@ -158,6 +158,22 @@ def test_bfloat16_queries_over_an_fp8_cache_take_float16_dots() -> None:
                   kv_cache_dtype=torch.float8_e4m3fn)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["same", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_dtype_id)
+def test_latent_in_column_chunks(dtype: torch.dtype, kv_cache_dtype: torch.dtype | None) -> None:
+    """latent_chunks = 4: q, each KV tile and the accumulator as 4 column chunks of the latent
+    (batched dots over the chunks), with q_len 2 and several splits, against the float32
+    reference; a chunk computed with another chunk's columns, or a dropped chunk, fails."""
+    config = dataclasses.replace(SMALL_TILES, latent_chunks=4)
+    lens = [0, 1, 15, 53, 300]
+    run_and_check(lens, 16, 64, 16, 16, 2, dtype, config, 3, kv_cache_dtype=kv_cache_dtype)
+    with pytest.raises(ValueError, match="latent_chunks 8 must leave chunks of at least 16"):
+        plan_mla_decode(1, 64, 16, 1, 64, 16, dtype, NUM_SMS, 16,
+                        config=dataclasses.replace(SMALL_TILES, latent_chunks=8))
+    with pytest.raises(ValueError, match="latent_chunks must be a power of two"):
+        dataclasses.replace(SMALL_TILES, latent_chunks=3)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("num_heads", [1, 16, 128])
@@ -446,6 +462,28 @@ def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int]
         assert planned.kernel == (GLUON_SM90 if path == "warp_specialized" else TRITON_SPLIT)
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
                   seed=block_size + num_heads)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dtype_id)
+@pytest.mark.parametrize("latent_chunks", [1, 4])
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_fp8_cache_tma_loads(q_len: int, block_n: int, latent_chunks: int,
+                             dtype: torch.dtype) -> None:
+    # An FP8 cache read by TMA into the 16-row Triton pass (2-d boxes, or 3-d [block_n, C,
+    # L / C] boxes with the latent in chunks), the partial last tile by masked loads, NaN in
+    # every page tail; held to dtype's bounds against the reference of the same cache.
+    lens = [4096, q_len, 1000, 3 * 1024 + 17, 128, 65, 63 + q_len]
+    config = dataclasses.replace(
+        default_config(16, q_len, 512, 64, dtype, len(lens), 8192, 64), tma_loads=True,
+        block_n=block_n, num_stages=4, latent_chunks=latent_chunks)
+    planned = plan_mla_decode(len(lens), 8192, 16, q_len, 512, 64, dtype, NUM_SMS, 64,
+                              config=config, capability=CAPABILITY,
+                              kv_cache_dtype=torch.float8_e4m3fn)
+    assert planned.tma_loads == (CAPABILITY >= (9, 0))
+    run_and_check(lens, 16, 512, 64, 64, q_len, dtype, config, 3, seed=block_n + q_len,
+                  kv_cache_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_dtype_id)

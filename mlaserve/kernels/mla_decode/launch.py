@@ -58,7 +58,7 @@ def mla_decode_triton(
         q: [B * q_len, H, L + R] absorbed queries `[q_latent | q_pe]`, request-major rows;
             bfloat16, float16 or float32; the last dim contiguous.
         kv_cache: [num_blocks, block_size, L + R] latent cache `[c_kv | k_pe]` in q's dtype or
-            float8_e4m3fn (read with pointer loads, converted to q's dtype), the last dim
+            float8_e4m3fn (converted to q's dtype in the split pass), the last dim
             contiguous; block_size a power of two. Where the plan loads tiles by TMA
             (`plan.tma_loads`, or the Gluon pass) its pages must lie back to back.
         block_table: [B, max_blocks] int32 page ids per request (entries past a request's
@@ -86,9 +86,9 @@ def mla_decode_triton(
     if kv_cache.shape[2] != head_dim or kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match q "
                          f"{tuple(q.shape)} {q.dtype} (the cache is in q's dtype or FP8)")
-    if kv_cache.dtype != q.dtype and (plan.kernel == GLUON_SM90 or plan.tma_loads):
+    if kv_cache.dtype != q.dtype and plan.kernel == GLUON_SM90:
         raise ValueError("an FP8 cache needs a plan made with kv_cache_dtype=float8_e4m3fn "
-                         "(pointer loads: no TMA, no Gluon pass)")
+                         "(no Gluon pass)")
     _check_pow2("kv_lora_rank", kv_lora_rank, 16)
     _check_pow2("qk_rope_head_dim", head_dim - kv_lora_rank, 16)
     _check_pow2("block_size", block_size, 1)

@@ -59,6 +59,10 @@ class MLADecodeConfig:
             warpgroups in the seesaw schedule); num_warps does not apply.
         partial_dtype: element type of the split pass's partial outputs: "float32", or
             "input" (q's dtype when 16-bit).
+        latent_chunks: the Triton split pass holds the latent (L columns of q, of each KV
+            tile and of the accumulator) as this many column chunks, each its own dot, so no
+            operand of a whole [block_n, L] tile has to live in registers at once; a power of
+            two with L / latent_chunks >= 16.
     """
 
     block_m: int
@@ -75,6 +79,7 @@ class MLADecodeConfig:
     tma_loads: bool = False
     warp_specialized: bool = False
     partial_dtype: str = "float32"
+    latent_chunks: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -90,6 +95,9 @@ class MLADecodeConfig:
         if self.merge_block_rows < 1 or self.merge_block_rows & (self.merge_block_rows - 1):
             raise ValueError(
                 f"merge_block_rows must be a power of two, got {self.merge_block_rows}")
+        if self.latent_chunks < 1 or self.latent_chunks & (self.latent_chunks - 1):
+            raise ValueError(
+                f"latent_chunks must be a power of two, got {self.latent_chunks}")
 
 
 @dataclass(frozen=True)
@@ -98,8 +106,9 @@ class MLADecodePlan:
 
     Attributes:
         kernel: the split pass that runs: `TRITON_SPLIT` or `GLUON_SM90` (common.py).
-        tma_loads: the Triton split pass loads whole tiles by TMA (sm_90+, 16-bit data, tiles
-            within a page, asked for by the config); the cache's pages must lie back to back.
+        tma_loads: the Triton split pass loads whole tiles by TMA (sm_90+, a 16-bit or FP8
+            cache, tiles within a page, asked for by the config); the cache's pages must lie
+            back to back.
         programmatic_launch: the merge kernel is a programmatic dependent launch (sm_90+,
             more than one split, asked for by the config).
         num_splits: KV splits per request (1: no merge kernel, no workspace).
@@ -278,8 +287,8 @@ def plan_mla_decode(
         capability: the CUDA device's (major, minor) compute capability (`device_capability`);
             None off CUDA (the Triton interpreter).
         kv_cache_dtype: the cache's dtype (None: q's); torch.float8_e4m3fn is an FP8
-            cache, read by the Triton split pass's pointer loads and converted to q's dtype
-            (float16 for a bfloat16 q: `fp16_dots`); no TMA loads, no Gluon pass.
+            cache, read by the Triton split pass (by TMA where the config asks) and converted
+            to q's dtype (float16 for a bfloat16 q: `fp16_dots`); never the Gluon pass.
 
     Returns:
         The plan to pass to `mla_decode_triton`.
@@ -290,6 +299,9 @@ def plan_mla_decode(
         config = default_config(num_heads, q_len, kv_lora_rank, qk_rope_head_dim, dtype,
                                 batch_size, max_seq_len, block_size)
     config = replace(config, min_split_len=whole_tiles(config.min_split_len, config.block_n))
+    if kv_lora_rank % config.latent_chunks or kv_lora_rank // config.latent_chunks < 16:
+        raise ValueError(f"latent_chunks {config.latent_chunks} must leave chunks of at least "
+                         f"16 of the {kv_lora_rank} latent columns")
     rows = q_len * num_heads
     num_head_groups = -(-rows // config.block_m)
     balanced = config.split_policy == "balanced"
@@ -323,7 +335,7 @@ def plan_mla_decode(
         kernel = GLUON_SM90
     sm90_or_newer = capability is not None and capability >= (9, 0)
     tma_loads = (kernel == TRITON_SPLIT and config.tma_loads and sm90_or_newer
-                 and cache_dtype.itemsize == 2 and block_size >= config.block_n)
+                 and cache_dtype.itemsize <= 2 and block_size >= config.block_n)
     programmatic_launch = num_splits > 1 and config.programmatic_launch and sm90_or_newer
     return MLADecodePlan(kernel=kernel, tma_loads=tma_loads,
                          programmatic_launch=programmatic_launch,
@@ -394,6 +406,8 @@ def describe(plan: MLADecodePlan) -> str:
     if plan.kernel == TRITON_SPLIT:
         parts.append(f"w{c.num_warps}")
     parts += [f"s{c.num_stages}", f"splits {plan.num_splits}"]
+    if c.latent_chunks > 1:
+        parts.append(f"latent/{c.latent_chunks}")
     if plan.num_splits > 1:
         balance = f" keys/{plan.balance_splits}" if plan.balance_splits else ""
         parts.append(f"({c.split_policy}{balance} {c.programs_per_sm:g}/SM, "

@@ -32,9 +32,20 @@ Kernel design:
   gathered row by row through the block table inside the loop. Loads past
   the request's length are masked (other=0) and their scores set to -inf, so NaN in unused
   pages or in the tail of the last page never reaches the output.
-- With `plan.tma_loads` (64-row programs on sm_90 and newer) whole tiles are loaded by TMA
-  from tensor descriptors over the cache's rows; a split's partial last tile always takes the
-  masked pointer loads, so rows past the length never enter a dot.
+- With `plan.tma_loads` (64-row programs on sm_90 and newer; any program where the config
+  asks, e.g. over an FP8 cache) whole tiles are loaded by TMA from tensor descriptors over the
+  cache's rows; a split's partial last tile always takes the masked pointer loads, so rows
+  past the length never enter a dot.
+- An FP8 cache's tiles are converted to q's dtype (float16 under a bfloat16 q) at each of
+  their two uses, in registers, from the loaded tile.
+- Latent chunks (`MLADecodeConfig.latent_chunks` C > 1): q, each tile's c_kv and the
+  accumulator are held as [C, rows, L / C], and the two latent dots become C batched dots
+  (the scores summed over the chunks). A 16-row dot spreads its warps over the keys, so
+  every warp holds all of q [16, L] as an operand (128 registers per thread at L = 512 in
+  16-bit); batched dots spread the warps over the chunks instead, one chunk of q, of the tile
+  and of the accumulator per warp. Compiled for sm_90 with pipelined FP8 TMA tiles of 16
+  tokens, its tile loop has no register spill (the 2-d form spills there); its speed is not
+  measured yet, so no plan picks it by default.
 - On sm_90 and newer the merge kernel is a programmatic dependent launch: it is scheduled while
   the split pass runs and waits (griddepcontrol.wait) for its completion and stores.
 
@@ -53,13 +64,11 @@ from mlaserve.kernels.mla_decode.splits import split_bounds
 
 
 @triton.jit
-def _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale, acc, m_i, l_i,
-                 DOT_PRECISION: tl.constexpr):
-    """One KV tile of the online softmax: q [BLOCK_M, L] and [BLOCK_M, R] against the tile's
-    k_nope [BLOCK_N, L] (also V) and k_pe [BLOCK_N, R] at key positions pos [BLOCK_N]; returns
-    the updated acc [BLOCK_M, L], running max m_i and sum l_i [BLOCK_M] (base 2)."""
-    scores = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PRECISION)
-    scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
+def _online_softmax(scores, pos, key_mask, last_key, qk_scale, m_i, l_i):
+    """Scale and mask one tile's scores [BLOCK_M, BLOCK_N] (keys at positions pos [BLOCK_N],
+    row r sees keys up to last_key[r]) and step the online softmax (base 2): returns the
+    probabilities p [BLOCK_M, BLOCK_N], the rescale factor alpha of the old accumulator, and
+    the new running max m_i and sum l_i [BLOCK_M]."""
     visible = key_mask[None, :] & (pos[None, :] <= last_key[:, None])  # [BLOCK_M, BLOCK_N]
     scores = tl.where(visible, scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -68,24 +77,79 @@ def _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale, 
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale, acc, m_i, l_i,
+                 DOT_PRECISION: tl.constexpr):
+    """One KV tile of the online softmax: q [BLOCK_M, L] and [BLOCK_M, R] against the tile's
+    k_nope [BLOCK_N, L] (also V) and k_pe [BLOCK_N, R] at key positions pos [BLOCK_N], the tile
+    in the cache's dtype (converted to q's here); returns the updated acc [BLOCK_M, L], running
+    max m_i and sum l_i [BLOCK_M] (base 2)."""
+    k_nope = k_nope.to(q_pe.dtype)
+    scores = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PRECISION)
+    scores = tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), acc=scores,
+                    input_precision=DOT_PRECISION)
+    p, alpha, m_i, l_i = _online_softmax(scores, pos, key_mask, last_key, qk_scale, m_i, l_i)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(k_nope.dtype), k_nope, acc=acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile_split_latent(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale,
+                              acc, m_i, l_i, DOT_PRECISION: tl.constexpr):
+    """`_attend_tile` with the latent in C column chunks: q_nope [C, BLOCK_M, L / C], the
+    tile's k_nope [BLOCK_N, C, L / C] (as loaded; also V) and acc [C, BLOCK_M, L / C]. The
+    scores are C batched dots [BLOCK_M, L / C] x [L / C, BLOCK_N] summed over the chunks, and
+    P V is C batched dots of the same P with each chunk of V. Batched dots spread their batch
+    over the warps, so a warp holds one chunk of q, of the tile and of the accumulator where
+    the [BLOCK_M, L] x [L, BLOCK_N] dot of a 16-row program needs all of q in every warp."""
+    k_chunks = tl.permute(k_nope, (1, 0, 2)).to(q_pe.dtype)  # [C, BLOCK_N, L / C]
+    scores = tl.sum(tl.dot(q_nope, tl.permute(k_chunks, (0, 2, 1)),
+                           input_precision=DOT_PRECISION), 0)  # [BLOCK_M, BLOCK_N]
+    scores = tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), acc=scores,
+                    input_precision=DOT_PRECISION)
+    p, alpha, m_i, l_i = _online_softmax(scores, pos, key_mask, last_key, qk_scale, m_i, l_i)
+    p = tl.broadcast_to(p.to(q_pe.dtype)[None, :, :],
+                        (k_chunks.shape[0], p.shape[0], p.shape[1]))  # [C, BLOCK_M, BLOCK_N]
+    acc = tl.dot(p, k_chunks, acc=acc * alpha[None, :, None], input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale, acc, m_i, l_i,
+            DOT_PRECISION: tl.constexpr, LATENT_CHUNKS: tl.constexpr):
+    """`_attend_tile`, or `_attend_tile_split_latent` with LATENT_CHUNKS > 1."""
+    if LATENT_CHUNKS == 1:
+        return _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key, qk_scale, acc,
+                            m_i, l_i, DOT_PRECISION)
+    else:
+        return _attend_tile_split_latent(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
+                                         qk_scale, acc, m_i, l_i, DOT_PRECISION)
 
 
 @triton.jit
 def _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
-                 dtype: tl.constexpr):
-    """Pointer loads of one KV tile at row offsets kv_offs [BLOCK_N]: k_nope [BLOCK_N, L] (also
-    V) and k_pe [BLOCK_N, R] in `dtype` (q's: an FP8 cache is converted here), zeros where
-    key_mask is off (page tails may hold NaN)."""
-    offs_l = tl.arange(0, KV_LORA_RANK)
+                 LATENT_CHUNKS: tl.constexpr):
+    """Pointer loads of one KV tile at row offsets kv_offs [BLOCK_N], in the cache's dtype:
+    k_nope [BLOCK_N, L], or [BLOCK_N, C, L / C] with C = LATENT_CHUNKS > 1 (also V), and k_pe
+    [BLOCK_N, R]; zeros where key_mask is off (page tails may hold NaN)."""
+    if LATENT_CHUNKS == 1:
+        offs_l = tl.arange(0, KV_LORA_RANK)
+        k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :], mask=key_mask[:, None],
+                         other=0.0)
+    else:
+        chunk: tl.constexpr = KV_LORA_RANK // LATENT_CHUNKS
+        cols = (tl.arange(0, LATENT_CHUNKS)[:, None] * chunk
+                + tl.arange(0, chunk)[None, :])  # [C, L / C]
+        k_nope = tl.load(kv_ptr + kv_offs[:, None, None] + cols[None, :, :],
+                         mask=key_mask[:, None, None], other=0.0)
     offs_r = tl.arange(0, ROPE_DIM)
-    k_nope = tl.load(kv_ptr + kv_offs[:, None] + offs_l[None, :], mask=key_mask[:, None],
-                     other=0.0)
     k_pe = tl.load(kv_ptr + kv_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
                    mask=key_mask[:, None], other=0.0)
-    return k_nope.to(dtype), k_pe.to(dtype)
+    return k_nope, k_pe
 
 
 @triton.jit
@@ -123,6 +187,7 @@ def _mla_decode_split_kernel(
     USE_TMA: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     BALANCED: tl.constexpr,
+    LATENT_CHUNKS: tl.constexpr,
 ):
     if USE_PDL:
         # The merge kernel is a programmatic dependent launch: let it be scheduled now (it
@@ -149,9 +214,17 @@ def _mla_decode_split_kernel(
     token = rows // num_heads
     head = rows % num_heads
     q_offs = (req * q_len + token).to(tl.int64) * stride_q_token + head * stride_q_head
-    offs_l = tl.arange(0, KV_LORA_RANK)
     offs_r = tl.arange(0, ROPE_DIM)
-    q_nope = tl.load(q_ptr + q_offs[:, None] + offs_l[None, :], mask=row_mask[:, None], other=0.0)
+    chunk: tl.constexpr = KV_LORA_RANK // LATENT_CHUNKS  # latent columns per chunk
+    if LATENT_CHUNKS == 1:
+        latent_cols = tl.arange(0, KV_LORA_RANK)  # [L]
+        q_nope = tl.load(q_ptr + q_offs[:, None] + latent_cols[None, :], mask=row_mask[:, None],
+                         other=0.0)  # [BLOCK_M, L]
+    else:
+        latent_cols = (tl.arange(0, LATENT_CHUNKS)[:, None] * chunk
+                       + tl.arange(0, chunk)[None, :])  # [C, L / C]
+        q_nope = tl.load(q_ptr + q_offs[None, :, None] + latent_cols[:, None, :],
+                         mask=row_mask[None, :, None], other=0.0)  # [C, BLOCK_M, L / C]
     q_pe = tl.load(q_ptr + q_offs[:, None] + KV_LORA_RANK + offs_r[None, :],
                    mask=row_mask[:, None], other=0.0)
     if FP16_DOTS:  # bfloat16 q over an FP8 cache: dots in float16 (`MLADecodePlan.fp16_dots`)
@@ -162,7 +235,10 @@ def _mla_decode_split_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, KV_LORA_RANK], dtype=tl.float32)
+    if LATENT_CHUNKS == 1:
+        acc = tl.zeros([BLOCK_M, KV_LORA_RANK], dtype=tl.float32)
+    else:
+        acc = tl.zeros([LATENT_CHUNKS, BLOCK_M, chunk], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     tile_ids = tl.arange(0, max(PAGE_CHUNK, 1))
@@ -218,13 +294,16 @@ def _mla_decode_split_kernel(
                 kv_offs = page * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_slot
             if USE_TMA:
                 row = (page * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)  # cache row
-                k_nope = kv_nope_desc.load([row, 0])  # [BLOCK_N, L], also V
+                if LATENT_CHUNKS == 1:
+                    k_nope = kv_nope_desc.load([row, 0])  # [BLOCK_N, L], also V
+                else:
+                    k_nope = kv_nope_desc.load([row, 0, 0])  # [BLOCK_N, C, L / C]
                 k_pe = kv_pe_desc.load([row, 0])  # [BLOCK_N, R]
             else:
                 k_nope, k_pe = _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK, ROPE_DIM,
-                                            q_nope.dtype)
-            acc, m_i, l_i = _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
-                                         qk_scale, acc, m_i, l_i, DOT_PRECISION)
+                                            LATENT_CHUNKS)
+            acc, m_i, l_i = _attend(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
+                                    qk_scale, acc, m_i, l_i, DOT_PRECISION, LATENT_CHUNKS)
     if USE_TMA and whole_end < split_end:
         # The split's partial last tile: masked pointer loads (zeros past the length, where
         # the page tail may hold NaN; a TMA box would bring those rows into the dots).
@@ -233,20 +312,25 @@ def _mla_decode_split_kernel(
         page = tl.load(bt_row + whole_end // BLOCK_SIZE).to(tl.int64)
         kv_offs = page * stride_kv_block + (whole_end % BLOCK_SIZE + offs_n) * stride_kv_slot
         k_nope, k_pe = _masked_tile(kv_ptr, kv_offs, key_mask, KV_LORA_RANK, ROPE_DIM,
-                                    q_nope.dtype)
-        acc, m_i, l_i = _attend_tile(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
-                                     qk_scale, acc, m_i, l_i, DOT_PRECISION)
+                                    LATENT_CHUNKS)
+        acc, m_i, l_i = _attend(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_key,
+                                qk_scale, acc, m_i, l_i, DOT_PRECISION, LATENT_CHUNKS)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
     base = req.to(tl.int64) * num_splits + split  # (request, split) index
-    o_offs = (base * num_rows + rows)[:, None] * KV_LORA_RANK + offs_l[None, :]
     if DIRECT_OUTPUT:
         o_mask = row_mask
     else:
         o_mask = row_mask & (l_i > 0.0)  # the merge never reads an empty split's output
-    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=o_mask[:, None])
+    o_rows = (base * num_rows + rows) * KV_LORA_RANK  # [BLOCK_M]
+    if LATENT_CHUNKS == 1:
+        tl.store(o_ptr + o_rows[:, None] + latent_cols[None, :],
+                 (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=o_mask[:, None])
+    else:
+        tl.store(o_ptr + o_rows[None, :, None] + latent_cols[:, None, :],
+                 (acc / l_safe[None, :, None]).to(o_ptr.dtype.element_ty),
+                 mask=o_mask[None, :, None])
     tl.store(lse_ptr + base * num_rows + rows, lse, mask=row_mask)
 
 
@@ -326,15 +410,21 @@ def _mla_decode_merge_kernel(
     tl.store(lse_ptr + req * num_rows + rows, lse, mask=row_mask & (col_block == 0))
 
 
-def kv_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int
-                   ) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of the cache's [c_kv] and [k_pe] columns over all its rows
-    [num_blocks * block_size, L] / [.., R], boxes of one tile [block_n, L] / [block_n, R]; the
-    cache's pages must lie back to back."""
+def kv_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int,
+                   latent_chunks: int = 1) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the cache's [c_kv] and [k_pe] columns over all its rows: c_kv as
+    [num_blocks * block_size, L] with boxes of one tile [block_n, L], or with latent_chunks
+    C > 1 as [.., C, L / C] with boxes [block_n, C, L / C]; k_pe as [.., R], boxes [block_n,
+    R]. The cache's pages must lie back to back."""
     num_blocks, block_size, head_dim = kv_cache.shape
     rows, row_stride = num_blocks * block_size, kv_cache.stride(1)
-    nope = TensorDescriptor(kv_cache, [rows, kv_lora_rank], [row_stride, 1],
-                            [block_n, kv_lora_rank])
+    if latent_chunks == 1:
+        nope = TensorDescriptor(kv_cache, [rows, kv_lora_rank], [row_stride, 1],
+                                [block_n, kv_lora_rank])
+    else:
+        chunk = kv_lora_rank // latent_chunks
+        nope = TensorDescriptor(kv_cache, [rows, latent_chunks, chunk], [row_stride, chunk, 1],
+                                [block_n, latent_chunks, chunk])
     pe = TensorDescriptor(kv_cache[..., kv_lora_rank:], [rows, head_dim - kv_lora_rank],
                           [row_stride, 1], [block_n, head_dim - kv_lora_rank])
     return nope, pe
@@ -368,7 +458,8 @@ def launch_split(
     direct = num_splits == 1
     nope_desc = pe_desc = None
     if plan.tma_loads:
-        nope_desc, pe_desc = kv_descriptors(kv_cache, kv_lora_rank, config.block_n)
+        nope_desc, pe_desc = kv_descriptors(kv_cache, kv_lora_rank, config.block_n,
+                                            config.latent_chunks)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _mla_decode_split_kernel[(plan.num_head_groups, num_splits, batch)](
         q, kv_cache, nope_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse,
@@ -380,6 +471,7 @@ def launch_split(
         NUM_STAGES=config.num_stages, PAGE_CHUNK=plan.page_chunk,
         DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=plan.programmatic_launch,
         USE_TMA=plan.tma_loads, FP16_DOTS=plan.fp16_dots, BALANCED=plan.balance_splits > 0,
+        LATENT_CHUNKS=config.latent_chunks,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
