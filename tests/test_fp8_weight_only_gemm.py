@@ -16,6 +16,7 @@ import torch
 ON_GPU = torch.cuda.is_available()
 pytest.importorskip("triton")
 
+from mlaserve.kernels import fp8_gemm  # noqa: E402
 from mlaserve.kernels.fp8_gemm import (  # noqa: E402
     WEIGHT_ONLY_MAX_ROWS,
     cublas_runs,
@@ -93,14 +94,18 @@ def test_refuses_bad_operands() -> None:
         fp8_weight_only_matmul(torch.randn(2, 256, dtype=torch.float64), weight, scale_inv)
 
 
-def test_product_path_and_tiles() -> None:
-    """On CUDA a few rows take the weight-only product, more rows cuBLASLt where it takes the
-    shape, else the Triton w8a8 kernel; the CPU always the Triton kernel. The tile widens only
-    while two programs per SM remain."""
+def test_product_path_and_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a few rows take the weight-only product (when WEIGHT_ONLY_MAX_ROWS turns it on),
+    more rows cuBLASLt where it takes the shape, else the Triton w8a8 kernel; the CPU always
+    the Triton kernel. The tile widens only while two programs per SM remain."""
     v3_fused_qkv_a = (2112, 7168)  # q_a_proj and kv_a_proj_with_mqa, N x K
+    assert product_path(True, 1, *v3_fused_qkv_a) == (
+        "weight-only" if WEIGHT_ONLY_MAX_ROWS else "cublas")
+    monkeypatch.setattr(fp8_gemm, "WEIGHT_ONLY_MAX_ROWS", 64)
     assert product_path(True, 1, *v3_fused_qkv_a) == "weight-only"
-    assert product_path(True, WEIGHT_ONLY_MAX_ROWS, *v3_fused_qkv_a) == "weight-only"
-    assert product_path(True, WEIGHT_ONLY_MAX_ROWS + 1, *v3_fused_qkv_a) == "cublas"
+    assert product_path(True, 64, *v3_fused_qkv_a) == "weight-only"
+    assert product_path(True, 65, *v3_fused_qkv_a) == "cublas"
+    assert product_path(True, 0, *v3_fused_qkv_a) == "cublas"
     assert product_path(True, 1000, 200, 300) == "triton"  # K not a multiple of 512
     assert product_path(False, 1, *v3_fused_qkv_a) == "triton"
     assert not cublas_runs(torch.empty(2, 3, 7168), torch.empty(2112, 7168))

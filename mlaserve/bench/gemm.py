@@ -48,20 +48,20 @@ class Projection:
 
 
 def projections(config: ModelConfig) -> list[Projection]:
-    """The Linear shapes of one decoder layer of `config` (and one routed expert)."""
+    """The FP8 GEMMs one decoder layer of `config` runs (and one routed expert's), as the model
+    runs them: q_a_proj (or q_proj) and kv_a_proj_with_mqa as one fused product (they read the
+    same input; `model.layers.FusedLinear`), gate_proj and up_proj as one. kv_b_proj is left
+    out: the model dequantizes it to bf16 at load (`model.fp8_linear`)."""
     heads = config.num_attention_heads
     qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
     hidden = config.hidden_size
-    shapes = []
+    kv_a = config.kv_lora_rank + config.qk_rope_head_dim
     if config.q_lora_rank:
-        shapes += [Projection("q_a_proj", config.q_lora_rank, hidden),
-                   Projection("q_b_proj", heads * qk_head, config.q_lora_rank)]
+        shapes = [Projection("q_a+kv_a_proj", config.q_lora_rank + kv_a, hidden),
+                  Projection("q_b_proj", heads * qk_head, config.q_lora_rank)]
     else:
-        shapes.append(Projection("q_proj", heads * qk_head, hidden))
+        shapes = [Projection("q+kv_a_proj", heads * qk_head + kv_a, hidden)]
     shapes += [
-        Projection("kv_a_proj_with_mqa", config.kv_lora_rank + config.qk_rope_head_dim, hidden),
-        Projection("kv_b_proj", heads * (config.qk_nope_head_dim + config.v_head_dim),
-                   config.kv_lora_rank),
         Projection("o_proj", hidden, heads * config.v_head_dim),
         Projection("mlp.gate_up_proj", 2 * config.intermediate_size, hidden),
         Projection("mlp.down_proj", hidden, config.intermediate_size),

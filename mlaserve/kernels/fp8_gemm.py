@@ -40,9 +40,10 @@ from mlaserve.model.fp8 import (
 )
 
 ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
-# Up to this many rows (tokens) a CUDA `block_fp8_linear` runs the weight-only product; a first
-# guess, to be tuned on the H200 with scripts/fp8_weight_only_check.py.
-WEIGHT_ONLY_MAX_ROWS = 64
+# Up to this many rows (tokens) a CUDA `block_fp8_linear` runs the weight-only product. 0: off,
+# until scripts/fp8_weight_only_check.py has measured it against bf16 and w8a8 on the H200 (it
+# has not run on a GPU yet); 64 is the first candidate.
+WEIGHT_ONLY_MAX_ROWS = 0
 HOPPER_SMS = 132  # H100 / H200 SXM: the SM count `weight_only_tiles` assumes off CUDA
 
 
@@ -284,7 +285,8 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int) 
     """Which product `block_fp8_linear` runs for x [rows, K] on CUDA (is_cuda) or not and a
     weight [N, K]: the one place this is decided.
 
-    - "weight-only": on CUDA up to `WEIGHT_ONLY_MAX_ROWS` rows, `fp8_weight_only_matmul`
+    - "weight-only": on CUDA from 1 to `WEIGHT_ONLY_MAX_ROWS` rows (0: never),
+      `fp8_weight_only_matmul`
       (there the product is bound by reading the weight, and x's quantization would be a
       launch of its own);
     - "cublas": on CUDA past that, torch's blockwise scaled matmul (cuBLASLt) where it takes
@@ -295,7 +297,7 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int) 
     """
     if not is_cuda:
         return "triton"
-    if rows <= WEIGHT_ONLY_MAX_ROWS:
+    if 0 < rows <= WEIGHT_ONLY_MAX_ROWS:
         return "weight-only"
     if in_features % 512 == 0 and out_features % 16 == 0:
         return "cublas"
