@@ -43,9 +43,10 @@ Kernel design:
   (the scores summed over the chunks). A 16-row dot spreads its warps over the keys, so
   every warp holds all of q [16, L] as an operand (128 registers per thread at L = 512 in
   16-bit); batched dots spread the warps over the chunks instead, one chunk of q, of the tile
-  and of the accumulator per warp. Compiled for sm_90 with pipelined FP8 TMA tiles of 16
-  tokens, its tile loop has no register spill (the 2-d form spills there); its speed is not
-  measured yet, so no plan picks it by default.
+  and of the accumulator per warp. It rescales the accumulator only in tiles where some row's
+  running max grew (alpha is exactly 1 elsewhere). Compiled for sm_90 with pipelined FP8 TMA
+  tiles of 16 tokens, its tile loop has no register spill (the 2-d form spills there); its
+  speed is not measured yet, so no plan picks it by default.
 - On sm_90 and newer the merge kernel is a programmatic dependent launch: it is scheduled while
   the split pass runs and waits (griddepcontrol.wait) for its completion and stores.
 
@@ -111,11 +112,15 @@ def _attend_tile_split_latent(q_nope, q_pe, k_nope, k_pe, pos, key_mask, last_ke
                            input_precision=DOT_PRECISION), 0)  # [BLOCK_M, BLOCK_N]
     scores = tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)), acc=scores,
                     input_precision=DOT_PRECISION)
-    p, alpha, m_i, l_i = _online_softmax(scores, pos, key_mask, last_key, qk_scale, m_i, l_i)
+    p, alpha, m_new, l_i = _online_softmax(scores, pos, key_mask, last_key, qk_scale, m_i, l_i)
     p = tl.broadcast_to(p.to(q_pe.dtype)[None, :, :],
                         (k_chunks.shape[0], p.shape[0], p.shape[1]))  # [C, BLOCK_M, BLOCK_N]
-    acc = tl.dot(p, k_chunks, acc=acc * alpha[None, :, None], input_precision=DOT_PRECISION)
-    return acc, m_i, l_i
+    # Rescale only when some row's max grew (else alpha is exactly 1 in every row): once the
+    # maxima settle, most tiles skip the C x BLOCK_M x L / C multiplies.
+    if tl.max((m_new > m_i).to(tl.int32), 0) > 0:
+        acc = acc * alpha[None, :, None]
+    acc = tl.dot(p, k_chunks, acc=acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
