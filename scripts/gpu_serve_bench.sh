@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The serving benchmark on one GPU: DeepSeek-V2-Lite dummy weights, RUNS server processes per
-# attention backend; against each, the throughput workload and then one user at a time.
+# The serving benchmark on one GPU: dummy weights of a model config (DeepSeek-V2-Lite unless
+# CONFIG names another), RUNS server processes per attention backend; against each, the
+# throughput workload and then one user at a time.
 # Usage (repository root, wheels in .whl/): scripts/gpu_serve_bench.sh OUT_DIR [BACKENDS] [RUNS]
 #   env: PROMPTS=512 IN=1024 OUT_LEN=1024 CONC=256 SINGLE_PROMPTS=16 SINGLE_OUT=256
 #        SERVE_ARGS="--block-size 32 --max-num-seqs 256" BENCH_TIMEOUT=600
+#        CONFIG=benchmarks/configs/deepseek-v2-lite.json
+#   (SERVE_ARGS is split on spaces: write JSON without them, '{"num_hidden_layers":8}')
 set -uo pipefail
 out=${1:?out dir}; backends=${2:-"triton flashinfer"}; runs=${3:-1}
 prompts=${PROMPTS:-512}; in_len=${IN:-1024}; out_len=${OUT_LEN:-1024}; conc=${CONC:-256}
@@ -14,8 +17,9 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/gpu-site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/gpu-site:$PWD PYTHONUNBUFFERED=1
-model=/tmp/deepseek-v2-lite-dummy
-scripts/make_bench_model_dir.sh benchmarks/configs/deepseek-v2-lite.json "$model"
+config=${CONFIG:-benchmarks/configs/deepseek-v2-lite.json}
+model=/tmp/$(basename "$config" .json)-dummy
+scripts/make_bench_model_dir.sh "$config" "$model"
 
 client() {  # label input_len output_len num_prompts concurrency
   timeout "$bench_timeout" python3 -m mlaserve bench serve --backend openai \

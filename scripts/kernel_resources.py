@@ -5,8 +5,12 @@ Usage: python scripts/kernel_resources.py
 Compiles the stage-1 kernel (`_mla_decode_split_kernel`) with each anchor shape's default
 configuration through Triton's bundled ptxas, with the argument specialisation a real launch
 gets (16-byte aligned pointers and strides, q_len 1 folded in), and reads the cubin's resource
-usage with the bundled cuobjdump. STACK > 0 means local memory (spills). Then the Gluon pass's
-partitions, and the merge kernel's load layout with float32 and 16-bit partials.
+usage with the bundled cuobjdump. STACK > 0 means local memory (spills). Then the 16-head cells
+over an FP8 cache (and a bf16 one) with TMA tiles and latent chunks, where the instruction mix
+of the tile loop comes from the bundled nvdisasm: instructions per loop pass (a software-
+pipelined loop's steady state: the shortest backward branch spanning HMMA instructions) per KV
+token, local loads and stores (spills) in it, tensor-core and conversion instructions. Then the
+Gluon pass's partitions, and the merge kernel's load layout with float32 and 16-bit partials.
 """
 
 import itertools
@@ -14,6 +18,7 @@ import os
 import re
 import subprocess
 import tempfile
+from dataclasses import replace
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not the interpreter
 
@@ -23,15 +28,21 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from mlaserve.kernels.mla_decode import triton_split  # noqa: E402
-from mlaserve.kernels.mla_decode.plan import plan_mla_decode  # noqa: E402
+from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
+    MLADecodePlan,
+    default_config,
+    describe,
+    plan_mla_decode,
+)
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 SIGNATURE = {
     "q_ptr": "*bf16", "kv_ptr": "*bf16", "kv_nope_desc": "constexpr", "kv_pe_desc": "constexpr",
     "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
     "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32", "q_len": "i32",
-    "num_heads": "i32", "num_splits": "i32", "min_split_len": "i32", "stride_q_token": "i32",
-    "stride_q_head": "i32", "stride_kv_block": "i32", "stride_kv_slot": "i32", "stride_bt": "i32",
+    "num_heads": "i32", "num_splits": "i32", "min_split_len": "i32", "batch_size": "i32",
+    "balance_splits": "i32", "stride_q_token": "i32", "stride_q_head": "i32",
+    "stride_kv_block": "i32", "stride_kv_slot": "i32", "stride_bt": "i32",
 }
 ALIGNED = ["q_ptr", "kv_ptr", "block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "num_heads",
            "min_split_len", "stride_q_token", "stride_q_head", "stride_kv_block",
@@ -40,6 +51,12 @@ ALIGNED = ["q_ptr", "kv_ptr", "block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_p
 SHAPES = [(16, 1, 1, 8192, 64), (16, 1, 64, 4096, 64), (16, 1, 512, 4096, 32),
           (16, 2, 64, 4096, 64), (16, 4, 64, 4096, 64), (128, 1, 1, 8192, 64),
           (128, 1, 64, 4096, 64)]
+# Variants of the plan's configuration at 16 heads x batch 64 x kv 4096, pages of 64: the
+# 2-d and split-latent passes with TMA tiles, over an FP8 and a bf16 cache.
+VARIANTS = [dict(), dict(tma_loads=True), dict(tma_loads=True, latent_chunks=4, block_n=16,
+                                               num_stages=4),
+            dict(tma_loads=True, latent_chunks=4, block_n=16, num_stages=6),
+            dict(tma_loads=True, latent_chunks=4, block_n=32, num_stages=4)]
 
 
 def resources(cubin: bytes) -> str:
@@ -54,32 +71,74 @@ def resources(cubin: bytes) -> str:
     return f"regs {fields['REG']:>3}  stack {fields['STACK']:>4} B"
 
 
-def main() -> None:
+def compile_split(plan: MLADecodePlan, block_size: int, q_len: int, cache: str,
+                  tma: bool) -> triton.compiler.CompiledKernel:
+    """The stage-1 kernel as `launch_split` would run `plan` (bf16 q; the cache's element type
+    "bf16" or "fp8e4nv"), compiled for sm_90."""
     kernel = triton_split._mla_decode_split_kernel
     names = kernel.arg_names
+    config = plan.config
+    signature = dict(SIGNATURE, kv_ptr=f"*{cache}")
+    constexprs = dict(kv_nope_desc=None, kv_pe_desc=None)
+    if tma:
+        chunks = config.latent_chunks
+        nope_box = (f"{config.block_n},{KV_LORA_RANK}" if chunks == 1 else
+                    f"{config.block_n},{chunks},{KV_LORA_RANK // chunks}")
+        signature["kv_nope_desc"] = f"tensordesc<{cache}[{nope_box}]>"
+        signature["kv_pe_desc"] = f"tensordesc<{cache}[{config.block_n},{ROPE_DIM}]>"
+        constexprs = {}
+    constexprs |= dict(KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, BLOCK_SIZE=block_size,
+                      BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                      NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
+                      DIRECT_OUTPUT=plan.num_splits == 1, USE_PDL=True, USE_TMA=tma,
+                      PAGE_CHUNK=plan.page_chunk, FP16_DOTS=plan.fp16_dots,
+                      BALANCED=plan.balance_splits > 0, LATENT_CHUNKS=config.latent_chunks)
+    if q_len == 1:
+        constexprs["q_len"] = 1  # the launcher specialises integer arguments equal to 1
+    signature |= {name: "constexpr" for name in constexprs}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
+    return triton.compile(
+        ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def tile_loop_mix(cubin: bytes) -> dict[str, int]:
+    """Instruction counts of the tile loop's steady state in the cubin's SASS: the shortest
+    span of a backward branch that holds HMMA (tensor-core) instructions."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    labels, code = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"^\.(L_x_\d+):", line.strip())
+        if label:
+            labels[label.group(1)] = len(code)
+        elif instruction := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*)", line):
+            code.append(instruction.group(1))
+    loops = []
+    for end, text in enumerate(code):
+        target = re.search(r"BRA `\(\.(L_x_\d+)\)", text)
+        start = labels.get(target.group(1), end) if target else end
+        body = code[start:end + 1]
+        if start < end and any("HMMA" in op for op in body):
+            loops.append(body)
+    body = min(loops, key=len)
+    ops = [op.split()[1] if op.startswith("@") else op.split()[0] for op in body]
+    count = {name: sum(op.startswith(name) for op in ops)
+             for name in ("LDL", "STL", "HMMA", "F2FP", "LDS", "LDSM", "FMUL")}
+    return {"instructions": len(ops), **count}
+
+
+def main() -> None:
     for (heads, q_len, batch, kv_len, block_size), tma in itertools.product(SHAPES, (False, True)):
         plan = plan_mla_decode(batch, kv_len, heads, q_len, KV_LORA_RANK, ROPE_DIM,
                                torch.bfloat16, 132, block_size)
         config = plan.config
-        signature = dict(SIGNATURE)
-        constexprs = dict(kv_nope_desc=None, kv_pe_desc=None)
-        if tma:
-            for name, width in (("kv_nope_desc", KV_LORA_RANK), ("kv_pe_desc", ROPE_DIM)):
-                signature[name] = f"tensordesc<bf16[{config.block_n},{width}]>"
-                constexprs.pop(name)
-        constexprs |= dict(KV_LORA_RANK=KV_LORA_RANK, ROPE_DIM=ROPE_DIM, BLOCK_SIZE=block_size,
-                          BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                          NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
-                          DIRECT_OUTPUT=False, USE_PDL=True, USE_TMA=tma,
-                          PAGE_CHUNK=plan.page_chunk)
-        if q_len == 1:
-            constexprs["q_len"] = 1  # the launcher specialises integer arguments equal to 1
-        signature |= {name: "constexpr" for name in constexprs}
-        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
-        compiled = triton.compile(
-            ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+        compiled = compile_split(plan, block_size, q_len, "bf16", tma)
         ptx = compiled.asm["ptx"]
         print(f"H{heads:<3} q{q_len} B{batch:<3} kv{kv_len:<5} blk{block_size:<2} "
               f"{'TMA ' if tma else 'ptrs'}: "
@@ -89,6 +148,25 @@ def main() -> None:
               f"{ptx.count('wgmma.mma_async'):>2}  mma.sync {ptx.count('mma.sync'):>3}  "
               f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca'):>2}  "
               f"TMA {ptx.count('cp.async.bulk.tensor')}")
+
+
+def cache_variants() -> None:
+    """16 heads x batch 64 x kv 4096, pages of 64: each of VARIANTS over an FP8 and a bf16
+    cache, with the tile loop's instruction mix per KV token."""
+    for cache, changes in itertools.product(("fp8e4nv", "bf16"), VARIANTS):
+        kv_dtype = torch.float8_e4m3fn if cache == "fp8e4nv" else torch.bfloat16
+        config = replace(default_config(16, 1, KV_LORA_RANK, ROPE_DIM, torch.bfloat16, 64, 4096,
+                                        64), **changes)
+        plan = plan_mla_decode(64, 4096, 16, 1, KV_LORA_RANK, ROPE_DIM, torch.bfloat16, 132, 64,
+                               config=config, capability=(9, 0), kv_cache_dtype=kv_dtype)
+        compiled = compile_split(plan, 64, 1, cache, plan.tma_loads)
+        mix = tile_loop_mix(compiled.asm["cubin"])
+        per_token = mix["instructions"] / config.block_n
+        print(f"{cache:7} {describe(plan):80} | {resources(compiled.asm['cubin'])}  shared "
+              f"{compiled.metadata.shared // 1024:>3} KB | loop {mix['instructions']:>4} "
+              f"({per_token:4.1f}/token): LDL {mix['LDL']} STL {mix['STL']} HMMA "
+              f"{mix['HMMA']} F2FP {mix['F2FP']} LDS {mix['LDS']} LDSM {mix['LDSM']} FMUL "
+              f"{mix['FMUL']}")
 
 
 def warp_specialized() -> None:
@@ -140,5 +218,6 @@ def merge_kernel() -> None:
 
 if __name__ == "__main__":
     main()
+    cache_variants()
     warp_specialized()
     merge_kernel()

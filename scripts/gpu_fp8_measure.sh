@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The FP8 measurements of benchmarks/fp8/ on one H200, one stage per call (each stays under
+# 10 minutes). Usage (repository root, wheels in .whl/): scripts/gpu_fp8_measure.sh STAGE OUT_DIR
+#
+# Stages, in the order to run them (correctness before timing):
+#   tests        the GPU tests of the FP8 GEMMs, Linears, MoE, the FP8 cache and the decode
+#                kernel (its FP8 TMA tiles and latent chunks included), 8 workers
+#   decode-sweep the FP8-cache decode cells (16 heads x batch 64/128/512 x kv 4096, pages of
+#                64) with TMA tiles, latent chunks, tile sizes and stages swept beside the
+#                plan's choice; the bf16 cache with the same variants (one process each)
+#   decode       the same cells, bf16 and FP8 caches, the plan's choice plus VARIANT (a sweep
+#                spec, default the split-latent TMA candidate), in RUNS processes
+#   gemm         the weight-only product against bf16 and w8a8 at 1-128 tokens (with its
+#                configuration sweep), then `mlaserve bench gemm` on V3's shapes, RUNS processes
+#   serve        the V3 config with 8 layers, FP8 dummy weights, served with a bf16 and an FP8
+#                cache (scripts/gpu_serve_bench.sh, RUNS server processes each; RUNS defaults
+#                to 1 here, as three would pass 10 minutes: repeat the stage into other dirs)
+# env: RUNS=3, VARIANT='tma_loads=1 latent_chunks=4 block_n=16 num_stages=4'
+set -uo pipefail
+stage=${1:?stage}; out=${2:?out dir}; runs=${RUNS:-3}
+variant=${VARIANT:-"tma_loads=1 latent_chunks=4 block_n=16 num_stages=4"}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/gpu-site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/gpu-site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used \
+  --format=csv > "$out/gpu.txt" 2>&1
+cells="--heads 16 --batch-sizes 64,128,512 --kv-lens 4096 --block-sizes 64 --backends triton"
+
+case $stage in
+  tests)
+    timeout 540 python3 -m pytest -m gpu -n 8 -q -rs -p no:cacheprovider \
+      tests/kernels/test_mla_decode.py tests/kernels/test_fp8_gemm.py \
+      tests/test_fp8_weights.py tests/test_fp8_weight_only_gemm.py tests/test_fused_moe_fp8.py \
+      tests/test_fp8_kv_cache.py > "$out/gpu_tests.log" 2>&1
+    tail -3 "$out/gpu_tests.log" ;;
+  decode-sweep)
+    sweep="tma_loads=1 latent_chunks=1,4 block_n=16,32 num_stages=4,6"
+    # shellcheck disable=SC2086
+    timeout 280 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 --sweep "$sweep" \
+      > "$out/decode_sweep_fp8.log" 2>&1
+    # shellcheck disable=SC2086
+    timeout 280 python3 -m mlaserve bench kernel $cells --sweep "$sweep" \
+      > "$out/decode_sweep_bf16.log" 2>&1
+    grep -E "^\s*triton" "$out"/decode_sweep_*.log | sort -k4 -n | head -40 ;;
+  decode)
+    for run in $(seq "$runs"); do
+      for cache in auto fp8; do
+        # shellcheck disable=SC2086
+        timeout 180 python3 -m mlaserve bench kernel $cells --kv-cache-dtype "$cache" \
+          --sweep "$variant" --out "$out/decode-$cache-$run" > "$out/decode-$cache-$run.log" 2>&1
+      done
+    done
+    grep -hE "^\s*triton" "$out"/decode-*.log ;;
+  gemm)
+    timeout 200 python3 scripts/fp8_weight_only_check.py --stages 3,4,6,8 \
+      --out "$out/weight_only.json" > "$out/weight_only.log" 2>&1
+    for run in $(seq "$runs"); do
+      timeout 100 python3 -m mlaserve bench gemm --models deepseek-v3 \
+        --tokens 1,16,64,256,1024,4096,8192 --out "$out/gemm-$run.json" \
+        > "$out/gemm-$run.log" 2>&1
+    done
+    tail -30 "$out/weight_only.log" ;;
+  serve)
+    for cache in auto fp8; do
+      CONFIG=benchmarks/configs/deepseek-v3.json PROMPTS=256 CONC=128 OUT_LEN=256 \
+        SINGLE_PROMPTS=4 SINGLE_OUT=128 BENCH_TIMEOUT=240 \
+        SERVE_ARGS="--hf-overrides {\"num_hidden_layers\":8} --kv-cache-dtype $cache \
+--block-size 64 --max-num-seqs 256" \
+        scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
+    done ;;
+  *) echo "unknown stage $stage (tests, decode-sweep, decode, gemm, serve)" >&2; exit 2 ;;
+esac
