@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mlaserve.kernels.mla_decode import triton_split  # noqa: E402
+from mlaserve.kernels.mla_decode import merge, triton_split  # noqa: E402
 from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     MLADecodePlan,
     default_config,
@@ -194,7 +194,7 @@ def merge_kernel() -> None:
     columns] load, the batch-1 case, whose blocked layout is printed: warps along the split
     axis make the sum over splits cross warps, through shared memory); shared memory and
     barriers of each."""
-    kernel = triton_split._mla_decode_merge_kernel
+    kernel = merge._mla_decode_merge_kernel
     names = kernel.arg_names
     for split_chunk, partial in itertools.product((4, 16), ("fp32", "bf16")):
         signature = {"partial_o_ptr": f"*{partial}", "partial_lse_ptr": "*fp32",

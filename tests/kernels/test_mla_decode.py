@@ -14,18 +14,12 @@ import sys
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()  # without it conftest.py sets TRITON_INTERPRET=1
 pytest.importorskip("triton")
 
 from mlaserve.attention import mla_decode  # noqa: E402
 from mlaserve.attention.base import MLAShape  # noqa: E402
 from mlaserve.attention.triton_backend import TritonMLABackend  # noqa: E402
-from mlaserve.kernels.interpreter import patch_triton_interpreter  # noqa: E402
-from mlaserve.kernels.mla_decode.common import (  # noqa: E402
-    GLUON_SM90,
-    TRITON_SPLIT,
-    device_capability,
-)
+from mlaserve.kernels.mla_decode.common import GLUON_SM90, TRITON_SPLIT  # noqa: E402
 from mlaserve.kernels.mla_decode.launch import mla_decode_triton  # noqa: E402
 from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     MLADecodeConfig,
@@ -37,93 +31,26 @@ from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     plan_mla_decode,
 )
 from mlaserve.kernels.mla_decode.tuning import BALANCED_HEADROOM  # noqa: E402
-from mlaserve.kernels.reference import mla_decode_reference  # noqa: E402
-from mlaserve.kernels.testing import (  # noqa: E402
-    assert_matches_reference,
-    poisoned_paged_batch,
+from tests.kernels.decode_util import (  # noqa: E402
+    CAPABILITY,
+    DEVICE,
+    DTYPES,
+    NUM_SMS,
+    ON_GPU,
+    SMALL_TILES,
+    check,
+    dtype_id,
+    gpu_only,
+    make_batch,
+    run_and_check,
 )
 
 pytestmark = pytest.mark.skipif(
     not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 
-if not ON_GPU:
-    patch_triton_interpreter()
-
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 4
-CAPABILITY = device_capability(DEVICE)
-# bfloat16 runs on the GPU only (the interpreter's bfloat16 dot is not faithful): marked gpu.
-DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
-# Small tiles and splits, so that tiles, splits and the causal window cross page boundaries.
-SMALL_TILES = MLADecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, min_split_len=16)
-gpu_only = pytest.mark.gpu  # skipped without CUDA (conftest.py)
-
-
-def _dtype_id(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, q_len, dtype, seed=0,
-               kv_cache_dtype=None):
-    """`poisoned_paged_batch` on this module's device."""
-    return poisoned_paged_batch(seq_lens, num_heads, kv_lora_rank, rope_dim, block_size, q_len,
-                                dtype, seed, device=DEVICE, kv_cache_dtype=kv_cache_dtype)
-
-
-def check(
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    kv_lora_rank: int,
-    q_len: int,
-) -> None:
-    """Compare (o, lse) with `mla_decode_reference` through the shared comparator."""
-    ref_o, ref_lse = mla_decode_reference(q, kv_cache, block_table, seq_lens, softmax_scale,
-                                          kv_lora_rank, q_len)
-    assert_matches_reference(o, lse, ref_o, ref_lse, q.dtype)
-
-
-def run_and_check(
-    seq_lens: list[int],
-    num_heads: int,
-    kv_lora_rank: int,
-    rope_dim: int,
-    block_size: int,
-    q_len: int,
-    dtype: torch.dtype,
-    config: MLADecodeConfig | None = None,
-    num_splits: int | None = None,
-    seed: int = 0,
-    poison_workspace: bool = False,
-    kv_cache_dtype: torch.dtype | None = None,
-) -> None:
-    """Run the kernel on a poisoned batch and check it; poison_workspace fills the partial
-    workspace with NaN first (what the merge must never read from an empty split);
-    kv_cache_dtype stores the cache in FP8, which the reference dequantizes."""
-    q, kv_cache, block_table, lens = make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim,
-                                                block_size, q_len, dtype, seed, kv_cache_dtype)
-    scale = 1.5 / math.sqrt(kv_lora_rank + rope_dim)  # peakier than 1/sqrt(192) at small sizes
-    plan = plan_mla_decode(len(seq_lens), block_table.shape[1] * block_size, num_heads, q_len,
-                           kv_lora_rank, rope_dim, dtype, NUM_SMS, block_size, config=config,
-                           num_splits=num_splits, capability=CAPABILITY,
-                           kv_cache_dtype=kv_cache_dtype)
-    workspace = None
-    if poison_workspace:
-        workspace = alloc_workspace(plan, q.device)
-        for buffer in workspace:
-            buffer.fill_(float("nan"))
-    o, lse = mla_decode_triton(q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len,
-                               plan, workspace=workspace)
-    check(o, lse, q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len)
-
-
 @pytest.mark.parametrize("tiling", ["small_tiles", "default"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
 def test_block_sizes_and_edge_lengths(block_size: int, dtype: torch.dtype, tiling: str) -> None:
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
@@ -131,51 +58,8 @@ def test_block_sizes_and_edge_lengths(block_size: int, dtype: torch.dtype, tilin
     run_and_check(lens, 16, 64, 16, block_size, 1, dtype, config, splits)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("block_size", [16, 64])
-def test_fp8_cache_matches_the_reference_of_the_same_cache(block_size: int,
-                                                           dtype: torch.dtype) -> None:
-    """An FP8 (float8_e4m3fn) cache read with queries in dtype: every FP8 value is exact in
-    dtype, so the kernel is held to dtype's own bounds against the float32 reference that
-    dequantizes the same cache (NaN page tails and stale pages included)."""
-    lens = [0, 1, block_size - 1, 3 * block_size + 5, 300]
-    run_and_check(lens, 16, 64, 16, block_size, 1, dtype, SMALL_TILES, 3,
-                  kv_cache_dtype=torch.float8_e4m3fn)
-    run_and_check(lens, 16, 64, 16, block_size, 2, dtype, kv_cache_dtype=torch.float8_e4m3fn)
-
-
-def test_bfloat16_queries_over_an_fp8_cache_take_float16_dots() -> None:
-    """The plan runs a bfloat16 q over an FP8 cache with float16 dots (one conversion
-    instruction per two FP8 values); q is rounded to float16 once, so the output is held to
-    bfloat16's bounds against the float32 reference of the same cache (on CPU too: the
-    interpreter's float16 dots are faithful)."""
-    plan = plan_mla_decode(4, 512, 16, 1, 64, 16, torch.bfloat16, NUM_SMS, 16,
-                           kv_cache_dtype=torch.float8_e4m3fn)
-    assert plan.fp16_dots and "fp16-dots" in describe(plan)
-    assert not plan_mla_decode(4, 512, 16, 1, 64, 16, torch.bfloat16, NUM_SMS, 16).fp16_dots
-    lens = [0, 1, 15, 53, 300]
-    run_and_check(lens, 16, 64, 16, 16, 1, torch.bfloat16, SMALL_TILES, 3,
-                  kv_cache_dtype=torch.float8_e4m3fn)
-
-
-@pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["same", "fp8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_dtype_id)
-def test_latent_in_column_chunks(dtype: torch.dtype, kv_cache_dtype: torch.dtype | None) -> None:
-    """latent_chunks = 4: q, each KV tile and the accumulator as 4 column chunks of the latent
-    (batched dots over the chunks), with q_len 2 and several splits, against the float32
-    reference; a chunk computed with another chunk's columns, or a dropped chunk, fails."""
-    config = dataclasses.replace(SMALL_TILES, latent_chunks=4)
-    lens = [0, 1, 15, 53, 300]
-    run_and_check(lens, 16, 64, 16, 16, 2, dtype, config, 3, kv_cache_dtype=kv_cache_dtype)
-    with pytest.raises(ValueError, match="latent_chunks 8 must leave chunks of at least 16"):
-        plan_mla_decode(1, 64, 16, 1, 64, 16, dtype, NUM_SMS, 16,
-                        config=dataclasses.replace(SMALL_TILES, latent_chunks=8))
-    with pytest.raises(ValueError, match="latent_chunks must be a power of two"):
-        dataclasses.replace(SMALL_TILES, latent_chunks=3)
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("num_heads", [1, 16, 128])
 def test_head_counts(num_heads: int, dtype: torch.dtype, num_splits: int) -> None:
     kv_lora_rank = 32 if num_heads == 128 else 64
@@ -184,7 +68,7 @@ def test_head_counts(num_heads: int, dtype: torch.dtype, num_splits: int) -> Non
 
 
 @pytest.mark.parametrize("tiling", ["small_tiles", "default"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("num_heads", [1, 16])
 @pytest.mark.parametrize("q_len", [1, 2, 4])
 def test_q_len_causal(q_len: int, num_heads: int, dtype: torch.dtype, tiling: str) -> None:
@@ -196,7 +80,7 @@ def test_q_len_causal(q_len: int, num_heads: int, dtype: torch.dtype, tiling: st
 
 
 @pytest.mark.parametrize("num_splits", [None, 5])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_long_and_short_together(dtype: torch.dtype, num_splits: int | None) -> None:
     # Splits are sized per request: the short ones leave most of theirs empty.
     run_and_check([1500, 7, 0, 300], 16, 64, 16, 64, 1, dtype, num_splits=num_splits, seed=5)
@@ -210,7 +94,7 @@ def test_any_split_count_is_exact(num_splits: int) -> None:
 
 @pytest.mark.parametrize("num_splits", [7, 20])
 @pytest.mark.parametrize("partial_dtype", ["float32", "input"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_empty_splits_never_read(dtype: torch.dtype, partial_dtype: str, num_splits: int) -> None:
     # Splits of >= 16 keys: the short requests leave most of theirs empty, and the merge (one
     # load per split up to 8 splits a chunk, one wide load above) must drop those without
@@ -415,7 +299,7 @@ def test_cuda_graph_capture_and_replay() -> None:
 
 @gpu_only
 @pytest.mark.parametrize("q_len", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dtype_id)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_deepseek_sizes(block_size: int, num_heads: int, dtype: torch.dtype, q_len: int) -> None:
@@ -434,7 +318,7 @@ def test_large_batch_defaults(block_size: int) -> None:
 
 
 @gpu_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dtype_id)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 4), (64, 2), (16, 2), (16, 1)])
 @pytest.mark.parametrize("block_size", [64, 128])
@@ -464,29 +348,7 @@ def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int]
                   seed=block_size + num_heads)
 
 
-@gpu_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dtype_id)
-@pytest.mark.parametrize("latent_chunks", [1, 4])
-@pytest.mark.parametrize("block_n", [16, 32])
-@pytest.mark.parametrize("q_len", [1, 2])
-def test_fp8_cache_tma_loads(q_len: int, block_n: int, latent_chunks: int,
-                             dtype: torch.dtype) -> None:
-    # An FP8 cache read by TMA into the 16-row Triton pass (2-d boxes, or 3-d [block_n, C,
-    # L / C] boxes with the latent in chunks), the partial last tile by masked loads, NaN in
-    # every page tail; held to dtype's bounds against the reference of the same cache.
-    lens = [4096, q_len, 1000, 3 * 1024 + 17, 128, 65, 63 + q_len]
-    config = dataclasses.replace(
-        default_config(16, q_len, 512, 64, dtype, len(lens), 8192, 64), tma_loads=True,
-        block_n=block_n, num_stages=4, latent_chunks=latent_chunks)
-    planned = plan_mla_decode(len(lens), 8192, 16, q_len, 512, 64, dtype, NUM_SMS, 64,
-                              config=config, capability=CAPABILITY,
-                              kv_cache_dtype=torch.float8_e4m3fn)
-    assert planned.tma_loads == (CAPABILITY >= (9, 0))
-    run_and_check(lens, 16, 512, 64, 64, q_len, dtype, config, 3, seed=block_n + q_len,
-                  kv_cache_dtype=torch.float8_e4m3fn)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_dtype_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
 def test_balanced_splits_give_long_requests_more_of_the_grid(dtype: torch.dtype) -> None:
     """The "balanced" policy plans a grid of BALANCED_HEADROOM x the uniform split count S; on
     the device each split is at least the batch's keys over B x S long. A ragged batch's long

@@ -6,9 +6,9 @@
 - `common.py`: the kernel names, constants and host-side split arithmetic; `splits.py`: the
   same arithmetic on the device, shared by both split passes.
 - `launch.py`: `mla_decode_triton`, which checks the inputs and launches what the plan names.
-- `triton_split.py`: the Triton split pass and the log-sum-exp merge kernel (any GPU, and the
-  CPU interpreter); `gluon_sm90.py` (+ `gluon_sm90_tiles.py`): the warp-specialised sm_90 split
-  pass; `gluon_sm90_aot.py`: compiling it for sm_90 without a GPU.
+- `triton_split.py`: the Triton split pass, `merge.py`: the log-sum-exp merge kernel (any GPU,
+  and the CPU interpreter); `gluon_sm90.py` (+ `gluon_sm90_tiles.py`): the warp-specialised
+  sm_90 split pass; `gluon_sm90_aot.py`: compiling it for sm_90 without a GPU.
 
 Importing this package imports no Triton: the plan lives here, the kernels in their modules.
 """

@@ -1,9 +1,9 @@
 """Warp-specialised split pass of the paged MLA decode for 64-row programs on sm_90 (Gluon).
 
 The same problem, split arithmetic (`splits.split_bounds`) and output layout as
-`_mla_decode_split_kernel` in `triton_split.py` (whose merge kernel finishes the job, launched
-by `launch.py` where the plan names `GLUON_SM90`), for 64 query rows per program (128
-heads, or 16 heads x q_len 2-4 padded to 64 rows) with kv_lora_rank 512 and 16-bit data.
+`_mla_decode_split_kernel` in `triton_split.py` (the merge kernel of `merge.py` finishes the
+job, launched by `launch.py` where the plan names `GLUON_SM90`), for 64 query rows per program
+(128 heads, or 16 heads x q_len 2-4 padded to 64 rows) with kv_lora_rank 512 and 16-bit data.
 Triton's pipeliner keeps a 64-row program's two warpgroups in lockstep and leaves the tensor
 cores idle during the softmax; here the work is laid out by hand, in three partitions:
 

@@ -8,7 +8,7 @@ synchronises with the device.
 
 import torch
 
-from mlaserve.kernels.mla_decode import triton_split
+from mlaserve.kernels.mla_decode import merge, triton_split
 from mlaserve.kernels.mla_decode.common import GLUON_SM90, LOG2E
 from mlaserve.kernels.mla_decode.plan import MLADecodePlan, partial_dtype_of
 
@@ -138,7 +138,7 @@ def mla_decode_triton(
         triton_split.launch_split(plan, q, kv_cache, block_table, seq_lens, partial_o,
                                   partial_lse, qk_scale, kv_lora_rank, q_len)
     if num_splits > 1:
-        triton_split.launch_merge(plan, partial_o, partial_lse, o, lse, batch, rows, kv_lora_rank)
+        merge.launch_merge(plan, partial_o, partial_lse, o, lse, batch, rows, kv_lora_rank)
     return o, lse
 
 

@@ -1,0 +1,98 @@
+"""The Triton decode kernel over FP8 (float8_e4m3fn) latent caches, and with the latent in
+column chunks (`MLADecodeConfig.latent_chunks`), against the float32 reference that reads the
+same cache (DESIGN §5). Without a CUDA GPU in Triton's CPU interpreter (float32 and float16);
+every batch poisons unused pages and page tails with NaN.
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
+    default_config,
+    describe,
+    plan_mla_decode,
+)
+from tests.kernels.decode_util import (  # noqa: E402
+    CAPABILITY,
+    DTYPES,
+    NUM_SMS,
+    ON_GPU,
+    SMALL_TILES,
+    dtype_id,
+    gpu_only,
+    run_and_check,
+)
+
+pytestmark = pytest.mark.skipif(
+    not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_fp8_cache_matches_the_reference_of_the_same_cache(block_size: int,
+                                                           dtype: torch.dtype) -> None:
+    """An FP8 (float8_e4m3fn) cache read with queries in dtype: every FP8 value is exact in
+    dtype, so the kernel is held to dtype's own bounds against the float32 reference that
+    dequantizes the same cache (NaN page tails and stale pages included)."""
+    lens = [0, 1, block_size - 1, 3 * block_size + 5, 300]
+    run_and_check(lens, 16, 64, 16, block_size, 1, dtype, SMALL_TILES, 3,
+                  kv_cache_dtype=torch.float8_e4m3fn)
+    run_and_check(lens, 16, 64, 16, block_size, 2, dtype, kv_cache_dtype=torch.float8_e4m3fn)
+
+
+def test_bfloat16_queries_over_an_fp8_cache_take_float16_dots() -> None:
+    """The plan runs a bfloat16 q over an FP8 cache with float16 dots (one conversion
+    instruction per two FP8 values); q is rounded to float16 once, so the output is held to
+    bfloat16's bounds against the float32 reference of the same cache (on CPU too: the
+    interpreter's float16 dots are faithful)."""
+    plan = plan_mla_decode(4, 512, 16, 1, 64, 16, torch.bfloat16, NUM_SMS, 16,
+                           kv_cache_dtype=torch.float8_e4m3fn)
+    assert plan.fp16_dots and "fp16-dots" in describe(plan)
+    assert not plan_mla_decode(4, 512, 16, 1, 64, 16, torch.bfloat16, NUM_SMS, 16).fp16_dots
+    lens = [0, 1, 15, 53, 300]
+    run_and_check(lens, 16, 64, 16, 16, 1, torch.bfloat16, SMALL_TILES, 3,
+                  kv_cache_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["same", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
+def test_latent_in_column_chunks(dtype: torch.dtype, kv_cache_dtype: torch.dtype | None) -> None:
+    """latent_chunks = 4: q, each KV tile and the accumulator as 4 column chunks of the latent
+    (batched dots over the chunks), with q_len 2 and several splits, against the float32
+    reference; a chunk computed with another chunk's columns, or a dropped chunk, fails."""
+    config = dataclasses.replace(SMALL_TILES, latent_chunks=4)
+    lens = [0, 1, 15, 53, 300]
+    run_and_check(lens, 16, 64, 16, 16, 2, dtype, config, 3, kv_cache_dtype=kv_cache_dtype)
+    with pytest.raises(ValueError, match="latent_chunks 8 must leave chunks of at least 16"):
+        plan_mla_decode(1, 64, 16, 1, 64, 16, dtype, NUM_SMS, 16,
+                        config=dataclasses.replace(SMALL_TILES, latent_chunks=8))
+    with pytest.raises(ValueError, match="latent_chunks must be a power of two"):
+        dataclasses.replace(SMALL_TILES, latent_chunks=3)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("latent_chunks", [1, 4])
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_fp8_cache_tma_loads(q_len: int, block_n: int, latent_chunks: int,
+                             dtype: torch.dtype) -> None:
+    # An FP8 cache read by TMA into the 16-row Triton pass (2-d boxes, or 3-d [block_n, C,
+    # L / C] boxes with the latent in chunks), the partial last tile by masked loads, NaN in
+    # every page tail; held to dtype's bounds against the reference of the same cache.
+    lens = [4096, q_len, 1000, 3 * 1024 + 17, 128, 65, 63 + q_len]
+    config = dataclasses.replace(
+        default_config(16, q_len, 512, 64, dtype, len(lens), 8192, 64), tma_loads=True,
+        block_n=block_n, num_stages=4, latent_chunks=latent_chunks)
+    planned = plan_mla_decode(len(lens), 8192, 16, q_len, 512, 64, dtype, NUM_SMS, 64,
+                              config=config, capability=CAPABILITY,
+                              kv_cache_dtype=torch.float8_e4m3fn)
+    assert planned.tma_loads == (CAPABILITY >= (9, 0))
+    run_and_check(lens, 16, 512, 64, 64, q_len, dtype, config, 3, seed=block_n + q_len,
+                  kv_cache_dtype=torch.float8_e4m3fn)
