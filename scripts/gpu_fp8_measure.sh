@@ -30,7 +30,8 @@ cells="--heads 16 --batch-sizes 64,128,512 --kv-lens 4096 --block-sizes 64 --bac
 case $stage in
   tests)
     timeout 540 python3 -m pytest -m gpu -n 8 -q -rs -p no:cacheprovider \
-      tests/kernels/test_mla_decode.py tests/kernels/test_fp8_gemm.py \
+      tests/kernels/test_mla_decode.py tests/kernels/test_mla_decode_fp8.py \
+      tests/kernels/test_fp8_gemm.py \
       tests/test_fp8_weights.py tests/test_fp8_weight_only_gemm.py tests/test_fused_moe_fp8.py \
       tests/test_fp8_kv_cache.py > "$out/gpu_tests.log" 2>&1
     tail -3 "$out/gpu_tests.log" ;;
