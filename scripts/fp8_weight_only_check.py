@@ -4,7 +4,8 @@ configuration swept, so that `WEIGHT_ONLY_MAX_ROWS` and `weight_only_tiles` can 
 run.
 
 Usage (GPU): python3 scripts/fp8_weight_only_check.py [--shapes 2112x7168,24576x1536,...]
-    [--tokens 1,16,32,64,128] [--block-n 16,32,64] [--stages 3,4,5] [--warps 2,4]
+    [--tokens 1,16,32,64,128] [--block-n 16,32,64] [--k-blocks 1,4] [--stages 3,4,5]
+    [--warps 2,4]
     [--repeats 10] [--out FILE.json]
 
 Per weight shape N x K: a random bf16 weight (randn * 0.02), quantized per 128x128 block as the
@@ -20,7 +21,8 @@ own):
   stages, 4 warps);
 - `w8a8`: `block_fp8_w8a8`, the path `block_fp8_linear` runs past `WEIGHT_ONLY_MAX_ROWS`: the
   per-token-group quantization of x plus the product (cuBLASLt where it takes the shape);
-- `best`: the fastest of the swept configurations (block_n x num_stages x num_warps), named.
+- `best`: the fastest of the swept configurations (block_n x k_blocks x num_stages x
+  num_warps), named.
 The table gives microseconds, speed-ups over bf16 (above 1: faster than bf16) and the weight
 bytes per second of the w8a16 default and of the best configuration, beside the device's copy
 rate measured in the same run.
@@ -59,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shapes", default=V3_SHAPES, help="comma list of NxK weight shapes")
     parser.add_argument("--tokens", default="1,16,32,64,128", help="comma list of token counts M")
     parser.add_argument("--block-n", default="16,32,64", help="swept BLOCK_N (16, 32, 64)")
+    parser.add_argument("--k-blocks", default="1,4", help="swept K blocks per step (1-8)")
     parser.add_argument("--stages", default="3,4,5", help="swept num_stages")
     parser.add_argument("--warps", default="2,4", help="swept num_warps")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
@@ -100,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     copy_rate = ceilings.copy_bytes_per_s / 1e9
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2_bytes >> 20} MiB, copy rate "
           f"{copy_rate:.0f} GB/s (read + write); WEIGHT_ONLY_MAX_ROWS = {WEIGHT_ONLY_MAX_ROWS}")
-    sweep = list(itertools.product(_ints(args.block_n), _ints(args.stages), _ints(args.warps)))
+    sweep = list(itertools.product(_ints(args.block_n), _ints(args.k_blocks), _ints(args.stages),
+                                   _ints(args.warps)))
     print(f"{'N x K':>12} {'M':>4} {'path':>11}  {'bf16 us':>8} {'w8a16 us':>8} {'w8a8 us':>8} "
-          f"{'best us':>8} {'best (bn,st,wp)':>15}  {'x w8a16':>7} {'x w8a8':>6} {'x best':>6}  "
+          f"{'best us':>8} {'best (bn,kb,st,wp)':>18}  {'x w8a16':>7} {'x w8a8':>6} {'x best':>6}  "
           f"{'GB/s':>5} {'best':>5}  {'tiles':>7}  rel err", flush=True)
     rows, failed = [], False
     for shape in args.shapes.split(","):
@@ -130,14 +134,15 @@ def main(argv: list[str] | None = None) -> int:
             w8a8 = _time([partial(block_fp8_w8a8, x, w, w_scales, cublas=cublas)
                           for w in w_fp8s], args.repeats)
             swept = {}
-            for block_n, num_stages, num_warps in sweep:
-                config = dict(block_n=block_n, num_stages=num_stages, num_warps=num_warps)
+            for block_n, k_blocks, num_stages, num_warps in sweep:
+                config = dict(block_n=block_n, k_blocks=k_blocks, num_stages=num_stages,
+                              num_warps=num_warps)
                 err = _rel_err(fp8_weight_only_matmul(x, w_fp8, w_scales, **config), want)
                 if err > WEIGHT_ONLY_REL_ERR:
                     print(f"  FAIL {shape} M={rows_m} {config}: rel err {err:.1e}")
                     failed = True
                     continue
-                swept[(block_n, num_stages, num_warps)] = _time(
+                swept[(block_n, k_blocks, num_stages, num_warps)] = _time(
                     [partial(fp8_weight_only_matmul, x, w, w_scales, **config) for w in w_fp8s],
                     args.repeats)
             best_config = min(swept, key=swept.get, default=None)
@@ -149,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                 bf16_us=bf16 * 1e6, w8a16_us=w8a16 * 1e6, w8a8_us=w8a8 * 1e6,
                 w8a8_cublas=cublas, best_us=best * 1e6, best_config=best_config,
                 default_tiles=tiles, rel_err=rel_err,
-                sweep_us={f"{bn},{st},{wp}": t * 1e6 for (bn, st, wp), t in swept.items()}))
+                sweep_us={",".join(map(str, key)): t * 1e6 for key, t in swept.items()}))
             best_text = ",".join(map(str, best_config)) if best_config else "-"
             print(f"{shape:>12} {rows_m:4} {path:>11}  {bf16 * 1e6:8.1f} {w8a16 * 1e6:8.1f} "
-                  f"{w8a8 * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>15}  {bf16 / w8a16:7.2f} "
+                  f"{w8a8 * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>18}  {bf16 / w8a16:7.2f} "
                   f"{bf16 / w8a8:6.2f} {bf16 / best:6.2f}  {weight_bytes / w8a16 / 1e9:5.0f} "
                   f"{weight_bytes / best / 1e9:5.0f}  {tiles[0]:3}x{tiles[1]:<3}  {rel_err:.1e}"
                   f"{'  FAIL' if rel_err > WEIGHT_ONLY_REL_ERR else ''}", flush=True)

@@ -54,7 +54,7 @@ case $stage in
     done
     grep -hE "^\s*triton" "$out"/decode-*.log ;;
   gemm)
-    timeout 200 python3 scripts/fp8_weight_only_check.py --stages 3,4,6,8 \
+    timeout 300 python3 scripts/fp8_weight_only_check.py --stages 3,4,6 --warps 4 \
       --out "$out/weight_only.json" > "$out/weight_only.log" 2>&1
     for run in $(seq "$runs"); do
       timeout 100 python3 -m mlaserve bench gemm --models deepseek-v3 \

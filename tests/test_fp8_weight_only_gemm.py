@@ -71,16 +71,18 @@ def test_matches_the_dequantized_product(dtype: torch.dtype, rows: int, out_feat
     assert _error(y, x.float() @ dequantize_block_fp8(weight, wrong).T) > 10 * TOLERANCES[dtype]
 
 
-@pytest.mark.parametrize("block_n", [16, 32, 64])
-def test_every_tile_width_gives_the_same_product(block_n: int) -> None:
+@pytest.mark.parametrize("block_n,k_blocks", [(16, 1), (32, 2), (64, 1), (16, 4)])
+def test_every_tiling_gives_the_same_product(block_n: int, k_blocks: int) -> None:
     """The tuning knobs change the tiling, not the result (float32, N = 200 ragged at every
-    width)."""
+    width; K = 640 is 5 blocks, so 2 and 4 blocks a step end in a step past the last block)."""
     gen = torch.Generator().manual_seed(block_n)
-    weight, scale_inv = quantize_block_fp8(torch.randn(200, 384, generator=gen) * 0.05)
-    x = torch.randn(3, 384, generator=gen)
+    weight, scale_inv = quantize_block_fp8(torch.randn(200, 640, generator=gen) * 0.05)
+    scale_inv *= 1 + torch.rand(scale_inv.shape, generator=gen)  # a distinct scale per block
+    x = torch.randn(3, 640, generator=gen)
     want = x @ dequantize_block_fp8(weight, scale_inv).T
     y = fp8_weight_only_matmul(x.to(DEVICE), weight.to(DEVICE), scale_inv.to(DEVICE),
-                               block_n=block_n, num_stages=3, num_warps=2).cpu()
+                               block_n=block_n, k_blocks=k_blocks, num_stages=3,
+                               num_warps=2).cpu()
     assert _error(y, want) <= TOLERANCES[torch.float32]
 
 
@@ -88,6 +90,8 @@ def test_refuses_bad_operands() -> None:
     weight, scale_inv = quantize_block_fp8(torch.randn(256, 256))
     with pytest.raises(ValueError, match="does not cover"):
         fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv[:1])
+    with pytest.raises(ValueError, match="k_blocks must be 1, 2, 4 or 8"):
+        fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, k_blocks=3)
     with pytest.raises(ValueError, match="block_n"):
         fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, block_n=128)
     with pytest.raises(ValueError, match="bfloat16, float16 or float32"):

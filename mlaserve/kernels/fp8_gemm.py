@@ -190,7 +190,8 @@ def _fp8_weight_only_matmul_kernel(
     stride_xm, stride_xk, stride_wn, stride_ym, stride_ws,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # 16, 32 or 64, a divisor of 128: one weight scale row per tile
-    BLOCK_K: tl.constexpr,  # 128: one scale column per K step
+    BLOCK_K: tl.constexpr,  # 128: one scale column per K block
+    K_BLOCKS: tl.constexpr,  # K blocks per loop step (more weight bytes in flight per stage)
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 x (16-bit operands ignore it)
 ):
     pid_m = tl.program_id(0)
@@ -201,18 +202,23 @@ def _fp8_weight_only_matmul_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     scale_row = (pid_n * BLOCK_N) // 128
+    num_k_blocks = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_block in range(0, tl.cdiv(K, BLOCK_K)):  # pipelined by the launch's num_stages
-        cols = k_block * BLOCK_K + offs_k
-        k_mask = cols < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + cols[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK] FP8
-        w_scale = tl.load(w_scale_ptr + scale_row * stride_ws + k_block)
-        partial = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION,
-                         out_dtype=tl.float32)  # [BM, BN]
-        acc += partial * w_scale
+    # pipelined by the launch's num_stages: each stage holds K_BLOCKS weight tiles
+    for first in range(0, num_k_blocks, K_BLOCKS):
+        for step in tl.static_range(K_BLOCKS):
+            k_block = first + step
+            cols = k_block * BLOCK_K + offs_k
+            k_mask = cols < K  # also off for a K block past the last
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + cols[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK] FP8
+            w_scale = tl.load(w_scale_ptr + scale_row * stride_ws + k_block,
+                              mask=k_block < num_k_blocks, other=0.0)
+            partial = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION,
+                             out_dtype=tl.float32)  # [BM, BN]
+            acc += partial * w_scale
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -236,7 +242,8 @@ def weight_only_tiles(rows: int, out_features: int, num_sms: int = HOPPER_SMS
 
 def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
                            weight_scale_inv: torch.Tensor, *, block_n: int | None = None,
-                           num_stages: int = 4, num_warps: int = 4) -> torch.Tensor:
+                           k_blocks: int = 1, num_stages: int = 4,
+                           num_warps: int = 4) -> torch.Tensor:
     """y [M, N] = x @ dequant(weight, weight_scale_inv)^T in x's dtype (w8a16, one launch).
 
         y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j]
@@ -252,8 +259,10 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
         weight: [N, K] float8_e4m3fn (any row stride), weight_scale_inv
             [ceil(N / 128), ceil(K / 128)] float32 (DeepSeek's checkpoint layout).
         block_n: columns per program, 16, 32 or 64 (default: `weight_only_tiles`);
+            k_blocks: 128-wide K blocks per step of the K loop (a pipeline stage holds that
+            many weight tiles, so more of the weight is in flight per program);
             num_stages, num_warps: the launch's (software pipelining depth of the K loop,
-            warps per program); these three are for tuning.
+            warps per program); these four are for tuning.
     """
     rows, cols = x.shape
     out_features = weight.shape[0]
@@ -270,12 +279,14 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
     block_n = default_block_n if block_n is None else block_n
     if block_n not in (16, 32, 64):
         raise ValueError(f"block_n must be 16, 32 or 64, not {block_n}")
+    if k_blocks not in (1, 2, 4, 8):
+        raise ValueError(f"k_blocks must be 1, 2, 4 or 8, not {k_blocks}")
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))
     _fp8_weight_only_matmul_kernel[grid](
         x, weight, y, weight_scale_inv, rows, out_features, cols,
         x.stride(0), x.stride(1), weight.stride(0), y.stride(0), weight_scale_inv.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, K_BLOCKS=k_blocks,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
     return y
