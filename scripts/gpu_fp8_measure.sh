@@ -4,21 +4,22 @@
 #
 # Stages, in the order to run them (correctness before timing):
 #   tests        the GPU tests of the FP8 GEMMs, Linears, MoE, the FP8 cache and the decode
-#                kernel (its FP8 TMA tiles and latent chunks included), 8 workers
+#                kernels (the Gluon FP8 pass, FP8 TMA tiles, latent chunks), 8 workers
 #   decode-sweep the FP8-cache decode cells (16 heads x batch 64/128/512 x kv 4096, pages of
-#                64) with TMA tiles, latent chunks, tile sizes and stages swept beside the
-#                plan's choice; the bf16 cache with the same variants (one process each)
-#   decode       the same cells, bf16 and FP8 caches, the plan's choice plus VARIANT (a sweep
-#                spec, default the split-latent TMA candidate), in RUNS processes
+#                64): the Gluon FP8 pass (tiles, stages), then the Triton pass with TMA tiles,
+#                latent chunks, tile sizes and stages, beside the plan's choice; the bf16
+#                cache with the Triton variants (one process each)
+#   decode       the same cells, bf16 and FP8 caches, the plan's choice plus VARIANT, in RUNS
+#                processes
 #   gemm         the weight-only product against bf16 and w8a8 at 1-128 tokens (with its
 #                configuration sweep), then `mlaserve bench gemm` on V3's shapes, RUNS processes
 #   serve        the V3 config with 8 layers, FP8 dummy weights, served with a bf16 and an FP8
 #                cache (scripts/gpu_serve_bench.sh, RUNS server processes each; RUNS defaults
 #                to 1 here, as three would pass 10 minutes: repeat the stage into other dirs)
-# env: RUNS=3, VARIANT='tma_loads=1 latent_chunks=4 block_n=16 num_stages=4'
+# env: RUNS=3, VARIANT (a --sweep spec, default 'gluon_fp8=1 block_n=32 num_stages=3')
 set -uo pipefail
 stage=${1:?stage}; out=${2:?out dir}; runs=${RUNS:-3}
-variant=${VARIANT:-"tma_loads=1 latent_chunks=4 block_n=16 num_stages=4"}
+variant=${VARIANT:-"gluon_fp8=1 block_n=32 num_stages=3"}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/gpu-site .whl/*.whl || exit 1
@@ -31,6 +32,7 @@ case $stage in
   tests)
     timeout 540 python3 -m pytest -m gpu -n 8 -q -rs -p no:cacheprovider \
       tests/kernels/test_mla_decode.py tests/kernels/test_mla_decode_fp8.py \
+      tests/kernels/test_mla_decode_gluon_fp8.py \
       tests/kernels/test_fp8_gemm.py \
       tests/test_fp8_weights.py tests/test_fp8_weight_only_gemm.py tests/test_fused_moe_fp8.py \
       tests/test_fp8_kv_cache.py > "$out/gpu_tests.log" 2>&1
@@ -38,10 +40,13 @@ case $stage in
   decode-sweep)
     sweep="tma_loads=1 latent_chunks=1,4 block_n=16,32 num_stages=4,6"
     # shellcheck disable=SC2086
-    timeout 280 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 --sweep "$sweep" \
+    timeout 200 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 \
+      --sweep "gluon_fp8=1 block_n=32,64 num_stages=2,3,4" > "$out/decode_sweep_gluon.log" 2>&1
+    # shellcheck disable=SC2086
+    timeout 200 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 --sweep "$sweep" \
       > "$out/decode_sweep_fp8.log" 2>&1
     # shellcheck disable=SC2086
-    timeout 280 python3 -m mlaserve bench kernel $cells --sweep "$sweep" \
+    timeout 160 python3 -m mlaserve bench kernel $cells --sweep "$sweep" \
       > "$out/decode_sweep_bf16.log" 2>&1
     grep -E "^\s*triton" "$out"/decode_sweep_*.log | sort -k4 -n | head -40 ;;
   decode)

@@ -28,6 +28,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from mlaserve.kernels.mla_decode import merge, triton_split  # noqa: E402
+from mlaserve.kernels.mla_decode.common import GLUON_SM90_FP8  # noqa: E402
+from mlaserve.kernels.mla_decode.gluon_sm90_aot import compile_fp8_for_sm90  # noqa: E402
 from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     MLADecodePlan,
     default_config,
@@ -52,11 +54,14 @@ SHAPES = [(16, 1, 1, 8192, 64), (16, 1, 64, 4096, 64), (16, 1, 512, 4096, 32),
           (16, 2, 64, 4096, 64), (16, 4, 64, 4096, 64), (128, 1, 1, 8192, 64),
           (128, 1, 64, 4096, 64)]
 # Variants of the plan's configuration at 16 heads x batch 64 x kv 4096, pages of 64: the
-# 2-d and split-latent passes with TMA tiles, over an FP8 and a bf16 cache.
+# 2-d and split-latent passes with TMA tiles, over an FP8 and a bf16 cache, and the Gluon
+# pass over FP8 caches.
 VARIANTS = [dict(), dict(tma_loads=True), dict(tma_loads=True, latent_chunks=4, block_n=16,
                                                num_stages=4),
             dict(tma_loads=True, latent_chunks=4, block_n=16, num_stages=6),
-            dict(tma_loads=True, latent_chunks=4, block_n=32, num_stages=4)]
+            dict(tma_loads=True, latent_chunks=4, block_n=32, num_stages=4),
+            dict(gluon_fp8=True, block_n=32, num_stages=3),
+            dict(gluon_fp8=True, block_n=64, num_stages=2)]
 
 
 def resources(cubin: bytes) -> str:
@@ -159,7 +164,13 @@ def cache_variants() -> None:
                                         64), **changes)
         plan = plan_mla_decode(64, 4096, 16, 1, KV_LORA_RANK, ROPE_DIM, torch.bfloat16, 132, 64,
                                config=config, capability=(9, 0), kv_cache_dtype=kv_dtype)
-        compiled = compile_split(plan, 64, 1, cache, plan.tma_loads)
+        if plan.kernel == GLUON_SM90_FP8:
+            compiled = compile_fp8_for_sm90(block_n=config.block_n,
+                                            num_stages=config.num_stages)
+        elif changes.get("gluon_fp8"):
+            continue  # the FP8 pass reads FP8 caches only
+        else:
+            compiled = compile_split(plan, 64, 1, cache, plan.tma_loads)
         mix = tile_loop_mix(compiled.asm["cubin"])
         per_token = mix["instructions"] / config.block_n
         print(f"{cache:7} {describe(plan):80} | {resources(compiled.asm['cubin'])}  shared "

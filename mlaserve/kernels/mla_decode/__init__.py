@@ -8,12 +8,13 @@
 - `launch.py`: `mla_decode_triton`, which checks the inputs and launches what the plan names.
 - `triton_split.py`: the Triton split pass, `merge.py`: the log-sum-exp merge kernel (any GPU,
   and the CPU interpreter); `gluon_sm90.py` (+ `gluon_sm90_tiles.py`): the warp-specialised
-  sm_90 split pass; `gluon_sm90_aot.py`: compiling it for sm_90 without a GPU.
+  sm_90 split pass; `gluon_sm90_fp8.py`: the sm_90 split pass over FP8 caches (16 rows);
+  `gluon_sm90_aot.py`: compiling both for sm_90 without a GPU.
 
 Importing this package imports no Triton: the plan lives here, the kernels in their modules.
 """
 
-from mlaserve.kernels.mla_decode.common import GLUON_SM90, KERNELS, TRITON_SPLIT
+from mlaserve.kernels.mla_decode.common import GLUON_SM90, GLUON_SM90_FP8, KERNELS, TRITON_SPLIT
 from mlaserve.kernels.mla_decode.plan import (
     MLADecodeConfig,
     MLADecodePlan,
@@ -23,5 +24,5 @@ from mlaserve.kernels.mla_decode.plan import (
     plan_mla_decode,
 )
 
-__all__ = ["GLUON_SM90", "KERNELS", "TRITON_SPLIT", "MLADecodeConfig", "MLADecodePlan",
-           "alloc_workspace", "default_config", "describe", "plan_mla_decode"]
+__all__ = ["GLUON_SM90", "GLUON_SM90_FP8", "KERNELS", "TRITON_SPLIT", "MLADecodeConfig",
+           "MLADecodePlan", "alloc_workspace", "default_config", "describe", "plan_mla_decode"]

@@ -19,7 +19,9 @@ import torch
 # Names of the split-pass kernels a plan can choose (`MLADecodePlan.kernel`).
 TRITON_SPLIT = "triton_split"  # `triton_split._mla_decode_split_kernel`, any CUDA GPU or CPU
 GLUON_SM90 = "gluon_sm90"  # `gluon_sm90._mla_decode_split_kernel_sm90`, sm_90 only
-KERNELS = (TRITON_SPLIT, GLUON_SM90)
+# `gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8`, sm_90 and an FP8 cache only
+GLUON_SM90_FP8 = "gluon_sm90_fp8"
+KERNELS = (TRITON_SPLIT, GLUON_SM90, GLUON_SM90_FP8)
 
 LOG2E = 1.4426950408889634  # scores are computed in base 2: qk_scale = softmax_scale * LOG2E
 MAX_MERGE_CHUNK = 64  # most splits the merge kernel reads in one load
@@ -27,6 +29,8 @@ MAX_MERGE_CHUNK = 64  # most splits the merge kernel reads in one load
 GLUON_BLOCK_M = 64  # query rows per program of the Gluon pass
 GLUON_SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90
 _GLUON_DTYPES = (torch.bfloat16, torch.float16)
+GLUON_FP8_ROWS = 16  # query rows per program of the FP8 Gluon pass
+GLUON_FP8_CHUNK = 128  # latent columns per chunk of the FP8 Gluon pass (4 chunks: L = 512)
 
 
 def next_pow2(value: int) -> int:
@@ -61,6 +65,30 @@ def gluon_serves(capability: tuple[int, int] | None, dtype: torch.dtype, kv_lora
             <= GLUON_SHARED_MEMORY_LIMIT)
 
 
+def gluon_fp8_shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int,
+                                  num_stages: int) -> int:
+    """Shared memory of the FP8 Gluon pass: num_stages FP8 tiles [block_n, L + R], their
+    float16 copy, Q [16, L + R] in float16, the scratch of P's layout change [16, block_n]
+    float16, and 64 bytes for the barriers."""
+    head_dim = kv_lora_rank + rope_dim
+    return (head_dim * (num_stages * block_n + 2 * block_n + 2 * GLUON_FP8_ROWS)
+            + 2 * GLUON_FP8_ROWS * block_n + 64)
+
+
+def gluon_fp8_serves(capability: tuple[int, int] | None, dtype: torch.dtype,
+                     cache_dtype: torch.dtype, rows: int, kv_lora_rank: int, rope_dim: int,
+                     block_n: int, num_stages: int, block_size: int) -> bool:
+    """Whether the FP8 Gluon pass serves the shape: sm_90, 16-bit q over a float8_e4m3fn
+    cache, at most 16 query rows, L = 4 x 128, R = 64, tiles of 16-64 tokens within a page,
+    2 or more tiles in the ring, within the shared memory of a block."""
+    return (capability == (9, 0) and dtype in _GLUON_DTYPES
+            and cache_dtype == torch.float8_e4m3fn and rows <= GLUON_FP8_ROWS
+            and kv_lora_rank == 4 * GLUON_FP8_CHUNK and rope_dim == 64
+            and block_n in (16, 32, 64) and block_n <= block_size and num_stages >= 2
+            and gluon_fp8_shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages)
+            <= GLUON_SHARED_MEMORY_LIMIT)
+
+
 @functools.cache
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) compute capability of a CUDA device; None off CUDA."""
@@ -69,6 +97,7 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability(device))
 
 
-__all__ = ["GLUON_BLOCK_M", "GLUON_SHARED_MEMORY_LIMIT", "GLUON_SM90", "KERNELS", "LOG2E",
-           "MAX_MERGE_CHUNK", "TRITON_SPLIT", "device_capability", "gluon_serves",
-           "gluon_shared_memory_bytes", "next_pow2", "whole_tiles"]
+__all__ = ["GLUON_BLOCK_M", "GLUON_FP8_CHUNK", "GLUON_FP8_ROWS", "GLUON_SHARED_MEMORY_LIMIT",
+           "GLUON_SM90", "GLUON_SM90_FP8", "KERNELS", "LOG2E", "MAX_MERGE_CHUNK", "TRITON_SPLIT",
+           "device_capability", "gluon_fp8_serves", "gluon_fp8_shared_memory_bytes",
+           "gluon_serves", "gluon_shared_memory_bytes", "next_pow2", "whole_tiles"]

@@ -1,6 +1,7 @@
-"""Compile the sm_90 Gluon split pass (`gluon_sm90`) without a GPU, through Triton's bundled
-ptxas and with the argument specialisation a launch gets: for resource checks (registers,
-spills, shared memory, instruction mix) in CPU tests and scripts/kernel_resources.py."""
+"""Compile the sm_90 Gluon split passes (`gluon_sm90`, `gluon_sm90_fp8`) without a GPU, through
+Triton's bundled ptxas and with the argument specialisation a launch gets: for resource checks
+(registers, spills, shared memory, instruction mix) in CPU tests and
+scripts/kernel_resources.py."""
 
 import functools
 
@@ -62,4 +63,37 @@ def compile_for_sm90(
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
 
 
-__all__ = ["compile_for_sm90"]
+def compile_fp8_for_sm90(
+    dtype: torch.dtype = torch.bfloat16,
+    rope_dim: int = 64,
+    block_n: int = 32,
+    num_stages: int = 3,
+    block_size: int = 64,
+    direct_output: bool = False,
+):
+    """The FP8-cache pass (`gluon_sm90_fp8`) compiled for sm_90, q in dtype, 16-bit partials
+    in float32 (or the final output in dtype); returns Triton's CompiledKernel."""
+    from mlaserve.kernels.mla_decode import gluon_sm90_fp8
+
+    kernel = gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8
+    type_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    chunk_layout, rope_layout = gluon_sm90_fp8.kv_layouts(block_n, rope_dim)
+    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output)
+    signature = {
+        "q_ptr": f"*{type_name}",
+        "kv_desc": f"tensordesc<fp8e4nv[{block_n}, {gluon_sm90_fp8.CHUNK}],{chunk_layout!r}>",
+        "pe_desc": f"tensordesc<fp8e4nv[{block_n}, {rope_dim}],{rope_layout!r}>",
+        "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "o_ptr": f"*{type_name if direct_output else 'fp32'}", "lse_ptr": "*fp32",
+        "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
+        "min_split_len": "i32", "stride_q_token": "i32", "stride_q_head": "i32",
+        "stride_bt": "i32"} | {name: "constexpr" for name in constexprs}
+    aligned = ["q_ptr", "block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_q_token",
+               "stride_q_head", "stride_bt"]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": gluon_sm90_fp8.NUM_WARPS})
+
+
+__all__ = ["compile_fp8_for_sm90", "compile_for_sm90"]

@@ -14,8 +14,10 @@ import torch
 from mlaserve.kernels.mla_decode import tuning
 from mlaserve.kernels.mla_decode.common import (
     GLUON_SM90,
+    GLUON_SM90_FP8,
     MAX_MERGE_CHUNK,
     TRITON_SPLIT,
+    gluon_fp8_serves,
     gluon_serves,
     next_pow2,
     whole_tiles,
@@ -59,6 +61,11 @@ class MLADecodeConfig:
             warpgroups in the seesaw schedule); num_warps does not apply.
         partial_dtype: element type of the split pass's partial outputs: "float32", or
             "input" (q's dtype when 16-bit).
+        gluon_fp8: on sm_90 with a 16-bit q over an FP8 cache, at most 16 query rows,
+            L = 512, R = 64 and tiles within a page, run the split pass as the Gluon kernel of
+            `gluon_sm90_fp8.py` (each FP8 tile converted once into a float16 shared tile that
+            both products read), block_n tokens a tile and num_stages FP8 tiles in its ring;
+            num_warps does not apply.
         latent_chunks: the Triton split pass holds the latent (L columns of q, of each KV
             tile and of the accumulator) as this many column chunks, each its own dot, so no
             operand of a whole [block_n, L] tile has to live in registers at once; a power of
@@ -80,6 +87,7 @@ class MLADecodeConfig:
     warp_specialized: bool = False
     partial_dtype: str = "float32"
     latent_chunks: int = 1
+    gluon_fp8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -105,7 +113,8 @@ class MLADecodePlan:
     """What one decode step launches; built by `plan_mla_decode` from host-side ints only.
 
     Attributes:
-        kernel: the split pass that runs: `TRITON_SPLIT` or `GLUON_SM90` (common.py).
+        kernel: the split pass that runs: `TRITON_SPLIT`, `GLUON_SM90` or `GLUON_SM90_FP8`
+            (common.py).
         tma_loads: the Triton split pass loads whole tiles by TMA (sm_90+, a 16-bit or FP8
             cache, tiles within a page, asked for by the config); the cache's pages must lie
             back to back.
@@ -333,6 +342,10 @@ def plan_mla_decode(
         config.num_stages, block_size)
     if gluon and not fp8_cache and not balance_splits:  # neither is in the Gluon pass
         kernel = GLUON_SM90
+    elif config.gluon_fp8 and not balance_splits and gluon_fp8_serves(
+            capability, dtype, cache_dtype, rows, kv_lora_rank, qk_rope_head_dim,
+            config.block_n, config.num_stages, block_size):
+        kernel = GLUON_SM90_FP8
     sm90_or_newer = capability is not None and capability >= (9, 0)
     tma_loads = (kernel == TRITON_SPLIT and config.tma_loads and sm90_or_newer
                  and cache_dtype.itemsize <= 2 and block_size >= config.block_n)
@@ -406,7 +419,7 @@ def describe(plan: MLADecodePlan) -> str:
     if plan.kernel == TRITON_SPLIT:
         parts.append(f"w{c.num_warps}")
     parts += [f"s{c.num_stages}", f"splits {plan.num_splits}"]
-    if c.latent_chunks > 1:
+    if c.latent_chunks > 1 and plan.kernel == TRITON_SPLIT:
         parts.append(f"latent/{c.latent_chunks}")
     if plan.num_splits > 1:
         balance = f" keys/{plan.balance_splits}" if plan.balance_splits else ""

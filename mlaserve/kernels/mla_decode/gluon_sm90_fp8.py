@@ -1,0 +1,297 @@
+"""Split pass of the paged MLA decode over an FP8 latent cache, for 16-row programs on sm_90
+(Gluon).
+
+The same problem, split arithmetic (`splits.split_bounds`) and output layout as
+`_mla_decode_split_kernel` in `triton_split.py` (the merge kernel of `merge.py` finishes the
+job where there are several splits), for at most 16 query rows per program (16 heads, q_len 1)
+over a float8_e4m3fn cache [c_kv | k_pe] with L = 4 x 128 and R = 64, 16-bit queries.
+
+Why a pass of its own: both products read the same FP8 tile, the scores Q K^T reducing over
+the latent and P V over the keys. Converted straight into mma.sync operand layouts (what Triton
+makes of `tile.to(float16)`) the P V operand needs 4 consecutive keys per latent column, 576
+bytes apart, and 8-bit data has no transposed ldmatrix: it is gathered byte by byte, and the
+tile is converted twice (benchmarks/mla-decode-history.md, "FP8 caches, the generated code").
+Here every tile is converted once, into a float16 tile in shared memory that both products read
+with ldmatrix (transposed for P V), as the 16-bit passes read their tiles:
+
+- Q [16, L + R] is loaded once, converted to float16 and stored in shared memory as 4 latent
+  chunks [16, 128] and the rope part [16, R].
+- FP8 tiles [BLOCK_N, 128] x 4 and [BLOCK_N, R] come by TMA into a ring of NUM_STAGES buffers
+  (one page id per tile: pages of at least BLOCK_N tokens), NUM_STAGES - 1 tiles ahead of the
+  one computed, each buffer with its ready mbarrier.
+- Per tile, all 4 warps: wait for it, convert it (16 bytes a thread a row) into the float16
+  tile, rows past the split set to 0 there (a page tail may hold NaN, and P = 0 times NaN is
+  NaN), then S = Q K^T (5 products of 128 or R columns), the online softmax in base 2 (scores
+  past the split or after a row's last key are -inf), and O_c += P V_c for the 4 chunks
+  (O [16, 512] float32 as 4 chunks, each warp 32 columns of each). Two CTA barriers a tile:
+  before the conversion (every warp is done reading the previous float16 tile) and after it.
+- The FP8 buffer of tile t is refilled with tile t + NUM_STAGES - 1 at the start of tile
+  t + 1, once the conversion of t has passed its barrier.
+
+Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
+log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
+pass only where `common.gluon_fp8_serves` holds and the configuration asks (`gluon_fp8`).
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mlaserve.kernels.mla_decode.common import GLUON_FP8_CHUNK, GLUON_FP8_ROWS
+from mlaserve.kernels.mla_decode.splits import split_bounds
+
+ROWS = gl.constexpr(GLUON_FP8_ROWS)  # query rows per program
+CHUNK = GLUON_FP8_CHUNK  # latent columns per chunk (TMA box, shared tile, accumulator)
+NUM_WARPS = 4
+
+
+@gluon.jit
+def _issue_tile(kv_desc, pe_desc, kv8_smem, pe8_smem, ready, bt_row, split_start, j,
+                BLOCK_SIZE: gl.constexpr):
+    """TMA copies of tile j of the split (its 4 latent chunks and its rope part) into ring
+    buffer j % NUM_STAGES, completing that buffer's ready barrier."""
+    STAGES: gl.constexpr = pe8_smem.type.shape[0]
+    TILE: gl.constexpr = pe8_smem.type.shape[1]
+    C: gl.constexpr = kv8_smem.type.shape[0] // STAGES
+    LC: gl.constexpr = kv8_smem.type.shape[2]
+    stage = j % STAGES
+    start = split_start + j * TILE
+    page = gl.load(bt_row + start // BLOCK_SIZE)
+    row = (page * BLOCK_SIZE + start % BLOCK_SIZE).to(gl.int32)  # cache row of the tile
+    barrier = ready.index(stage)
+    mbarrier.expect(barrier, C * kv_desc.block_type.nbytes + pe_desc.block_type.nbytes)
+    for c in gl.static_range(C):
+        tma.async_copy_global_to_shared(kv_desc, [row, c * LC], barrier,
+                                        kv8_smem.index(stage * C + c))
+    tma.async_copy_global_to_shared(pe_desc, [row, C * LC], barrier, pe8_smem.index(stage))
+
+
+@gluon.jit
+def _convert(source, target, num_valid, LAYOUT: gl.constexpr, PARTIAL: gl.constexpr):
+    """target [BLOCK_N, W] float16 = source [BLOCK_N, W] FP8; in a PARTIAL tile (a split's
+    last, cut short) rows >= num_valid are zeroed."""
+    values = source.load(LAYOUT).to(gl.float16)
+    if PARTIAL:
+        rows = gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, LAYOUT))
+        values = gl.where(gl.expand_dims(rows < num_valid, 1), values, gl.zeros_like(values))
+    target.store(values)
+
+
+@gluon.jit
+def _tile_step(kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, q_pe_smem,
+               ready, bt_row, split_start, split_end, num_tiles, t, last_key, qk_scale,
+               o_0, o_1, o_2, o_3, m_i, l_i, BLOCK_SIZE: gl.constexpr, PARTIAL: gl.constexpr):
+    """Tile t of the split: refill the ring, convert the tile into the float16 copy, S = Q K^T,
+    the online softmax (base 2) and O_c += P V_c; returns the 4 output chunks [16, 128], the
+    running max and sum [16]."""
+    STAGES: gl.constexpr = pe8_smem.type.shape[0]
+    TILE: gl.constexpr = pe8_smem.type.shape[1]
+    C: gl.constexpr = k_smem.type.shape[0]
+    MMA: gl.constexpr = o_0.type.layout
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    CONVERT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # [*, 128] FP8
+    CONVERT_PE: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [*, 64]
+    stage = t % STAGES
+    ahead = t + STAGES - 1  # into the buffer tile t - 1 left (converted last time)
+    if ahead < num_tiles:
+        _issue_tile(kv_desc, pe_desc, kv8_smem, pe8_smem, ready, bt_row, split_start, ahead,
+                    BLOCK_SIZE)
+    tile_start = split_start + t * TILE
+    num_valid = split_end - tile_start
+    mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+    gl.thread_barrier()  # every warp is done with the previous float16 tile
+    for c in gl.static_range(C):
+        _convert(kv8_smem.index(stage * C + c), k_smem.index(c), num_valid, CONVERT, PARTIAL)
+    _convert(pe8_smem.index(stage), k_pe_smem, num_valid, CONVERT_PE, PARTIAL)
+    gl.thread_barrier()  # the float16 tile is whole; its FP8 buffer may be refilled
+
+    scores = gl.zeros([o_0.shape[0], TILE], gl.float32, MMA)
+    for c in gl.static_range(C):
+        scores = mma_v2(q_smem.index(c).load(A_LAYOUT),
+                        k_smem.index(c).permute((1, 0)).load(B_LAYOUT), scores)
+    scores = mma_v2(q_pe_smem.load(A_LAYOUT), k_pe_smem.permute((1, 0)).load(B_LAYOUT),
+                    scores)  # [16, BLOCK_N]
+    pos = tile_start + gl.arange(0, TILE, layout=gl.SliceLayout(0, MMA))
+    visible = gl.expand_dims(pos, 0) <= gl.expand_dims(last_key, 1)
+    if PARTIAL:
+        visible = visible & gl.expand_dims(pos < split_end, 0)
+    scores = gl.where(visible, scores * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(scores - gl.expand_dims(m_safe, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p = gl.convert_layout(p.to(gl.float16), A_LAYOUT)
+    alpha = gl.expand_dims(alpha, 1)
+    o_0 = mma_v2(p, k_smem.index(0).load(B_LAYOUT), o_0 * alpha)
+    o_1 = mma_v2(p, k_smem.index(1).load(B_LAYOUT), o_1 * alpha)
+    o_2 = mma_v2(p, k_smem.index(2).load(B_LAYOUT), o_2 * alpha)
+    o_3 = mma_v2(p, k_smem.index(3).load(B_LAYOUT), o_3 * alpha)
+    return o_0, o_1, o_2, o_3, m_new, l_i
+
+
+@gluon.jit
+def _mla_decode_split_kernel_sm90_fp8(
+    q_ptr,  # [B * q_len, H, L + R] 16-bit
+    kv_desc,  # FP8 cache rows [num_blocks * BLOCK_SIZE, L + R]: box [BLOCK_N, 128]
+    pe_desc,  # the same rows: box [BLOCK_N, R] at column L
+    block_table_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    o_ptr,  # [B, num_splits, q_len * H, L]: partial or final (q dtype) output
+    lse_ptr,  # [B, num_splits, q_len * H] float32
+    qk_scale,  # softmax_scale * log2(e)
+    q_len,
+    num_heads,
+    num_splits,
+    min_split_len,  # a multiple of BLOCK_N
+    stride_q_token,
+    stride_q_head,
+    stride_bt,
+    BLOCK_SIZE: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    DIRECT_OUTPUT: gl.constexpr,
+):
+    TILE: gl.constexpr = kv_desc.block_type.shape[0]
+    LC: gl.constexpr = kv_desc.block_type.shape[1]
+    R: gl.constexpr = pe_desc.block_type.shape[1]
+    C: gl.constexpr = 4
+    L: gl.constexpr = C * LC
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4],
+                                                  instr_shape=[16, 8])
+    ROW_S: gl.constexpr = gl.SliceLayout(1, MMA)
+    COL_S: gl.constexpr = gl.SliceLayout(0, MMA)
+    Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+
+    split = gl.program_id(1)
+    req = gl.program_id(2)
+    num_rows = q_len * num_heads
+    seq_len = gl.load(seq_lens_ptr + req)
+    _, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len, TILE)
+    num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), TILE)
+    bt_row = block_table_ptr + req.to(gl.int64) * stride_bt
+
+    kv8_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES * C, TILE, LC],
+                                         kv_desc.layout)
+    pe8_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TILE, R], pe_desc.layout)
+    k_smem = gl.allocate_shared_memory(
+        gl.float16, [C, TILE, LC], gl.NVMMASharedLayout.get_default_for([TILE, LC], gl.float16))
+    k_pe_smem = gl.allocate_shared_memory(
+        gl.float16, [TILE, R], gl.NVMMASharedLayout.get_default_for([TILE, R], gl.float16))
+    q_smem = gl.allocate_shared_memory(
+        gl.float16, [C, ROWS, LC], gl.NVMMASharedLayout.get_default_for([ROWS, LC], gl.float16))
+    q_pe_smem = gl.allocate_shared_memory(
+        gl.float16, [ROWS, R], gl.NVMMASharedLayout.get_default_for([ROWS, R], gl.float16))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    for j in gl.static_range(NUM_STAGES - 1):
+        if j < num_tiles:
+            _issue_tile(kv_desc, pe_desc, kv8_smem, pe8_smem, ready, bt_row, split_start, j,
+                        BLOCK_SIZE)
+
+    # Q rows r = t * H + h of this request, as float16 chunks in shared memory.
+    q_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, Q_LOAD))
+    q_offs = gl.expand_dims((req * q_len + q_rows // num_heads).to(gl.int64) * stride_q_token
+                            + (q_rows % num_heads) * stride_q_head, 1)  # [ROWS, 1]
+    q_mask = gl.expand_dims(q_rows < num_rows, 1)
+    for c in gl.static_range(C):
+        cols = gl.expand_dims(c * LC + gl.arange(0, LC, layout=gl.SliceLayout(0, Q_LOAD)), 0)
+        q_chunk = gl.load(q_ptr + q_offs + cols, mask=q_mask, other=0.0)
+        q_smem.index(c).store(q_chunk.to(gl.float16))
+    cols_pe = gl.expand_dims(L + gl.arange(0, R, layout=gl.SliceLayout(0, Q_LOAD)), 0)
+    q_pe_smem.store(gl.load(q_ptr + q_offs + cols_pe, mask=q_mask, other=0.0).to(gl.float16))
+
+    rows = gl.arange(0, ROWS, layout=ROW_S)
+    last_key = seq_len - q_len + rows // num_heads  # token t sees keys up to its position
+    o_0 = gl.zeros([ROWS, LC], gl.float32, MMA)
+    o_1 = gl.zeros([ROWS, LC], gl.float32, MMA)
+    o_2 = gl.zeros([ROWS, LC], gl.float32, MMA)
+    o_3 = gl.zeros([ROWS, LC], gl.float32, MMA)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
+    l_i = gl.zeros([ROWS], gl.float32, ROW_S)
+    num_whole = gl.maximum(split_end - split_start, 0) // TILE
+    for t in range(num_whole):
+        o_0, o_1, o_2, o_3, m_i, l_i = _tile_step(
+            kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, q_pe_smem, ready,
+            bt_row, split_start, split_end, num_tiles, t, last_key, qk_scale, o_0, o_1, o_2,
+            o_3, m_i, l_i, BLOCK_SIZE, False)
+    if num_whole < num_tiles:  # the split's partial last tile
+        o_0, o_1, o_2, o_3, m_i, l_i = _tile_step(
+            kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, q_pe_smem, ready,
+            bt_row, split_start, split_end, num_tiles, num_whole, last_key, qk_scale, o_0, o_1,
+            o_2, o_3, m_i, l_i, BLOCK_SIZE, True)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
+    base = (req.to(gl.int64) * num_splits + split) * num_rows  # first output row
+    row_ok = rows < num_rows
+    if not DIRECT_OUTPUT:
+        row_ok = row_ok & (l_i > 0.0)  # the merge never reads an empty split's output
+    out_offs = (gl.expand_dims((base + rows) * L, 1)
+                + gl.expand_dims(gl.arange(0, LC, layout=COL_S), 0))  # [ROWS, LC]
+    out_mask = gl.expand_dims(row_ok, 1)
+    inv = gl.expand_dims(1.0 / l_safe, 1)
+    out_dtype: gl.constexpr = o_ptr.dtype.element_ty
+    gl.store(o_ptr + out_offs, (o_0 * inv).to(out_dtype), mask=out_mask)
+    gl.store(o_ptr + out_offs + LC, (o_1 * inv).to(out_dtype), mask=out_mask)
+    gl.store(o_ptr + out_offs + 2 * LC, (o_2 * inv).to(out_dtype), mask=out_mask)
+    gl.store(o_ptr + out_offs + 3 * LC, (o_3 * inv).to(out_dtype), mask=out_mask)
+    gl.store(lse_ptr + base + rows, lse, mask=rows < num_rows)
+
+
+def kv_layouts(block_n: int, rope_dim: int) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
+    """Shared layouts of the FP8 TMA boxes: a latent chunk [block_n, 128] and the rope part
+    [block_n, R]."""
+    return (gl.NVMMASharedLayout.get_default_for([block_n, CHUNK], gl.float8e4nv),
+            gl.NVMMASharedLayout.get_default_for([block_n, rope_dim], gl.float8e4nv))
+
+
+def launch_split_pass(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    partial_o: torch.Tensor,
+    partial_lse: torch.Tensor,
+    qk_scale: float,
+    kv_lora_rank: int,
+    q_len: int,
+    num_splits: int,
+    min_split_len: int,
+    block_n: int,
+    num_stages: int,
+) -> None:
+    """Stage 1 of `mla_decode_triton` where the plan names this pass
+    (`common.gluon_fp8_serves`).
+
+    Args:
+        q: [B * q_len, H, L + R] 16-bit, the last dim contiguous; kv_cache [num_blocks,
+            block_size, L + R] float8_e4m3fn with its pages back to back; block_table
+            [B, max_blocks] int32; seq_lens [B] int32.
+        partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
+            (flat): the partials, or with num_splits == 1 the final o (q's dtype) and lse.
+        qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of
+            block_n, the KV tokens per tile; num_stages: FP8 tiles in the shared ring.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, _ = kv_cache.shape
+    rope_dim = head_dim - kv_lora_rank
+    kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
+    chunk_layout, rope_layout = kv_layouts(block_n, rope_dim)
+    kv_desc = TensorDescriptor.from_tensor(kv_rows, [block_n, CHUNK], chunk_layout)
+    pe_desc = TensorDescriptor.from_tensor(kv_rows, [block_n, rope_dim], rope_layout)
+    batch = block_table.shape[0]
+    _mla_decode_split_kernel_sm90_fp8[(1, num_splits, batch)](
+        q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
+        num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),
+        BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1,
+        num_warps=NUM_WARPS)
+
+
+__all__ = ["kv_layouts", "launch_split_pass"]
