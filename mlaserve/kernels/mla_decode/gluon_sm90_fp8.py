@@ -37,7 +37,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.mla_decode.common import GLUON_FP8_CHUNK, GLUON_FP8_ROWS
@@ -188,6 +188,8 @@ def _mla_decode_split_kernel_sm90_fp8(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()  # the barriers are initialised before TMA completes on them
+    gl.thread_barrier()  # and before any warp waits on them
     for j in gl.static_range(NUM_STAGES - 1):
         if j < num_tiles:
             _issue_tile(kv_desc, pe_desc, kv8_smem, pe8_smem, ready, bt_row, split_start, j,
