@@ -95,6 +95,7 @@ def test_the_plan_takes_it_only_where_asked_and_served() -> None:
     chosen = plan()
     assert chosen.kernel == GLUON_SM90_FP8 and not chosen.tma_loads
     assert describe(chosen).startswith(f"{GLUON_SM90_FP8} m16 n32 s3")
+    assert "fp16-dots" not in describe(chosen)  # a flag of the Triton pass
     assert plan(kv_cache_dtype=None).kernel == TRITON_SPLIT  # a bf16 cache
     assert plan(capability=(8, 0)).kernel == TRITON_SPLIT
     assert plan(num_heads=32).kernel == TRITON_SPLIT  # 32 rows

@@ -426,5 +426,6 @@ def describe(plan: MLADecodePlan) -> str:
         parts.append(f"({c.split_policy}{balance} {c.programs_per_sm:g}/SM, "
                      f"min {c.min_split_len}, {c.partial_dtype} partials)")
     flags = [name for name, on in (("tma", plan.tma_loads), ("pdl", plan.programmatic_launch),
-                                   ("fp16-dots", plan.fp16_dots)) if on]
+                                   ("fp16-dots", plan.fp16_dots and plan.kernel == TRITON_SPLIT))
+             if on]
     return " ".join(parts + flags)
