@@ -5,10 +5,6 @@ with ldmatrix; and the plan chooses it only where it applies. Its numerics are c
 the float32 reference on the GPU in tests/kernels/test_mla_decode_fp8.py
 (`test_gluon_fp8_pass`)."""
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -28,32 +24,12 @@ from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     describe,
     plan_mla_decode,
 )
-
-# Runs in a fresh interpreter: the CPU test session interprets Triton kernels
-# (TRITON_INTERPRET=1 is read when triton and gluon decorate their functions).
-_COMPILE = """
-import json, os, subprocess, sys, tempfile
-import torch, triton
-from mlaserve.kernels.mla_decode.gluon_sm90_aot import compile_fp8_for_sm90
-block_n, num_stages = int(sys.argv[1]), int(sys.argv[2])
-compiled = compile_fp8_for_sm90(block_n=block_n, num_stages=num_stages)
-tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(compiled.asm["cubin"]); f.flush()
-    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                           text=True, check=True).stdout
-line = next(line for line in usage.splitlines() if "STACK:" in line)
-print(json.dumps({"stack": int(line.split("STACK:")[1].split()[0]),
-                  "shared": compiled.metadata.shared, "ptx": compiled.asm["ptx"]}))
-"""
+from tests.kernels.sm90_compile import compile_sm90  # noqa: E402
 
 
 @pytest.mark.parametrize("block_n,num_stages", [(32, 3), (64, 2)])
 def test_compiles_for_sm90_without_spills(block_n: int, num_stages: int) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE, str(block_n), str(num_stages)],
-                         capture_output=True, text=True, env=env, check=True).stdout
-    result = json.loads(out.splitlines()[-1])
+    result = compile_sm90("compile_fp8_for_sm90", block_n=block_n, num_stages=num_stages)
     assert result["stack"] == 0  # no register spills
     assert result["shared"] <= gluon_fp8_shared_memory_bytes(512, 64, block_n, num_stages)
     assert result["shared"] <= GLUON_SHARED_MEMORY_LIMIT

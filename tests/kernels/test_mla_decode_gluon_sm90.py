@@ -4,11 +4,7 @@ a GPU: it compiles for sm_90 with no register spills, inside the shared memory t
 are checked against the float32 reference on the GPU in tests/kernels/test_mla_decode.py
 (`test_sm90_paths`)."""
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,33 +17,14 @@ from mlaserve.kernels.mla_decode.common import (  # noqa: E402
     gluon_serves,
     gluon_shared_memory_bytes,
 )
-
-# Runs in a fresh interpreter: the CPU test session interprets Triton kernels
-# (TRITON_INTERPRET=1 is read when triton and gluon decorate their functions).
-_COMPILE = """
-import json, os, subprocess, sys, tempfile
-import torch, triton
-from mlaserve.kernels.mla_decode.gluon_sm90_aot import compile_for_sm90
-dtype, block_n, num_stages = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-compiled = compile_for_sm90(dtype=dtype, block_n=block_n, num_stages=num_stages)
-tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(compiled.asm["cubin"]); f.flush()
-    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                           text=True, check=True).stdout
-line = next(line for line in usage.splitlines() if "STACK:" in line)
-print(json.dumps({"stack": int(line.split("STACK:")[1].split()[0]),
-                  "shared": compiled.metadata.shared, "ptx": compiled.asm["ptx"]}))
-"""
+from tests.kernels.sm90_compile import compile_sm90  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_compiles_for_sm90_without_spills(dtype: str) -> None:
     block_n, num_stages = 32, 4
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE, dtype, str(block_n), str(num_stages)],
-                         capture_output=True, text=True, env=env, check=True).stdout
-    result = json.loads(out.splitlines()[-1])
+    result = compile_sm90("compile_for_sm90", dtype=dtype, block_n=block_n,
+                          num_stages=num_stages)
     assert result["stack"] == 0  # no register spills
     assert result["shared"] <= gluon_shared_memory_bytes(512, 64, block_n, num_stages)
     assert result["shared"] <= GLUON_SHARED_MEMORY_LIMIT
