@@ -7,7 +7,7 @@ cache rows. The output is o [B * q_len, H, L] in q's dtype and lse [B * q_len, H
 float32).
 
 Kernel design:
-- Stage 1 (`_mla_decode_split_kernel`): one program per (head group, split, request). A head group
+- `_mla_decode_split_kernel`: one program per (head group, split, request). A head group
   is up to `block_m` of the request's M query rows (q_len folded into the rows, row r = t * H + h),
   so at <= 64 rows one program reads every KV tile exactly once for all heads and new tokens; wider
   requests use several programs with adjacent program ids (the head-group axis is grid axis 0), so
@@ -19,7 +19,6 @@ Kernel design:
   from that request's length N_b, max(min_split_len, round_up(ceil(N_b / num_splits), block_n)),
   so any split count is valid for any lengths (splits past the end do no work and write
   lse = -inf). This is what lets a CUDA graph keep one fixed split count.
-- Stage 2, the merge of the splits' partial outputs, is `merge.py`'s.
 - Pages: with block_size >= block_n a tile lies inside one page (one page id per tile); the page
   ids of a split are loaded as a vector before its tile loop, up to 64 tiles at a time, so no
   load in the loop depends on another load of the loop and Triton's pipeliner gives the KV
@@ -33,7 +32,8 @@ Kernel design:
   cache's rows; a split's partial last tile always takes the masked pointer loads, so rows
   past the length never enter a dot.
 - An FP8 cache's tiles are converted to q's dtype (float16 under a bfloat16 q) at each of
-  their two uses, in registers, from the loaded tile.
+  their two uses, in registers, from the loaded tile (`gluon_sm90_fp8.py` says why a pass of
+  its own converts them once instead).
 - Latent chunks (`MLADecodeConfig.latent_chunks` C > 1): q, each tile's c_kv and the
   accumulator are held as [C, rows, L / C], and the two latent dots become C batched dots
   (the scores summed over the chunks). A 16-row dot spreads its warps over the keys, so
@@ -45,7 +45,7 @@ Kernel design:
   speed is not measured yet, so no plan picks it by default.
 
 The plan (`plan.py`) fixes every choice; `launch.py` checks the inputs and calls
-`launch_split` and `launch_merge` here as the plan says.
+`launch_split` here (and `merge.launch_merge` after it) as the plan says.
 """
 
 import torch
