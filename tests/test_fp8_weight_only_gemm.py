@@ -19,7 +19,6 @@ pytest.importorskip("triton")
 from mlaserve.kernels import fp8_gemm  # noqa: E402
 from mlaserve.kernels.fp8_gemm import (  # noqa: E402
     WEIGHT_ONLY_MAX_ROWS,
-    cublas_runs,
     fp8_weight_only_matmul,
     product_path,
     weight_only_tiles,
@@ -112,7 +111,7 @@ def test_product_path_and_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     assert product_path(True, 0, *v3_fused_qkv_a) == "cublas"
     assert product_path(True, 1000, 200, 300) == "triton"  # K not a multiple of 512
     assert product_path(False, 1, *v3_fused_qkv_a) == "triton"
-    assert not cublas_runs(torch.empty(2, 3, 7168), torch.empty(2112, 7168))
+    assert product_path(False, 6, *v3_fused_qkv_a) == "triton"  # 2 x 3 rows off CUDA
     assert weight_only_tiles(1, 2112) == (16, 16)  # 132 programs of 16 columns
     assert weight_only_tiles(16, 24576) == (16, 64)  # 384 programs of 64
     assert weight_only_tiles(1, 9000) == (16, 32)  # 282 programs of 32 (64: 141)

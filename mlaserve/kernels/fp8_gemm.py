@@ -24,7 +24,7 @@ of the three products for `block_fp8_linear`: "weight-only" on CUDA up to
 takes the shape, else "triton".
 """
 
-import math
+import functools
 
 import torch
 import triton
@@ -223,6 +223,12 @@ def _fp8_weight_only_matmul_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count, read once (a weight-only product runs per layer per step)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def weight_only_tiles(rows: int, out_features: int, num_sms: int = HOPPER_SMS
                       ) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of `fp8_weight_only_matmul` for x [rows, K] and a weight [N, K].
@@ -273,8 +279,7 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
-    num_sms = (torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda
-               else HOPPER_SMS)
+    num_sms = _sm_count(x.device) if x.is_cuda else HOPPER_SMS
     block_m, default_block_n = weight_only_tiles(rows, out_features, num_sms)
     block_n = default_block_n if block_n is None else block_n
     if block_n not in (16, 32, 64):
@@ -313,12 +318,6 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int) 
     if in_features % 512 == 0 and out_features % 16 == 0:
         return "cublas"
     return "triton"
-
-
-def cublas_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `block_fp8_linear` takes torch's blockwise scaled matmul (cuBLASLt) for x
-    [..., K] and weight [N, K] (`product_path`)."""
-    return product_path(x.is_cuda, math.prod(x.shape[:-1]), *weight.shape) == "cublas"
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -378,5 +377,5 @@ def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
 
 
 __all__ = ["WEIGHT_ONLY_MAX_ROWS", "block_fp8_linear", "block_fp8_matmul", "block_fp8_reference",
-           "block_fp8_w8a8", "cublas_runs", "fp8_weight_only_matmul", "product_path",
+           "block_fp8_w8a8", "fp8_weight_only_matmul", "product_path",
            "quantize_activations", "scaled_mm_block_fp8", "weight_only_tiles"]

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.mla_decode.common import GLUON_FP8_CHUNK, GLUON_FP8_ROWS
+from mlaserve.kernels.mla_decode.gluon_sm90_tiles import exp_scores, masked_scores
 from mlaserve.kernels.mla_decode.splits import split_bounds
 
 ROWS = gl.constexpr(GLUON_FP8_ROWS)  # query rows per program
@@ -115,16 +116,9 @@ def _tile_step(kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, 
                         k_smem.index(c).permute((1, 0)).load(B_LAYOUT), scores)
     scores = mma_v2(q_pe_smem.load(A_LAYOUT), k_pe_smem.permute((1, 0)).load(B_LAYOUT),
                     scores)  # [16, BLOCK_N]
-    pos = tile_start + gl.arange(0, TILE, layout=gl.SliceLayout(0, MMA))
-    visible = gl.expand_dims(pos, 0) <= gl.expand_dims(last_key, 1)
-    if PARTIAL:
-        visible = visible & gl.expand_dims(pos < split_end, 0)
-    scores = gl.where(visible, scores * qk_scale, float("-inf"))
+    scores = masked_scores(scores, tile_start, split_end, last_key, qk_scale)
     m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(scores - gl.expand_dims(m_safe, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    alpha, p, l_i = exp_scores(scores, m_i, m_new, l_i)
     p = gl.convert_layout(p.to(gl.float16), A_LAYOUT)
     alpha = gl.expand_dims(alpha, 1)
     o_0 = mma_v2(p, k_smem.index(0).load(B_LAYOUT), o_0 * alpha)

@@ -71,7 +71,8 @@ def _nvmma_layout(rows, columns, dtype):
 
 @gluon.jit
 def masked_scores(scores, tile_start, split_end, last_key, qk_scale):
-    """Scores [64, BLOCK_N] times qk_scale, -inf past the split or after the row's last key."""
+    """Scores [rows, BLOCK_N] times qk_scale, -inf past the split or after the row's last key
+    (any distributed layout; also the FP8 pass's 16 rows)."""
     TILE: gl.constexpr = scores.type.shape[1]
     pos = tile_start + gl.arange(0, TILE, layout=gl.SliceLayout(0, scores.type.layout))
     visible = (gl.expand_dims(pos < split_end, 0)
@@ -121,13 +122,13 @@ def shared_p(kv_pe_smem, stage, ROWS: gl.constexpr):
 
 @gluon.jit
 def exp_scores(scores, m_i, m_own, l_i):
-    """Online softmax (base 2) of one tile's masked scores [64, BLOCK_N] in the frame m_own
-    [64] (this warpgroup's new running max): the rescale alpha = exp2(m_i - m_own), P =
+    """Online softmax (base 2) of one tile's masked scores [rows, BLOCK_N] in the frame m_own
+    [rows] (this warpgroup's new running max): the rescale alpha = exp2(m_i - m_own), P =
     exp2(S - m_own) and the updated row sum l_i. Rows that have seen no key keep m = -inf;
     0 is subtracted there instead (no inf - inf)."""
     m_safe = gl.where(m_own == float("-inf"), 0.0, m_own)
     alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(scores - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]
+    p = gl.exp2(scores - gl.expand_dims(m_safe, 1))  # [rows, BLOCK_N]
     return alpha, p, l_i * alpha + gl.sum(p, axis=1)
 
 

@@ -296,8 +296,9 @@ def plan_mla_decode(
         capability: the CUDA device's (major, minor) compute capability (`device_capability`);
             None off CUDA (the Triton interpreter).
         kv_cache_dtype: the cache's dtype (None: q's); torch.float8_e4m3fn is an FP8
-            cache, read by the Triton split pass (by TMA where the config asks) and converted
-            to q's dtype (float16 for a bfloat16 q: `fp16_dots`); never the Gluon pass.
+            cache, read by the Triton split pass (by TMA where the config asks; converted
+            to q's dtype, float16 for a bfloat16 q: `fp16_dots`) or, where the config asks
+            (`gluon_fp8`), by the FP8 Gluon pass; never the 16-bit Gluon pass.
 
     Returns:
         The plan to pass to `mla_decode_triton`.
