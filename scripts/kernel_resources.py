@@ -133,7 +133,7 @@ def tile_loop_mix(cubin: bytes) -> dict[str, int]:
             loops.append(body)
     body = min(loops, key=len)
     ops = [op.split()[1] if op.startswith("@") else op.split()[0] for op in body]
-    count = {name: sum(op.startswith(name) for op in ops)
+    count = {name: sum(op.split(".")[0] == name for op in ops)  # LDS: not LDSM
              for name in ("LDL", "STL", "HMMA", "F2FP", "LDS", "LDSM", "FMUL")}
     return {"instructions": len(ops), **count}
 
