@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
+    sm90 = (props.major, props.minor) == (9, 0)
     l2_bytes = int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
     ceilings = measure_ceilings(device, copy_bytes=1 << 28, matmul_n=4096, repeats=5)
     copy_rate = ceilings.copy_bytes_per_s / 1e9
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         w_fp8s = _copies(w_fp8, l2_bytes)
         weight_bytes = w_fp8.numel() + w_scales.numel() * 4
         # the w8a8 product `block_fp8_linear` takes past the weight-only rows
-        cublas = product_path(True, WEIGHT_ONLY_MAX_ROWS + 1, out_features,
-                              in_features) == "cublas"
+        w8a8_path = product_path(True, WEIGHT_ONLY_MAX_ROWS + 1, out_features, in_features,
+                                 sm90=sm90)
         for rows_m in _ints(args.tokens):
             x = torch.randn(rows_m, in_features, generator=gen, device=device,
                             dtype=torch.bfloat16)
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             bf16 = _time([partial(torch.matmul, x, w.T) for w in w_bf16s], args.repeats)
             w8a16 = _time([partial(fp8_weight_only_matmul, x, w, w_scales) for w in w_fp8s],
                           args.repeats)
-            w8a8 = _time([partial(block_fp8_w8a8, x, w, w_scales, cublas=cublas)
+            w8a8 = _time([partial(block_fp8_w8a8, x, w, w_scales, w8a8_path)
                           for w in w_fp8s], args.repeats)
             swept = {}
             for block_n, k_blocks, num_stages, num_warps in sweep:
@@ -148,11 +149,11 @@ def main(argv: list[str] | None = None) -> int:
             best_config = min(swept, key=swept.get, default=None)
             best = swept[best_config] if best_config else math.nan
             tiles = weight_only_tiles(rows_m, out_features, props.multi_processor_count)
-            path = product_path(True, rows_m, out_features, in_features)
+            path = product_path(True, rows_m, out_features, in_features, sm90=sm90)
             rows.append(dict(
                 out_features=out_features, in_features=in_features, tokens=rows_m, path=path,
                 bf16_us=bf16 * 1e6, w8a16_us=w8a16 * 1e6, w8a8_us=w8a8 * 1e6,
-                w8a8_cublas=cublas, best_us=best * 1e6, best_config=best_config,
+                w8a8_path=w8a8_path, best_us=best * 1e6, best_config=best_config,
                 default_tiles=tiles, rel_err=rel_err,
                 sweep_us={",".join(map(str, key)): t * 1e6 for key, t in swept.items()}))
             best_text = ",".join(map(str, best_config)) if best_config else "-"

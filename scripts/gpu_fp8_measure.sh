@@ -3,14 +3,17 @@
 # 10 minutes). Usage (repository root, wheels in .whl/): scripts/gpu_fp8_measure.sh STAGE OUT_DIR
 #
 # Stages, in the order to run them (correctness before timing):
-#   tests        the GPU tests of the FP8 GEMMs, Linears, MoE, the FP8 cache and the decode
-#                kernels (the Gluon FP8 pass, FP8 TMA tiles, latent chunks), 8 workers
+#   tests        the GPU tests of the FP8 GEMMs (the Gluon sm_90 GEMM included), Linears, MoE,
+#                the FP8 cache and the decode kernels (the Gluon FP8 pass, FP8 TMA tiles,
+#                latent chunks), 8 workers
 #   decode-sweep the FP8-cache decode cells (16 heads x batch 64/128/512 x kv 4096, pages of
 #                64): the Gluon FP8 pass (tiles, stages), then the Triton pass with TMA tiles,
 #                latent chunks, tile sizes and stages, beside the plan's choice; the bf16
 #                cache with the Triton variants (one process each)
 #   decode       the same cells, bf16 and FP8 caches, the plan's choice plus VARIANT, in RUNS
 #                processes
+#   gemm-gluon   the Gluon sm_90 w8a8 GEMM against bf16 and cuBLASLt at 64-8192 tokens, its
+#                stages and row grouping swept (scripts/fp8_gemm_sm90_check.py)
 #   gemm         the weight-only product against bf16 and w8a8 at 1-128 tokens (with its
 #                configuration sweep), then `mlaserve bench gemm` on V3's shapes, RUNS processes
 #   serve        the V3 config with 8 layers, FP8 dummy weights, served with a bf16 and an FP8
@@ -33,7 +36,7 @@ case $stage in
     timeout 540 python3 -m pytest -m gpu -n 8 -q -rs -p no:cacheprovider \
       tests/kernels/test_mla_decode.py tests/kernels/test_mla_decode_fp8.py \
       tests/kernels/test_mla_decode_gluon_fp8.py \
-      tests/kernels/test_fp8_gemm.py \
+      tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_gemm_sm90.py \
       tests/test_fp8_weights.py tests/test_fp8_weight_only_gemm.py tests/test_fused_moe_fp8.py \
       tests/test_fp8_kv_cache.py > "$out/gpu_tests.log" 2>&1
     tail -3 "$out/gpu_tests.log" ;;
@@ -58,6 +61,10 @@ case $stage in
       done
     done
     grep -hE "^\s*triton" "$out"/decode-*.log ;;
+  gemm-gluon)
+    timeout 500 python3 scripts/fp8_gemm_sm90_check.py --out "$out/gemm_sm90.json" \
+      > "$out/gemm_sm90.log" 2>&1
+    cat "$out/gemm_sm90.log" ;;
   gemm)
     timeout 300 python3 scripts/fp8_weight_only_check.py --stages 3,4,6 --warps 4 \
       --out "$out/weight_only.json" > "$out/weight_only.log" 2>&1
@@ -75,5 +82,5 @@ case $stage in
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
     done ;;
-  *) echo "unknown stage $stage (tests, decode-sweep, decode, gemm, serve)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, decode-sweep, decode, gemm-gluon, gemm, serve)" >&2; exit 2 ;;
 esac

@@ -9,7 +9,9 @@ projections, the dense MLP and one routed expert) and each token count, it times
 - `w8a16`: the weight-only product (`fp8_weight_only_matmul`) alone, on the bf16 activations;
 - `fp8-mm`: the block-FP8 Triton w8a8 product alone, on activations quantized beforehand;
 - `torch-mm`: the same product through torch's blockwise scaled matmul (cuBLASLt,
-  `scaled_mm_block_fp8`), where it accepts the shape.
+  `scaled_mm_block_fp8`), where it accepts the shape;
+- `gluon-mm`: the same product through the warp-specialised sm_90 kernel
+  (`fp8_gemm_sm90.block_fp8_matmul_sm90`), on an sm_90 GPU where it takes the shape.
 Each FP8 output is first checked against the float32 product of the same operands (relative
 error printed): for w8a8 the dequantized FP8 activations and weight, for w8a16 the bf16
 activations and the dequantized weight. Times are medians under CUDA-graph replay
@@ -32,6 +34,7 @@ DEFAULT_TOKENS = "1,16,64,256,1024,4096,8192"
 # FP8 tensor cores add each 128-deep block in reduced precision (the H200 shows 1.3e-4 relative
 # from 64 rows on, 3e-7 below), far under the 3e-2 of rounding x to e4m3 in the first place.
 FP8_MMA_REL_ERR = 1e-3
+BF16_ROUNDING = 2**-8  # a bf16 output's rounding, relative (a step is 2^-7 at most)
 # Gate of the weight-only product (bf16 output) against x.float() @ dequant(W)^T: bf16's rounding
 # of the output (half a step is 2^-9 relative) and nothing of its own.
 WEIGHT_ONLY_REL_ERR = 1e-2
@@ -82,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
 
 
-def _config(name: str) -> ModelConfig:
+def load_config(name: str) -> ModelConfig:
+    """A config by its name in benchmarks/configs, or a config.json path or model directory."""
     path = CONFIGS_DIR / f"{name}.json" if "/" not in name and not name.endswith(".json") \
         else Path(name)
     if path.is_file():
@@ -109,16 +113,18 @@ def run(args: argparse.Namespace) -> int:
         quantize_activations,
         scaled_mm_block_fp8,
     )
+    from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90, gluon_gemm_serves
     from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8
 
     tokens = [int(t) for t in args.tokens.split(",")]
     device = torch.device("cuda")
+    sm90 = torch.cuda.get_device_capability(device) == (9, 0)
     rows, failed = [], False
     print(f"{'model':18} {'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>9} "
-          f"{'fp8 us':>9} {'path':>11} {'w8a16 us':>9} {'fp8-mm us':>9} {'torch-mm us':>11}  "
-          f"{'x bf16':>6}  rel err (w8a16, fp8-mm, torch-mm)")
+          f"{'fp8 us':>9} {'path':>11} {'w8a16 us':>9} {'fp8-mm us':>9} {'torch-mm us':>11} "
+          f"{'gluon-mm us':>11}  {'x bf16':>6}  rel err (w8a16, fp8-mm, torch-mm, gluon-mm)")
     for model in args.models.split(","):
-        config = _config(model)
+        config = load_config(model)
         for proj in projections(config):
             weight = torch.randn(proj.out_features, proj.in_features, device=device) * 0.02
             w_fp8, w_scales = quantize_block_fp8(weight)
@@ -127,40 +133,50 @@ def run(args: argparse.Namespace) -> int:
             for m in tokens:
                 x = torch.randn(m, proj.in_features, device=device, dtype=torch.bfloat16)
                 x_q, x_scales = quantize_activations(x)
-                got = block_fp8_matmul(x_q, x_scales, w_fp8, w_scales, torch.float32)
                 want = block_fp8_reference(x_q, x_scales, w_fp8, w_scales)
-                rel_err = float((got - want).norm() / want.norm().clamp_min(1e-30))
                 w8a16_got = fp8_weight_only_matmul(x, w_fp8, w_scales).float()
                 w8a16_want = x.float() @ w_dequantized.T  # [M, N]
                 w8a16_err = float((w8a16_got - w8a16_want).norm()
                                   / w8a16_want.norm().clamp_min(1e-30))
-                failed |= rel_err > FP8_MMA_REL_ERR or w8a16_err > WEIGHT_ONLY_REL_ERR
+                failed |= w8a16_err > WEIGHT_ONLY_REL_ERR
                 bf16 = _time(partial(torch.matmul, x, w_bf16.T), args.repeats)
                 fp8 = _time(partial(block_fp8_linear, x, w_fp8, w_scales), args.repeats)
                 w8a16 = _time(partial(fp8_weight_only_matmul, x, w_fp8, w_scales), args.repeats)
-                fp8_mm = _time(partial(block_fp8_matmul, x_q, x_scales, w_fp8, w_scales,
-                                       torch.bfloat16), args.repeats)
-                torch_mm = torch_err = None
-                try:
-                    got = scaled_mm_block_fp8(x_q, x_scales, w_fp8, w_scales, torch.float32)
-                    torch_err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-                    torch_mm = _time(partial(scaled_mm_block_fp8, x_q, x_scales, w_fp8,
-                                             w_scales, torch.bfloat16), args.repeats)
-                except (RuntimeError, ValueError, NotImplementedError) as exc:
-                    torch_err = str(exc).splitlines()[0][:120]
-                path = product_path(x.is_cuda, m, proj.out_features, proj.in_features)
+                # each w8a8 product alone on the same quantized x: (microseconds, rel err), or
+                # (None, why) where it does not take the shape; checked with a float32 output
+                # where it has one, else with its bf16 output (one more rounding in the gate)
+                products = {"fp8_mm": (block_fp8_matmul, torch.float32, FP8_MMA_REL_ERR),
+                            "torch_mm": (scaled_mm_block_fp8, torch.float32, FP8_MMA_REL_ERR)}
+                if sm90 and gluon_gemm_serves(m, proj.out_features, proj.in_features):
+                    products["gluon_mm"] = (block_fp8_matmul_sm90, torch.bfloat16,
+                                            FP8_MMA_REL_ERR + BF16_ROUNDING)
+                timed = {name: (None, "n/a") for name in ("fp8_mm", "torch_mm", "gluon_mm")}
+                for name, (product, check_dtype, gate) in products.items():
+                    try:
+                        got = product(x_q, x_scales, w_fp8, w_scales, check_dtype).float()
+                    except (RuntimeError, ValueError, NotImplementedError) as exc:
+                        timed[name] = (None, str(exc).splitlines()[0][:120])
+                        continue
+                    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                    failed |= err > gate
+                    timed[name] = (1e6 * _time(partial(product, x_q, x_scales, w_fp8, w_scales,
+                                                       torch.bfloat16), args.repeats), err)
+                path = product_path(x.is_cuda, m, proj.out_features, proj.in_features,
+                                    sm90=sm90)
                 row = dict(model=model, **asdict(proj), tokens=m, bf16_us=bf16 * 1e6,
                            fp8_us=fp8 * 1e6, fp8_path=path, w8a16_us=w8a16 * 1e6,
-                           w8a16_rel_err=w8a16_err, fp8_mm_us=fp8_mm * 1e6, rel_err=rel_err,
-                           torch_mm_us=None if torch_mm is None else torch_mm * 1e6,
-                           torch_mm_rel_err=torch_err)
+                           w8a16_rel_err=w8a16_err)
+                for name, (micros, err) in timed.items():
+                    row |= {f"{name}_us": micros, f"{name}_rel_err": err}
                 rows.append(row)
-                torch_text = "n/a" if torch_mm is None else f"{torch_mm * 1e6:.1f}"
+                cells = " ".join(f"{'n/a' if micros is None else f'{micros:.1f}':>{width}}"
+                                 for (micros, _), width in zip(timed.values(), (9, 11, 11),
+                                                              strict=True))
+                errs = "  ".join(f"{err:.1e}" if isinstance(err, float) else str(err)
+                                 for _, err in timed.values())
                 print(f"{model:18} {proj.name:20} {proj.out_features:6} {proj.in_features:6} "
                       f"{m:5}  {bf16 * 1e6:9.1f} {fp8 * 1e6:9.1f} {path:>11} {w8a16 * 1e6:9.1f} "
-                      f"{fp8_mm * 1e6:9.1f} {torch_text:>11}  {bf16 / fp8:6.2f}  "
-                      f"{w8a16_err:.1e}  {rel_err:.1e}  {torch_err}",
-                      flush=True)
+                      f"{cells}  {bf16 / fp8:6.2f}  {w8a16_err:.1e}  {errs}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"benchmark": "block_fp8_gemm",
                                               "device": torch.cuda.get_device_name(device),

@@ -19,9 +19,10 @@ float32) and each weight tile is converted to x's dtype in registers,
     y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j],
 
 one launch that reads the weight's FP8 bytes, half of a bf16 weight's. `product_path` picks one
-of the three products for `block_fp8_linear`: "weight-only" on CUDA up to
-`WEIGHT_ONLY_MAX_ROWS` rows, else "cublas" (torch's blockwise scaled matmul) where cuBLASLt
-takes the shape, else "triton".
+of the four products for `block_fp8_linear`: "weight-only" on CUDA up to
+`WEIGHT_ONLY_MAX_ROWS` rows, "gluon" (the warp-specialised sm_90 kernel of `fp8_gemm_sm90`)
+on an sm_90 GPU from `GLUON_MIN_ROWS` rows, else "cublas" (torch's blockwise scaled matmul)
+where cuBLASLt takes the shape, else "triton".
 """
 
 import functools
@@ -44,6 +45,9 @@ ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
 # until scripts/fp8_weight_only_check.py has measured it against bf16 and w8a8 on the H200 (it
 # has not run on a GPU yet); 64 is the first candidate.
 WEIGHT_ONLY_MAX_ROWS = 0
+# From this many rows an sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`). 0: off, until
+# scripts/fp8_gemm_sm90_check.py has measured it against cuBLASLt (it has not run on a GPU yet).
+GLUON_MIN_ROWS = 0
 HOPPER_SMS = 132  # H100 / H200 SXM: the SM count `weight_only_tiles` assumes off CUDA
 
 
@@ -297,14 +301,21 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
     return y
 
 
-def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int) -> str:
-    """Which product `block_fp8_linear` runs for x [rows, K] on CUDA (is_cuda) or not and a
-    weight [N, K]: the one place this is decided.
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, *,
+                 sm90: bool = False) -> str:
+    """Which product `block_fp8_linear` runs for x [rows, K] on CUDA (is_cuda; sm90: 16-bit x
+    on an sm_90 GPU) or not and a weight [N, K]: the one place this is decided.
 
     - "weight-only": on CUDA from 1 to `WEIGHT_ONLY_MAX_ROWS` rows (0: never),
-      `fp8_weight_only_matmul`
-      (there the product is bound by reading the weight, and x's quantization would be a
-      launch of its own);
+      `fp8_weight_only_matmul` (there the product is bound by reading the weight, and x's
+      quantization would be a launch of its own);
+    - "gluon": on sm_90 from `GLUON_MIN_ROWS` rows (0: never) where TMA takes the shape
+      (`fp8_gemm_sm90.gluon_gemm_serves`), the warp-specialised Gluon product;
     - "cublas": on CUDA past that, torch's blockwise scaled matmul (cuBLASLt) where it takes
       the shape: K a multiple of 512 (it wants the K blocks of the scales in fours) and N a
       multiple of 16. On the H200 it is the faster w8a8 product on every DeepSeek-V3
@@ -315,6 +326,11 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int) 
         return "triton"
     if 0 < rows <= WEIGHT_ONLY_MAX_ROWS:
         return "weight-only"
+    if sm90 and 0 < GLUON_MIN_ROWS <= rows:
+        from mlaserve.kernels.fp8_gemm_sm90 import gluon_gemm_serves  # imports gluon
+
+        if gluon_gemm_serves(rows, out_features, in_features):
+            return "gluon"
     if in_features % 512 == 0 and out_features % 16 == 0:
         return "cublas"
     return "triton"
@@ -324,27 +340,38 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
                      weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """x [..., K] -> y [..., N] in x's dtype with an FP8 weight [N, K] and its scales, by the
     product `product_path` picks: `fp8_weight_only_matmul` on x as it is, or `block_fp8_w8a8`
-    through cuBLASLt or the Triton kernel."""
+    through the Gluon kernel, cuBLASLt or the Triton kernel."""
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    path = product_path(x.is_cuda, flat.shape[0], *weight.shape)
+    sm90 = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _is_sm90(x.device)
+    path = product_path(x.is_cuda, flat.shape[0], *weight.shape, sm90=sm90)
     if path == "weight-only":
         y = fp8_weight_only_matmul(flat, weight, weight_scale_inv)  # [M, N]
     else:
-        y = block_fp8_w8a8(flat, weight, weight_scale_inv, cublas=path == "cublas")  # [M, N]
+        y = block_fp8_w8a8(flat, weight, weight_scale_inv, path)  # [M, N]
     return y.view(*x.shape[:-1], weight.shape[0])  # [..., N]
 
 
 def block_fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                   cublas: bool) -> torch.Tensor:
+                   path: str) -> torch.Tensor:
     """x [M, K] -> y [M, N] in x's dtype: x quantized per token group (`quantize_activations`),
-    then the block-FP8 product with weight [N, K] and its scales, through torch's blockwise
-    scaled matmul (cublas; the rows padded to a multiple of 4, as cuBLASLt needs) or the Triton
-    kernel (`block_fp8_matmul`)."""
+    then the block-FP8 product with weight [N, K] and its scales by `path` (`product_path`):
+    "gluon" (`fp8_gemm_sm90.block_fp8_matmul_sm90`), "cublas" (torch's blockwise scaled
+    matmul, the rows padded to a multiple of 4 as cuBLASLt needs) or "triton"
+    (`block_fp8_matmul`)."""
     rows = x.shape[0]
-    if cublas and rows % 4:
+    if path == "cublas" and rows % 4:
         x = torch.nn.functional.pad(x, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
     x_q, x_scales = quantize_activations(x)
-    product = scaled_mm_block_fp8 if cublas else block_fp8_matmul
+    if path == "gluon":
+        from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90
+
+        product = block_fp8_matmul_sm90
+    elif path == "cublas":
+        product = scaled_mm_block_fp8
+    elif path == "triton":
+        product = block_fp8_matmul
+    else:
+        raise ValueError(f"unknown w8a8 product {path!r} (gluon, cublas or triton)")
     return product(x_q, x_scales, weight, weight_scale_inv, x.dtype)[:rows]  # [M, N]
 
 
@@ -376,6 +403,6 @@ def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
     return x @ w.T
 
 
-__all__ = ["WEIGHT_ONLY_MAX_ROWS", "block_fp8_linear", "block_fp8_matmul", "block_fp8_reference",
-           "block_fp8_w8a8", "fp8_weight_only_matmul", "product_path",
+__all__ = ["GLUON_MIN_ROWS", "WEIGHT_ONLY_MAX_ROWS", "block_fp8_linear", "block_fp8_matmul",
+           "block_fp8_reference", "block_fp8_w8a8", "fp8_weight_only_matmul", "product_path",
            "quantize_activations", "scaled_mm_block_fp8", "weight_only_tiles"]

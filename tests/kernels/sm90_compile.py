@@ -1,4 +1,5 @@
-"""Compile one of the Gluon split passes for sm_90 without a GPU (`gluon_sm90_aot`), in a fresh
+"""Compile one of the Gluon kernels for sm_90 without a GPU (the split passes through
+`gluon_sm90_aot`, the FP8 GEMM through `fp8_gemm_sm90.compile_for_sm90`), in a fresh
 interpreter: the CPU test session interprets Triton kernels (TRITON_INTERPRET=1 is read when
 triton and gluon decorate their functions)."""
 
@@ -9,12 +10,13 @@ import sys
 
 _SCRIPT = """
 import json, os, subprocess, sys, tempfile
-import torch, triton
-from mlaserve.kernels.mla_decode import gluon_sm90_aot
+import importlib, torch, triton
+module, function = sys.argv[1].split(":")
 kwargs = json.loads(sys.argv[2])
-if "dtype" in kwargs:
-    kwargs["dtype"] = getattr(torch, kwargs["dtype"])
-compiled = getattr(gluon_sm90_aot, sys.argv[1])(**kwargs)
+for name in ("dtype", "out_dtype"):
+    if name in kwargs:
+        kwargs[name] = getattr(torch, kwargs[name])
+compiled = getattr(importlib.import_module(module), function)(**kwargs)
 tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     f.write(compiled.asm["cubin"]); f.flush()
@@ -26,10 +28,12 @@ print(json.dumps({"stack": int(line.split("STACK:")[1].split()[0]),
 """
 
 
-def compile_sm90(function: str, **kwargs) -> dict:
-    """`gluon_sm90_aot.<function>(**kwargs)` (a dtype given by its torch name): the stack bytes
-    (> 0: register spills), the shared memory and the PTX of the compiled pass."""
+def compile_sm90(function: str, module: str = "mlaserve.kernels.mla_decode.gluon_sm90_aot",
+                 **kwargs) -> dict:
+    """`module.function(**kwargs)` (a dtype given by its torch name): the stack bytes (> 0:
+    register spills), the shared memory and the PTX of the compiled kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, function, json.dumps(kwargs)],
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, f"{module}:{function}",
+                          json.dumps(kwargs)],
                          capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(out.splitlines()[-1])

@@ -73,14 +73,15 @@ def test_bench_gemm_shapes_and_cpu_refusal(capsys) -> None:
     """`mlaserve bench gemm` times the FP8 GEMMs of DeepSeek-V3 (one rank) as the model runs
     them (q_a and kv_a fused, kv_b_proj not at all: it is bf16 after loading), and says on a
     CPU-only machine that it needs a GPU."""
-    from mlaserve.bench.gemm import _config, projections
+    from mlaserve.bench.gemm import load_config, projections
     from mlaserve.cli import main
 
-    shapes = {p.name: (p.out_features, p.in_features) for p in projections(_config("deepseek-v3"))}
+    v3 = projections(load_config("deepseek-v3"))
+    shapes = {p.name: (p.out_features, p.in_features) for p in v3}
     assert shapes["q_a+kv_a_proj"] == (1536 + 576, 7168) and "kv_b_proj" not in shapes
     assert shapes["q_b_proj"] == (128 * 192, 1536) and shapes["o_proj"] == (7168, 16384)
     assert shapes["expert.gate_up_proj"] == (4096, 7168) and shapes["mlp.down_proj"][1] == 18432
-    lite = {p.name: p.out_features for p in projections(_config("deepseek-v2-lite"))}
+    lite = {p.name: p.out_features for p in projections(load_config("deepseek-v2-lite"))}
     assert lite["q+kv_a_proj"] == 16 * 192 + 576  # V2-Lite has no q_lora
     if not torch.cuda.is_available():
         assert main(["bench", "gemm"]) == 2

@@ -1,0 +1,298 @@
+"""Block-FP8 w8a8 GEMM for sm_90 in Gluon: warp-specialised, persistent, TMA-fed wgmma.
+
+The product of `fp8_gemm.block_fp8_matmul` (y = x W^T, x [M, K] and W [N, K] float8_e4m3fn
+with 1 x 128 and 128 x 128 float32 scales; that module's docstring has the math), laid out by
+hand where Triton's pipeliner cannot: a K block's product must be scaled before it joins the
+accumulator, so each block is a fresh wgmma whose result is waited on at once, and a single
+instruction stream leaves the tensor cores idle during that scaling. Here, as in DeepSeek's
+DeepGEMM, three partitions share each CTA:
+
+- A 1-warp loader issues TMA copies of x [128, 128] and W [128, 128] for every K block of the
+  CTA's tiles into a ring of NUM_STAGES shared buffers guarded by ready / empty mbarriers. It
+  runs ahead across tile boundaries, so the next tile's first blocks load during the epilogue.
+- Two compute warpgroups take the tile's rows 0-63 and 64-127. For each K block k, one
+  wgmma [64, 128] x [128, 128] in FP8 (the hardware adds the 128 products of a column in its
+  reduced-precision accumulator, as cuBLASLt does), then in float32
+      acc += block * (S_x[rows, k] * S_w[n // 128, k]),
+  and the buffer goes back to the loader once both warpgroups are past it. The warpgroups are
+  not in lockstep: one's scaling runs while the other's product keeps the tensor cores busy.
+  The scales of block k + 1 are loaded while block k's product runs.
+- A tile's output [64, 128] per warpgroup is rounded to y's dtype, written to shared memory
+  and stored by TMA (which clips rows and columns past y), while the warpgroup goes on to its
+  next tile; the staging buffer is reused only after that store has read it.
+
+Tiles are 128 x 128 (BLOCK_N = 128: one weight scale per tile and K block), visited by a
+persistent grid of one CTA per SM in groups of GROUP_M row tiles that share the weight tiles
+through L2. TMA zero-fills rows, columns and K past the operands, so any M, N and K work within
+TMA's alignment (K and N multiples of 16; `gluon_gemm_serves`). Needs Triton's Gluon
+(Triton >= 3.6) and an sm_90 GPU.
+"""
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
+from mlaserve.model.fp8 import FP8_DTYPE
+
+BLOCK_M = 128  # two warpgroups of 64 rows
+BLOCK_N = 128  # one weight scale row per tile
+BLOCK_K = 128  # one scale column per K block
+NUM_WARPS = 4  # the default partition: the first compute warpgroup
+DEFAULT_STAGES = 5  # 5 x 32 KB ring + 32 KB output staging: one CTA per SM
+DEFAULT_GROUP_M = 8
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+def shared_memory_bytes(num_stages: int, out_dtype: torch.dtype) -> int:
+    """The shared memory a CTA takes (an upper bound): the ring of FP8 x and W tiles, the
+    output staging [2, 64, 128] and the barriers."""
+    ring = num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K
+    return ring + BLOCK_M * BLOCK_N * out_dtype.itemsize + 1024
+
+
+def gluon_gemm_serves(rows: int, out_features: int, in_features: int) -> bool:
+    """Whether `block_fp8_matmul_sm90` takes x [rows, K] @ W [N, K]^T on an sm_90 GPU: TMA's
+    16-byte rows (K a multiple of 16, N of 8 for a 16-bit y) and at least one row."""
+    return rows > 0 and in_features % 16 == 0 and out_features % 8 == 0
+
+
+@gluon.jit
+def _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M: gl.constexpr,
+                 TILE_M: gl.constexpr, TILE_N: gl.constexpr):
+    """The first row and column of `tile` (0 .. tiles - 1): row tiles in groups of GROUP_M,
+    column-major within a group, so consecutive CTAs share weight tiles."""
+    tiles_per_group = GROUP_M * num_tiles_n
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_rows = gl.minimum(num_tiles_m - first_m, GROUP_M)
+    in_group = tile % tiles_per_group
+    return (first_m + in_group % group_rows) * TILE_M, (in_group // group_rows) * TILE_N
+
+
+@gluon.jit
+def _loader_partition(x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m, num_tiles_n,
+                      num_k_blocks, GROUP_M: gl.constexpr):
+    """1 warp: the TMA copies of x [128, 128] and W [128, 128] of every K block of this CTA's
+    tiles (the i-th block overall -> buffer i % NUM_STAGES)."""
+    STAGES: gl.constexpr = x_smem.type.shape[0]
+    TILE_M: gl.constexpr = x_smem.type.shape[1]
+    TILE_N: gl.constexpr = w_smem.type.shape[1]
+    TILE_K: gl.constexpr = x_smem.type.shape[2]
+    block_bytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    count = 0
+    for tile in range(gl.program_id(0), num_tiles_m * num_tiles_n, gl.num_programs(0)):
+        off_m, off_n = _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M, TILE_M, TILE_N)
+        for k_block in range(num_k_blocks):
+            stage = count % STAGES
+            # A fresh barrier counts as having completed the phase before phase 0: parity 1
+            # passes.
+            mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), block_bytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, k_block * TILE_K],
+                                            ready.index(stage), x_smem.index(stage))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k_block * TILE_K],
+                                            ready.index(stage), w_smem.index(stage))
+            count += 1
+
+
+@gluon.jit
+def _issue_block(x_smem, w_smem, ready, count, zeros, HALF: gl.constexpr):
+    """Wait for the CTA's count-th K block and issue this warpgroup's FP8 product of it,
+    [64, 128] x [128, 128] -> [64, 128] float32 (async; the hardware adds each column's 128
+    products in its reduced-precision accumulator, as cuBLASLt does)."""
+    STAGES: gl.constexpr = x_smem.type.shape[0]
+    ROWS: gl.constexpr = x_smem.type.shape[1] // 2
+    stage = count % STAGES
+    mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
+    a = x_smem.index(stage).slice(HALF * ROWS, ROWS, dim=0)  # [64, 128]
+    b = w_smem.index(stage).permute((1, 0))  # [128 (K), 128 (N)], K-major
+    return warpgroup_mma(a, b, zeros, use_acc=False,
+                         max_num_imprecise_acc=x_smem.type.shape[2], is_async=True)
+
+
+@gluon.jit
+def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
+                       w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, stride_xs_m,
+                       stride_xs_k, stride_ws_n, HALF: gl.constexpr, GROUP_M: gl.constexpr):
+    """One compute warpgroup: rows HALF * 64 .. HALF * 64 + 63 of each of the CTA's tiles."""
+    STAGES: gl.constexpr = x_smem.type.shape[0]
+    TILE_M: gl.constexpr = x_smem.type.shape[1]
+    TILE_N: gl.constexpr = w_smem.type.shape[1]
+    ROWS: gl.constexpr = TILE_M // 2
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, TILE_N, 32])
+    ROW: gl.constexpr = gl.SliceLayout(1, ACC)
+    zeros = gl.zeros([ROWS, TILE_N], gl.float32, ACC)
+    staging = out_smem.index(HALF)  # [64, 128] of y's dtype
+    count = 0
+    for tile in range(gl.program_id(0), num_tiles_m * num_tiles_n, gl.num_programs(0)):
+        off_m, off_n = _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M, TILE_M, TILE_N)
+        rows = off_m + HALF * ROWS + gl.arange(0, ROWS, layout=ROW)
+        row_ok = rows < M
+        x_scale_row = x_scale_ptr + rows * stride_xs_m  # [64] pointers
+        w_scale_row = w_scale_ptr + (off_n // TILE_N) * stride_ws_n
+        x_scale = gl.load(x_scale_row, mask=row_ok, other=0.0)  # [64], K block 0
+        w_scale = gl.load(w_scale_row)
+        acc = zeros
+        for k_block in range(num_k_blocks):
+            token = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
+            more = k_block + 1 < num_k_blocks
+            x_scale_next = gl.load(x_scale_row + (k_block + 1) * stride_xs_k,
+                                   mask=row_ok & more, other=0.0)
+            w_scale_next = gl.load(w_scale_row + k_block + 1, mask=more, other=0.0)
+            block = warpgroup_mma_wait(0, deps=[token])
+            mbarrier.arrive(empty.index(count % STAGES))
+            acc += block * gl.expand_dims(x_scale * w_scale, 1)
+            x_scale = x_scale_next
+            w_scale = w_scale_next
+            count += 1
+        tma.store_wait(0)  # the previous tile's store has read the staging buffer
+        gl.thread_barrier()
+        staging.store(acc.to(y_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(y_desc, [off_m + HALF * ROWS, off_n], staging)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _block_fp8_matmul_kernel_sm90(
+    x_desc,  # x_q [M, K] float8_e4m3fn: box [128, 128]
+    w_desc,  # W [N, K] float8_e4m3fn: box [128, 128]
+    y_desc,  # y [M, N] 16-bit: box [64, 128]
+    x_scale_ptr,  # [M, ceil(K / 128)] float32, any strides
+    w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32, unit column stride
+    M, N, K,
+    stride_xs_m, stride_xs_k, stride_ws_n,
+    NUM_STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    TILE_M: gl.constexpr = x_desc.block_type.shape[0]
+    TILE_N: gl.constexpr = w_desc.block_type.shape[0]
+    TILE_K: gl.constexpr = x_desc.block_type.shape[1]
+    num_tiles_m = gl.cdiv(M, TILE_M)
+    num_tiles_n = gl.cdiv(N, TILE_N)
+    num_k_blocks = gl.cdiv(K, TILE_K)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES] + x_desc.block_type.shape,
+                                       x_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape,
+                                       w_desc.layout)
+    out_smem = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape,
+                                         y_desc.layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both warpgroups release a buffer
+    fence_async_shared()
+
+    TOP: gl.constexpr = 0
+    BOTTOM: gl.constexpr = 1
+    gl.warp_specialize([
+        (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
+                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
+                              stride_xs_m, stride_xs_k, stride_ws_n, TOP, GROUP_M)),
+        (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
+                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
+                              stride_xs_m, stride_xs_k, stride_ws_n, BOTTOM, GROUP_M)),
+        (_loader_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m,
+                             num_tiles_n, num_k_blocks, GROUP_M)),
+    ], [4, 1], [232, 40])  # the second warpgroup and the loader warp: warps, registers
+
+
+@functools.cache
+def operand_layouts(out_dtype: torch.dtype) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
+    """The shared layouts of the FP8 operand boxes [128, 128] and of the output box [64, 128]."""
+    fp8 = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+    out = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], _GL_DTYPES[out_dtype])
+    return fp8, out
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
+                          weight_scale_inv: torch.Tensor, out_dtype: torch.dtype, *,
+                          num_stages: int = DEFAULT_STAGES,
+                          group_m: int = DEFAULT_GROUP_M) -> torch.Tensor:
+    """y [M, N] = dequant(x_q, x_scales) @ dequant(weight, weight_scale_inv)^T, the product of
+    `fp8_gemm.block_fp8_matmul`, by the warp-specialised sm_90 kernel (where
+    `gluon_gemm_serves` holds).
+
+    Args:
+        x_q: [M, K] float8_e4m3fn, contiguous; x_scales [M, ceil(K / 128)] float32, any
+            strides (`quantize_activations` leaves them M-major).
+        weight: [N, K] float8_e4m3fn, contiguous; weight_scale_inv [ceil(N / 128),
+            ceil(K / 128)] float32.
+        out_dtype: bfloat16 or float16.
+        num_stages: K blocks in the shared ring; group_m: row tiles per weight-sharing group.
+    """
+    rows, cols = x_q.shape
+    out_features = weight.shape[0]
+    if x_q.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
+        raise ValueError(f"x_q and weight must be {FP8_DTYPE}, not {x_q.dtype} / {weight.dtype}")
+    if not gluon_gemm_serves(rows, out_features, cols):
+        raise ValueError(f"the sm_90 Gluon GEMM does not take x [{rows}, {cols}] @ "
+                         f"W [{out_features}, {cols}]^T: K must be a multiple of 16, N of 8")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype must be bfloat16 or float16, not {out_dtype}")
+    if x_q.device.type != "cuda" or torch.cuda.get_device_capability(x_q.device) != (9, 0):
+        raise ValueError(f"the Gluon GEMM runs on sm_90 GPUs only, not on {x_q.device}")
+    if shared_memory_bytes(num_stages, out_dtype) > GLUON_SHARED_MEMORY_LIMIT:
+        raise ValueError(f"num_stages {num_stages} needs more shared memory than sm_90 has")
+    x_q, weight = x_q.contiguous(), weight.contiguous()
+    weight_scale_inv = weight_scale_inv.contiguous()
+    y = torch.empty(rows, out_features, dtype=out_dtype, device=x_q.device)
+    fp8_layout, out_layout = operand_layouts(out_dtype)
+    x_desc = TensorDescriptor.from_tensor(x_q, [BLOCK_M, BLOCK_K], fp8_layout)
+    w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], fp8_layout)
+    y_desc = TensorDescriptor.from_tensor(y, [BLOCK_M // 2, BLOCK_N], out_layout)
+    num_tiles = triton.cdiv(rows, BLOCK_M) * triton.cdiv(out_features, BLOCK_N)
+    grid = (min(num_tiles, _sm_count(x_q.device)),)
+    _block_fp8_matmul_kernel_sm90[grid](
+        x_desc, w_desc, y_desc, x_scales, weight_scale_inv, rows, out_features, cols,
+        x_scales.stride(0), x_scales.stride(1), weight_scale_inv.stride(0),
+        NUM_STAGES=num_stages, GROUP_M=group_m, num_warps=NUM_WARPS)
+    return y
+
+
+def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = DEFAULT_STAGES,
+                     group_m: int = DEFAULT_GROUP_M):
+    """The kernel compiled for sm_90 without a GPU (Triton's bundled ptxas), with a launch's
+    argument specialisation: Triton's CompiledKernel (asm["ptx"], asm["cubin"],
+    metadata.shared), for resource checks in CPU tests."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = _block_fp8_matmul_kernel_sm90
+    out_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out_dtype]
+    fp8_layout, out_layout = operand_layouts(out_dtype)
+    constexprs = dict(NUM_STAGES=num_stages, GROUP_M=group_m)
+    signature = {
+        "x_desc": f"tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}],{fp8_layout!r}>",
+        "w_desc": f"tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}],{fp8_layout!r}>",
+        "y_desc": f"tensordesc<{out_name}[{BLOCK_M // 2}, {BLOCK_N}],{out_layout!r}>",
+        "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+        "stride_xs_m": "i32", "stride_xs_k": "i32", "stride_ws_n": "i32",
+    } | {name: "constexpr" for name in constexprs}
+    aligned = ["x_scale_ptr", "w_scale_ptr", "N", "K", "stride_xs_k", "stride_ws_n"]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+
+
+__all__ = ["block_fp8_matmul_sm90", "compile_for_sm90", "gluon_gemm_serves", "shared_memory_bytes"]

@@ -1,0 +1,158 @@
+"""The warp-specialised sm_90 block-FP8 GEMM (`fp8_gemm_sm90.block_fp8_matmul_sm90`) at
+DeepSeek-V3's projection shapes on one H100 / H200: checked, timed against bf16 and cuBLASLt's
+blockwise product, and its launch configuration swept, so that `fp8_gemm.GLUON_MIN_ROWS` and the
+kernel's defaults can be set from one run.
+
+Usage (sm_90 GPU): python3 scripts/fp8_gemm_sm90_check.py [--models deepseek-v3]
+    [--tokens 64,256,1024,4096,8192] [--stages 4,5,6] [--group-m 1,8,16] [--repeats 10]
+    [--out FILE.json]
+
+Per projection (`bench.gemm.projections`: the GEMMs as the model runs them) and token count M:
+random bf16 x and weight (randn * 0.02), quantized as the model does (`quantize_activations`,
+`quantize_block_fp8`). Every swept configuration's bf16 output is checked against the float32
+product of the same dequantized operands (relative Frobenius error, gate `FP8_MMA_REL_ERR +
+BF16_ROUNDING` of `bench.gemm`) before it is timed; a failure is printed and makes the exit
+status 1. Times are medians under CUDA-graph replay (`kernels.testing.graph_replay_seconds`):
+- `bf16`: x @ w_bf16.T (cuBLAS);
+- `cublas`: cuBLASLt's blockwise product alone (`scaled_mm_block_fp8`), where it takes the shape;
+- `gluon`: the Gluon product alone with its defaults, and `best`: the fastest swept
+  configuration (num_stages, group_m), named;
+- `w8a8 cublas` / `w8a8 gluon`: what a layer runs (`block_fp8_w8a8`): x's quantization plus
+  the product.
+The table gives microseconds, the Gluon kernel's TFLOP/s and the speed-ups over bf16.
+"""
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from mlaserve.bench.gemm import BF16_ROUNDING, FP8_MMA_REL_ERR, load_config, projections
+from mlaserve.kernels.fp8_gemm import (
+    block_fp8_reference,
+    block_fp8_w8a8,
+    quantize_activations,
+    scaled_mm_block_fp8,
+)
+from mlaserve.kernels.fp8_gemm_sm90 import (
+    DEFAULT_GROUP_M,
+    DEFAULT_STAGES,
+    block_fp8_matmul_sm90,
+    gluon_gemm_serves,
+)
+from mlaserve.kernels.testing import graph_replay_seconds
+from mlaserve.model.fp8 import quantize_block_fp8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="deepseek-v3", help="comma list of config names")
+    parser.add_argument("--tokens", default="64,256,1024,4096,8192",
+                        help="comma list of token counts M")
+    parser.add_argument("--stages", default="4,5,6", help="swept num_stages")
+    parser.add_argument("--group-m", default="1,8,16", help="swept group_m")
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    return parser.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _time(call, repeats: int) -> float:
+    return graph_replay_seconds([call], repeats, calls_per_graph=8)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("fp8_gemm_sm90_check.py times an sm_90 kernel: it needs an H100 / H200",
+              file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    gate = FP8_MMA_REL_ERR + BF16_ROUNDING
+    sweep = list(itertools.product(_ints(args.stages), _ints(args.group_m)))
+    print(f"{torch.cuda.get_device_name(device)}; defaults: num_stages {DEFAULT_STAGES}, "
+          f"group_m {DEFAULT_GROUP_M}")
+    print(f"{'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>8} {'cublas':>8} "
+          f"{'gluon':>8} {'best':>8} {'(st,gm)':>7}  {'TFLOP/s':>7}  {'x cublas':>8} "
+          f"{'x gluon':>7} {'x best':>6}  {'w8a8 cublas':>11} {'w8a8 gluon':>10}  rel err",
+          flush=True)
+    rows, failed = [], False
+    for model in args.models.split(","):
+        for proj in projections(load_config(model)):
+            n, k = proj.out_features, proj.in_features
+            gen = torch.Generator(device=device).manual_seed(n * k)
+            weight = torch.randn(n, k, generator=gen, device=device) * 0.02
+            w_fp8, w_scales = quantize_block_fp8(weight)
+            w_bf16 = weight.to(torch.bfloat16)
+            del weight
+            for m in _ints(args.tokens):
+                if not gluon_gemm_serves(m, n, k):
+                    print(f"{proj.name:20} {n:6} {k:6} {m:5}  not taken by the Gluon kernel")
+                    continue
+                x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
+                x_q, x_scales = quantize_activations(x)
+                want = block_fp8_reference(x_q, x_scales, w_fp8, w_scales)  # [M, N]
+                product = partial(block_fp8_matmul_sm90, x_q, x_scales, w_fp8, w_scales,
+                                  torch.bfloat16)
+                rel_err = _rel_err(product(), want)
+                swept = {}
+                for stages, group_m in sweep:
+                    err = _rel_err(product(num_stages=stages, group_m=group_m), want)
+                    if err > gate:
+                        print(f"  FAIL {proj.name} M={m} stages={stages} group_m={group_m}: "
+                              f"rel err {err:.1e}")
+                        failed = True
+                        continue
+                    swept[(stages, group_m)] = _time(
+                        partial(product, num_stages=stages, group_m=group_m), args.repeats)
+                failed |= rel_err > gate
+                bf16 = _time(partial(torch.matmul, x, w_bf16.T), args.repeats)
+                gluon = _time(product, args.repeats)
+                try:
+                    cublas = _time(partial(scaled_mm_block_fp8, x_q, x_scales, w_fp8, w_scales,
+                                           torch.bfloat16), args.repeats)
+                    w8a8_cublas = _time(partial(block_fp8_w8a8, x, w_fp8, w_scales, "cublas"),
+                                        args.repeats)
+                except (RuntimeError, ValueError, NotImplementedError):
+                    cublas = w8a8_cublas = math.nan
+                w8a8_gluon = _time(partial(block_fp8_w8a8, x, w_fp8, w_scales, "gluon"),
+                                   args.repeats)
+                best_config = min(swept, key=swept.get, default=None)
+                best = swept[best_config] if best_config else math.nan
+                tflops = 2 * m * n * k / gluon / 1e12
+                rows.append(dict(
+                    model=model, projection=proj.name, out_features=n, in_features=k, tokens=m,
+                    bf16_us=bf16 * 1e6, cublas_us=cublas * 1e6, gluon_us=gluon * 1e6,
+                    best_us=best * 1e6, best_config=best_config, gluon_tflops=tflops,
+                    w8a8_cublas_us=w8a8_cublas * 1e6, w8a8_gluon_us=w8a8_gluon * 1e6,
+                    rel_err=rel_err,
+                    sweep_us={f"{st},{gm}": t * 1e6 for (st, gm), t in swept.items()}))
+                best_text = ",".join(map(str, best_config)) if best_config else "-"
+                print(f"{proj.name:20} {n:6} {k:6} {m:5}  {bf16 * 1e6:8.1f} {cublas * 1e6:8.1f} "
+                      f"{gluon * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>7}  {tflops:7.0f}  "
+                      f"{bf16 / cublas:8.2f} {bf16 / gluon:7.2f} {bf16 / best:6.2f}  "
+                      f"{w8a8_cublas * 1e6:11.1f} {w8a8_gluon * 1e6:10.1f}  {rel_err:.1e}"
+                      f"{'  FAIL' if rel_err > gate else ''}", flush=True)
+            del w_fp8, w_bf16
+            torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(device),
+                                              "rows": rows}, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

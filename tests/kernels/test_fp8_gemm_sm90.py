@@ -1,0 +1,122 @@
+"""The warp-specialised sm_90 block-FP8 GEMM (`kernels/fp8_gemm_sm90.py`): without a GPU it
+compiles for sm_90 with no spills inside the shared memory its launcher assumes, as one FP8
+wgmma chain per K block fed and drained by TMA; `product_path` takes it only where it is turned
+on and TMA takes the shape. On an sm_90 GPU it matches the float32 product of the same
+dequantized operands element by element, partial tiles and the persistent loop included."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from mlaserve.kernels import fp8_gemm  # noqa: E402
+from mlaserve.kernels.fp8_gemm import (  # noqa: E402
+    block_fp8_linear,
+    block_fp8_reference,
+    product_path,
+    quantize_activations,
+)
+from mlaserve.kernels.fp8_gemm_sm90 import (  # noqa: E402
+    block_fp8_matmul_sm90,
+    gluon_gemm_serves,
+    shared_memory_bytes,
+)
+from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT  # noqa: E402
+from mlaserve.model.fp8 import quantize_block_fp8  # noqa: E402
+from tests.kernels.sm90_compile import compile_sm90  # noqa: E402
+
+ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("num_stages", [4, 6])
+def test_compiles_for_sm90_without_spills(num_stages: int) -> None:
+    result = compile_sm90("compile_for_sm90", module="mlaserve.kernels.fp8_gemm_sm90",
+                          num_stages=num_stages)
+    assert result["stack"] == 0  # no register spills
+    assert result["shared"] <= shared_memory_bytes(num_stages, torch.bfloat16)
+    assert shared_memory_bytes(num_stages, torch.bfloat16) <= GLUON_SHARED_MEMORY_LIMIT
+    ptx = result["ptx"]
+    # a K block is one chain of four k32 FP8 wgmmas per warpgroup (two warpgroups), with no
+    # extra promotion of its own: the kernel scales the block's sum itself
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 8
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier") == 2  # x, W
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group") == 2  # y
+    assert "setmaxnreg" in ptx  # warp-specialised register split
+
+
+def test_product_path_takes_the_gluon_kernel_only_where_turned_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    v3_gate_up = (36864, 7168)
+    assert product_path(True, 4096, *v3_gate_up, sm90=True) == (
+        "gluon" if fp8_gemm.GLUON_MIN_ROWS else "cublas")
+    monkeypatch.setattr(fp8_gemm, "GLUON_MIN_ROWS", 256)
+    assert product_path(True, 4096, *v3_gate_up, sm90=True) == "gluon"
+    assert product_path(True, 255, *v3_gate_up, sm90=True) == "cublas"
+    assert product_path(True, 4096, *v3_gate_up, sm90=False) == "cublas"  # not sm_90
+    assert product_path(True, 4096, 1000, 10944, sm90=True) == "gluon"  # cuBLASLt refuses K
+    assert product_path(True, 4096, 1000, 300, sm90=True) == "triton"  # K not a multiple of 16
+    assert product_path(False, 4096, *v3_gate_up, sm90=True) == "triton"
+    assert not gluon_gemm_serves(0, 128, 128) and not gluon_gemm_serves(8, 1001, 128)
+
+
+def test_refuses_what_it_cannot_run() -> None:
+    weight, scale_inv = quantize_block_fp8(torch.randn(256, 256))
+    x_q, x_scales = quantize_activations(torch.randn(4, 256))
+    with pytest.raises(ValueError, match="sm_90 GPUs only"):
+        block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, torch.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        block_fp8_matmul_sm90(x_q.float(), x_scales, weight, scale_inv, torch.bfloat16)
+
+
+def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Element by element: the output's rounding (2^-8 relative for bf16 and far less for
+    fp16) plus the FP8 tensor cores' reduced-precision sum of each 128-deep block (1e-3 of
+    the output's rms; 1.3e-4 relative measured on the H200). One K block's scale off by 2x
+    moves elements by about rms / sqrt(K blocks), at least 0.13 rms here."""
+    bound = 2**-8 * want.abs() + 1e-3 * want.pow(2).mean().sqrt()
+    excess = ((got.float() - want).abs() - bound).max().item()
+    assert excess <= 0, f"off by {excess:.3g} beyond the bound"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon GEMM runs on sm_90 GPUs")
+@pytest.mark.parametrize("rows,out_features,in_features", [
+    (1, 128, 128),
+    (37, 520, 320),  # partial row, column and K tiles
+    (129, 256, 512),  # one row into a second row tile
+    (300, 2112, 7168),  # V3's fused q_a + kv_a: 56 K blocks, a half column tile
+    (1024, 4096, 1536),  # 256 tiles: the persistent loop, two tiles and more per CTA
+])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_matches_the_dequantized_product(rows: int, out_features: int, in_features: int,
+                                         out_dtype: torch.dtype) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, generator=gen, device="cuda", dtype=torch.bfloat16)
+    weight, scale_inv = quantize_block_fp8(
+        torch.randn(out_features, in_features, generator=gen, device="cuda") * 0.05)
+    x_q, x_scales = quantize_activations(x)
+    want = block_fp8_reference(x_q, x_scales, weight, scale_inv)  # [M, N] float32
+    got = block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype)
+    assert got.shape == (rows, out_features) and got.dtype == out_dtype
+    _assert_matches(got, want)
+    for stages, group_m in ((3, 1), (6, 16)):
+        _assert_matches(block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype,
+                                              num_stages=stages, group_m=group_m), want)
+    wrong = x_scales.clone()
+    wrong[:, -1] *= 2  # the bound catches one K block scaled wrong
+    with pytest.raises(AssertionError, match="beyond the bound"):
+        _assert_matches(block_fp8_reference(x_q, wrong, weight, scale_inv), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon GEMM runs on sm_90 GPUs")
+def test_linear_runs_it_when_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp8_gemm, "GLUON_MIN_ROWS", 64)
+    x = torch.randn(2, 100, 1536, device="cuda", dtype=torch.bfloat16)
+    weight, scale_inv = quantize_block_fp8(torch.randn(1024, 1536, device="cuda") * 0.05)
+    y = block_fp8_linear(x, weight, scale_inv)
+    x_q, x_scales = quantize_activations(x.view(200, 1536))
+    assert y.shape == (2, 100, 1024) and y.dtype == torch.bfloat16
+    _assert_matches(y.view(200, 1024), block_fp8_reference(x_q, x_scales, weight, scale_inv))
