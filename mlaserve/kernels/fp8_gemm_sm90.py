@@ -16,7 +16,10 @@ DeepGEMM, three partitions share each CTA:
       acc += block * (S_x[rows, k] * S_w[n // 128, k]),
   and the buffer goes back to the loader once both warpgroups are past it. The warpgroups are
   not in lockstep: one's scaling runs while the other's product keeps the tensor cores busy.
-  The scales of block k + 1 are loaded while block k's product runs.
+  The scales of block k + 1 are loaded while block k's product runs. (Two products in flight
+  per warpgroup, scaling block k during block k + 1's product, does not compile to that:
+  ptxas serialises every wgmma (its notes C7514 / C7515) once an in-flight accumulator is
+  carried into the next loop iteration or zero-filled while another product is in flight.)
 - A tile's output [64, 128] per warpgroup is rounded to y's dtype, written to shared memory
   and stored by TMA (which clips rows and columns past y), while the warpgroup goes on to its
   next tile; the staging buffer is reused only after that store has read it.
@@ -65,7 +68,7 @@ def shared_memory_bytes(num_stages: int, out_dtype: torch.dtype) -> int:
 def gluon_gemm_serves(rows: int, out_features: int, in_features: int) -> bool:
     """Whether `block_fp8_matmul_sm90` takes x [rows, K] @ W [N, K]^T on an sm_90 GPU: TMA's
     16-byte rows (K a multiple of 16, N of 8 for a 16-bit y) and at least one row."""
-    return rows > 0 and in_features % 16 == 0 and out_features % 8 == 0
+    return rows > 0 and in_features > 0 and in_features % 16 == 0 and out_features % 8 == 0
 
 
 @gluon.jit
