@@ -4,7 +4,8 @@ blockwise product, and its launch configuration swept, so that `fp8_gemm.GLUON_M
 kernel's defaults can be set from one run.
 
 Usage (sm_90 GPU): python3 scripts/fp8_gemm_sm90_check.py [--models deepseek-v3]
-    [--tokens 64,256,1024,4096,8192] [--stages 4,5,6] [--group-m 1,8,16] [--repeats 10]
+    [--tokens 256,1024,4096,8192] [--stages 4,5,6] [--k-unroll 1,2,4] [--group-m 8]
+    [--repeats 10]
     [--out FILE.json]
 
 Per projection (`bench.gemm.projections`: the GEMMs as the model runs them) and token count M:
@@ -16,7 +17,7 @@ status 1. Times are medians under CUDA-graph replay (`kernels.testing.graph_repl
 - `bf16`: x @ w_bf16.T (cuBLAS);
 - `cublas`: cuBLASLt's blockwise product alone (`scaled_mm_block_fp8`), where it takes the shape;
 - `gluon`: the Gluon product alone with its defaults, and `best`: the fastest swept
-  configuration (num_stages, group_m), named;
+  configuration (num_stages, k_unroll, group_m), named;
 - `w8a8 cublas` / `w8a8 gluon`: what a layer runs (`block_fp8_w8a8`): x's quantization plus
   the product.
 The table gives microseconds, the Gluon kernel's TFLOP/s and the speed-ups over bf16.
@@ -41,6 +42,7 @@ from mlaserve.kernels.fp8_gemm import (
 )
 from mlaserve.kernels.fp8_gemm_sm90 import (
     DEFAULT_GROUP_M,
+    DEFAULT_K_UNROLL,
     DEFAULT_STAGES,
     block_fp8_matmul_sm90,
     gluon_gemm_serves,
@@ -53,10 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="deepseek-v3", help="comma list of config names")
-    parser.add_argument("--tokens", default="64,256,1024,4096,8192",
+    parser.add_argument("--tokens", default="256,1024,4096,8192",
                         help="comma list of token counts M")
     parser.add_argument("--stages", default="4,5,6", help="swept num_stages")
-    parser.add_argument("--group-m", default="1,8,16", help="swept group_m")
+    parser.add_argument("--k-unroll", default="1,2,4", help="swept k_unroll")
+    parser.add_argument("--group-m", default="8", help="swept group_m")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     return parser.parse_args(argv)
@@ -82,11 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     gate = FP8_MMA_REL_ERR + BF16_ROUNDING
-    sweep = list(itertools.product(_ints(args.stages), _ints(args.group_m)))
+    sweep = list(itertools.product(_ints(args.stages), _ints(args.k_unroll),
+                                   _ints(args.group_m)))
     print(f"{torch.cuda.get_device_name(device)}; defaults: num_stages {DEFAULT_STAGES}, "
-          f"group_m {DEFAULT_GROUP_M}")
+          f"k_unroll {DEFAULT_K_UNROLL}, group_m {DEFAULT_GROUP_M}")
     print(f"{'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>8} {'cublas':>8} "
-          f"{'gluon':>8} {'best':>8} {'(st,gm)':>7}  {'TFLOP/s':>7}  {'x cublas':>8} "
+          f"{'gluon':>8} {'best':>8} {'(st,ku,gm)':>10}  {'TFLOP/s':>7}  {'x cublas':>8} "
           f"{'x gluon':>7} {'x best':>6}  {'w8a8 cublas':>11} {'w8a8 gluon':>10}  rel err",
           flush=True)
     rows, failed = [], False
@@ -109,15 +113,15 @@ def main(argv: list[str] | None = None) -> int:
                                   torch.bfloat16)
                 rel_err = _rel_err(product(), want)
                 swept = {}
-                for stages, group_m in sweep:
-                    err = _rel_err(product(num_stages=stages, group_m=group_m), want)
+                for stages, k_unroll, group_m in sweep:
+                    config = dict(num_stages=stages, k_unroll=k_unroll, group_m=group_m)
+                    err = _rel_err(product(**config), want)
                     if err > gate:
-                        print(f"  FAIL {proj.name} M={m} stages={stages} group_m={group_m}: "
-                              f"rel err {err:.1e}")
+                        print(f"  FAIL {proj.name} M={m} {config}: rel err {err:.1e}")
                         failed = True
                         continue
-                    swept[(stages, group_m)] = _time(
-                        partial(product, num_stages=stages, group_m=group_m), args.repeats)
+                    swept[(stages, k_unroll, group_m)] = _time(partial(product, **config),
+                                                               args.repeats)
                 failed |= rel_err > gate
                 bf16 = _time(partial(torch.matmul, x, w_bf16.T), args.repeats)
                 gluon = _time(product, args.repeats)
@@ -139,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                     best_us=best * 1e6, best_config=best_config, gluon_tflops=tflops,
                     w8a8_cublas_us=w8a8_cublas * 1e6, w8a8_gluon_us=w8a8_gluon * 1e6,
                     rel_err=rel_err,
-                    sweep_us={f"{st},{gm}": t * 1e6 for (st, gm), t in swept.items()}))
+                    sweep_us={",".join(map(str, key)): t * 1e6 for key, t in swept.items()}))
                 best_text = ",".join(map(str, best_config)) if best_config else "-"
                 print(f"{proj.name:20} {n:6} {k:6} {m:5}  {bf16 * 1e6:8.1f} {cublas * 1e6:8.1f} "
-                      f"{gluon * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>7}  {tflops:7.0f}  "
+                      f"{gluon * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>10}  {tflops:7.0f}  "
                       f"{bf16 / cublas:8.2f} {bf16 / gluon:7.2f} {bf16 / best:6.2f}  "
                       f"{w8a8_cublas * 1e6:11.1f} {w8a8_gluon * 1e6:10.1f}  {rel_err:.1e}"
                       f"{'  FAIL' if rel_err > gate else ''}", flush=True)

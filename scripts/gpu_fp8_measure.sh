@@ -12,8 +12,8 @@
 #                cache with the Triton variants (one process each)
 #   decode       the same cells, bf16 and FP8 caches, the plan's choice plus VARIANT, in RUNS
 #                processes
-#   gemm-gluon   the Gluon sm_90 w8a8 GEMM against bf16 and cuBLASLt at 64-8192 tokens, its
-#                stages and row grouping swept (scripts/fp8_gemm_sm90_check.py)
+#   gemm-gluon   the Gluon sm_90 w8a8 GEMM against bf16 and cuBLASLt at 256-8192 tokens, its
+#                stages and K chains swept (scripts/fp8_gemm_sm90_check.py)
 #   gemm         the weight-only product against bf16 and w8a8 at 1-128 tokens (with its
 #                configuration sweep), then `mlaserve bench gemm` on V3's shapes, RUNS processes
 #   serve        the V3 config with 8 layers, FP8 dummy weights, served with a bf16 and an FP8

@@ -14,12 +14,14 @@ DeepGEMM, three partitions share each CTA:
   wgmma [64, 128] x [128, 128] in FP8 (the hardware adds the 128 products of a column in its
   reduced-precision accumulator, as cuBLASLt does), then in float32
       acc += block * (S_x[rows, k] * S_w[n // 128, k]),
-  and the buffer goes back to the loader once both warpgroups are past it. The warpgroups are
-  not in lockstep: one's scaling runs while the other's product keeps the tensor cores busy.
-  The scales of block k + 1 are loaded while block k's product runs. (Two products in flight
-  per warpgroup, scaling block k during block k + 1's product, does not compile to that:
-  ptxas serialises every wgmma (its notes C7514 / C7515) once an in-flight accumulator is
-  carried into the next loop iteration or zero-filled while another product is in flight.)
+  and the buffer goes back to the loader once both warpgroups are past it. The K blocks go in
+  chains of K_UNROLL: block k + 1's product is issued before block k is waited for, so block
+  k's scaling runs under a product of the same warpgroup (two in flight), and the other
+  warpgroup's products fill the rest. A chain starts with nothing in flight: an accumulator
+  still in flight at a loop's back edge would be copied there, and ptxas then serialises every
+  wgmma (its notes C7514 / C7515); the running acc passes through each wait so that the
+  compiler scales each block as it lands rather than all at the chain's end, which would keep
+  K_UNROLL blocks in registers.
 - A tile's output [64, 128] per warpgroup is rounded to y's dtype, written to shared memory
   and stored by TMA (which clips rows and columns past y), while the warpgroup goes on to its
   next tile; the staging buffer is reused only after that store has read it.
@@ -55,6 +57,7 @@ BLOCK_K = 128  # one scale column per K block
 NUM_WARPS = 4  # the default partition: the first compute warpgroup
 DEFAULT_STAGES = 5  # 5 x 32 KB ring + 32 KB output staging: one CTA per SM
 DEFAULT_GROUP_M = 8
+DEFAULT_K_UNROLL = 4  # V3's K are multiples of 4 x 128
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
@@ -120,16 +123,32 @@ def _issue_block(x_smem, w_smem, ready, count, zeros, HALF: gl.constexpr):
     mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
     a = x_smem.index(stage).slice(HALF * ROWS, ROWS, dim=0)  # [64, 128]
     b = w_smem.index(stage).permute((1, 0))  # [128 (K), 128 (N)], K-major
-    return warpgroup_mma(a, b, zeros, use_acc=False,
-                         max_num_imprecise_acc=x_smem.type.shape[2], is_async=True)
+    return warpgroup_mma(a, b, zeros, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _block_scales(x_scale_row, w_scale_row, k_block, stride_xs_k, row_ok):
+    """S_x[rows, k] * S_w[n // 128, k]: [64] float32, the scale of K block k's product per row
+    (0 for rows past M)."""
+    x_scale = gl.load(x_scale_row + k_block * stride_xs_k, mask=row_ok, other=0.0)
+    return x_scale * gl.load(w_scale_row + k_block)
+
+
+@gluon.jit
+def _add_scaled(acc, block, scale, empty, count):
+    """Give the count-th K block's buffer back to the loader (its product is done) and return
+    acc + block * scale[:, None], [64, 128] float32."""
+    STAGES: gl.constexpr = empty.type.shape[0]
+    mbarrier.arrive(empty.index(count % STAGES))
+    return acc + block * gl.expand_dims(scale, 1)
 
 
 @gluon.jit
 def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
                        w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, stride_xs_m,
-                       stride_xs_k, stride_ws_n, HALF: gl.constexpr, GROUP_M: gl.constexpr):
+                       stride_xs_k, stride_ws_n, HALF: gl.constexpr, GROUP_M: gl.constexpr,
+                       K_UNROLL: gl.constexpr):
     """One compute warpgroup: rows HALF * 64 .. HALF * 64 + 63 of each of the CTA's tiles."""
-    STAGES: gl.constexpr = x_smem.type.shape[0]
     TILE_M: gl.constexpr = x_smem.type.shape[1]
     TILE_N: gl.constexpr = w_smem.type.shape[1]
     ROWS: gl.constexpr = TILE_M // 2
@@ -145,20 +164,32 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
         row_ok = rows < M
         x_scale_row = x_scale_ptr + rows * stride_xs_m  # [64] pointers
         w_scale_row = w_scale_ptr + (off_n // TILE_N) * stride_ws_n
-        x_scale = gl.load(x_scale_row, mask=row_ok, other=0.0)  # [64], K block 0
-        w_scale = gl.load(w_scale_row)
         acc = zeros
-        for k_block in range(num_k_blocks):
+        # K blocks in groups of K_UNROLL, each group a chain: block i + 1's product is issued
+        # before block i is waited for and scaled, so the scaling runs under a product. A
+        # group starts with nothing in flight: an accumulator still in flight across a loop
+        # iteration would be copied at the back edge, and ptxas then serialises every wgmma.
+        num_groups = num_k_blocks // K_UNROLL
+        for group in range(num_groups):
+            first = group * K_UNROLL
+            token_prev = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
+            scale_prev = _block_scales(x_scale_row, w_scale_row, first, stride_xs_k, row_ok)
+            for i in gl.static_range(1, K_UNROLL):
+                token = _issue_block(x_smem, w_smem, ready, count + i, zeros, HALF)
+                scale = _block_scales(x_scale_row, w_scale_row, first + i, stride_xs_k, row_ok)
+                # acc passes through the wait: the previous block's scaling is done by then,
+                # under this block's product, and not left for the end of the chain
+                block, acc = warpgroup_mma_wait(1, deps=[token_prev, acc])
+                acc = _add_scaled(acc, block, scale_prev, empty, count + i - 1)
+                token_prev = token
+                scale_prev = scale
+            acc = _add_scaled(acc, warpgroup_mma_wait(0, deps=[token_prev]), scale_prev, empty,
+                              count + K_UNROLL - 1)
+            count += K_UNROLL
+        for k_block in range(num_groups * K_UNROLL, num_k_blocks):  # the rest, one by one
             token = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
-            more = k_block + 1 < num_k_blocks
-            x_scale_next = gl.load(x_scale_row + (k_block + 1) * stride_xs_k,
-                                   mask=row_ok & more, other=0.0)
-            w_scale_next = gl.load(w_scale_row + k_block + 1, mask=more, other=0.0)
-            block = warpgroup_mma_wait(0, deps=[token])
-            mbarrier.arrive(empty.index(count % STAGES))
-            acc += block * gl.expand_dims(x_scale * w_scale, 1)
-            x_scale = x_scale_next
-            w_scale = w_scale_next
+            scale = _block_scales(x_scale_row, w_scale_row, k_block, stride_xs_k, row_ok)
+            acc = _add_scaled(acc, warpgroup_mma_wait(0, deps=[token]), scale, empty, count)
             count += 1
         tma.store_wait(0)  # the previous tile's store has read the staging buffer
         gl.thread_barrier()
@@ -180,6 +211,7 @@ def _block_fp8_matmul_kernel_sm90(
     stride_xs_m, stride_xs_k, stride_ws_n,
     NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
+    K_UNROLL: gl.constexpr,  # K blocks per chain of overlapped products (1: none)
 ):
     TILE_M: gl.constexpr = x_desc.block_type.shape[0]
     TILE_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -206,10 +238,10 @@ def _block_fp8_matmul_kernel_sm90(
     gl.warp_specialize([
         (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
                               w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
-                              stride_xs_m, stride_xs_k, stride_ws_n, TOP, GROUP_M)),
+                              stride_xs_m, stride_xs_k, stride_ws_n, TOP, GROUP_M, K_UNROLL)),
         (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
                               w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
-                              stride_xs_m, stride_xs_k, stride_ws_n, BOTTOM, GROUP_M)),
+                              stride_xs_m, stride_xs_k, stride_ws_n, BOTTOM, GROUP_M, K_UNROLL)),
         (_loader_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m,
                              num_tiles_n, num_k_blocks, GROUP_M)),
     ], [4, 1], [232, 40])  # the second warpgroup and the loader warp: warps, registers
@@ -231,7 +263,8 @@ def _sm_count(device: torch.device) -> int:
 def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
                           weight_scale_inv: torch.Tensor, out_dtype: torch.dtype, *,
                           num_stages: int = DEFAULT_STAGES,
-                          group_m: int = DEFAULT_GROUP_M) -> torch.Tensor:
+                          group_m: int = DEFAULT_GROUP_M,
+                          k_unroll: int = DEFAULT_K_UNROLL) -> torch.Tensor:
     """y [M, N] = dequant(x_q, x_scales) @ dequant(weight, weight_scale_inv)^T, the product of
     `fp8_gemm.block_fp8_matmul`, by the warp-specialised sm_90 kernel (where
     `gluon_gemm_serves` holds).
@@ -242,7 +275,9 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
         weight: [N, K] float8_e4m3fn, contiguous; weight_scale_inv [ceil(N / 128),
             ceil(K / 128)] float32.
         out_dtype: bfloat16 or float16.
-        num_stages: K blocks in the shared ring; group_m: row tiles per weight-sharing group.
+        num_stages: K blocks in the shared ring; group_m: row tiles per weight-sharing group;
+            k_unroll: K blocks per chain of overlapped products (1: each product waited
+            for before it is scaled).
     """
     rows, cols = x_q.shape
     out_features = weight.shape[0]
@@ -255,8 +290,11 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
         raise ValueError(f"out_dtype must be bfloat16 or float16, not {out_dtype}")
     if x_q.device.type != "cuda" or torch.cuda.get_device_capability(x_q.device) != (9, 0):
         raise ValueError(f"the Gluon GEMM runs on sm_90 GPUs only, not on {x_q.device}")
-    if shared_memory_bytes(num_stages, out_dtype) > GLUON_SHARED_MEMORY_LIMIT:
-        raise ValueError(f"num_stages {num_stages} needs more shared memory than sm_90 has")
+    if num_stages < 2 or shared_memory_bytes(num_stages, out_dtype) > GLUON_SHARED_MEMORY_LIMIT:
+        raise ValueError(f"num_stages must be 2 or more (two K blocks in flight) and fit "
+                         f"sm_90's shared memory, not {num_stages}")
+    if k_unroll < 1:
+        raise ValueError(f"k_unroll must be 1 or more, not {k_unroll}")
     x_q, weight = x_q.contiguous(), weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
     y = torch.empty(rows, out_features, dtype=out_dtype, device=x_q.device)
@@ -269,12 +307,12 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
     _block_fp8_matmul_kernel_sm90[grid](
         x_desc, w_desc, y_desc, x_scales, weight_scale_inv, rows, out_features, cols,
         x_scales.stride(0), x_scales.stride(1), weight_scale_inv.stride(0),
-        NUM_STAGES=num_stages, GROUP_M=group_m, num_warps=NUM_WARPS)
+        NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll, num_warps=NUM_WARPS)
     return y
 
 
 def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = DEFAULT_STAGES,
-                     group_m: int = DEFAULT_GROUP_M):
+                     group_m: int = DEFAULT_GROUP_M, k_unroll: int = DEFAULT_K_UNROLL):
     """The kernel compiled for sm_90 without a GPU (Triton's bundled ptxas), with a launch's
     argument specialisation: Triton's CompiledKernel (asm["ptx"], asm["cubin"],
     metadata.shared), for resource checks in CPU tests."""
@@ -284,7 +322,7 @@ def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = 
     kernel = _block_fp8_matmul_kernel_sm90
     out_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out_dtype]
     fp8_layout, out_layout = operand_layouts(out_dtype)
-    constexprs = dict(NUM_STAGES=num_stages, GROUP_M=group_m)
+    constexprs = dict(NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll)
     signature = {
         "x_desc": f"tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}],{fp8_layout!r}>",
         "w_desc": f"tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}],{fp8_layout!r}>",

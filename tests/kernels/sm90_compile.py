@@ -17,21 +17,29 @@ for name in ("dtype", "out_dtype"):
     if name in kwargs:
         kwargs[name] = getattr(torch, kwargs[name])
 compiled = getattr(importlib.import_module(module), function)(**kwargs)
-tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(compiled.asm["cubin"]); f.flush()
-    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                           text=True, check=True).stdout
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+with tempfile.TemporaryDirectory() as tmp:
+    cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+    open(cubin, "wb").write(compiled.asm["cubin"])
+    open(ptx, "w").write(compiled.asm["ptx"])
+    usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", cubin],
+                           capture_output=True, text=True, check=True).stdout
+    # ptxas's notes on the same PTX (e.g. wgmma serialised, C7510-C7520)
+    notes = subprocess.run([os.path.join(bin_dir, "ptxas"), "--gpu-name", "sm_90a", "-v", ptx,
+                            "-o", os.path.join(tmp, "again.cubin")],
+                           capture_output=True, text=True, check=True).stderr
 line = next(line for line in usage.splitlines() if "STACK:" in line)
 print(json.dumps({"stack": int(line.split("STACK:")[1].split()[0]),
-                  "shared": compiled.metadata.shared, "ptx": compiled.asm["ptx"]}))
+                  "shared": compiled.metadata.shared, "ptx": compiled.asm["ptx"],
+                  "ptxas_notes": notes}))
 """
 
 
 def compile_sm90(function: str, module: str = "mlaserve.kernels.mla_decode.gluon_sm90_aot",
                  **kwargs) -> dict:
     """`module.function(**kwargs)` (a dtype given by its torch name): the stack bytes (> 0:
-    register spills), the shared memory and the PTX of the compiled kernel."""
+    register spills), the shared memory and the PTX of the compiled kernel, and ptxas's notes
+    on that PTX (`ptxas_notes`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _SCRIPT, f"{module}:{function}",
                           json.dumps(kwargs)],

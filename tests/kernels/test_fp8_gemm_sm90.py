@@ -28,17 +28,24 @@ from tests.kernels.sm90_compile import compile_sm90  # noqa: E402
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.parametrize("num_stages", [4, 6])
-def test_compiles_for_sm90_without_spills(num_stages: int) -> None:
+@pytest.mark.parametrize("num_stages,k_unroll", [(4, 1), (5, 4), (6, 2)])
+def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int) -> None:
     result = compile_sm90("compile_for_sm90", module="mlaserve.kernels.fp8_gemm_sm90",
-                          num_stages=num_stages)
+                          num_stages=num_stages, k_unroll=k_unroll)
     assert result["stack"] == 0  # no register spills
     assert result["shared"] <= shared_memory_bytes(num_stages, torch.bfloat16)
     assert shared_memory_bytes(num_stages, torch.bfloat16) <= GLUON_SHARED_MEMORY_LIMIT
+    # ptxas keeps the products asynchronous (it serialises every wgmma, with a note, when
+    # registers run short or accumulators in flight are copied)
+    assert "serialized" not in result["ptxas_notes"]
     ptx = result["ptx"]
-    # a K block is one chain of four k32 FP8 wgmmas per warpgroup (two warpgroups), with no
-    # extra promotion of its own: the kernel scales the block's sum itself
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 8
+    # each K block is one chain of four k32 FP8 wgmmas with no promotion of its own (the
+    # kernel scales the block's sum itself): per warpgroup, K_UNROLL chains in the unrolled
+    # loop and one for the remaining blocks
+    wgmma = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"
+    assert ptx.count(wgmma) == 2 * 4 * (k_unroll + (k_unroll > 1))
+    assert ptx.count("wgmma.mma_async") == ptx.count(wgmma)
+    assert ("wgmma.wait_group.sync.aligned 1" in ptx) == (k_unroll > 1)  # two in flight
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier") == 2  # x, W
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group") == 2  # y
     assert "setmaxnreg" in ptx  # warp-specialised register split
@@ -101,9 +108,10 @@ def test_matches_the_dequantized_product(rows: int, out_features: int, in_featur
     got = block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype)
     assert got.shape == (rows, out_features) and got.dtype == out_dtype
     _assert_matches(got, want)
-    for stages, group_m in ((3, 1), (6, 16)):
+    for stages, group_m, k_unroll in ((2, 1, 1), (6, 16, 2)):
         _assert_matches(block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype,
-                                              num_stages=stages, group_m=group_m), want)
+                                              num_stages=stages, group_m=group_m,
+                                              k_unroll=k_unroll), want)
     wrong = x_scales.clone()
     wrong[:, -1] *= 2  # the bound catches one K block scaled wrong
     with pytest.raises(AssertionError, match="beyond the bound"):

@@ -28,6 +28,7 @@ def test_compiles_for_sm90_without_spills(dtype: str) -> None:
     assert result["stack"] == 0  # no register spills
     assert result["shared"] <= gluon_shared_memory_bytes(512, 64, block_n, num_stages)
     assert result["shared"] <= GLUON_SHARED_MEMORY_LIMIT
+    assert "serialized" not in result["ptxas_notes"]  # the products stay asynchronous
     ptx = result["ptx"]
     # Each warpgroup computes whole S tiles (m64n32) and its half of O (m64n256); TMA loads;
     # the loader warp gives its registers to the compute partitions.
