@@ -19,7 +19,8 @@ status 1. Times are medians under CUDA-graph replay (`kernels.testing.graph_repl
 - `gluon`: the Gluon product alone with its defaults, and `best`: the fastest swept
   configuration (num_stages, k_unroll, group_m), named;
 - `w8a8 cublas` / `w8a8 gluon`: what a layer runs (`block_fp8_w8a8`): x's quantization plus
-  the product.
+  the product; `quant`: the quantization alone (`quantize_activations`), with the bytes it
+  moves per second (x read, x_q and its scales written).
 The table gives microseconds, the Gluon kernel's TFLOP/s and the speed-ups over bf16.
 """
 
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
           f"k_unroll {DEFAULT_K_UNROLL}, group_m {DEFAULT_GROUP_M}")
     print(f"{'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>8} {'cublas':>8} "
           f"{'gluon':>8} {'best':>8} {'(st,ku,gm)':>10}  {'TFLOP/s':>7}  {'x cublas':>8} "
-          f"{'x gluon':>7} {'x best':>6}  {'w8a8 cublas':>11} {'w8a8 gluon':>10}  rel err",
+          f"{'x gluon':>7} {'x best':>6}  {'w8a8 cublas':>11} {'w8a8 gluon':>10} "
+          f"{'quant':>7} {'GB/s':>5}  rel err",
           flush=True)
     rows, failed = [], False
     for model in args.models.split(","):
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                     cublas = w8a8_cublas = math.nan
                 w8a8_gluon = _time(partial(block_fp8_w8a8, x, w_fp8, w_scales, "gluon"),
                                    args.repeats)
+                quant = _time(partial(quantize_activations, x), args.repeats)
+                quant_bytes = m * k * (2 + 1) + m * -(-k // 128) * 4
                 best_config = min(swept, key=swept.get, default=None)
                 best = swept[best_config] if best_config else math.nan
                 tflops = 2 * m * n * k / gluon / 1e12
@@ -142,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
                     bf16_us=bf16 * 1e6, cublas_us=cublas * 1e6, gluon_us=gluon * 1e6,
                     best_us=best * 1e6, best_config=best_config, gluon_tflops=tflops,
                     w8a8_cublas_us=w8a8_cublas * 1e6, w8a8_gluon_us=w8a8_gluon * 1e6,
-                    rel_err=rel_err,
+                    quant_us=quant * 1e6, rel_err=rel_err,
                     sweep_us={",".join(map(str, key)): t * 1e6 for key, t in swept.items()}))
                 best_text = ",".join(map(str, best_config)) if best_config else "-"
                 print(f"{proj.name:20} {n:6} {k:6} {m:5}  {bf16 * 1e6:8.1f} {cublas * 1e6:8.1f} "
                       f"{gluon * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>10}  {tflops:7.0f}  "
                       f"{bf16 / cublas:8.2f} {bf16 / gluon:7.2f} {bf16 / best:6.2f}  "
-                      f"{w8a8_cublas * 1e6:11.1f} {w8a8_gluon * 1e6:10.1f}  {rel_err:.1e}"
+                      f"{w8a8_cublas * 1e6:11.1f} {w8a8_gluon * 1e6:10.1f} {quant * 1e6:7.1f} "
+                      f"{quant_bytes / quant / 1e9:5.0f}  {rel_err:.1e}"
                       f"{'  FAIL' if rel_err > gate else ''}", flush=True)
             del w_fp8, w_bf16
             torch.cuda.empty_cache()
