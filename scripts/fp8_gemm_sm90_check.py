@@ -48,7 +48,7 @@ from mlaserve.kernels.fp8_gemm_sm90 import (
     block_fp8_matmul_sm90,
     gluon_gemm_serves,
 )
-from mlaserve.kernels.testing import graph_replay_seconds
+from mlaserve.kernels.testing import graph_replay_seconds, relative_error
 from mlaserve.model.fp8 import quantize_block_fp8
 
 
@@ -73,9 +73,6 @@ def _ints(text: str) -> list[int]:
 def _time(call, repeats: int) -> float:
     return graph_replay_seconds([call], repeats, calls_per_graph=8)
 
-
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
                 want = block_fp8_reference(x_q, x_scales, w_fp8, w_scales)  # [M, N]
                 product = partial(block_fp8_matmul_sm90, x_q, x_scales, w_fp8, w_scales,
                                   torch.bfloat16)
-                rel_err = _rel_err(product(), want)
+                rel_err = relative_error(product(), want)
                 swept = {}
                 for stages, k_unroll, group_m in sweep:
                     config = dict(num_stages=stages, k_unroll=k_unroll, group_m=group_m)
-                    err = _rel_err(product(**config), want)
+                    err = relative_error(product(**config), want)
                     if err > gate:
                         print(f"  FAIL {proj.name} M={m} {config}: rel err {err:.1e}")
                         failed = True

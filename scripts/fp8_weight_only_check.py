@@ -45,7 +45,7 @@ from mlaserve.kernels.fp8_gemm import (
     product_path,
     weight_only_tiles,
 )
-from mlaserve.kernels.testing import graph_replay_seconds, measure_ceilings
+from mlaserve.kernels.testing import graph_replay_seconds, measure_ceilings, relative_error
 from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 # N x K of DeepSeek-V3 at one rank: q_a_proj and kv_a_proj_with_mqa fused (1536 + 576), q_b_proj,
@@ -87,9 +87,6 @@ def _time(calls: list, repeats: int) -> float:
     return graph_replay_seconds(calls, repeats, calls_per_graph=8)
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
-
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -127,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(rows_m, in_features, generator=gen, device=device,
                             dtype=torch.bfloat16)
             want = x.float() @ w_dequantized.T  # [M, N]
-            rel_err = _rel_err(fp8_weight_only_matmul(x, w_fp8, w_scales), want)
+            rel_err = relative_error(fp8_weight_only_matmul(x, w_fp8, w_scales), want)
             failed |= rel_err > WEIGHT_ONLY_REL_ERR
             bf16 = _time([partial(torch.matmul, x, w.T) for w in w_bf16s], args.repeats)
             w8a16 = _time([partial(fp8_weight_only_matmul, x, w, w_scales) for w in w_fp8s],
@@ -138,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             for block_n, k_blocks, num_stages, num_warps in sweep:
                 config = dict(block_n=block_n, k_blocks=k_blocks, num_stages=num_stages,
                               num_warps=num_warps)
-                err = _rel_err(fp8_weight_only_matmul(x, w_fp8, w_scales, **config), want)
+                err = relative_error(fp8_weight_only_matmul(x, w_fp8, w_scales, **config), want)
                 if err > WEIGHT_ONLY_REL_ERR:
                     print(f"  FAIL {shape} M={rows_m} {config}: rel err {err:.1e}")
                     failed = True

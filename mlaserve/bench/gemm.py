@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         scaled_mm_block_fp8,
     )
     from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90, gluon_gemm_serves
+    from mlaserve.kernels.testing import relative_error
     from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8
 
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -136,8 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 want = block_fp8_reference(x_q, x_scales, w_fp8, w_scales)
                 w8a16_got = fp8_weight_only_matmul(x, w_fp8, w_scales).float()
                 w8a16_want = x.float() @ w_dequantized.T  # [M, N]
-                w8a16_err = float((w8a16_got - w8a16_want).norm()
-                                  / w8a16_want.norm().clamp_min(1e-30))
+                w8a16_err = relative_error(w8a16_got, w8a16_want)
                 failed |= w8a16_err > WEIGHT_ONLY_REL_ERR
                 bf16 = _time(partial(torch.matmul, x, w_bf16.T), args.repeats)
                 fp8 = _time(partial(block_fp8_linear, x, w_fp8, w_scales), args.repeats)
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                     except (RuntimeError, ValueError, NotImplementedError) as exc:
                         timed[name] = (None, str(exc).splitlines()[0][:120])
                         continue
-                    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                    err = relative_error(got, want)
                     failed |= err > gate
                     timed[name] = (1e6 * _time(partial(product, x_q, x_scales, w_fp8, w_scales,
                                                        torch.bfloat16), args.repeats), err)

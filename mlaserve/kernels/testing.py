@@ -146,7 +146,7 @@ def compare(o: torch.Tensor, lse: torch.Tensor | None, ref_o: torch.Tensor,
         return Comparison(False, {}, "non-finite values in the output (NaN pages read?)")
     rows, ref_rows = out.flatten(0, 1), ref_o.flatten(0, 1)  # [T * H, L]
     has_keys = ~torch.isneginf(ref_lse).flatten()  # [T * H]
-    rel_err = float((out - ref_o).norm() / ref_o.norm().clamp_min(1e-30))
+    rel_err = relative_error(out, ref_o)
     excess = (out - ref_o).abs() - tol.rtol * ref_o.abs()  # [T, H, L]
     max_excess = float(excess.max()) if excess.numel() else 0.0
     cos = (rows * ref_rows).sum(-1) / (rows.norm(dim=-1) * ref_rows.norm(dim=-1)).clamp_min(
@@ -202,6 +202,14 @@ class Ceilings:
 
     copy_bytes_per_s: float
     matmul_flops_per_s: float
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (Frobenius, in float32 or the inputs' wider type; 0 / 0
+    counts as 0)."""
+    dtype = torch.promote_types(torch.promote_types(got.dtype, want.dtype), torch.float32)
+    got, want = got.to(dtype), want.to(dtype)
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def event_seconds(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
