@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.mla_decode.common import GLUON_FP8_CHUNK, GLUON_FP8_ROWS
-from mlaserve.kernels.mla_decode.gluon_sm90_tiles import exp_scores, masked_scores
+from mlaserve.kernels.mla_decode.gluon_sm90_tiles import masked_scores, rescale_and_exp
 from mlaserve.kernels.mla_decode.splits import split_bounds
 
 ROWS = gl.constexpr(GLUON_FP8_ROWS)  # query rows per program
@@ -84,10 +84,12 @@ def _convert(source, target, num_valid, LAYOUT: gl.constexpr, PARTIAL: gl.conste
 @gluon.jit
 def _tile_step(kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, q_pe_smem,
                ready, bt_row, split_start, split_end, num_tiles, t, last_key, qk_scale,
-               o_0, o_1, o_2, o_3, m_i, l_i, BLOCK_SIZE: gl.constexpr, PARTIAL: gl.constexpr):
+               o_0, o_1, o_2, o_3, m_i, l_cols, BLOCK_SIZE: gl.constexpr,
+               PARTIAL: gl.constexpr):
     """Tile t of the split: refill the ring, convert the tile into the float16 copy, S = Q K^T,
     the online softmax (base 2) and O_c += P V_c; returns the 4 output chunks [16, 128], the
-    running max and sum [16]."""
+    running max [16] and the running sums per score column [16, BLOCK_N] (added up across
+    the warps once, after the last tile, instead of a cross-warp sum every tile)."""
     STAGES: gl.constexpr = pe8_smem.type.shape[0]
     TILE: gl.constexpr = pe8_smem.type.shape[1]
     C: gl.constexpr = k_smem.type.shape[0]
@@ -118,14 +120,15 @@ def _tile_step(kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, 
                     scores)  # [16, BLOCK_N]
     scores = masked_scores(scores, tile_start, split_end, last_key, qk_scale)
     m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-    alpha, p, l_i = exp_scores(scores, m_i, m_new, l_i)
-    p = gl.convert_layout(p.to(gl.float16), A_LAYOUT)
+    alpha, p = rescale_and_exp(scores, m_i, m_new)
     alpha = gl.expand_dims(alpha, 1)
+    l_cols = l_cols * alpha + p
+    p = gl.convert_layout(p.to(gl.float16), A_LAYOUT)
     o_0 = mma_v2(p, k_smem.index(0).load(B_LAYOUT), o_0 * alpha)
     o_1 = mma_v2(p, k_smem.index(1).load(B_LAYOUT), o_1 * alpha)
     o_2 = mma_v2(p, k_smem.index(2).load(B_LAYOUT), o_2 * alpha)
     o_3 = mma_v2(p, k_smem.index(3).load(B_LAYOUT), o_3 * alpha)
-    return o_0, o_1, o_2, o_3, m_new, l_i
+    return o_0, o_1, o_2, o_3, m_new, l_cols
 
 
 @gluon.jit
@@ -208,21 +211,22 @@ def _mla_decode_split_kernel_sm90_fp8(
     o_2 = gl.zeros([ROWS, LC], gl.float32, MMA)
     o_3 = gl.zeros([ROWS, LC], gl.float32, MMA)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-    l_i = gl.zeros([ROWS], gl.float32, ROW_S)
+    l_cols = gl.zeros([ROWS, TILE], gl.float32, MMA)  # row sums, per score column
     num_whole = gl.maximum(split_end - split_start, 0) // TILE
     for t in range(num_whole):
-        o_0, o_1, o_2, o_3, m_i, l_i = _tile_step(
+        o_0, o_1, o_2, o_3, m_i, l_cols = _tile_step(
             kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, q_pe_smem, ready,
             bt_row, split_start, split_end, num_tiles, t, last_key, qk_scale, o_0, o_1, o_2,
-            o_3, m_i, l_i, BLOCK_SIZE, False)
+            o_3, m_i, l_cols, BLOCK_SIZE, False)
     if num_whole < num_tiles:  # the split's partial last tile
-        o_0, o_1, o_2, o_3, m_i, l_i = _tile_step(
+        o_0, o_1, o_2, o_3, m_i, l_cols = _tile_step(
             kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, q_pe_smem, ready,
             bt_row, split_start, split_end, num_tiles, num_whole, last_key, qk_scale, o_0, o_1,
-            o_2, o_3, m_i, l_i, BLOCK_SIZE, True)
+            o_2, o_3, m_i, l_cols, BLOCK_SIZE, True)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
 
+    l_i = gl.sum(l_cols, axis=1)  # [ROWS]
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
     base = (req.to(gl.int64) * num_splits + split) * num_rows  # first output row

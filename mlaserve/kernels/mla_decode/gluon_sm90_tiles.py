@@ -121,14 +121,20 @@ def shared_p(kv_pe_smem, stage, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def exp_scores(scores, m_i, m_own, l_i):
+def rescale_and_exp(scores, m_i, m_own):
     """Online softmax (base 2) of one tile's masked scores [rows, BLOCK_N] in the frame m_own
-    [rows] (this warpgroup's new running max): the rescale alpha = exp2(m_i - m_own), P =
-    exp2(S - m_own) and the updated row sum l_i. Rows that have seen no key keep m = -inf;
-    0 is subtracted there instead (no inf - inf)."""
+    [rows] (the new running max): the rescale alpha = exp2(m_i - m_own) [rows] and P =
+    exp2(S - m_own) [rows, BLOCK_N]. Rows that have seen no key keep m = -inf; 0 is
+    subtracted there instead (no inf - inf)."""
     m_safe = gl.where(m_own == float("-inf"), 0.0, m_own)
     alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(scores - gl.expand_dims(m_safe, 1))  # [rows, BLOCK_N]
+    return alpha, gl.exp2(scores - gl.expand_dims(m_safe, 1))
+
+
+@gluon.jit
+def exp_scores(scores, m_i, m_own, l_i):
+    """`rescale_and_exp` and the updated row sum l_i = l_i alpha + sum(P) [rows]."""
+    alpha, p = rescale_and_exp(scores, m_i, m_own)
     return alpha, p, l_i * alpha + gl.sum(p, axis=1)
 
 
