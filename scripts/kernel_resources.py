@@ -134,7 +134,7 @@ def tile_loop_mix(cubin: bytes) -> dict[str, int]:
     body = min(loops, key=len)
     ops = [op.split()[1] if op.startswith("@") else op.split()[0] for op in body]
     count = {name: sum(op.split(".")[0] == name for op in ops)  # LDS: not LDSM
-             for name in ("LDL", "STL", "HMMA", "F2FP", "LDS", "LDSM", "FMUL")}
+             for name in ("LDL", "STL", "HMMA", "F2FP", "LDS", "LDSM", "FMUL", "BAR")}
     return {"instructions": len(ops), **count}
 
 
@@ -177,7 +177,7 @@ def cache_variants() -> None:
               f"{compiled.metadata.shared // 1024:>3} KB | loop {mix['instructions']:>4} "
               f"({per_token:4.1f}/token): LDL {mix['LDL']} STL {mix['STL']} HMMA "
               f"{mix['HMMA']} F2FP {mix['F2FP']} LDS {mix['LDS']} LDSM {mix['LDSM']} FMUL "
-              f"{mix['FMUL']}")
+              f"{mix['FMUL']} BAR {mix['BAR']}")
 
 
 def warp_specialized() -> None:

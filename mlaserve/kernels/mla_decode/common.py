@@ -69,10 +69,12 @@ def gluon_fp8_shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int
                                   num_stages: int) -> int:
     """Shared memory of the FP8 Gluon pass: num_stages FP8 tiles [block_n, L + R], their
     float16 copy, Q [16, L + R] in float16, the scratch of P's layout change [16, block_n]
-    float16, and 64 bytes for the barriers."""
+    float16, and the ready barriers (one per piece of a tile, 5 per ring slot: 8 bytes each,
+    each allocation aligned to 16) with room for alignment."""
     head_dim = kv_lora_rank + rope_dim
+    barriers = 5 * (8 * num_stages + 16)
     return (head_dim * (num_stages * block_n + 2 * block_n + 2 * GLUON_FP8_ROWS)
-            + 2 * GLUON_FP8_ROWS * block_n + 64)
+            + 2 * GLUON_FP8_ROWS * block_n + barriers + 64)
 
 
 def gluon_fp8_serves(capability: tuple[int, int] | None, dtype: torch.dtype,

@@ -18,15 +18,22 @@ with ldmatrix (transposed for P V), as the 16-bit passes read their tiles:
   chunks [16, 128] and the rope part [16, R].
 - FP8 tiles [BLOCK_N, 128] x 4 and [BLOCK_N, R] come by TMA into a ring of NUM_STAGES buffers
   (one page id per tile: pages of at least BLOCK_N tokens), NUM_STAGES - 1 tiles ahead of the
-  one computed, each buffer with its ready mbarrier.
+  one computed. Each of the five pieces has its own buffer and its own ready mbarrier per ring
+  slot, and every expect is issued before any copy: Triton orders the accesses to one shared
+  allocation (an mbarrier included) with a CTA barrier, which with one buffer and one barrier
+  for the whole tile put a barrier before every copy and between the chunks' conversions.
 - Per tile, all 4 warps: wait for it, convert it (16 bytes a thread a row) into the float16
   tile, rows past the split set to 0 there (a page tail may hold NaN, and P = 0 times NaN is
   NaN), then S = Q K^T (5 products of 128 or R columns), the online softmax in base 2 (scores
   past the split or after a row's last key are -inf), and O_c += P V_c for the 4 chunks
-  (O [16, 512] float32 as 4 chunks, each warp 32 columns of each). Two CTA barriers a tile:
-  before the conversion (every warp is done reading the previous float16 tile) and after it.
-- The FP8 buffer of tile t is refilled with tile t + NUM_STAGES - 1 at the start of tile
-  t + 1, once the conversion of t has passed its barrier.
+  (O [16, 512] float32 as 4 chunks, each warp 32 columns of each). The row sums are kept per
+  score column and added across the warps once, at the end.
+- Between the conversion and the products, the ring slot that tile t - 1 left is refilled
+  with tile t + NUM_STAGES - 1 (every warp has passed tile t's first barrier, so none still
+  reads that slot). Seven CTA barriers a tile in all (`scripts/kernel_resources.py`): one
+  before the conversion (every warp is done with the previous float16 tile), the one before
+  the TMA copies (FP8 bytes read by the conversion, then written by TMA), one after them (the
+  float16 tile is whole), three in the row max across the warps and one in the exchange of P.
 
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
 log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
@@ -56,18 +63,23 @@ def _issue_tile(kv_desc, pe_desc, kv8_smem, pe8_smem, ready, bt_row, split_start
     buffer j % NUM_STAGES, completing that buffer's ready barrier."""
     STAGES: gl.constexpr = pe8_smem.type.shape[0]
     TILE: gl.constexpr = pe8_smem.type.shape[1]
-    C: gl.constexpr = kv8_smem.type.shape[0] // STAGES
-    LC: gl.constexpr = kv8_smem.type.shape[2]
+    C: gl.constexpr = len(kv8_smem)
+    LC: gl.constexpr = kv8_smem[0].type.shape[2]
     stage = j % STAGES
     start = split_start + j * TILE
     page = gl.load(bt_row + start // BLOCK_SIZE)
     row = (page * BLOCK_SIZE + start % BLOCK_SIZE).to(gl.int32)  # cache row of the tile
-    barrier = ready.index(stage)
-    mbarrier.expect(barrier, C * kv_desc.block_type.nbytes + pe_desc.block_type.nbytes)
+    # Each piece completes a barrier of its own, every expect before any copy: the compiler
+    # orders the accesses to one barrier object with a CTA barrier, which with one barrier for
+    # all five would come before every copy.
     for c in gl.static_range(C):
-        tma.async_copy_global_to_shared(kv_desc, [row, c * LC], barrier,
-                                        kv8_smem.index(stage * C + c))
-    tma.async_copy_global_to_shared(pe_desc, [row, C * LC], barrier, pe8_smem.index(stage))
+        mbarrier.expect(ready[c].index(stage), kv_desc.block_type.nbytes)
+    mbarrier.expect(ready[C].index(stage), pe_desc.block_type.nbytes)
+    for c in gl.static_range(C):
+        tma.async_copy_global_to_shared(kv_desc, [row, c * LC], ready[c].index(stage),
+                                        kv8_smem[c].index(stage))
+    tma.async_copy_global_to_shared(pe_desc, [row, C * LC], ready[C].index(stage),
+                                    pe8_smem.index(stage))
 
 
 @gluon.jit
@@ -92,30 +104,31 @@ def _tile_step(kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, 
     the warps once, after the last tile, instead of a cross-warp sum every tile)."""
     STAGES: gl.constexpr = pe8_smem.type.shape[0]
     TILE: gl.constexpr = pe8_smem.type.shape[1]
-    C: gl.constexpr = k_smem.type.shape[0]
+    C: gl.constexpr = len(k_smem)
     MMA: gl.constexpr = o_0.type.layout
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     CONVERT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # [*, 128] FP8
     CONVERT_PE: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [*, 64]
     stage = t % STAGES
+    tile_start = split_start + t * TILE
+    num_valid = split_end - tile_start
+    for c in gl.static_range(C + 1):
+        mbarrier.wait(ready[c].index(stage), (t // STAGES) & 1)
+    gl.thread_barrier()  # every warp is done with the previous float16 tile
+    for c in gl.static_range(C):
+        _convert(kv8_smem[c].index(stage), k_smem[c], num_valid, CONVERT, PARTIAL)
+    _convert(pe8_smem.index(stage), k_pe_smem, num_valid, CONVERT_PE, PARTIAL)
     ahead = t + STAGES - 1  # into the buffer tile t - 1 left (converted last time)
     if ahead < num_tiles:
         _issue_tile(kv_desc, pe_desc, kv8_smem, pe8_smem, ready, bt_row, split_start, ahead,
                     BLOCK_SIZE)
-    tile_start = split_start + t * TILE
-    num_valid = split_end - tile_start
-    mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-    gl.thread_barrier()  # every warp is done with the previous float16 tile
-    for c in gl.static_range(C):
-        _convert(kv8_smem.index(stage * C + c), k_smem.index(c), num_valid, CONVERT, PARTIAL)
-    _convert(pe8_smem.index(stage), k_pe_smem, num_valid, CONVERT_PE, PARTIAL)
-    gl.thread_barrier()  # the float16 tile is whole; its FP8 buffer may be refilled
+    gl.thread_barrier()  # the float16 tile is whole
 
     scores = gl.zeros([o_0.shape[0], TILE], gl.float32, MMA)
     for c in gl.static_range(C):
         scores = mma_v2(q_smem.index(c).load(A_LAYOUT),
-                        k_smem.index(c).permute((1, 0)).load(B_LAYOUT), scores)
+                        k_smem[c].permute((1, 0)).load(B_LAYOUT), scores)
     scores = mma_v2(q_pe_smem.load(A_LAYOUT), k_pe_smem.permute((1, 0)).load(B_LAYOUT),
                     scores)  # [16, BLOCK_N]
     scores = masked_scores(scores, tile_start, split_end, last_key, qk_scale)
@@ -124,10 +137,10 @@ def _tile_step(kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, 
     alpha = gl.expand_dims(alpha, 1)
     l_cols = l_cols * alpha + p
     p = gl.convert_layout(p.to(gl.float16), A_LAYOUT)
-    o_0 = mma_v2(p, k_smem.index(0).load(B_LAYOUT), o_0 * alpha)
-    o_1 = mma_v2(p, k_smem.index(1).load(B_LAYOUT), o_1 * alpha)
-    o_2 = mma_v2(p, k_smem.index(2).load(B_LAYOUT), o_2 * alpha)
-    o_3 = mma_v2(p, k_smem.index(3).load(B_LAYOUT), o_3 * alpha)
+    o_0 = mma_v2(p, k_smem[0].load(B_LAYOUT), o_0 * alpha)
+    o_1 = mma_v2(p, k_smem[1].load(B_LAYOUT), o_1 * alpha)
+    o_2 = mma_v2(p, k_smem[2].load(B_LAYOUT), o_2 * alpha)
+    o_3 = mma_v2(p, k_smem[3].load(B_LAYOUT), o_3 * alpha)
     return o_0, o_1, o_2, o_3, m_new, l_cols
 
 
@@ -171,20 +184,34 @@ def _mla_decode_split_kernel_sm90_fp8(
     num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), TILE)
     bt_row = block_table_ptr + req.to(gl.int64) * stride_bt
 
-    kv8_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES * C, TILE, LC],
-                                         kv_desc.layout)
+    # one allocation per latent chunk (rings of FP8 tiles [NUM_STAGES, BLOCK_N, 128]) and per
+    # float16 chunk [BLOCK_N, 128], so that the compiler sees their writes apart and puts no
+    # barrier between them
+    kv8_smem = (gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TILE, LC], kv_desc.layout),
+                gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TILE, LC], kv_desc.layout),
+                gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TILE, LC], kv_desc.layout),
+                gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TILE, LC], kv_desc.layout))
     pe8_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TILE, R], pe_desc.layout)
-    k_smem = gl.allocate_shared_memory(
-        gl.float16, [C, TILE, LC], gl.NVMMASharedLayout.get_default_for([TILE, LC], gl.float16))
+    K16_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, LC], gl.float16)
+    k_smem = (gl.allocate_shared_memory(gl.float16, [TILE, LC], K16_LAYOUT),
+              gl.allocate_shared_memory(gl.float16, [TILE, LC], K16_LAYOUT),
+              gl.allocate_shared_memory(gl.float16, [TILE, LC], K16_LAYOUT),
+              gl.allocate_shared_memory(gl.float16, [TILE, LC], K16_LAYOUT))
     k_pe_smem = gl.allocate_shared_memory(
         gl.float16, [TILE, R], gl.NVMMASharedLayout.get_default_for([TILE, R], gl.float16))
     q_smem = gl.allocate_shared_memory(
         gl.float16, [C, ROWS, LC], gl.NVMMASharedLayout.get_default_for([ROWS, LC], gl.float16))
     q_pe_smem = gl.allocate_shared_memory(
         gl.float16, [ROWS, R], gl.NVMMASharedLayout.get_default_for([ROWS, R], gl.float16))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+    BARRIERS: gl.constexpr = mbarrier.MBarrierLayout()
+    ready = (gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS),  # latent chunks
+             gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS),
+             gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS),
+             gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS),
+             gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS))  # rope part
+    for c in gl.static_range(C + 1):
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready[c].index(i), count=1)
     fence_async_shared()  # the barriers are initialised before TMA completes on them
     gl.thread_barrier()  # and before any warp waits on them
     for j in gl.static_range(NUM_STAGES - 1):
@@ -223,8 +250,9 @@ def _mla_decode_split_kernel_sm90_fp8(
             kv_desc, pe_desc, kv8_smem, pe8_smem, k_smem, k_pe_smem, q_smem, q_pe_smem, ready,
             bt_row, split_start, split_end, num_tiles, num_whole, last_key, qk_scale, o_0, o_1,
             o_2, o_3, m_i, l_cols, BLOCK_SIZE, True)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
+    for c in gl.static_range(C + 1):
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready[c].index(i))
 
     l_i = gl.sum(l_cols, axis=1)  # [ROWS]
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
