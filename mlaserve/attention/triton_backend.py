@@ -109,7 +109,8 @@ class TritonMLABackend(MLABackend):
             if changes:
                 config = dataclasses.replace(config or default_config(
                     shape.num_heads, q_len, shape.kv_lora_rank, shape.qk_rope_head_dim,
-                    shape.dtype, batch_size, max_seq_len, shape.block_size), **dict(changes))
+                    shape.dtype, batch_size, max_seq_len, shape.block_size,
+                    shape.kv_cache_dtype), **dict(changes))
             plan = plan_mla_decode(
                 batch_size, max_seq_len, shape.num_heads, q_len, shape.kv_lora_rank,
                 shape.qk_rope_head_dim, shape.dtype, self.num_sms, shape.block_size,

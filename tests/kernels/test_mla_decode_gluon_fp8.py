@@ -77,3 +77,27 @@ def test_the_plan_takes_it_only_where_asked_and_served() -> None:
     assert plan(num_heads=32).kernel == TRITON_SPLIT  # 32 rows
     assert plan(config=replace(config, gluon_fp8=False)).kernel == TRITON_SPLIT
     assert plan(config=replace(config, split_policy="balanced")).kernel == TRITON_SPLIT
+
+
+def test_default_config_takes_the_tuned_fp8_tile_once_one_is_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making the FP8 Gluon pass the default for FP8 caches is one value in tuning.py; the
+    plan still runs it only where it is served."""
+    from mlaserve.kernels.mla_decode import tuning
+
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    shape = (16, 1, 512, 64, bf16, 64, 4096)
+    if tuning.GLUON_FP8_TILE is None:
+        assert not default_config(*shape, 64, fp8).gluon_fp8
+    monkeypatch.setattr(tuning, "GLUON_FP8_TILE", (32, 3))
+    config = default_config(*shape, 64, fp8)
+    assert config.gluon_fp8 and (config.block_n, config.num_stages) == (32, 3)
+    assert not default_config(*shape, 64).gluon_fp8  # a bf16 cache
+    assert not default_config(*shape, 16, fp8).gluon_fp8  # a tile would straddle pages
+    assert not default_config(128, 1, 512, 64, bf16, 64, 4096, 64, fp8).gluon_fp8  # 128 rows
+    chosen = plan_mla_decode(64, 4096, 16, 1, 512, 64, bf16, 132, 64, capability=(9, 0),
+                             kv_cache_dtype=fp8)
+    assert chosen.kernel == GLUON_SM90_FP8
+    off_sm90 = plan_mla_decode(64, 4096, 16, 1, 512, 64, bf16, 132, 64, capability=(8, 0),
+                               kv_cache_dtype=fp8)
+    assert off_sm90.kernel == TRITON_SPLIT and off_sm90.config.block_n == 32

@@ -165,9 +165,10 @@ def default_config(
     batch_size: int | None = None,
     max_seq_len: int | None = None,
     block_size: int | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> MLADecodeConfig:
     """A launch configuration for the shape from the tuned table (`tuning.py`); batch_size,
-    max_seq_len and block_size refine it when given.
+    max_seq_len, block_size and kv_cache_dtype (None: dtype's cache) refine it when given.
 
     - More than 16 query rows with 16-bit data, L = 512, 64 <= R <= 256 and pages of 32 or more
       tokens: the Gluon sm_90 pass's configuration (`tuning.GLUON_SM90_CONFIG`); the plan runs
@@ -181,6 +182,9 @@ def default_config(
       16 rows over >= 32 requests, or 64-token tiles that do not fit, 32-token tiles; else
       64-token tiles with 2 stages. 64-row Triton programs load whole tiles by TMA.
     - Partial outputs: 16-bit for 16-row programs over 32-255 requests, else float32.
+    - An FP8 cache under 16-row programs: the FP8 Gluon pass (`gluon_fp8`) with its tile
+      `tuning.GLUON_FP8_TILE` where that is set and the pages hold a tile (None: the Triton
+      pass with the tiles above).
     - float32 inputs (tests only) use 16-row groups and tiles sized for the interpreter.
     """
     head_dim = kv_lora_rank + qk_rope_head_dim
@@ -232,12 +236,19 @@ def default_config(
         policy, per_sm = "fill", tuning.FILL_PROGRAMS_PER_SM
         if regime == "gathered_pages":
             block_n, num_stages = tuning.TRITON_TILES["gathered_pages_fill"]
+    fp8_tile = tuning.GLUON_FP8_TILE
+    gluon_fp8 = (fp8_tile is not None and kv_cache_dtype is not None
+                 and kv_cache_dtype.itemsize == 1 and block_m == 16
+                 and (block_size is None or block_size >= fp8_tile[0]))
+    if gluon_fp8:
+        block_n, num_stages = fp8_tile
     min_split_len = tuning.MIN_SPLIT_LEN[(block_m, long_requests)]
     partial_dtype = "input" if block_m == 16 and medium_batch else "float32"
     return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=num_warps,
                            num_stages=num_stages, split_policy=policy, programs_per_sm=per_sm,
                            min_split_len=min_split_len, merge_block_rows=merge_block_rows,
-                           tma_loads=block_m >= 64, partial_dtype=partial_dtype)
+                           tma_loads=block_m >= 64, partial_dtype=partial_dtype,
+                           gluon_fp8=gluon_fp8)
 
 
 def _choose_num_splits(
@@ -307,7 +318,7 @@ def plan_mla_decode(
     fp8_cache = cache_dtype.itemsize == 1
     if config is None:
         config = default_config(num_heads, q_len, kv_lora_rank, qk_rope_head_dim, dtype,
-                                batch_size, max_seq_len, block_size)
+                                batch_size, max_seq_len, block_size, kv_cache_dtype)
     config = replace(config, min_split_len=whole_tiles(config.min_split_len, config.block_n))
     if kv_lora_rank % config.latent_chunks or kv_lora_rank // config.latent_chunks < 16:
         raise ValueError(f"latent_chunks {config.latent_chunks} must leave chunks of at least "
