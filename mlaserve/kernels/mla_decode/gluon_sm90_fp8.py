@@ -60,7 +60,7 @@ NUM_WARPS = 4
 def _issue_tile(kv_desc, pe_desc, kv8_smem, pe8_smem, ready, bt_row, split_start, j,
                 BLOCK_SIZE: gl.constexpr):
     """TMA copies of tile j of the split (its 4 latent chunks and its rope part) into ring
-    buffer j % NUM_STAGES, completing that buffer's ready barrier."""
+    slot j % NUM_STAGES of their buffers, each completing its own ready barrier of the slot."""
     STAGES: gl.constexpr = pe8_smem.type.shape[0]
     TILE: gl.constexpr = pe8_smem.type.shape[1]
     C: gl.constexpr = len(kv8_smem)
