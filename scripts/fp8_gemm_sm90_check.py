@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from mlaserve.bench.gemm import BF16_ROUNDING, FP8_MMA_REL_ERR, load_config, projections
+from mlaserve.kernels.fp8_blocks import quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     block_fp8_reference,
     block_fp8_w8a8,
@@ -49,7 +50,6 @@ from mlaserve.kernels.fp8_gemm_sm90 import (
     gluon_gemm_serves,
 )
 from mlaserve.kernels.testing import graph_replay_seconds, relative_error
-from mlaserve.model.fp8 import quantize_block_fp8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     WEIGHT_ONLY_MAX_ROWS,
     block_fp8_w8a8,
@@ -46,7 +47,6 @@ from mlaserve.kernels.fp8_gemm import (
     weight_only_tiles,
 )
 from mlaserve.kernels.testing import graph_replay_seconds, measure_ceilings, relative_error
-from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 # N x K of DeepSeek-V3 at one rank: q_a_proj and kv_a_proj_with_mqa fused (1536 + 576), q_b_proj,
 # o_proj, the dense MLP's gate_up and down, one routed expert's gate_up and down

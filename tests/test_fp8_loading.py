@@ -16,15 +16,9 @@ from mlaserve.cli import add_engine_arguments, engine_args_from
 from mlaserve.config import FP8_QUANTIZATION_CONFIG, ModelConfig
 from mlaserve.distributed import TensorParallelGroup, expert_parallel, parallel_state
 from mlaserve.engine.args import EngineArgs
+from mlaserve.kernels.fp8_blocks import FP8_DTYPE, FP8_MAX, dequantize_block_fp8, quantize_block_fp8
 from mlaserve.model.deepseek import DeepseekForCausalLM
-from mlaserve.model.fp8 import (
-    FP8_DTYPE,
-    FP8_MAX,
-    Fp8WeightSlice,
-    dequantize_block_fp8,
-    keep_fp8_weights,
-    quantize_block_fp8,
-)
+from mlaserve.model.fp8 import Fp8WeightSlice, keep_fp8_weights
 from mlaserve.model.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
 from mlaserve.model.loader import _cut, _cuts, build_model, load_weights
 from tests.conftest import CHECKPOINTS, read_config, write_checkpoint

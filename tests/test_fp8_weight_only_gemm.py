@@ -17,13 +17,13 @@ ON_GPU = torch.cuda.is_available()
 pytest.importorskip("triton")
 
 from mlaserve.kernels import fp8_gemm  # noqa: E402
+from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 from mlaserve.kernels.fp8_gemm import (  # noqa: E402
     WEIGHT_ONLY_MAX_ROWS,
     fp8_weight_only_matmul,
     product_path,
     weight_only_tiles,
 )
-from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 from mlaserve import LLM, SamplingParams
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import TensorParallelGroup, expert_parallel, parallel_state
+from mlaserve.kernels.fp8_blocks import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 from mlaserve.model.deepseek import DeepseekForCausalLM, MoE
-from mlaserve.model.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 from mlaserve.model.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
 from mlaserve.model.fp8_linear import linear
 from mlaserve.model.loader import _cut, _cuts, build_model

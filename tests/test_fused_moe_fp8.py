@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 from mlaserve.kernels.fp8_gemm import ACTIVATION_BLOCK, quantize_activations  # noqa: E402
 from mlaserve.kernels.fused_moe import (  # noqa: E402
     FusedMoEConfig,
@@ -25,7 +26,6 @@ from mlaserve.kernels.moe import (  # noqa: E402
     fused_experts_loop,
     reference_errors,
 )
-from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

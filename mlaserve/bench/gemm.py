@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     """Time every (model, projection, tokens) cell; 1 when an FP8 output fails its check."""
     if not torch.cuda.is_available():
         raise ValueError("mlaserve bench gemm times GPU kernels: it needs a CUDA GPU")
+    from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
     from mlaserve.kernels.fp8_gemm import (
         block_fp8_linear,
         block_fp8_matmul,
@@ -115,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90, gluon_gemm_serves
     from mlaserve.kernels.testing import relative_error
-    from mlaserve.model.fp8 import dequantize_block_fp8, quantize_block_fp8
 
     tokens = [int(t) for t in args.tokens.split(",")]
     device = torch.device("cuda")

@@ -10,7 +10,7 @@ dtype. Scale 1 is what vLLM's FP8 cache uses without calibrated scales: c_kv lea
 
 import torch
 
-from mlaserve.model.fp8 import FP8_MAX
+from mlaserve.kernels.fp8_blocks import FP8_MAX
 from mlaserve.option_values import KV_CACHE_DTYPE_NAMES
 
 # name -> the cache's element type (None: the model's dtype)

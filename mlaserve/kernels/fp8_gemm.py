@@ -1,7 +1,7 @@
 """Block-FP8 GEMMs (w8a8, and w8a16 at a few tokens), the format DeepSeek-V3/R1 are published in.
 
 y = x W^T with W [N, K] float8_e4m3fn and its float32 scales S_w [ceil(N / 128), ceil(K / 128)]
-(one per 128x128 block, `model/fp8.py`), and x [M, K] quantized on the fly per token and group
+(one per 128x128 block, `fp8_blocks.py`), and x [M, K] quantized on the fly per token and group
 of 128 columns: x_q [M, K] float8_e4m3fn with S_x [M, ceil(K / 128)], S_x = amax(|x group|) /
 448. Then, for the 128-wide K block k,
 
@@ -31,14 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.interpreter import prepare_launch
-from mlaserve.model.fp8 import (
+from mlaserve.kernels.fp8_blocks import (
     BLOCK_SIZE,
     FP8_DTYPE,
     FP8_MAX,
     dequantize_block_fp8,
     quantize_block_fp8,
 )
+from mlaserve.kernels.interpreter import prepare_launch
 
 ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
 # Up to this many rows (tokens) a CUDA `block_fp8_linear` runs the weight-only product. 0: off,

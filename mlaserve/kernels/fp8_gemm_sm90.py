@@ -48,8 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mlaserve.kernels.fp8_blocks import FP8_DTYPE
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
-from mlaserve.model.fp8 import FP8_DTYPE
 
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_N = 128  # one weight scale row per tile

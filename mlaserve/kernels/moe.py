@@ -10,7 +10,7 @@ tensors), else as the torch code of `select_experts_torch`, which states the sem
 
 The experts run as the Triton kernels of `fused_moe` on CUDA, as grouped GEMMs on CPU (and bf16
 CUDA without Triton), or as a per-expert loop, which in float32 is the reference. Expert stacks
-may also be DeepSeek's block FP8 (`model/fp8.py`, per expert): the Triton kernels run them w8a8,
+may also be DeepSeek's block FP8 (`fp8_blocks.py`, per expert): the Triton kernels run them w8a8,
 the other implementations dequantize them to float32 (weight-only).
 """
 
@@ -129,7 +129,7 @@ def check_fp8_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: to
     """Whether the expert stacks are block FP8; raises ValueError where their scales are
     missing, or where weights or scales do not have the shapes and dtypes `fused_experts` states.
     """
-    from mlaserve.model.fp8 import BLOCK_SIZE, FP8_DTYPE
+    from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, FP8_DTYPE
 
     fp8_weights = {gate_up_proj.dtype, down_proj.dtype} & {FP8_DTYPE}
     if gate_up_scale_inv is None and down_scale_inv is None and not fp8_weights:
@@ -186,7 +186,7 @@ def fused_experts(
             folded in; the last columns of topk_ids). Only the Triton tile choice reads it.
         gate_up_scale_inv: [E, 2I / 128, ceil(D / 128)] float32 and down_scale_inv
             [E, ceil(D / 128), I / 128] float32, given with FP8 weights: DeepSeek's scale per
-            128x128 block of each expert's weight (`model/fp8.py`); I is a multiple of 128, so
+            128x128 block of each expert's weight (`fp8_blocks.py`); I is a multiple of 128, so
             the up rows start at a block. "triton" runs them w8a8 (x and the activation
             quantized per token and 128 columns); the other impls dequantize the weights and
             compute in float32.
@@ -208,7 +208,7 @@ def fused_experts(
                                     down_scale_inv=down_scale_inv)  # checks its inputs
     fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     if fp8 and impl in ("grouped", "loop"):  # weight-only: dequantize, compute in float32
-        from mlaserve.model.fp8 import dequantize_block_fp8
+        from mlaserve.kernels.fp8_blocks import dequantize_block_fp8
 
         gate_up_proj = dequantize_block_fp8(gate_up_proj, gate_up_scale_inv)  # [E, 2I, D]
         down_proj = dequantize_block_fp8(down_proj, down_scale_inv)  # [E, D, I]

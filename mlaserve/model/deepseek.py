@@ -26,9 +26,9 @@ from mlaserve.attention.prefill import expanded_prefill
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
 from mlaserve.distributed.expert_parallel import get_ep_group
+from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, FP8_DTYPE, scale_shape
 from mlaserve.kernels.moe import fused_experts, select_experts
 from mlaserve.model.expert_parallel import expert_parallel_moe
-from mlaserve.model.fp8 import BLOCK_SIZE, FP8_DTYPE, scale_shape
 from mlaserve.model.fp8_linear import keep_linear_fp8
 from mlaserve.model.layers import (
     FusedLinear,

@@ -1,11 +1,9 @@
-"""DeepSeek's block-FP8 weight format, as DeepSeek-V3/R1 are published.
+"""DeepSeek's block-FP8 checkpoints, as DeepSeek-V3/R1 are published: which tensors are FP8,
+and whether the model keeps them so.
 
 A quantized Linear weight `X.weight` [out, in] is stored as torch.float8_e4m3fn next to a float32
-`X.weight_scale_inv` [ceil(out / 128), ceil(in / 128)]: element (i, j) of the weight is
-`fp8[i, j] * scale_inv[i // 128, j // 128]` (the last row / column of blocks may be partial).
-Quantizing a block: scale = amax(|block|) / 448 (the largest e4m3 value), fp8 = block / scale,
-and the stored `scale_inv` is that scale (the name is DeepSeek's: it is the inverse of the
-factor that took the weight to FP8).
+`X.weight_scale_inv` [ceil(out / 128), ceil(in / 128)] (the format's math:
+`mlaserve.kernels.fp8_blocks`).
 
 Which tensors stay high precision follows the checkpoint; in the published DeepSeek-V2/V3
 layout they are the embeddings, the norms, the router (`mlp.gate.weight`), the LM head and
@@ -20,15 +18,13 @@ a time: `Fp8WeightSlice` indexes like a safetensors slice of the dequantized wei
 only the indexed rows / columns of the FP8 tensor and of the scale blocks that cover them.
 """
 
-import math
 import re
 from typing import Any
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
-BLOCK_SIZE = (128, 128)
+from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, dequantize_block_fp8
+
 SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`
 _HIGH_PRECISION = re.compile(
     r"(^|\.)(embed_tokens|lm_head|mlp\.gate)\.weight$|norm\.weight$|e_score_correction_bias$")
@@ -80,61 +76,6 @@ def stays_high_precision(name: str, tensor: torch.Tensor) -> bool:
     """Whether the published DeepSeek layout keeps checkpoint tensor `name` in bf16/fp32: the
     embeddings, norms, router, LM head, biases and every tensor that is not a 2-D weight."""
     return tensor.dim() != 2 or not name.endswith(".weight") or bool(_HIGH_PRECISION.search(name))
-
-
-def scale_shape(weight_shape: tuple[int, ...],
-                block_size: tuple[int, int] = BLOCK_SIZE) -> tuple[int, int]:
-    """[out, in] -> the `weight_scale_inv` shape [ceil(out / b0), ceil(in / b1)]."""
-    out_features, in_features = weight_shape
-    return math.ceil(out_features / block_size[0]), math.ceil(in_features / block_size[1])
-
-
-def quantize_block_fp8(weight: torch.Tensor, block_size: tuple[int, int] = BLOCK_SIZE
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a weight per block as DeepSeek's checkpoints are.
-
-    Args:
-        weight: [out, in], any float dtype.
-
-    Returns:
-        (fp8 [out, in] float8_e4m3fn, scale_inv [ceil(out / b0), ceil(in / b1)] float32) with
-        scale_inv = amax(|block|) / 448 (1 for an all-zero block) and fp8 = weight / scale_inv.
-    """
-    out_features, in_features = weight.shape
-    rows, cols = scale_shape(weight.shape, block_size)
-    padded = weight.new_zeros(rows * block_size[0], cols * block_size[1], dtype=torch.float32)
-    padded[:out_features, :in_features] = weight
-    blocks = padded.view(rows, block_size[0], cols, block_size[1])  # [R, b0, C, b1]
-    amax = blocks.abs().amax(dim=(1, 3))  # [R, C]
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    scaled = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    fp8 = scaled.view_as(padded)[:out_features, :in_features].to(FP8_DTYPE)
-    return fp8.contiguous(), scale_inv
-
-
-def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, *, row_start: int = 0,
-                         col_start: int = 0, block_size: tuple[int, int] = BLOCK_SIZE
-                         ) -> torch.Tensor:
-    """fp8 * scale_inv of each element's block, in float32.
-
-    Args:
-        weight: [..., r, c] float8_e4m3fn, rows row_start .. row_start + r and columns
-            col_start .. col_start + c of the full weight (the whole weight with the default
-            starts); leading dims (a stack of experts) are dequantized alike.
-        scale_inv: [..., blocks, blocks] float32 scale blocks from block row row_start // b0
-            and block column col_start // b1 on, covering at least `weight`.
-
-    Returns:
-        [..., r, c] float32, the dequantized rows and columns.
-    """
-    rows = (torch.arange(row_start, row_start + weight.shape[-2]) // block_size[0]
-            - row_start // block_size[0])  # [r]: each row's block row in scale_inv
-    cols = (torch.arange(col_start, col_start + weight.shape[-1]) // block_size[1]
-            - col_start // block_size[1])  # [c]
-    scale = scale_inv.to(device=weight.device, dtype=torch.float32)
-    scale = scale.index_select(-2, rows.to(scale.device)).index_select(
-        -1, cols.to(scale.device))  # [..., r, c]
-    return weight.to(torch.float32) * scale
 
 
 class Fp8WeightSlice:

@@ -23,13 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mlaserve.config import FP8_QUANTIZATION_CONFIG, parse_dtype
-from mlaserve.model.fp8 import (
-    FP8_DTYPE,
-    SCALE_SUFFIX,
-    dequantize_block_fp8,
-    quantize_block_fp8,
-    stays_high_precision,
-)
+from mlaserve.kernels.fp8_blocks import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+from mlaserve.model.fp8 import SCALE_SUFFIX, stays_high_precision
 from mlaserve.model.loader import checkpoint_files
 
 Tensors = dict[str, torch.Tensor]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.model.fp8 import BLOCK_SIZE, FP8_DTYPE, dequantize_block_fp8, scale_shape
+from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, FP8_DTYPE, dequantize_block_fp8, scale_shape
 
 # kv_b_proj; the shared experts go with their MoE's routed experts (MoE.keep_experts_fp8)
 _STAYS_DEQUANTIZED = re.compile(r"(^|\.)(kv_b_proj|shared_experts\.\w+)$")

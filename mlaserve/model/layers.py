@@ -21,7 +21,7 @@ from torch import nn
 
 from mlaserve.cache.latent_dtype import as_cache_dtype
 from mlaserve.config import YarnScaling
-from mlaserve.model.fp8 import BLOCK_SIZE
+from mlaserve.kernels.fp8_blocks import BLOCK_SIZE
 from mlaserve.model.fp8_linear import linear
 from mlaserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 

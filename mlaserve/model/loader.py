@@ -37,16 +37,9 @@ from tqdm import tqdm
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
 from mlaserve.distributed.expert_parallel import get_ep_group
+from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, FP8_DTYPE, FP8_MAX, scale_shape
 from mlaserve.model.deepseek import DeepseekForCausalLM
-from mlaserve.model.fp8 import (
-    BLOCK_SIZE,
-    FP8_DTYPE,
-    FP8_MAX,
-    SCALE_SUFFIX,
-    Fp8WeightSlice,
-    keep_fp8_weights,
-    scale_shape,
-)
+from mlaserve.model.fp8 import SCALE_SUFFIX, Fp8WeightSlice, keep_fp8_weights
 from mlaserve.model.fp8_linear import keep_linears_fp8
 from mlaserve.model.layers import RMSNorm, RotaryEmbedding
 from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards

@@ -4,13 +4,13 @@ product of the same dequantized operands; Triton's interpreter on CPU, the GPU w
 import pytest
 import torch
 
+from mlaserve.kernels.fp8_blocks import FP8_MAX, quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     block_fp8_linear,
     block_fp8_matmul,
     block_fp8_reference,
     quantize_activations,
 )
-from mlaserve.model.fp8 import FP8_MAX, quantize_block_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

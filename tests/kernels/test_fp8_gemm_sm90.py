@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from mlaserve.kernels import fp8_gemm  # noqa: E402
+from mlaserve.kernels.fp8_blocks import quantize_block_fp8  # noqa: E402
 from mlaserve.kernels.fp8_gemm import (  # noqa: E402
     block_fp8_linear,
     block_fp8_reference,
@@ -22,7 +23,6 @@ from mlaserve.kernels.fp8_gemm_sm90 import (  # noqa: E402
     shared_memory_bytes,
 )
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT  # noqa: E402
-from mlaserve.model.fp8 import quantize_block_fp8  # noqa: E402
 from tests.kernels.sm90_compile import compile_sm90  # noqa: E402
 
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
