@@ -228,8 +228,8 @@ def _fp8_weight_only_matmul_kernel(
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    """The device's SM count, read once (a weight-only product runs per layer per step)."""
+def sm_count(device: torch.device) -> int:
+    """The device's SM count, read once (the FP8 products run per layer per step)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -283,7 +283,7 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
-    num_sms = _sm_count(x.device) if x.is_cuda else HOPPER_SMS
+    num_sms = sm_count(x.device) if x.is_cuda else HOPPER_SMS
     block_m, default_block_n = weight_only_tiles(rows, out_features, num_sms)
     block_n = default_block_n if block_n is None else block_n
     if block_n not in (16, 32, 64):

@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.fp8_blocks import FP8_DTYPE
+from mlaserve.kernels.fp8_gemm import sm_count
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
 
 BLOCK_M = 128  # two warpgroups of 64 rows
@@ -255,11 +256,6 @@ def operand_layouts(out_dtype: torch.dtype) -> tuple[gl.NVMMASharedLayout, gl.NV
     return fp8, out
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
                           weight_scale_inv: torch.Tensor, out_dtype: torch.dtype, *,
                           num_stages: int = DEFAULT_STAGES,
@@ -303,7 +299,7 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
     w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], fp8_layout)
     y_desc = TensorDescriptor.from_tensor(y, [BLOCK_M // 2, BLOCK_N], out_layout)
     num_tiles = triton.cdiv(rows, BLOCK_M) * triton.cdiv(out_features, BLOCK_N)
-    grid = (min(num_tiles, _sm_count(x_q.device)),)
+    grid = (min(num_tiles, sm_count(x_q.device)),)
     _block_fp8_matmul_kernel_sm90[grid](
         x_desc, w_desc, y_desc, x_scales, weight_scale_inv, rows, out_features, cols,
         x_scales.stride(0), x_scales.stride(1), weight_scale_inv.stride(0),
