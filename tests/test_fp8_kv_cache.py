@@ -9,10 +9,11 @@ from mlaserve.attention.base import MLAShape
 from mlaserve.attention.flashinfer_backend import FlashInferMLABackend
 from mlaserve.attention.torch_backend import TorchMLABackend
 from mlaserve.attention.triton_backend import TritonMLABackend
-from mlaserve.cache.latent_dtype import as_cache_dtype, resolve_kv_cache_dtype
+from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import ModelConfig
 from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs, kv_blocks_for_memory
 from mlaserve.eval import tasks as T
+from mlaserve.kernels.fp8_blocks import saturating_cast
 
 FP8 = torch.float8_e4m3fn
 
@@ -33,7 +34,7 @@ def test_names_and_errors() -> None:
 
 def test_saturates_instead_of_overflowing() -> None:
     x = torch.tensor([0.0, 1.0, -3.3, 500.0, -1e6, float("nan")])
-    got = as_cache_dtype(x, FP8).float()
+    got = saturating_cast(x, FP8).float()
     assert got[:3].tolist() == [0.0, 1.0, -3.25] and got[3:5].tolist() == [448.0, -448.0]
     assert torch.isnan(got[5])
 

@@ -18,6 +18,7 @@ from mlaserve.attention.base import MLABackend, MLAShape  # noqa: E402
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk  # noqa: E402
 from mlaserve.attention.registry import create_backend  # noqa: E402
 from mlaserve.config import ModelConfig, YarnScaling  # noqa: E402
+from mlaserve.kernels.fused import force_fused_kernels  # noqa: E402
 from mlaserve.kernels.fused_norm_rope import (  # noqa: E402
     fused_add_rms_norm,
     rms_norm,
@@ -30,12 +31,7 @@ from mlaserve.kernels.reference import (  # noqa: E402
     rms_norm_reference,
     rope_reference,
 )
-from mlaserve.model.layers import (  # noqa: E402
-    FusedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    force_fused_kernels,
-)
+from mlaserve.model.layers import FusedLinear, RMSNorm, RotaryEmbedding  # noqa: E402
 from mlaserve.model.loader import build_model  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()

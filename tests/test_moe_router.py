@@ -17,9 +17,9 @@ import torch
 pytest.importorskip("triton")
 
 from mlaserve.kernels import fused_router  # noqa: E402
+from mlaserve.kernels.fused import force_fused_kernels  # noqa: E402
 from mlaserve.kernels.fused_router import select_experts_triton  # noqa: E402
 from mlaserve.kernels.moe import select_experts, select_experts_torch  # noqa: E402
-from mlaserve.model.layers import force_fused_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(

@@ -5,12 +5,12 @@ names) stores them as float8_e4m3fn with scale 1: both MLA decode reads (c_kv as
 k_pe as rope keys) then move half the bytes of bf16, and the readers convert to the query's
 dtype. Scale 1 is what vLLM's FP8 cache uses without calibrated scales: c_kv leaves an RMSNorm
 (unit RMS times the norm's weight) and k_pe a rotation, so both sit well inside e4m3's +-448
-(larger values saturate); its 3 mantissa bits round each element by at most 2^-4 relative.
+(larger values saturate: `kernels.fp8_blocks.saturating_cast`, as the cache write stores them);
+its 3 mantissa bits round each element by at most 2^-4 relative.
 """
 
 import torch
 
-from mlaserve.kernels.fp8_blocks import FP8_MAX
 from mlaserve.option_values import KV_CACHE_DTYPE_NAMES
 
 # name -> the cache's element type (None: the model's dtype)
@@ -25,10 +25,3 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
                          f"{', '.join(KV_CACHE_DTYPES)}")
     return KV_CACHE_DTYPES[name] or dtype
 
-
-def as_cache_dtype(latent: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """latent converted to the cache's element type as the cache stores it: to FP8 it saturates
-    at +-448 (as the GPU's saturating conversion does) instead of overflowing to NaN."""
-    if cache_dtype == torch.float8_e4m3fn:
-        latent = latent.clamp(-FP8_MAX, FP8_MAX)
-    return latent.to(cache_dtype)

@@ -19,6 +19,14 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 BLOCK_SIZE = (128, 128)
 
 
+def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x converted to dtype; to float8_e4m3fn it saturates at +-448 (as the GPU's saturating
+    conversion does) instead of overflowing to NaN. NaN stays NaN."""
+    if dtype == FP8_DTYPE:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
 def scale_shape(weight_shape: tuple[int, ...],
                 block_size: tuple[int, int] = BLOCK_SIZE) -> tuple[int, int]:
     """[out, in] -> the `weight_scale_inv` shape [ceil(out / b0), ceil(in / b1)]."""

@@ -5,7 +5,7 @@ best `topk_group` of `n_group` groups (group score = its best expert); V3 scores
 adds `e_score_correction_bias` for the choice only, and ranks groups by the sum of their two best
 biased scores. Weights are the unbiased scores of the chosen experts, renormalised if
 `norm_topk_prob`, times `routed_scaling_factor`. `select_experts` runs this as one Triton launch
-(`fused_router`) where `mlaserve.model.layers.use_fused_kernels` says the fused kernels run (CUDA
+(`fused_router`) where `fused.use_fused_kernels` says the fused kernels run (CUDA
 tensors), else as the torch code of `select_experts_torch`, which states the semantics.
 
 The experts run as the Triton kernels of `fused_moe` on CUDA, as grouped GEMMs on CPU (and bf16
@@ -19,6 +19,8 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+
+from mlaserve.kernels.fused import use_fused_kernels
 
 
 def select_experts(
@@ -45,9 +47,6 @@ def select_experts(
         topk_weights [T, top_k + S] float32 and topk_ids [T, top_k + S] int64: the routed picks
         in descending order of the choice score, then the shared experts.
     """
-    # imported here: kernels/ imports nothing else from mlaserve at import time
-    from mlaserve.model.layers import use_fused_kernels
-
     if use_fused_kernels(router_logits):
         from mlaserve.kernels.fused_router import select_experts_triton  # imports triton
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaserve.cache.latent_dtype import as_cache_dtype
+from mlaserve.kernels.fp8_blocks import saturating_cast
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
@@ -49,7 +49,7 @@ def poisoned_paged_batch(
     Random values are drawn on the CPU (the same batch on every device for a seed), or with
     draw_on_device on `device` directly, in `dtype` (for benchmark-sized caches).
     kv_cache_dtype (torch.float8_e4m3fn; None or `dtype`: no change) stores the cache in FP8 as
-    the engine does (`cache.latent_dtype.as_cache_dtype`; NaN stays NaN); the float32 reference
+    the engine does (`fp8_blocks.saturating_cast`; NaN stays NaN); the float32 reference
     then dequantizes that same cache.
 
     Returns:
@@ -78,7 +78,7 @@ def poisoned_paged_batch(
         if n % block_size:
             cache[table[b, p - 1], n % block_size :] = float("nan")
     if kv_cache_dtype is not None:
-        cache = as_cache_dtype(cache, kv_cache_dtype)
+        cache = saturating_cast(cache, kv_cache_dtype)
     q = torch.randn(len(seq_lens) * q_len, num_heads, head_dim, generator=gen, device=where,
                     dtype=draw_dtype).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)

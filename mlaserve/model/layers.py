@@ -5,44 +5,23 @@ projections of one input into one GEMM.
 The norms, the rotary embedding, the latent cache write and SiLU-and-multiply have two
 implementations: the fused Triton kernels of `mlaserve.kernels.fused_norm_rope` (one launch per
 op, CUDA-graph capturable) and the torch code here, which is the CPU path and states the
-semantics the kernels follow. Which one runs is decided in one place, `use_fused_kernels`: the
-kernels on CUDA tensors, the torch code on CPU tensors (tests run the kernels on CPU in Triton's
-interpreter inside `force_fused_kernels()`).
+semantics the kernels follow. Which one runs is decided in one place,
+`mlaserve.kernels.fused.use_fused_kernels`: the kernels on CUDA tensors, the torch code on CPU
+tensors (tests run the kernels on CPU in Triton's interpreter inside `force_fused_kernels()`).
 """
 
-import contextlib
 import math
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.cache.latent_dtype import as_cache_dtype
 from mlaserve.config import YarnScaling
-from mlaserve.kernels.fp8_blocks import BLOCK_SIZE
+from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, saturating_cast
+from mlaserve.kernels.fused import use_fused_kernels
 from mlaserve.model.fp8_linear import linear
 from mlaserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
-
-_fused_on_cpu = False
-
-
-def use_fused_kernels(x: torch.Tensor) -> bool:
-    """Whether ops on x run as the fused Triton kernels: on CUDA tensors, or on CPU tensors
-    inside `force_fused_kernels()`; otherwise the torch code runs."""
-    return x.is_cuda or _fused_on_cpu
-
-
-@contextlib.contextmanager
-def force_fused_kernels() -> Iterator[None]:
-    """Run the fused kernels on CPU tensors too (in Triton's interpreter: TRITON_INTERPRET=1)."""
-    global _fused_on_cpu
-    previous, _fused_on_cpu = _fused_on_cpu, True
-    try:
-        yield
-    finally:
-        _fused_on_cpu = previous
 
 
 def _kernels() -> ModuleType:
@@ -197,7 +176,7 @@ def write_latent_cache(kv: torch.Tensor, norm: RMSNorm, rotary: RotaryEmbedding,
         return kv if keep_rows else None
     c_kv, k_pe = kv.split([norm.weight.shape[0], rotary.dim], dim=-1)
     latent = torch.cat((norm(c_kv), rotary(k_pe, angles)), dim=-1)
-    rows = as_cache_dtype(latent, kv_cache_flat.dtype)
+    rows = saturating_cast(latent, kv_cache_flat.dtype)
     if rows.element_size() == 1:  # FP8: index_copy_ has no float8 kernels; copy the bytes
         kv_cache_flat, rows = kv_cache_flat.view(torch.uint8), rows.view(torch.uint8)
     kv_cache_flat.index_copy_(0, slot_mapping, rows)
