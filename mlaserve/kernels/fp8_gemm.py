@@ -302,8 +302,10 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
 
 
 @functools.cache
-def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
+def is_sm90(device: torch.device) -> bool:
+    """Whether device is an sm_90 GPU (Hopper), read once per device (the FP8 products ask per
+    layer per step)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, *,
@@ -342,7 +344,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
     product `product_path` picks: `fp8_weight_only_matmul` on x as it is, or `block_fp8_w8a8`
     through the Gluon kernel, cuBLASLt or the Triton kernel."""
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    sm90 = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _is_sm90(x.device)
+    sm90 = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and is_sm90(x.device)
     path = product_path(x.is_cuda, flat.shape[0], *weight.shape, sm90=sm90)
     if path == "weight-only":
         y = fp8_weight_only_matmul(flat, weight, weight_scale_inv)  # [M, N]

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.fp8_blocks import FP8_DTYPE
-from mlaserve.kernels.fp8_gemm import sm_count
+from mlaserve.kernels.fp8_gemm import is_sm90, sm_count
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
 
 BLOCK_M = 128  # two warpgroups of 64 rows
@@ -284,7 +284,7 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
                          f"W [{out_features}, {cols}]^T: K must be a multiple of 16, N of 8")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype must be bfloat16 or float16, not {out_dtype}")
-    if x_q.device.type != "cuda" or torch.cuda.get_device_capability(x_q.device) != (9, 0):
+    if not is_sm90(x_q.device):
         raise ValueError(f"the Gluon GEMM runs on sm_90 GPUs only, not on {x_q.device}")
     if num_stages < 2 or shared_memory_bytes(num_stages, out_dtype) > GLUON_SHARED_MEMORY_LIMIT:
         raise ValueError(f"num_stages must be 2 or more (two K blocks in flight) and fit "

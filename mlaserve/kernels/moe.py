@@ -20,6 +20,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, FP8_DTYPE, dequantize_block_fp8
 from mlaserve.kernels.fused import use_fused_kernels
 
 
@@ -128,8 +129,6 @@ def check_fp8_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: to
     """Whether the expert stacks are block FP8; raises ValueError where their scales are
     missing, or where weights or scales do not have the shapes and dtypes `fused_experts` states.
     """
-    from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, FP8_DTYPE
-
     fp8_weights = {gate_up_proj.dtype, down_proj.dtype} & {FP8_DTYPE}
     if gate_up_scale_inv is None and down_scale_inv is None and not fp8_weights:
         return False
@@ -207,8 +206,6 @@ def fused_experts(
                                     down_scale_inv=down_scale_inv)  # checks its inputs
     fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     if fp8 and impl in ("grouped", "loop"):  # weight-only: dequantize, compute in float32
-        from mlaserve.kernels.fp8_blocks import dequantize_block_fp8
-
         gate_up_proj = dequantize_block_fp8(gate_up_proj, gate_up_scale_inv)  # [E, 2I, D]
         down_proj = dequantize_block_fp8(down_proj, down_scale_inv)  # [E, D, I]
         return fused_experts(x.float(), gate_up_proj, down_proj, topk_weights, topk_ids,
