@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(module=module)
     commands.add_parser("eval", parents=[common],
                         help="accuracy: held-out task scores (--tasks), or `eval parity`: "
-                             "greedy outputs of each backend against torch",
+                             "greedy outputs and logprobs of engine configurations against a "
+                             "reference",
                         module_name="mlaserve.eval.harness",
                         subcommands={"parity": "mlaserve.eval.parity"})
     return parser

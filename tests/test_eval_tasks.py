@@ -97,8 +97,10 @@ def test_prompts_are_lm_eval_shaped() -> None:
 def test_eval_parity_subcommand_still_parses() -> None:
     from mlaserve.eval import harness, parity
 
-    args = build_parser().parse_args(["eval", "parity", "--backends", "torch"])
-    assert args.handler is parity.run and args.backends == "torch"
+    args = build_parser().parse_args(["eval", "parity", "--compare", "--tensor-parallel-size 2",
+                                      "--compare=--enforce-eager"])
+    assert args.handler is parity.run and args.attention_backend == "torch"
+    assert args.compare == ["--tensor-parallel-size 2", "--enforce-eager"]
     args = build_parser().parse_args(["eval", "--tasks", "arith_mc"])
     assert args.handler is harness.run and args.tasks == "arith_mc"
 

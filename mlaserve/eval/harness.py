@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_engine_arguments(parser)
     parser.description = (__doc__ or "").split("\n\n")[0] + " (`mlaserve eval parity --help`: " \
-        "greedy outputs of each backend against torch)"
+        "greedy outputs and logprobs of engine configurations against a reference)"
     parser.add_argument("--tasks", default=",".join(T.TASKS),
                         help=f"comma list of {', '.join(T.TASKS)}")
     parser.add_argument("--engine", default="mlaserve",

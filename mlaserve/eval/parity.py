@@ -1,33 +1,44 @@
-"""Backend parity: greedy generations of one model through several attention backends.
+"""Parity: one model under two engine configurations gives the same outputs.
 
-Every backend is compared with the `torch` backend (float32 attention math): the greedy tokens
-must agree, and the logprob of each agreed token must match within a tolerance. Where two
-sequences part (a near-tie flipped by rounding), the comparison stops at the first difference and
-the report says at which step.
+`mlaserve eval parity [MODEL] [engine flags] --compare FLAGS [--compare FLAGS ...]` runs random
+token prompts greedily through a reference configuration (the command's engine flags; the `torch`
+attention backend, float32 attention math, unless `--attention-backend` says otherwise) and
+through each candidate: the reference with FLAGS applied on top, e.g. `--attention-backend
+triton`, `--tensor-parallel-size 2`, `--data-parallel-size 2 --enable-expert-parallel` or
+`--kv-cache-dtype fp8`. Every configuration runs in the engine-core processes the server uses
+(`AsyncEngineClient`), so a data-parallel layout is compared exactly as a backend is.
+
+Per candidate: the greedy tokens must agree, and the logprob of every prompt token and of each
+agreed generated token must match the reference's within a tolerance. Where two sequences part
+(a near-tie flipped by rounding), the comparison stops at the first difference and the report
+says at which step.
 """
 
 import argparse
-import gc
+import asyncio
 import json
 import random
-from dataclasses import asdict, dataclass, replace
+import shlex
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 
-import torch
-
-from mlaserve.config import ModelConfig
-from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
-from mlaserve.engine.engine import LLMEngine
+from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.request import RequestOutput, SamplingParams
+
+DEFAULT_CANDIDATES = ["--attention-backend triton"]
 
 
 @dataclass
 class ParityReport:
-    backend: str
+    candidate: str  # the flags that make the candidate from the reference
     num_prompts: int
-    num_tokens: int
+    num_tokens: int  # generated per prompt
+    num_prompt_tokens: int  # prompt tokens compared: all but each prompt's first
     identical_sequences: int
-    matched_tokens: int  # tokens equal to the reference before the first difference
-    max_logprob_diff: float  # over the matched tokens
+    matched_tokens: int  # generated tokens equal to the reference's before the first difference
+    max_logprob_diff: float  # over the matched generated tokens
+    max_prompt_logprob_diff: float  # over every prompt token after the first
+    mean_prompt_logprob_diff: float
     first_divergence: list[int | None]  # per prompt: step of the first different token
 
     @property
@@ -41,26 +52,48 @@ def random_prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
             for _ in range(count)]
 
 
-def generate(args: EngineArgs, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
-    engine = LLMEngine(args)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
-    request_ids = [engine.add_request(p, params) for p in prompts]
-    finals: dict[str, RequestOutput] = {}
-    while engine.has_unfinished:
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-    del engine, request_ids
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return [finals[i] for i in sorted(finals, key=int)]
+async def _generate(args: EngineArgs, prompts: list[list[int]],
+                    max_tokens: int) -> list[RequestOutput]:
+    from mlaserve.engine.core_client import AsyncEngineClient
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0,
+                            prompt_logprobs=0, output_kind="final_only")
+    client = await AsyncEngineClient.start(args)
+    try:
+        streams = [await client.add_request(prompt, params, str(i))
+                   for i, prompt in enumerate(prompts)]
+
+        async def final(stream) -> RequestOutput:
+            async for output in stream:
+                last = output
+            return last
+
+        return list(await asyncio.gather(*(final(s) for s in streams)))
+    finally:
+        await client.shutdown()
 
 
-def compare(backend: str, reference: list[RequestOutput],
+def generate(args: EngineArgs, prompts: list[list[int]], max_tokens: int,
+             label: str = "the reference") -> list[RequestOutput]:
+    """Greedy completions of `prompts` (token ids) under `args`, with the logprob of every
+    prompt and generated token; the engine's processes are gone when this returns. Raises
+    ValueError naming `label` if the engine cannot start."""
+    from mlaserve.engine.core_launch import EngineLoadError
+
+    try:
+        return asyncio.run(_generate(args, prompts, max_tokens))
+    except EngineLoadError as error:
+        raise ValueError(f"{label} could not start: {error}") from None
+
+
+def compare(candidate: str, reference: list[RequestOutput],
             outputs: list[RequestOutput]) -> ParityReport:
     matched, identical, max_diff, firsts = 0, 0, 0.0, []
+    prompt_diffs: list[float] = []
     for ref, out in zip(reference, outputs, strict=True):
+        for token, want, got in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:],
+                                    out.prompt_logprobs[1:], strict=True):
+            prompt_diffs.append(abs(want[token] - got[token]))
         first = None
         for step, (a, b) in enumerate(zip(ref.token_ids, out.token_ids, strict=True)):
             if a != b:
@@ -70,47 +103,89 @@ def compare(backend: str, reference: list[RequestOutput],
             max_diff = max(max_diff, abs(ref.logprobs[step][a] - out.logprobs[step][b]))
         identical += first is None
         firsts.append(first)
-    return ParityReport(backend, len(reference), len(reference[0].token_ids), identical,
-                        matched, max_diff, firsts)
+    return ParityReport(candidate, len(reference), len(reference[0].token_ids),
+                        len(prompt_diffs), identical, matched, max_diff,
+                        max(prompt_diffs, default=0.0),
+                        sum(prompt_diffs) / max(1, len(prompt_diffs)), firsts)
 
 
-def run_parity(base: EngineArgs, backends: list[str], num_prompts: int, max_tokens: int,
-               seed: int = 0) -> list[ParityReport]:
-    """Generate with `torch` and each backend; one report per backend."""
-    config = ModelConfig.from_pretrained(base.model or DEMO_MODEL_DIR, base.hf_overrides)
+def run_parity(reference: EngineArgs, candidates: dict[str, EngineArgs], num_prompts: int,
+               max_tokens: int, seed: int = 0) -> Iterator[ParityReport]:
+    """Generate under the reference, then under each candidate (label -> its engine
+    arguments), yielding each candidate's report as soon as it has run."""
+    from mlaserve.config import ModelConfig
+    from mlaserve.engine.args import model_dir_of
+
+    config = ModelConfig.from_pretrained(model_dir_of(reference), reference.hf_overrides)
     prompts = random_prompts(min(config.vocab_size, 30000), num_prompts, seed)
-    reference = generate(replace(base, attention_backend="torch"), prompts, max_tokens)
-    return [compare(b, reference, generate(replace(base, attention_backend=b), prompts,
-                                           max_tokens)) for b in backends]
+    expected = generate(reference, prompts, max_tokens)
+    for label, args in candidates.items():
+        yield compare(label, expected, generate(args, prompts, max_tokens, label))
+
+
+def candidate_args(reference: argparse.Namespace, flags: str) -> EngineArgs:
+    """The engine arguments of the reference's command line with `flags` (engine flags, as
+    `mlaserve serve` takes them) applied on top. Raises ValueError naming a flag it cannot
+    take, or a parallel layout the model or the machine cannot run (`check_parallel`)."""
+    from mlaserve.cli import add_engine_arguments, engine_args_from
+    from mlaserve.engine.args import check_parallel
+
+    parser = _FlagParser(prog=f"--compare {shlex.quote(flags)}", add_help=False)
+    add_engine_arguments(parser)
+    dests = vars(parser.parse_args([]))
+    parser.set_defaults(**{dest: getattr(reference, dest) for dest in dests})
+    args = engine_args_from(parser.parse_args(shlex.split(flags)))
+    try:
+        check_parallel(args)
+    except ValueError as error:
+        raise ValueError(f"{parser.prog}: {error}") from None
+    return args
+
+
+class _FlagParser(argparse.ArgumentParser):
+    def error(self, message: str):  # a ValueError, which the CLI prints, rather than an exit
+        raise ValueError(f"{self.prog}: {message} (candidates take engine flags only)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mlaserve.cli import add_engine_arguments
 
     add_engine_arguments(parser)
-    parser.add_argument("--backends", default="triton", help="comma list compared with torch")
+    parser.description = (__doc__ or "").split("\n\n")[0]
+    parser.set_defaults(attention_backend="torch")  # the float32 attention math
+    parser.add_argument("--compare", action="append", default=None, metavar="FLAGS",
+                        help="a candidate: engine flags applied on top of the reference's, "
+                             "quoted as one argument; repeat for more candidates; a single flag "
+                             "without a value as --compare=--FLAG (default: "
+                             f"{DEFAULT_CANDIDATES[0]!r})")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--min-token-agreement", type=float, default=0.9,
-                        help="fail below this share of tokens equal to the torch backend's")
+                        help="fail below this share of generated tokens equal to the "
+                             "reference's")
     parser.add_argument("--max-logprob-diff", type=float, default=0.05,
-                        help="fail above this |logprob difference| on agreed tokens")
+                        help="fail above this |logprob difference| on a prompt token or an "
+                             "agreed generated token")
     parser.add_argument("--out", default=None, help="write the reports as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
     from mlaserve.cli import engine_args_from
 
-    reports = run_parity(engine_args_from(args), args.backends.split(","), args.num_prompts,
-                         args.max_tokens, args.seed)
-    failed = False
-    for r in reports:
+    # every candidate's flags are checked before anything runs
+    candidates = {flags: candidate_args(args, flags)
+                  for flags in args.compare or DEFAULT_CANDIDATES}
+    reports, failed = [], False
+    for r in run_parity(engine_args_from(args), candidates, args.num_prompts, args.max_tokens,
+                        args.seed):
+        reports.append(r)
         ok = (r.token_agreement >= args.min_token_agreement
-              and r.max_logprob_diff <= args.max_logprob_diff)
+              and max(r.max_logprob_diff, r.max_prompt_logprob_diff) <= args.max_logprob_diff)
         failed |= not ok
-        print(f"{r.backend:>12}: {r.identical_sequences}/{r.num_prompts} sequences identical, "
-              f"token agreement {r.token_agreement:.3f}, max |dlogprob| {r.max_logprob_diff:.2e}"
-              f"  {'ok' if ok else 'FAIL'}")
+        print(f"{r.candidate}: {r.identical_sequences}/{r.num_prompts} sequences identical, "
+              f"token agreement {r.token_agreement:.3f}, max |dlogprob| "
+              f"{r.max_logprob_diff:.2e} generated, {r.max_prompt_logprob_diff:.2e} prompt "
+              f"(mean {r.mean_prompt_logprob_diff:.2e})  {'ok' if ok else 'FAIL'}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump([asdict(r) for r in reports], f, indent=2)
