@@ -103,15 +103,22 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x_q, scales
 
 
-def _check_weight(in_features: int, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> None:
-    """Raise unless weight [N, K] has x's K columns and weight_scale_inv covers it in 128x128
-    blocks."""
+def check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                   x_scales: torch.Tensor | None = None) -> None:
+    """Raise unless weight [N, K] has x [M, K]'s K columns, weight_scale_inv covers it in
+    128x128 blocks and (a w8a8 product) x_scales is float32 [M, ceil(K / 128)]: the kernels
+    read the scales by these shapes, so a mismatch would read out of bounds."""
+    rows, in_features = x.shape
     out_features, cols = weight.shape
     if cols != in_features:
         raise ValueError(f"x has {in_features} columns, the weight {cols}")
     if tuple(weight_scale_inv.shape) != (-(-out_features // 128), -(-cols // 128)):
         raise ValueError(f"weight_scale_inv {tuple(weight_scale_inv.shape)} does not cover "
                          f"a [{out_features}, {cols}] weight in 128x128 blocks")
+    if x_scales is not None and (tuple(x_scales.shape) != (rows, -(-cols // 128))
+                                 or x_scales.dtype != torch.float32):
+        raise ValueError(f"x_scales must be float32 [{rows}, {-(-cols // 128)}] (one per row "
+                         f"and 128 columns), not {x_scales.dtype} {tuple(x_scales.shape)}")
 
 
 @triton.jit
@@ -167,7 +174,7 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
     """
     rows, cols = x_q.shape
     out_features = weight.shape[0]
-    _check_weight(cols, weight, weight_scale_inv)
+    check_operands(x_q, weight, weight_scale_inv, x_scales)
     prepare_launch(x_q)
     x_q, weight = x_q.contiguous(), weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
@@ -276,7 +283,7 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
     """
     rows, cols = x.shape
     out_features = weight.shape[0]
-    _check_weight(cols, weight, weight_scale_inv)
+    check_operands(x, weight, weight_scale_inv)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32, not {x.dtype}")
     prepare_launch(x)
@@ -406,5 +413,5 @@ def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
 
 
 __all__ = ["GLUON_MIN_ROWS", "WEIGHT_ONLY_MAX_ROWS", "block_fp8_linear", "block_fp8_matmul",
-           "block_fp8_reference", "block_fp8_w8a8", "fp8_weight_only_matmul", "product_path",
-           "quantize_activations", "scaled_mm_block_fp8", "weight_only_tiles"]
+           "block_fp8_reference", "block_fp8_w8a8", "check_operands", "fp8_weight_only_matmul",
+           "product_path", "quantize_activations", "scaled_mm_block_fp8", "weight_only_tiles"]

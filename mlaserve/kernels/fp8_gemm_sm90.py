@@ -29,7 +29,7 @@ DeepGEMM, three partitions share each CTA:
 Tiles are 128 x 128 (BLOCK_N = 128: one weight scale per tile and K block), visited by a
 persistent grid of one CTA per SM in groups of GROUP_M row tiles that share the weight tiles
 through L2. TMA zero-fills rows, columns and K past the operands, so any M, N and K work within
-TMA's alignment (K and N multiples of 16; `gluon_gemm_serves`). Needs Triton's Gluon
+TMA's alignment (K a multiple of 16, N of 8; `gluon_gemm_serves`). Needs Triton's Gluon
 (Triton >= 3.6) and an sm_90 GPU.
 """
 
@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.fp8_blocks import FP8_DTYPE
-from mlaserve.kernels.fp8_gemm import is_sm90, sm_count
+from mlaserve.kernels.fp8_gemm import check_operands, is_sm90, sm_count
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
 
 BLOCK_M = 128  # two warpgroups of 64 rows
@@ -279,6 +279,7 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
     out_features = weight.shape[0]
     if x_q.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
         raise ValueError(f"x_q and weight must be {FP8_DTYPE}, not {x_q.dtype} / {weight.dtype}")
+    check_operands(x_q, weight, weight_scale_inv, x_scales)
     if not gluon_gemm_serves(rows, out_features, cols):
         raise ValueError(f"the sm_90 Gluon GEMM does not take x [{rows}, {cols}] @ "
                          f"W [{out_features}, {cols}]^T: K must be a multiple of 16, N of 8")
@@ -309,24 +310,26 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
 
 def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = DEFAULT_STAGES,
                      group_m: int = DEFAULT_GROUP_M, k_unroll: int = DEFAULT_K_UNROLL):
-    """The kernel compiled for sm_90 without a GPU (Triton's bundled ptxas), with a launch's
-    argument specialisation: Triton's CompiledKernel (asm["ptx"], asm["cubin"],
-    metadata.shared), for resource checks in CPU tests."""
+    """The kernel compiled for sm_90 without a GPU (Triton's bundled ptxas), with the argument
+    specialisation of a launch from `block_fp8_w8a8` (x's scales M-major: stride_xs_m = 1,
+    which Triton makes a constant; M, and so stride_xs_k, of any divisibility): Triton's
+    CompiledKernel (asm["ptx"], asm["cubin"], metadata.shared), for resource checks in CPU
+    tests."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = _block_fp8_matmul_kernel_sm90
     out_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out_dtype]
     fp8_layout, out_layout = operand_layouts(out_dtype)
-    constexprs = dict(NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll)
+    constexprs = dict(stride_xs_m=1, NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll)
     signature = {
         "x_desc": f"tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}],{fp8_layout!r}>",
         "w_desc": f"tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}],{fp8_layout!r}>",
         "y_desc": f"tensordesc<{out_name}[{BLOCK_M // 2}, {BLOCK_N}],{out_layout!r}>",
         "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-        "stride_xs_m": "i32", "stride_xs_k": "i32", "stride_ws_n": "i32",
+        "stride_xs_k": "i32", "stride_ws_n": "i32",
     } | {name: "constexpr" for name in constexprs}
-    aligned = ["x_scale_ptr", "w_scale_ptr", "N", "K", "stride_xs_k", "stride_ws_n"]
+    aligned = ["x_scale_ptr", "w_scale_ptr", "N", "K", "stride_ws_n"]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     return triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

@@ -104,23 +104,27 @@ def test_fp8_cache_tma_loads(q_len: int, block_n: int, latent_chunks: int,
 @pytest.mark.parametrize("heads_and_q_len", [(16, 1), (8, 2), (5, 3)])
 @pytest.mark.parametrize("tiles", [(32, 3), (64, 2)])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_gluon_fp8_pass(block_size: int, tiles: tuple[int, int],
+@pytest.mark.parametrize("partial_dtype", ["float32", "input"])
+def test_gluon_fp8_pass(partial_dtype: str, block_size: int, tiles: tuple[int, int],
                         heads_and_q_len: tuple[int, int], num_splits: int,
                         dtype: torch.dtype) -> None:
     # The Gluon pass over an FP8 cache (`gluon_sm90_fp8.py`): tiles by TMA, each converted
     # once to float16 in shared memory (a partial last tile's rows past the split zeroed
-    # there), up to 16 rows (heads x q_len, causal), NaN in every page tail and unused page;
-    # against the float32 reference of the same cache, to dtype's bounds.
+    # there), up to 16 rows (heads x q_len, causal), NaN in every page tail and unused page,
+    # a request with no keys, partials in float32 and in q's dtype, and a NaN-filled
+    # workspace (empty splits' partials must never be read); against the float32 reference
+    # of the same cache, to dtype's bounds.
     num_heads, q_len = heads_and_q_len
     block_n, num_stages = tiles
-    lens = [4096, q_len, 1000, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
+    lens = [4096, q_len, 1000, 0, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
     config = dataclasses.replace(
         default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
-        gluon_fp8=True, block_n=block_n, num_stages=num_stages)
+        gluon_fp8=True, block_n=block_n, num_stages=num_stages, partial_dtype=partial_dtype)
     planned = plan_mla_decode(len(lens), 8192, num_heads, q_len, 512, 64, dtype, NUM_SMS,
                               block_size, config=config, capability=CAPABILITY,
                               kv_cache_dtype=torch.float8_e4m3fn)
     if CAPABILITY == (9, 0):
         assert planned.kernel == "gluon_sm90_fp8"
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
-                  seed=block_size + num_heads, kv_cache_dtype=torch.float8_e4m3fn)
+                  seed=block_size + num_heads, poison_workspace=True,
+                  kv_cache_dtype=torch.float8_e4m3fn)

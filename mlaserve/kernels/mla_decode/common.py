@@ -81,12 +81,13 @@ def gluon_fp8_serves(capability: tuple[int, int] | None, dtype: torch.dtype,
                      cache_dtype: torch.dtype, rows: int, kv_lora_rank: int, rope_dim: int,
                      block_n: int, num_stages: int, block_size: int) -> bool:
     """Whether the FP8 Gluon pass serves the shape: sm_90, 16-bit q over a float8_e4m3fn
-    cache, at most 16 query rows, L = 4 x 128, R = 64, tiles of 16-64 tokens within a page,
-    2 or more tiles in the ring, within the shared memory of a block."""
+    cache, at most 16 query rows, L = 4 x 128, R = 64, tiles of 32 or 64 tokens within a page
+    (the score layout spans 32 columns over the 4 warps: a 16-token tile would repeat half
+    of every warp's work), 2 or more tiles in the ring, within the shared memory of a block."""
     return (capability == (9, 0) and dtype in _GLUON_DTYPES
             and cache_dtype == torch.float8_e4m3fn and rows <= GLUON_FP8_ROWS
             and kv_lora_rank == 4 * GLUON_FP8_CHUNK and rope_dim == 64
-            and block_n in (16, 32, 64) and block_n <= block_size and num_stages >= 2
+            and block_n in (32, 64) and block_n <= block_size and num_stages >= 2
             and gluon_fp8_shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages)
             <= GLUON_SHARED_MEMORY_LIMIT)
 

@@ -309,12 +309,18 @@ def launch_split_pass(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
+    batch = block_table.shape[0]
+    if num_tokens // batch * num_heads > GLUON_FP8_ROWS or block_n > block_size:
+        # one program per split holds every query row, and a tile never leaves its page
+        raise ValueError(f"the FP8 Gluon pass takes at most {GLUON_FP8_ROWS} query rows and "
+                         f"tiles within a page, not {num_tokens // batch} x {num_heads} rows "
+                         f"and {block_n}-token tiles over {block_size}-token pages: plan "
+                         "again for this shape")
     rope_dim = head_dim - kv_lora_rank
     kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
     chunk_layout, rope_layout = kv_layouts(block_n, rope_dim)
     kv_desc = TensorDescriptor.from_tensor(kv_rows, [block_n, CHUNK], chunk_layout)
     pe_desc = TensorDescriptor.from_tensor(kv_rows, [block_n, rope_dim], rope_layout)
-    batch = block_table.shape[0]
     _mla_decode_split_kernel_sm90_fp8[(1, num_splits, batch)](
         q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
         num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),

@@ -132,7 +132,10 @@ class MLADecodePlan:
         fp16_dots: the split pass runs its dots in float16 (q converted once per program): a
             bfloat16 q over an FP8 cache, whose tiles convert to float16 in one instruction per
             two elements, against three per element for bfloat16 (through float16 and
-            float32); benchmarks/mla-decode-history.md ("FP8 caches") has the timings.
+            float32); benchmarks/mla-decode-history.md ("FP8 caches") has the timings. The
+            FP8 values convert exactly; q is rounded to float16, whose range (+-65504) is
+            narrower than bfloat16's: a larger query element would overflow. The FP8 Gluon
+            pass does the same.
         merge_block_rows, merge_block_l, merge_split_chunk: the merge kernel's tile
             (`merge_tile`).
 
