@@ -7,12 +7,12 @@ accumulator, so each block is a fresh wgmma whose result is waited on at once, a
 instruction stream leaves the tensor cores idle during that scaling. Here, as in DeepSeek's
 DeepGEMM, three partitions share each CTA:
 
-- A 1-warp loader issues TMA copies of x [128, 128] and W [128, 128] for every K block of the
-  CTA's tiles into a ring of NUM_STAGES shared buffers guarded by ready / empty mbarriers. It
+- A 1-warp loader issues TMA copies of x [128, 128] and W [BLOCK_N, 128] for every K block of
+  the CTA's tiles into a ring of NUM_STAGES shared buffers guarded by ready / empty mbarriers. It
   runs ahead across tile boundaries, so the next tile's first blocks load during the epilogue.
 - Two compute warpgroups take the tile's rows 0-63 and 64-127. For each K block k, one
-  wgmma [64, 128] x [128, 128] in FP8 (the hardware adds the 128 products of a column in its
-  reduced-precision accumulator, as cuBLASLt does), then in float32
+  wgmma [64, 128] x [128, BLOCK_N] in FP8 (the hardware adds the 128 products of a column in
+  its reduced-precision accumulator, as cuBLASLt does), then in float32
       acc += block * (S_x[rows, k] * S_w[n // 128, k]),
   and the buffer goes back to the loader once both warpgroups are past it. The K blocks go in
   chains of K_UNROLL: block k + 1's product is issued before block k is waited for, so block
@@ -22,15 +22,22 @@ DeepGEMM, three partitions share each CTA:
   wgmma (its notes C7514 / C7515); the running acc passes through each wait so that the
   compiler scales each block as it lands rather than all at the chain's end, which would keep
   K_UNROLL blocks in registers.
-- A tile's output [64, 128] per warpgroup is rounded to y's dtype, written to shared memory
+- A tile's output [64, BLOCK_N] per warpgroup is rounded to y's dtype, written to shared memory
   and stored by TMA (which clips rows and columns past y), while the warpgroup goes on to its
   next tile; the staging buffer is reused only after that store has read it.
 
-Tiles are 128 x 128 (BLOCK_N = 128: one weight scale per tile and K block), visited by a
-persistent grid of one CTA per SM in groups of GROUP_M row tiles that share the weight tiles
-through L2. TMA zero-fills rows, columns and K past the operands, so any M, N and K work within
-TMA's alignment (K a multiple of 16, N of 8; `gluon_gemm_serves`). Needs Triton's Gluon
-(Triton >= 3.6) and an sm_90 GPU.
+Tiles are 128 x BLOCK_N, BLOCK_N 128 or 64 (a divisor of the weight's 128-row scale blocks: one
+weight scale per tile and K block), visited by a persistent grid of one CTA per SM in groups of
+GROUP_M row tiles that share the weight tiles through L2. The CTAs finish after as many rounds
+("waves") as the busiest one has tiles, so a shape with a few more 128-wide tiles than SMs
+takes two rounds for little more than one's work: V3's fused q_a + kv_a product (N = 2112) at
+1024 tokens is 136 tiles on 132 SMs. `choose_block_n` takes 64-wide tiles, half the work each,
+where that shortens the rounds enough to pay for their smaller products (264 tiles: two rounds
+of half the length).
+
+TMA zero-fills rows, columns and K past the operands, so any M, N and K work within TMA's
+alignment (K a multiple of 16, N of 8; `gluon_gemm_serves`). Needs Triton's Gluon (Triton >=
+3.6) and an sm_90 GPU.
 """
 
 import functools
@@ -53,8 +60,13 @@ from mlaserve.kernels.fp8_gemm import check_operands, is_sm90, sm_count
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
 
 BLOCK_M = 128  # two warpgroups of 64 rows
-BLOCK_N = 128  # one weight scale row per tile
+BLOCK_NS = (128, 64)  # within one weight scale row per tile
 BLOCK_K = 128  # one scale column per K block
+SCALE_ROWS = gl.constexpr(128)  # the weight's scale blocks are 128 x 128
+# 64-wide tiles are chosen only where their estimated time, rounds x width, is at most this
+# share of the 128-wide tiles' (a 64-wide wgmma reads as many x bytes per product as a
+# 128-wide one for half the work, and a tile has fixed costs)
+NARROW_TILE_MARGIN = 0.8
 NUM_WARPS = 4  # the default partition: the first compute warpgroup
 DEFAULT_STAGES = 5  # 5 x 32 KB ring + 32 KB output staging: one CTA per SM
 DEFAULT_GROUP_M = 8
@@ -62,11 +74,22 @@ DEFAULT_K_UNROLL = 4  # V3's K are multiples of 4 x 128
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
-def shared_memory_bytes(num_stages: int, out_dtype: torch.dtype) -> int:
+def shared_memory_bytes(num_stages: int, out_dtype: torch.dtype, block_n: int = 128) -> int:
     """The shared memory a CTA takes (an upper bound): the ring of FP8 x and W tiles, the
-    output staging [2, 64, 128] and the barriers."""
-    ring = num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K
-    return ring + BLOCK_M * BLOCK_N * out_dtype.itemsize + 1024
+    output staging [2, 64, block_n] and the barriers."""
+    ring = num_stages * (BLOCK_M + block_n) * BLOCK_K
+    return ring + BLOCK_M * block_n * out_dtype.itemsize + 1024
+
+
+def choose_block_n(rows: int, out_features: int, num_sms: int) -> int:
+    """128, or 64 where 128-wide tiles leave the last round of the persistent grid mostly
+    empty: the estimated time of a tile width is its rounds (ceil(tiles / SMs)) times the
+    width, and 64 must beat 128 by NARROW_TILE_MARGIN."""
+    def cost(block_n: int) -> int:
+        tiles = -(-rows // BLOCK_M) * -(-out_features // block_n)
+        return -(-tiles // num_sms) * block_n
+
+    return 64 if cost(64) <= NARROW_TILE_MARGIN * cost(128) else 128
 
 
 def gluon_gemm_serves(rows: int, out_features: int, in_features: int) -> bool:
@@ -90,8 +113,8 @@ def _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M: gl.constexpr,
 @gluon.jit
 def _loader_partition(x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m, num_tiles_n,
                       num_k_blocks, GROUP_M: gl.constexpr):
-    """1 warp: the TMA copies of x [128, 128] and W [128, 128] of every K block of this CTA's
-    tiles (the i-th block overall -> buffer i % NUM_STAGES)."""
+    """1 warp: the TMA copies of x [128, 128] and W [BLOCK_N, 128] of every K block of this
+    CTA's tiles (the i-th block overall -> buffer i % NUM_STAGES)."""
     STAGES: gl.constexpr = x_smem.type.shape[0]
     TILE_M: gl.constexpr = x_smem.type.shape[1]
     TILE_N: gl.constexpr = w_smem.type.shape[1]
@@ -116,14 +139,14 @@ def _loader_partition(x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m,
 @gluon.jit
 def _issue_block(x_smem, w_smem, ready, count, zeros, HALF: gl.constexpr):
     """Wait for the CTA's count-th K block and issue this warpgroup's FP8 product of it,
-    [64, 128] x [128, 128] -> [64, 128] float32 (async; the hardware adds each column's 128
-    products in its reduced-precision accumulator, as cuBLASLt does)."""
+    [64, 128] x [128, BLOCK_N] -> [64, BLOCK_N] float32 (async; the hardware adds each
+    column's 128 products in its reduced-precision accumulator, as cuBLASLt does)."""
     STAGES: gl.constexpr = x_smem.type.shape[0]
     ROWS: gl.constexpr = x_smem.type.shape[1] // 2
     stage = count % STAGES
     mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
     a = x_smem.index(stage).slice(HALF * ROWS, ROWS, dim=0)  # [64, 128]
-    b = w_smem.index(stage).permute((1, 0))  # [128 (K), 128 (N)], K-major
+    b = w_smem.index(stage).permute((1, 0))  # [128 (K), BLOCK_N], K-major
     return warpgroup_mma(a, b, zeros, use_acc=False, is_async=True)
 
 
@@ -138,7 +161,7 @@ def _block_scales(x_scale_row, w_scale_row, k_block, stride_xs_k, row_ok):
 @gluon.jit
 def _add_scaled(acc, block, scale, empty, count):
     """Give the count-th K block's buffer back to the loader (its product is done) and return
-    acc + block * scale[:, None], [64, 128] float32."""
+    acc + block * scale[:, None], [64, BLOCK_N] float32."""
     STAGES: gl.constexpr = empty.type.shape[0]
     mbarrier.arrive(empty.index(count % STAGES))
     return acc + block * gl.expand_dims(scale, 1)
@@ -157,14 +180,14 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
                                                   instr_shape=[16, TILE_N, 32])
     ROW: gl.constexpr = gl.SliceLayout(1, ACC)
     zeros = gl.zeros([ROWS, TILE_N], gl.float32, ACC)
-    staging = out_smem.index(HALF)  # [64, 128] of y's dtype
+    staging = out_smem.index(HALF)  # [64, BLOCK_N] of y's dtype
     count = 0
     for tile in range(gl.program_id(0), num_tiles_m * num_tiles_n, gl.num_programs(0)):
         off_m, off_n = _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M, TILE_M, TILE_N)
         rows = off_m + HALF * ROWS + gl.arange(0, ROWS, layout=ROW)
         row_ok = rows < M
         x_scale_row = x_scale_ptr + rows * stride_xs_m  # [64] pointers
-        w_scale_row = w_scale_ptr + (off_n // TILE_N) * stride_ws_n
+        w_scale_row = w_scale_ptr + (off_n // SCALE_ROWS) * stride_ws_n
         acc = zeros
         # K blocks in groups of K_UNROLL, each group a chain: block i + 1's product is issued
         # before block i is waited for and scaled, so the scaling runs under a product. A
@@ -204,8 +227,8 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
 @gluon.jit
 def _block_fp8_matmul_kernel_sm90(
     x_desc,  # x_q [M, K] float8_e4m3fn: box [128, 128]
-    w_desc,  # W [N, K] float8_e4m3fn: box [128, 128]
-    y_desc,  # y [M, N] 16-bit: box [64, 128]
+    w_desc,  # W [N, K] float8_e4m3fn: box [BLOCK_N, 128]
+    y_desc,  # y [M, N] 16-bit: box [64, BLOCK_N]
     x_scale_ptr,  # [M, ceil(K / 128)] float32, any strides
     w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32, unit column stride
     M, N, K,
@@ -249,18 +272,22 @@ def _block_fp8_matmul_kernel_sm90(
 
 
 @functools.cache
-def operand_layouts(out_dtype: torch.dtype) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
-    """The shared layouts of the FP8 operand boxes [128, 128] and of the output box [64, 128]."""
-    fp8 = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
-    out = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], _GL_DTYPES[out_dtype])
-    return fp8, out
+def operand_layouts(out_dtype: torch.dtype, block_n: int = 128
+                    ) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
+    """The shared layouts of the FP8 operand boxes, x [128, 128] and W [block_n, 128], and of
+    the output box [64, block_n]."""
+    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], gl.float8e4nv)
+    out = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, block_n], _GL_DTYPES[out_dtype])
+    return x_layout, w_layout, out
 
 
 def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
                           weight_scale_inv: torch.Tensor, out_dtype: torch.dtype, *,
                           num_stages: int = DEFAULT_STAGES,
                           group_m: int = DEFAULT_GROUP_M,
-                          k_unroll: int = DEFAULT_K_UNROLL) -> torch.Tensor:
+                          k_unroll: int = DEFAULT_K_UNROLL,
+                          block_n: int | None = None) -> torch.Tensor:
     """y [M, N] = dequant(x_q, x_scales) @ dequant(weight, weight_scale_inv)^T, the product of
     `fp8_gemm.block_fp8_matmul`, by the warp-specialised sm_90 kernel (where
     `gluon_gemm_serves` holds).
@@ -273,7 +300,8 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
         out_dtype: bfloat16 or float16.
         num_stages: K blocks in the shared ring; group_m: row tiles per weight-sharing group;
             k_unroll: K blocks per chain of overlapped products (1: each product waited
-            for before it is scaled).
+            for before it is scaled); block_n: the tile width, 128 or 64 (default:
+            `choose_block_n`).
     """
     rows, cols = x_q.shape
     out_features = weight.shape[0]
@@ -285,9 +313,14 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
                          f"W [{out_features}, {cols}]^T: K must be a multiple of 16, N of 8")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype must be bfloat16 or float16, not {out_dtype}")
+    if block_n is not None and block_n not in BLOCK_NS:
+        raise ValueError(f"block_n must be one of {BLOCK_NS}, not {block_n}")
     if not is_sm90(x_q.device):
         raise ValueError(f"the Gluon GEMM runs on sm_90 GPUs only, not on {x_q.device}")
-    if num_stages < 2 or shared_memory_bytes(num_stages, out_dtype) > GLUON_SHARED_MEMORY_LIMIT:
+    if block_n is None:
+        block_n = choose_block_n(rows, out_features, sm_count(x_q.device))
+    if (num_stages < 2
+            or shared_memory_bytes(num_stages, out_dtype, block_n) > GLUON_SHARED_MEMORY_LIMIT):
         raise ValueError(f"num_stages must be 2 or more (two K blocks in flight) and fit "
                          f"sm_90's shared memory, not {num_stages}")
     if k_unroll < 1:
@@ -295,11 +328,11 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
     x_q, weight = x_q.contiguous(), weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
     y = torch.empty(rows, out_features, dtype=out_dtype, device=x_q.device)
-    fp8_layout, out_layout = operand_layouts(out_dtype)
-    x_desc = TensorDescriptor.from_tensor(x_q, [BLOCK_M, BLOCK_K], fp8_layout)
-    w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], fp8_layout)
-    y_desc = TensorDescriptor.from_tensor(y, [BLOCK_M // 2, BLOCK_N], out_layout)
-    num_tiles = triton.cdiv(rows, BLOCK_M) * triton.cdiv(out_features, BLOCK_N)
+    x_layout, w_layout, out_layout = operand_layouts(out_dtype, block_n)
+    x_desc = TensorDescriptor.from_tensor(x_q, [BLOCK_M, BLOCK_K], x_layout)
+    w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], w_layout)
+    y_desc = TensorDescriptor.from_tensor(y, [BLOCK_M // 2, block_n], out_layout)
+    num_tiles = triton.cdiv(rows, BLOCK_M) * triton.cdiv(out_features, block_n)
     grid = (min(num_tiles, sm_count(x_q.device)),)
     _block_fp8_matmul_kernel_sm90[grid](
         x_desc, w_desc, y_desc, x_scales, weight_scale_inv, rows, out_features, cols,
@@ -309,7 +342,8 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
 
 
 def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = DEFAULT_STAGES,
-                     group_m: int = DEFAULT_GROUP_M, k_unroll: int = DEFAULT_K_UNROLL):
+                     group_m: int = DEFAULT_GROUP_M, k_unroll: int = DEFAULT_K_UNROLL,
+                     block_n: int = 128):
     """The kernel compiled for sm_90 without a GPU (Triton's bundled ptxas), with the argument
     specialisation of a launch from `block_fp8_w8a8` (x's scales M-major: stride_xs_m = 1,
     which Triton makes a constant; M, and so stride_xs_k, of any divisibility): Triton's
@@ -320,12 +354,12 @@ def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = 
 
     kernel = _block_fp8_matmul_kernel_sm90
     out_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out_dtype]
-    fp8_layout, out_layout = operand_layouts(out_dtype)
+    x_layout, w_layout, out_layout = operand_layouts(out_dtype, block_n)
     constexprs = dict(stride_xs_m=1, NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll)
     signature = {
-        "x_desc": f"tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}],{fp8_layout!r}>",
-        "w_desc": f"tensordesc<fp8e4nv[{BLOCK_N}, {BLOCK_K}],{fp8_layout!r}>",
-        "y_desc": f"tensordesc<{out_name}[{BLOCK_M // 2}, {BLOCK_N}],{out_layout!r}>",
+        "x_desc": f"tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}],{x_layout!r}>",
+        "w_desc": f"tensordesc<fp8e4nv[{block_n}, {BLOCK_K}],{w_layout!r}>",
+        "y_desc": f"tensordesc<{out_name}[{BLOCK_M // 2}, {block_n}],{out_layout!r}>",
         "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
         "stride_xs_k": "i32", "stride_ws_n": "i32",
     } | {name: "constexpr" for name in constexprs}
@@ -335,4 +369,5 @@ def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = 
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
 
 
-__all__ = ["block_fp8_matmul_sm90", "compile_for_sm90", "gluon_gemm_serves", "shared_memory_bytes"]
+__all__ = ["block_fp8_matmul_sm90", "choose_block_n", "compile_for_sm90", "gluon_gemm_serves",
+           "shared_memory_bytes"]

@@ -19,6 +19,7 @@ from mlaserve.kernels.fp8_gemm import (  # noqa: E402
 )
 from mlaserve.kernels.fp8_gemm_sm90 import (  # noqa: E402
     block_fp8_matmul_sm90,
+    choose_block_n,
     gluon_gemm_serves,
     shared_memory_bytes,
 )
@@ -28,13 +29,14 @@ from tests.kernels.sm90_compile import compile_sm90  # noqa: E402
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.parametrize("num_stages,k_unroll", [(4, 1), (5, 4), (6, 2)])
-def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int) -> None:
+@pytest.mark.parametrize("num_stages,k_unroll,block_n", [(4, 1, 128), (5, 4, 128), (6, 2, 128),
+                                                        (7, 4, 64)])
+def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int, block_n: int) -> None:
     result = compile_sm90("compile_for_sm90", module="mlaserve.kernels.fp8_gemm_sm90",
-                          num_stages=num_stages, k_unroll=k_unroll)
+                          num_stages=num_stages, k_unroll=k_unroll, block_n=block_n)
     assert result["stack"] == 0  # no register spills
-    assert result["shared"] <= shared_memory_bytes(num_stages, torch.bfloat16)
-    assert shared_memory_bytes(num_stages, torch.bfloat16) <= GLUON_SHARED_MEMORY_LIMIT
+    assert result["shared"] <= shared_memory_bytes(num_stages, torch.bfloat16, block_n)
+    assert shared_memory_bytes(num_stages, torch.bfloat16, block_n) <= GLUON_SHARED_MEMORY_LIMIT
     # ptxas keeps the products asynchronous (it serialises every wgmma, with a note, when
     # registers run short or accumulators in flight are copied)
     assert "serialized" not in result["ptxas_notes"]
@@ -42,7 +44,7 @@ def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int) -> Non
     # each K block is one chain of four k32 FP8 wgmmas with no promotion of its own (the
     # kernel scales the block's sum itself): per warpgroup, K_UNROLL chains in the unrolled
     # loop and one for the remaining blocks
-    wgmma = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"
+    wgmma = f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3"
     assert ptx.count(wgmma) == 2 * 4 * (k_unroll + (k_unroll > 1))
     assert ptx.count("wgmma.mma_async") == ptx.count(wgmma)
     assert ("wgmma.wait_group.sync.aligned 1" in ptx) == (k_unroll > 1)  # two in flight
@@ -66,6 +68,18 @@ def test_product_path_takes_the_gluon_kernel_only_where_turned_on(
     assert not gluon_gemm_serves(0, 128, 128) and not gluon_gemm_serves(8, 1001, 128)
 
 
+def test_narrow_tiles_where_wide_ones_leave_the_last_round_mostly_empty() -> None:
+    # V3's fused q_a + kv_a (N 2112) at 1024 tokens: 136 wide tiles on 132 SMs are two rounds
+    # of nearly nothing in the second; 264 narrow ones are two rounds of half the work
+    assert choose_block_n(1024, 2112, 132) == 64
+    assert choose_block_n(4096, 2112, 132) == 64  # 544 wide: 5 rounds; 1056 narrow: 8 of half
+    assert choose_block_n(8192, 2112, 132) == 128  # 1088 wide: 9 rounds; narrow saves < 20%
+    assert choose_block_n(1024, 7168, 132) == 128  # 448 wide: 4 rounds; 896 narrow: 7
+    assert choose_block_n(4096, 36864, 132) == 128  # many rounds either way
+    assert choose_block_n(1024, 4096, 132) == 128  # 256 wide: 2 full rounds; 512 narrow: 4
+    assert choose_block_n(1, 256, 132) == 64  # one round either way: narrow tiles, more SMs
+
+
 def test_refuses_what_it_cannot_run() -> None:
     weight, scale_inv = quantize_block_fp8(torch.randn(256, 256))
     x_q, x_scales = quantize_activations(torch.randn(4, 256))
@@ -75,6 +89,12 @@ def test_refuses_what_it_cannot_run() -> None:
         block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, torch.float32)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         block_fp8_matmul_sm90(x_q.float(), x_scales, weight, scale_inv, torch.bfloat16)
+    with pytest.raises(ValueError, match="block_n must be one of"):
+        block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, torch.bfloat16, block_n=96)
+    with pytest.raises(ValueError, match="x_scales must be float32"):
+        block_fp8_matmul_sm90(x_q, x_scales[:, :1], weight, scale_inv, torch.bfloat16)
+    with pytest.raises(ValueError, match="columns"):
+        block_fp8_matmul_sm90(x_q, x_scales, weight[:, :128], scale_inv[:, :1], torch.bfloat16)
 
 
 def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -94,6 +114,7 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     (37, 520, 320),  # partial row, column and K tiles
     (129, 256, 512),  # one row into a second row tile
     (300, 2112, 7168),  # V3's fused q_a + kv_a: 56 K blocks, a half column tile
+    (1024, 2112, 7168),  # the same at 1024 tokens: narrow tiles by default
     (1024, 4096, 1536),  # 256 tiles: the persistent loop, two tiles and more per CTA
 ])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
@@ -108,10 +129,11 @@ def test_matches_the_dequantized_product(rows: int, out_features: int, in_featur
     got = block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype)
     assert got.shape == (rows, out_features) and got.dtype == out_dtype
     _assert_matches(got, want)
-    for stages, group_m, k_unroll in ((2, 1, 1), (6, 16, 2)):
+    for stages, group_m, k_unroll, block_n in ((2, 1, 1, 128), (6, 16, 2, 128), (2, 1, 1, 64),
+                                               (7, 8, 4, 64)):
         _assert_matches(block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype,
                                               num_stages=stages, group_m=group_m,
-                                              k_unroll=k_unroll), want)
+                                              k_unroll=k_unroll, block_n=block_n), want)
     wrong = x_scales.clone()
     wrong[:, -1] *= 2  # the bound catches one K block scaled wrong
     with pytest.raises(AssertionError, match="beyond the bound"):
