@@ -4,10 +4,10 @@
 #
 # Stages, in the order to run them (parity before timing):
 #   parity        the demo model (V3 layout, 4 heads) in bf16 through the triton backend at
-#                 tensor-parallel sizes 2 and 4 and as 2 data-parallel replicas with expert
-#                 parallelism, against one GPU: greedy agreement and prompt / generated logprob
-#                 differences (`mlaserve eval parity`); with 8 GPUs also TP=8 on the demo
-#                 config widened to 16 heads and 16 experts (dummy weights, the same on every
+#                 tensor-parallel sizes 2 (with decode CUDA graphs, and eagerly) and 4, and as
+#                 2 data-parallel replicas with expert parallelism, against one GPU: greedy
+#                 agreement and prompt / generated logprob differences (`mlaserve eval
+#                 parity`); with 8 GPUs also TP=8 on the demo config widened to 16 heads and 16 experts (dummy weights, the same on every
 #                 layout)
 #   v2-lite       DeepSeek-V2-Lite, dummy bf16 weights, served at TP=1, TP=2 and DP=2 + EP:
 #                 random 1024 in / 1024 out, 512 prompts at concurrency 256, and one user
@@ -32,7 +32,9 @@ echo "$gpus GPUs"
 
 case $stage in
   parity)
+    # TP=2 eagerly too: it tells a fault of the decode CUDA graphs under TP from one of TP
     layouts=(--compare "--tensor-parallel-size 2"
+             --compare "--tensor-parallel-size 2 --enforce-eager"
              --compare "--data-parallel-size 2 --enable-expert-parallel")
     [ "$gpus" -ge 4 ] && layouts+=(--compare "--tensor-parallel-size 4")
     timeout 280 python3 -m mlaserve eval parity --device cuda --dtype bfloat16 \

@@ -166,3 +166,21 @@ def test_engine_with_replayed_decode_equals_eager_on_cpu() -> None:
         assert e.token_ids == g.token_ids
         for a, b, t in zip(e.logprobs, g.logprobs, e.token_ids, strict=True):
             assert abs(a[t] - b[t]) < 1e-5
+
+
+def test_graphs_run_only_if_every_tensor_parallel_rank_captured_them() -> None:
+    """A rank's graphs replay its collectives: if one rank could not capture (it reports 0 to
+    the ranks' minimum), every rank runs eagerly."""
+    from mlaserve.engine.runner import graphs_on_every_rank
+
+    captured = object()  # this rank's graphs
+    reported = []
+
+    def every_rank_captured(value: int) -> int:  # the other ranks reported 1
+        reported.append(value)
+        return min(value, 1)
+
+    assert graphs_on_every_rank(captured, every_rank_captured) is captured
+    assert graphs_on_every_rank(None, every_rank_captured) is None
+    assert reported == [1, 0]  # what this rank told the others
+    assert graphs_on_every_rank(captured, lambda value: 0) is None  # another rank failed

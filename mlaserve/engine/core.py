@@ -150,7 +150,7 @@ class EngineCore:
         tp_size = args.tensor_parallel_size
         self.runner = load_runner(
             args, self.config, self.device, self.dtype, max_model_len,
-            self.workers.agree_num_blocks if tp_size > 1 else None)
+            self.workers.agree_min if tp_size > 1 else None)
         if tp_size > 1:
             self.runner.step_broadcast = StepBroadcast(self.workers)
         num_blocks = self.runner.num_blocks

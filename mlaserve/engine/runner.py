@@ -78,7 +78,8 @@ class ModelRunner:
                  block_size: int, device: torch.device, dtype: torch.dtype,
                  attention_backend: str | None, max_num_seqs: int, max_model_len: int,
                  cuda_graph_batch_size: int = 0, max_seq_len_to_capture: int = 8192,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None,
+                 agree_min: Callable[[int], int] | None = None) -> None:
         """
         Args:
             num_blocks: KV blocks the block pool hands out; the caches hold one more, a scratch
@@ -87,6 +88,8 @@ class ModelRunner:
                 every step eagerly). Only on CUDA, with a backend that supports graphs.
             max_seq_len_to_capture: longest sequence a graph step covers; longer run eagerly.
             kv_cache_dtype: the latent cache's element type (`cache.latent_dtype`); None: dtype.
+            agree_min: under tensor parallelism, the smallest of every rank's value (a
+                collective every rank calls at the same point); None: one process.
         """
         self.model = model
         self.config = config
@@ -118,12 +121,7 @@ class ModelRunner:
         wants_graphs = (cuda_graph_batch_size > 0 and device.type == "cuda"
                         and self.backend.capabilities.supports_cuda_graphs)
         has_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        if wants_graphs and self.tp.size > 1:
-            # a graph that fails to capture on one rank would leave the ranks running different
-            # collectives; until every rank is known to capture the same graphs, none does
-            logger.info("decode CUDA graphs are off under tensor parallelism (size %d)",
-                        self.tp.size)
-        elif wants_graphs and has_moe and get_ep_group().size > 1:
+        if wants_graphs and has_moe and get_ep_group().size > 1:
             logger.info("decode CUDA graphs are off under expert parallelism: the expert "
                         "exchanges size their buffers on the host")
         elif wants_graphs and has_moe and not moe_graph_capturable(device, dtype):
@@ -140,6 +138,8 @@ class ModelRunner:
                 logger.exception("decode CUDA-graph capture failed; every step runs eagerly "
                                  "(pass --enforce-eager to skip the capture)")
                 torch.cuda.synchronize()
+            if agree_min is not None:
+                self.graphs = graphs_on_every_rank(self.graphs, agree_min)
 
     def release(self, request: Request) -> None:
         """The request left the running batch (finished, aborted or preempted)."""
@@ -365,22 +365,37 @@ class ModelRunner:
         return result
 
 
+def graphs_on_every_rank(graphs: DecodeGraphs | None,
+                         agree_min: Callable[[int], int]) -> DecodeGraphs | None:
+    """This rank's captured graphs if every tensor-parallel rank captured its own, else None
+    (a collective: every rank calls it once, after its capture). A graph replays its rank's
+    collectives, and every rank replays the same graph at the same step (each decides from
+    the same step description), so either all ranks run graphs or none does."""
+    if agree_min(int(graphs is not None)):
+        return graphs
+    if graphs is not None:
+        logger.warning("decode CUDA graphs are off: another tensor-parallel rank could not "
+                       "capture them (its log says why)")
+    return None
+
+
 def load_runner(args: EngineArgs, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                max_model_len: int, agree_num_blocks: Callable[[int], int] | None = None
+                max_model_len: int, agree_min: Callable[[int], int] | None = None
                 ) -> ModelRunner:
     """Load this rank's model (its shard under tensor parallelism) and size its latent cache.
 
     Args:
-        agree_num_blocks: under tensor parallelism, turns this rank's number of KV blocks that
-            fit into the number every rank uses (the smallest); None: one process.
+        agree_min: under tensor parallelism, the smallest of every rank's value: the number of
+            KV blocks every rank uses (the fewest that fit on any), and whether every rank
+            captured its decode CUDA graphs; None: one process.
     """
     model = build_model(config, model_dir_of(args), device=device, dtype=dtype,
                         load_format=args.load_format, max_positions=max_model_len,
                         quantization=args.quantization, seed=args.seed)
     cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     num_blocks = kv_blocks_for_memory(config, args, device, cache_dtype)
-    if agree_num_blocks is not None:
-        num_blocks = agree_num_blocks(num_blocks)
+    if agree_min is not None:
+        num_blocks = agree_min(num_blocks)
     return ModelRunner(
         model, config, num_blocks=num_blocks, block_size=args.block_size, device=device,
         dtype=dtype, attention_backend=args.attention_backend, max_num_seqs=args.max_num_seqs,
@@ -388,4 +403,4 @@ def load_runner(args: EngineArgs, config: ModelConfig, device: torch.device, dty
         cuda_graph_batch_size=0 if args.enforce_eager
         else min(args.max_num_seqs, MAX_CUDA_GRAPH_BATCH_SIZE),
         max_seq_len_to_capture=min(args.max_seq_len_to_capture, max_model_len),
-        kv_cache_dtype=cache_dtype)
+        kv_cache_dtype=cache_dtype, agree_min=agree_min)

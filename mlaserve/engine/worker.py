@@ -259,12 +259,13 @@ class WorkerGroup:
             time.sleep(0.05)
         return self.failure
 
-    def agree_num_blocks(self, num_blocks: int) -> int:
-        """The number of KV blocks every rank allocates: the smallest that fits on any (the
-        first collective after loading: a worker that failed to load is named here)."""
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value`: the KV blocks every rank allocates (the first
+        collective after loading: a worker that failed to load is named here), whether every
+        rank captured its decode CUDA graphs."""
         assert self.control is not None
         try:
-            return self.control.agree_min(num_blocks)
+            return self.control.agree_min(value)
         except Exception as exc:
             failure = self.wait_for_failure(FAILURE_WAIT_S)
             if failure is None:
