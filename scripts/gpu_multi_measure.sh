@@ -7,8 +7,8 @@
 #                 tensor-parallel sizes 2 (with decode CUDA graphs, and eagerly) and 4, and as
 #                 2 data-parallel replicas with expert parallelism, against one GPU: greedy
 #                 agreement and prompt / generated logprob differences (`mlaserve eval
-#                 parity`); with 8 GPUs also TP=8 on the demo config widened to 16 heads and 16 experts (dummy weights, the same on every
-#                 layout)
+#                 parity`); with 8 GPUs also TP=8 on the demo config widened to 16 heads
+#                 and 16 experts (dummy weights, the same on every layout)
 #   v2-lite       DeepSeek-V2-Lite, dummy bf16 weights, served at TP=1, TP=2 and DP=2 + EP:
 #                 random 1024 in / 1024 out, 512 prompts at concurrency 256, and one user
 #   v3-tp8        the DeepSeek-V3 config, dummy FP8 weights, --tensor-parallel-size 8
