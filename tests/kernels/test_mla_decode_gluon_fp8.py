@@ -55,6 +55,7 @@ def test_serves_sm90_fp8_shapes_only() -> None:
     assert not gluon_fp8_serves(sm90, bf16, fp8, 16, 512, 128, 32, 3, 64)  # R != 64
     assert not gluon_fp8_serves(sm90, bf16, fp8, 16, 512, 64, 64, 2, 32)  # tile > page
     assert not gluon_fp8_serves(sm90, bf16, fp8, 16, 512, 64, 32, 1, 64)  # no ring
+    assert not gluon_fp8_serves(sm90, bf16, fp8, 16, 512, 64, 16, 4, 64)  # 16 keys: warps repeat
     assert not gluon_fp8_serves(sm90, bf16, fp8, 16, 512, 64, 64, 4, 64)  # too much memory
 
 
