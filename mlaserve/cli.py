@@ -59,6 +59,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="the data-parallel replicas split the routed experts between them "
                              "and exchange tokens in the MoE layers (all-to-all)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted as vLLM takes it; changes nothing: mlaserve implements "
+                             "the DeepSeek models itself and never runs a checkpoint's code")
 
 
 def _bytes(text: str) -> int:
@@ -133,22 +136,25 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from mlaserve.engine.args import check_parallel
     from mlaserve.server.api import ServerOptions, build_server, create_app
+    from mlaserve.server.formatting import load_chat_template
 
     engine_args = engine_args_from(args)
     check_parallel(engine_args)  # before the engine process is spawned
+    chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     if (status := _torchrun_worker(engine_args)) is not None:
         return status
     options = ServerOptions(
         max_request_body_size=args.max_request_body_size,
         max_waiting_requests=args.max_waiting_requests,
-        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
         chat_template_timeout_s=args.chat_template_timeout,
         stream_send_timeout_s=args.stream_send_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        stats_interval_s=None if args.disable_log_stats else ServerOptions.stats_interval_s)
     app = create_app(engine_args, args.served_model_name, args.api_key, options)
     server = build_server(app, host=args.host, port=args.port,
-                          log_level=args.log_level.lower(),
+                          log_level=(args.uvicorn_log_level or args.log_level).lower(),
                           timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     # uvicorn drains in-flight requests on SIGINT/SIGTERM, then re-raises the signal to the
     # handler found at start; a no-op one there makes a graceful stop exit with status 0.
@@ -197,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="prompts admitted beyond --max-num-seqs; more get 503 with "
                             "Retry-After")
+    serve.add_argument("--chat-template", default=None,
+                       help="the chat template to use instead of the tokenizer's: a Jinja file's "
+                            "path, or the template itself")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat template in the request (rendered in a sandbox "
                             "bounded in time and output size)")
@@ -214,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", default=None,
                        help="split <think>...</think> into the message's reasoning: "
                             "deepseek_r1 | deepseek_v3")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic stats line (throughput, running and waiting requests, "
+                            "KV cache use)")
+    serve.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted as vLLM takes it; changes nothing: requests are not logged")
+    serve.add_argument("--uvicorn-log-level", default=None,
+                       help="the HTTP server's log level (default: --log-level)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="graceful-shutdown seconds on SIGTERM/SIGINT; streams still running "
                             "shortly before the end get an error event and [DONE]")

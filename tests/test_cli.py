@@ -78,3 +78,19 @@ def test_a_tensor_parallel_size_that_cannot_run_is_refused_before_any_spawn():
     assert "tensor_parallel_size 3 does not divide num_attention_heads=4" in result.stderr
     assert "sizes that divide them all: 1, 2, 4" in result.stderr
     assert "Uvicorn" not in result.stderr and "engine" not in result.stderr
+
+
+def test_vllm_serve_flags_parse(tmp_path):
+    """Flags vLLM users pass out of habit are taken: the ones that change nothing here say so
+    in their help."""
+    from mlaserve.cli import build_parser
+
+    args = build_parser().parse_args([
+        "serve", "--trust-remote-code", "--chat-template", "{{ messages }}",
+        "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "warning"])
+    assert args.trust_remote_code and args.disable_log_stats and args.disable_log_requests
+    assert args.chat_template == "{{ messages }}" and args.uvicorn_log_level == "warning"
+    assert build_parser().parse_args(["generate", "--prompt", "x",
+                                      "--trust-remote-code"]).trust_remote_code
+    result = run("serve", "--chat-template", str(tmp_path / "none.jinja"), "--device", "cpu")
+    assert result.returncode == 2 and "cannot read the file" in result.stderr

@@ -226,3 +226,42 @@ def test_defaults_of_refused_fields_are_accepted(server):
     r = requests.post(server.url + "/v1/completions",
                       json={"prompt": [5] * 40, "max_tokens": 1, "truncate_prompt_tokens": 7})
     assert r.json()["usage"]["prompt_tokens"] == 7
+
+
+# ---- vLLM's serve flags ----------------------------------------------------------------------
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+def test_load_chat_template_takes_a_file_or_the_template(tmp_path):
+    from mlaserve.server.formatting import load_chat_template
+
+    path = tmp_path / "chat.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    assert load_chat_template(str(path)) == CHAT_TEMPLATE
+    assert load_chat_template(CHAT_TEMPLATE) == CHAT_TEMPLATE
+    with pytest.raises(ValueError, match="cannot read the file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not parse"):
+        load_chat_template("{% for m in messages %}")
+
+
+def test_the_servers_chat_template_replaces_the_tokenizers():
+    """`--chat-template`: chat prompts, /tokenize and /tokenizer_info use it."""
+    import openai
+
+    from mlaserve.server.api import ServerOptions
+    from tests.server_util import RunningServer
+
+    with RunningServer(options=ServerOptions(chat_template=CHAT_TEMPLATE,
+                                             stats_interval_s=None)) as running:
+        tokenizer = running.state.serving.tokenizer
+        messages = [{"role": "user", "content": "2 + 3?"}]
+        want = tokenizer("<user>2 + 3?<assistant>", add_special_tokens=False)["input_ids"]
+        tokens = requests.post(running.url + "/tokenize",
+                               json={"model": "demo", "messages": messages}).json()["tokens"]
+        assert tokens == want
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused")
+        out = client.chat.completions.create(model="demo", messages=messages, max_tokens=1)
+        assert out.usage.prompt_tokens == len(want)
+        info = requests.get(running.url + "/tokenizer_info").json()
+        assert info["chat_template"] == CHAT_TEMPLATE

@@ -76,7 +76,7 @@ class ServerOptions(ServingOptions):
     """The API server's options (`mlaserve serve` flags beyond the engine's)."""
 
     max_request_body_size: int | None = None  # bytes; None: 4 MiB + 192 B per context token
-    stats_interval_s: float = 10.0  # the stats line's period while there is traffic
+    stats_interval_s: float | None = 10.0  # the stats line's period while busy; None: none
 
 
 @dataclass
@@ -295,9 +295,10 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loader = asyncio.create_task(load())
-        stats = asyncio.create_task(log_stats())
+        stats = asyncio.create_task(log_stats()) if state.options.stats_interval_s else None
         yield
-        stats.cancel()
+        if stats is not None:
+            stats.cancel()
         loader.cancel()  # a load still running stops its engine process
         with suppress(asyncio.CancelledError):
             await loader

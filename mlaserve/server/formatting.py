@@ -278,6 +278,27 @@ def _tojson(value: Any, indent: int | None = None) -> Markup:
 _environment: BoundedTemplateEnvironment | None = None
 
 
+def load_chat_template(value: str) -> str:
+    """The server's chat template from `--chat-template`: a file's path, or (as vLLM reads the
+    flag) the template itself when the value holds a brace or a newline. Raises ValueError for
+    a missing file or a template that does not parse."""
+    if "{" in value or "\n" in value:
+        source = value
+    else:
+        try:
+            with open(value, encoding="utf-8") as f:
+                source = f.read()
+        except OSError as exc:
+            raise ValueError(f"--chat-template {value!r}: cannot read the file ({exc.strerror}); "
+                             "give the path of a Jinja template file, or the template itself"
+                             ) from None
+    try:
+        ImmutableSandboxedEnvironment().parse(source)
+    except TemplateError as exc:
+        raise ValueError(f"--chat-template: the template does not parse: {exc}") from None
+    return source
+
+
 def render_request_chat_template(source: str, context: dict[str, Any], timeout_s: float,
                                  max_chars: int) -> str:
     """Render a chat template that a request supplied, in a bounded sandbox: raise

@@ -72,6 +72,7 @@ class ServingOptions:
 
     max_num_seqs: int = 256
     max_waiting_requests: int = 1024  # admitted prompts beyond max_num_seqs; then 503
+    chat_template: str | None = None  # the server's template, in place of the tokenizer's
     trust_request_chat_template: bool = False
     chat_template_timeout_s: float = 2.0
     stream_send_timeout_s: float = 60.0  # a stream whose client reads nothing this long ends
@@ -149,6 +150,8 @@ class ServingBase:
         self.model_root = model_root
         self.options = options or ServingOptions()
         self.tokenizer = engine.tokenizer
+        if self.options.chat_template is not None:
+            self.tokenizer.chat_template = self.options.chat_template
         self.max_model_len = engine.info.max_model_len
         self.max_prompt_chars = MAX_CHARS_PER_TOKEN * self.max_model_len
         self.token_text = TokenText(self.tokenizer)
