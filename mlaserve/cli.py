@@ -59,6 +59,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="the data-parallel replicas split the routed experts between them "
                              "and exchange tokens in the MoE layers (all-to-all)")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults for what a request leaves out: auto (the "
+                             "model's generation_config.json), vllm (temperature 1, top_p 1), or "
+                             "a directory with a generation_config.json")
+    parser.add_argument("--override-generation-config", type=json.loads, default=None,
+                        help='JSON merged over those defaults, e.g. \'{"temperature": 0.6}\'')
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted as vLLM takes it; changes nothing: mlaserve implements "
                              "the DeepSeek models itself and never runs a checkpoint's code")
@@ -93,7 +99,9 @@ def engine_args_from(args: argparse.Namespace):
         max_seq_len_to_capture=args.max_seq_len_to_capture,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel)
+        enable_expert_parallel=args.enable_expert_parallel,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config)
 
 
 def _torchrun_worker(engine_args) -> int | None:

@@ -4,7 +4,9 @@ from dataclasses import fields, replace
 
 from tqdm import tqdm
 
+from mlaserve.engine.args import model_dir_of
 from mlaserve.engine.engine import EngineArgs, LLMEngine, StepFailed
+from mlaserve.engine.generation_config import default_sampling
 from mlaserve.engine.request import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -31,12 +33,20 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown LLM argument(s) {unknown}; known: {sorted(known)}")
-        self.engine = LLMEngine(EngineArgs(
+        args = EngineArgs(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
             block_size=block_size, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len, load_format=load_format, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, **kwargs))
+            tensor_parallel_size=tensor_parallel_size, **kwargs)
+        self._default_sampling = default_sampling(args.generation_config, model_dir_of(args),
+                                                  args.override_generation_config)
+        self.engine = LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model's generation
+        config (`generation_config`: auto) over SamplingParams' defaults, as in vLLM."""
+        return SamplingParams(**self._default_sampling)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (tensor_parallel_size > 1) and leave their process
@@ -72,7 +82,7 @@ class LLM:
                                  "prompts; give one, or one per prompt")
             params = sampling_params
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         # only the final output of each request is wanted: no per-token copies
         params = [replace(p, output_kind="final_only") for p in params]
         engine = self.engine

@@ -46,6 +46,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each)
     data_parallel_size: int = 1  # replicas, each with its own scheduler and latent cache
     enable_expert_parallel: bool = False  # the replicas split the routed experts between them
+    # sampling defaults of requests (`engine/generation_config.py`): auto | vllm | a directory
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATION_MODES:

@@ -7,7 +7,7 @@ The endpoints' own models are in protocol_completions.py, protocol_chat.py, prot
 (the Responses API) and protocol_extras.py (tokenizer and server-info endpoints).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -166,6 +166,10 @@ UNSUPPORTED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
+# the sampling fields a request may leave to the generation config's defaults
+GENERATION_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class SamplingFields(RequestModel):
     """The sampling fields shared by completions and chat."""
 
@@ -184,7 +188,7 @@ class SamplingFields(RequestModel):
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: NonNegInt = 0
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
@@ -226,20 +230,22 @@ class SamplingFields(RequestModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None, output_kind: str,
                         structured_outputs: StructuredOutputs | None = None,
-                        seed_offset: int = 0) -> SamplingParams:
+                        seed_offset: int = 0,
+                        defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
         """The engine's SamplingParams of this request (`seed_offset`: the sample's index
-        among n, added to a given seed so that each sample is reproducible alone)."""
+        among n, added to a given seed so that each sample is reproducible alone). A sampling
+        field the request leaves out takes `defaults` (the model's generation config,
+        `engine.generation_config`), else SamplingParams' own default."""
         seed = None if self.seed is None else self.seed + seed_offset
+        chosen = {name: getattr(self, name) for name in GENERATION_DEFAULTED
+                  if getattr(self, name) is not None}
+        sampling = {**(defaults or {}), **chosen}
+        sampling.pop("max_tokens", None)  # the caller's max_tokens has taken its default
         return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k in (None, 0) else self.top_k,
-            min_p=self.min_p or 0.0, seed=seed, stop=self.stop,
+            max_tokens=max_tokens, **sampling, seed=seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+            frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
             logit_bias=token_id_keys("logit_bias", self.logit_bias),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, output_kind=output_kind,

@@ -19,7 +19,7 @@ aborted; on shutdown the requests still in flight are aborted in time for an err
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +73,8 @@ class ServingOptions:
     max_num_seqs: int = 256
     max_waiting_requests: int = 1024  # admitted prompts beyond max_num_seqs; then 503
     chat_template: str | None = None  # the server's template, in place of the tokenizer's
+    # what a request's missing sampling fields take (`engine.generation_config`)
+    default_sampling: Mapping[str, float | int] = field(default_factory=dict)
     trust_request_chat_template: bool = False
     chat_template_timeout_s: float = 2.0
     stream_send_timeout_s: float = 60.0  # a stream whose client reads nothing this long ends
@@ -202,7 +204,8 @@ class ServingBase:
 
     def fit_max_tokens(self, num_prompt: int, requested: int | None) -> int:
         """vLLM's rule: a prompt over max_model_len is an error, and so is a max_tokens that
-        does not fit beside the prompt; no max_tokens means all the room left."""
+        does not fit beside the prompt; no max_tokens means all the room left, or the
+        generation config's max_tokens if that is less."""
         room = self.max_model_len - num_prompt
         if room <= 0:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
@@ -214,7 +217,9 @@ class ServingBase:
                            f"{self.max_model_len} tokens and your request has {num_prompt} "
                            f"input tokens ({requested} > {self.max_model_len} - {num_prompt}).",
                            param="max_tokens")
-        return room if requested is None else requested
+        if requested is None:
+            return min(room, self.options.default_sampling.get("max_tokens", room))
+        return requested
 
     async def start(self, prepared: list[Prepared], admission: Admission
                     ) -> list[AsyncIterator[RequestOutput]]:
@@ -321,7 +326,8 @@ class ServingBase:
         """One SamplingParams per sample; sample i of a seeded request has seed + i."""
         try:
             return [req.sampling_params(max_tokens, logprobs, prompt_logprobs,
-                                        output_kind(req.stream), constraint, seed_offset=i)
+                                        output_kind(req.stream), constraint, seed_offset=i,
+                                        defaults=self.options.default_sampling)
                     for i in range(samples)]
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
