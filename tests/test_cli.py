@@ -94,3 +94,16 @@ def test_vllm_serve_flags_parse(tmp_path):
                                       "--trust-remote-code"]).trust_remote_code
     result = run("serve", "--chat-template", str(tmp_path / "none.jinja"), "--device", "cpu")
     assert result.returncode == 2 and "cannot read the file" in result.stderr
+
+
+def test_json_flags_must_be_objects():
+    from mlaserve.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--hf-overrides",
+                              '{"num_hidden_layers": 2}'])
+    assert args.hf_overrides == {"num_hidden_layers": 2}
+    for bad, says in (("{num_hidden_layers: 2}", "not JSON"), ("[1, 2]", "not a JSON object")):
+        result = run("generate", "--prompt", "x", "--override-generation-config", bad)
+        assert result.returncode == 2
+        assert "--override-generation-config" in result.stderr and says in result.stderr
