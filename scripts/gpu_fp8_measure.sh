@@ -38,7 +38,7 @@ case $stage in
     # must not hold the whole call. Then the rest of the FP8 GPU tests, 8 workers.
     pytest_gpu="python3 -m pytest -m gpu -q -rs -p no:cacheprovider"
     # shellcheck disable=SC2086
-    timeout 150 $pytest_gpu tests/kernels/test_fp8_gemm_sm90.py \
+    timeout 200 $pytest_gpu tests/kernels/test_fp8_gemm_sm90.py \
       > "$out/gpu_tests_gemm_sm90.log" 2>&1
     echo "gemm_sm90 rc=$?"; tail -3 "$out/gpu_tests_gemm_sm90.log"
     # shellcheck disable=SC2086
@@ -46,7 +46,7 @@ case $stage in
       > "$out/gpu_tests_gluon_fp8.log" 2>&1
     echo "gluon_fp8 rc=$?"; tail -3 "$out/gpu_tests_gluon_fp8.log"
     # shellcheck disable=SC2086
-    timeout 300 $pytest_gpu -n 8 \
+    timeout 220 $pytest_gpu -n 8 \
       tests/kernels/test_mla_decode.py tests/kernels/test_mla_decode_fp8.py \
       tests/kernels/test_mla_decode_gluon_fp8.py -k "not gluon_fp8_pass" \
       tests/kernels/test_fp8_gemm.py \
