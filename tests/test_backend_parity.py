@@ -77,3 +77,9 @@ def test_bad_candidate_flags_are_refused_before_anything_runs(flags, named, caps
                  "--compare", flags]) == 2
     error = capsys.readouterr().err
     assert named in error and f"--compare '{flags}'" in error
+
+
+def test_prompt_and_token_counts_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "parity", *ENGINE_FLAGS, "--num-prompts", "0"])
+    assert "--num-prompts: must be 1 or more" in capsys.readouterr().err

@@ -147,6 +147,13 @@ class _FlagParser(argparse.ArgumentParser):
         raise ValueError(f"{self.prog}: {message} (candidates take engine flags only)")
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mlaserve.cli import add_engine_arguments
 
@@ -158,8 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "quoted as one argument; repeat for more candidates; a single flag "
                              "without a value as --compare=--FLAG (default: "
                              f"{DEFAULT_CANDIDATES[0]!r})")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--num-prompts", type=_positive, default=16)
+    parser.add_argument("--max-tokens", type=_positive, default=32)
     parser.add_argument("--min-token-agreement", type=float, default=0.9,
                         help="fail below this share of generated tokens equal to the "
                              "reference's")
