@@ -24,8 +24,9 @@ def test_triton_backend_matches_torch_in_fp32_on_the_whole_model():
     pytest.importorskip("triton")
     base = EngineArgs(device="cpu", dtype="float32", num_kv_blocks=128, block_size=16,
                       attention_backend="torch")
+    prompts = random_prompts(ModelConfig.from_pretrained(DEMO_MODEL_DIR).vocab_size, 4, seed=0)
     (report,) = list(run_parity(base, {"triton": replace(base, attention_backend="triton")},
-                                num_prompts=4, max_tokens=10))
+                                prompts, max_tokens=10))
     assert report.identical_sequences == 4 and report.token_agreement == 1.0
     assert report.max_logprob_diff < 1e-4
     assert report.max_prompt_logprob_diff < 1e-4
@@ -83,3 +84,19 @@ def test_prompt_and_token_counts_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "parity", *ENGINE_FLAGS, "--num-prompts", "0"])
     assert "--num-prompts: must be 1 or more" in capsys.readouterr().err
+
+
+def test_prompts_from_a_file(tmp_path):
+    from mlaserve.engine.tokenizer import load_tokenizer
+    from mlaserve.eval.parity import file_prompts
+
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    path = tmp_path / "prompts.txt"
+    path.write_text('The cache\n\n"Question: 1 + 2?\\nAnswer:"\nthird\n')
+    prompts = file_prompts(str(path), tokenizer, 2)
+    assert prompts == [tokenizer("The cache")["input_ids"],
+                       tokenizer("Question: 1 + 2?\nAnswer:")["input_ids"]]
+    with pytest.raises(ValueError, match="holds no prompt"):
+        file_prompts(str(tmp_path / "prompts.txt"), tokenizer, 0)
+    with pytest.raises(ValueError, match="--prompts-file"):
+        file_prompts(str(tmp_path / "missing.txt"), tokenizer, 2)

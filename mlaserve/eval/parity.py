@@ -1,12 +1,14 @@
 """Parity: one model under two engine configurations gives the same outputs.
 
-`mlaserve eval parity [MODEL] [engine flags] --compare FLAGS [--compare FLAGS ...]` runs random
-token prompts greedily through a reference configuration (the command's engine flags; the `torch`
-attention backend, float32 attention math, unless `--attention-backend` says otherwise) and
-through each candidate: the reference with FLAGS applied on top, e.g. `--attention-backend
-triton`, `--tensor-parallel-size 2`, `--data-parallel-size 2 --enable-expert-parallel` or
-`--kv-cache-dtype fp8`. Every configuration runs in the engine-core processes the server uses
-(`AsyncEngineClient`), so a data-parallel layout is compared exactly as a backend is.
+`mlaserve eval parity [MODEL] [engine flags] --compare FLAGS [--compare FLAGS ...]` runs prompts
+(random token ids, or a file's lines) greedily through a reference configuration (the command's
+engine flags; the `torch` attention backend, float32 attention math, unless
+`--attention-backend` says otherwise) and through each candidate: the reference with FLAGS
+applied on top, e.g. `--attention-backend triton`, `--tensor-parallel-size 2`,
+`--data-parallel-size 2 --enable-expert-parallel`, `--kv-cache-dtype fp8`, or another
+checkpoint (`MODEL-FP8 --quantization fp8`). Every configuration runs in the engine-core
+processes the server uses (`AsyncEngineClient`), so a data-parallel layout is compared exactly
+as a backend is.
 
 Per candidate: the greedy tokens must agree, and the logprob of every prompt token and of each
 agreed generated token must match the reference's within a tolerance. Where two sequences part
@@ -47,9 +49,31 @@ class ParityReport:
 
 
 def random_prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of 4-63 token ids drawn uniformly from [3, vocab_size)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(rng.randrange(4, 64))]
             for _ in range(count)]
+
+
+def file_prompts(path: str, tokenizer, count: int) -> list[list[int]]:
+    """The first `count` prompts of a text file, one a line (a line that is a JSON string, in
+    double quotes, is decoded: "Question: 1 + 2?\\nAnswer:" holds a newline), tokenized as
+    `LLM.generate` tokenizes text (with the tokenizer's special tokens)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as exc:
+        raise ValueError(f"--prompts-file {path}: {exc.strerror}") from None
+    texts = []
+    for line in lines[:count]:
+        try:
+            value = json.loads(line) if line.startswith('"') else line
+        except ValueError:
+            value = line
+        texts.append(value if isinstance(value, str) else line)
+    if not texts:
+        raise ValueError(f"--prompts-file {path} holds no prompt")
+    return [tokenizer(text)["input_ids"] for text in texts]
 
 
 async def _generate(args: EngineArgs, prompts: list[list[int]],
@@ -109,15 +133,10 @@ def compare(candidate: str, reference: list[RequestOutput],
                         sum(prompt_diffs) / max(1, len(prompt_diffs)), firsts)
 
 
-def run_parity(reference: EngineArgs, candidates: dict[str, EngineArgs], num_prompts: int,
-               max_tokens: int, seed: int = 0) -> Iterator[ParityReport]:
-    """Generate under the reference, then under each candidate (label -> its engine
-    arguments), yielding each candidate's report as soon as it has run."""
-    from mlaserve.config import ModelConfig
-    from mlaserve.engine.args import model_dir_of
-
-    config = ModelConfig.from_pretrained(model_dir_of(reference), reference.hf_overrides)
-    prompts = random_prompts(min(config.vocab_size, 30000), num_prompts, seed)
+def run_parity(reference: EngineArgs, candidates: dict[str, EngineArgs],
+               prompts: list[list[int]], max_tokens: int) -> Iterator[ParityReport]:
+    """Generate `prompts` (token ids) under the reference, then under each candidate (label ->
+    its engine arguments), yielding each candidate's report as soon as it has run."""
     expected = generate(reference, prompts, max_tokens)
     for label, args in candidates.items():
         yield compare(label, expected, generate(args, prompts, max_tokens, label))
@@ -147,6 +166,19 @@ class _FlagParser(argparse.ArgumentParser):
         raise ValueError(f"{self.prog}: {message} (candidates take engine flags only)")
 
 
+def reference_prompts(reference: EngineArgs, args: argparse.Namespace) -> list[list[int]]:
+    """The prompts of the command: `--prompts-file`'s, else `--num-prompts` random ones."""
+    from mlaserve.config import ModelConfig
+    from mlaserve.engine.args import model_dir_of
+    from mlaserve.engine.tokenizer import load_tokenizer
+
+    if args.prompts_file is not None:
+        tokenizer = load_tokenizer(reference.tokenizer or model_dir_of(reference))
+        return file_prompts(args.prompts_file, tokenizer, args.num_prompts)
+    config = ModelConfig.from_pretrained(model_dir_of(reference), reference.hf_overrides)
+    return random_prompts(min(config.vocab_size, 30000), args.num_prompts, args.seed)
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -166,6 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "without a value as --compare=--FLAG (default: "
                              f"{DEFAULT_CANDIDATES[0]!r})")
     parser.add_argument("--num-prompts", type=_positive, default=16)
+    parser.add_argument("--prompts-file", default=None,
+                        help="prompts from this text file, one a line (a JSON string in double "
+                             "quotes is decoded, for newlines), instead of random token ids")
     parser.add_argument("--max-tokens", type=_positive, default=32)
     parser.add_argument("--min-token-agreement", type=float, default=0.9,
                         help="fail below this share of generated tokens equal to the "
@@ -182,9 +217,10 @@ def run(args: argparse.Namespace) -> int:
     # every candidate's flags are checked before anything runs
     candidates = {flags: candidate_args(args, flags)
                   for flags in args.compare or DEFAULT_CANDIDATES}
+    reference = engine_args_from(args)
     reports, failed = [], False
-    for r in run_parity(engine_args_from(args), candidates, args.num_prompts, args.max_tokens,
-                        args.seed):
+    for r in run_parity(reference, candidates, reference_prompts(reference, args),
+                        args.max_tokens):
         reports.append(r)
         ok = (r.token_agreement >= args.min_token_agreement
               and max(r.max_logprob_diff, r.max_prompt_logprob_diff) <= args.max_logprob_diff)
