@@ -131,18 +131,23 @@ def _torchrun_worker(engine_args) -> int | None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from mlaserve.engine.args import check_parallel
+    from mlaserve.engine.args import check_parallel, model_dir_of
     from mlaserve.engine.engine import LLMEngine
+    from mlaserve.engine.generation_config import default_sampling
     from mlaserve.engine.request import SamplingParams
 
     engine_args = engine_args_from(args)
     check_parallel(engine_args)
     if (status := _torchrun_worker(engine_args)) is not None:
         return status
+    given = {name: value for name, value in (("temperature", args.temperature),
+                                             ("top_p", args.top_p)) if value is not None}
+    sampling = default_sampling(engine_args.generation_config, model_dir_of(engine_args),
+                                engine_args.override_generation_config) | given
+    sampling["max_tokens"] = args.max_tokens
     engine = LLMEngine(engine_args)
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, seed=args.sample_seed)
+        params = SamplingParams(**sampling, seed=args.sample_seed)
         engine.add_request(args.prompt, params)
         final = None
         while engine.has_unfinished:
@@ -207,8 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(generate)
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=1.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--temperature", type=float, default=None,
+                          help="default: the generation config's, else 1")
+    generate.add_argument("--top-p", type=float, default=None,
+                          help="default: the generation config's, else 1")
     generate.add_argument("--sample-seed", type=int, default=None)
     generate.set_defaults(handler=_generate)
 

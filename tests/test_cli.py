@@ -23,6 +23,11 @@ def test_generate_prints_a_completion():
         ["The cache"], SamplingParams(max_tokens=4, temperature=0))[0]
     assert expected.token_ids
     assert result.stdout == expected.text + "\n"
+    # without --temperature it samples as the generation config says: greedy here
+    result = run("generate", "--prompt", "The cache", "--max-tokens", "4", "--device", "cpu",
+                 "--num-kv-blocks", "16", "--override-generation-config", '{"temperature": 0}')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected.text + "\n"
 
 
 def test_bad_flag_values_are_clear_errors():
