@@ -67,10 +67,9 @@ def file_prompts(path: str, tokenizer, count: int) -> list[list[int]]:
     texts = []
     for line in lines[:count]:
         try:
-            value = json.loads(line) if line.startswith('"') else line
-        except ValueError:
-            value = line
-        texts.append(value if isinstance(value, str) else line)
+            texts.append(json.loads(line) if line.startswith('"') else line)
+        except ValueError:  # not a JSON string after all: the line as it is
+            texts.append(line)
     if not texts:
         raise ValueError(f"--prompts-file {path} holds no prompt")
     return [tokenizer(text)["input_ids"] for text in texts]
@@ -197,7 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "quoted as one argument; repeat for more candidates; a single flag "
                              "without a value as --compare=--FLAG (default: "
                              f"{DEFAULT_CANDIDATES[0]!r})")
-    parser.add_argument("--num-prompts", type=_positive, default=16)
+    parser.add_argument("--num-prompts", type=_positive, default=16,
+                        help="random prompts, or the first of --prompts-file")
     parser.add_argument("--prompts-file", default=None,
                         help="prompts from this text file, one a line (a JSON string in double "
                              "quotes is decoded, for newlines), instead of random token ids")
