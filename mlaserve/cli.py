@@ -223,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model name(s) requests give; the first names responses "
+                            "(default: the model directory as given)")
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--max-request-body-size", type=_bytes, default=None,
                        help="largest request body, e.g. 16MiB; larger ones get 413 (default: "

@@ -73,11 +73,12 @@ class RunningServer:
     """The server on the demo model; `options` are the API server's (ServerOptions)."""
 
     def __init__(self, api_key: str | None = None, options: ServerOptions | None = None,
-                 grace_s: float = 5, **engine_kwargs) -> None:
+                 grace_s: float = 5, served_model_name: str | tuple[str, ...] = "demo",
+                 **engine_kwargs) -> None:
         engine_kwargs.setdefault("device", "cpu")
         engine_kwargs.setdefault("num_kv_blocks", 512)
         engine_kwargs.setdefault("block_size", 16)
-        self.app = create_app(EngineArgs(**engine_kwargs), "demo", api_key, options)
+        self.app = create_app(EngineArgs(**engine_kwargs), served_model_name, api_key, options)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = build_server(self.app, host="127.0.0.1", port=self.port,

@@ -92,9 +92,11 @@ def test_vllm_serve_flags_parse(tmp_path):
 
     args = build_parser().parse_args([
         "serve", "--trust-remote-code", "--chat-template", "{{ messages }}",
-        "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "warning"])
+        "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "warning",
+        "--served-model-name", "a", "b"])
     assert args.trust_remote_code and args.disable_log_stats and args.disable_log_requests
     assert args.chat_template == "{{ messages }}" and args.uvicorn_log_level == "warning"
+    assert args.served_model_name == ["a", "b"]
     assert build_parser().parse_args(["generate", "--prompt", "x",
                                       "--trust-remote-code"]).trust_remote_code
     result = run("serve", "--chat-template", str(tmp_path / "none.jinja"), "--device", "cpu")

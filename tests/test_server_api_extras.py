@@ -245,15 +245,18 @@ def test_load_chat_template_takes_a_file_or_the_template(tmp_path):
         load_chat_template("{% for m in messages %}")
 
 
-def test_the_servers_chat_template_replaces_the_tokenizers():
-    """`--chat-template`: chat prompts, /tokenize and /tokenizer_info use it."""
+def test_chat_template_and_several_served_model_names():
+    """`--chat-template`: chat prompts, /tokenize and /tokenizer_info use it.
+    `--served-model-name A B`: both are listed and taken; responses name the one asked for."""
     import openai
 
     from mlaserve.server.api import ServerOptions
     from tests.server_util import RunningServer
 
+    names = ("demo", "deepseek-ai/DeepSeek-V3")
     with RunningServer(options=ServerOptions(chat_template=CHAT_TEMPLATE,
-                                             stats_interval_s=None)) as running:
+                                             stats_interval_s=None),
+                       served_model_name=names) as running:
         tokenizer = running.state.serving.tokenizer
         messages = [{"role": "user", "content": "2 + 3?"}]
         want = tokenizer("<user>2 + 3?<assistant>", add_special_tokens=False)["input_ids"]
@@ -265,3 +268,9 @@ def test_the_servers_chat_template_replaces_the_tokenizers():
         assert out.usage.prompt_tokens == len(want)
         info = requests.get(running.url + "/tokenizer_info").json()
         assert info["chat_template"] == CHAT_TEMPLATE
+        assert [m.id for m in client.models.list().data] == list(names)
+        assert client.models.retrieve(names[1]).id == names[1]
+        out = client.completions.create(model=names[1], prompt="The cache", max_tokens=1)
+        assert out.model == names[1]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="The cache", max_tokens=1)

@@ -107,7 +107,7 @@ def scripted_client(pieces: list[str], think_vocab: bool = False, **options):
     app = create_app(EngineArgs(device="cpu"), "demo", None, ServerOptions(**options))
     engine = ScriptedEngine(pieces)
     state = app.state.server
-    serving = Serving(engine, "demo", "demo", ServingOptions(**options))
+    serving = Serving(engine, ("demo",), "demo", ServingOptions(**options))
     if think_vocab:
         serving.tokenizer = ThinkVocab(serving.tokenizer)
     state.serving, state.chat = serving, ChatServing(serving)

@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -83,7 +83,7 @@ class ServerOptions(ServingOptions):
 @dataclass
 class ServerState:
     engine_args: EngineArgs
-    served_model_name: str
+    served_model_names: tuple[str, ...]  # the first names responses and metrics
     api_key: str | None = None
     options: ServerOptions = field(default_factory=ServerOptions)
     engine: AsyncEngineClient | None = None
@@ -243,9 +243,13 @@ def _public_tokenizer_value(key: str, value: Any) -> bool:
     return not (isinstance(value, str) and os.path.isabs(value))
 
 
-def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
+def create_app(engine_args: EngineArgs, served_model_name: str | Sequence[str] | None = None,
                api_key: str | None = None, options: ServerOptions | None = None) -> FastAPI:
     """Build the app; the model loads in the background after startup (/health says 503).
+
+    served_model_name: the name(s) requests may give as `model` (as vLLM's
+    `--served-model-name A B`: any is accepted, the first names responses and metrics);
+    default: the model directory as given.
 
     ValueError for options that cannot work (an unknown tool-call or reasoning parser, auto tool
     choice without a tool-call parser).
@@ -253,9 +257,11 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
     check_parser_options(options or ServerOptions())
     # the model directory as given to `serve` (clients load the tokenizer from it)
     model_root = engine_args.model or str(DEMO_MODEL_DIR)
-    state = ServerState(engine_args, served_model_name or engine_args.model or "mlaserve-demo",
-                        api_key, options or ServerOptions())
-    state.metrics = ServerMetrics(state.served_model_name)
+    if isinstance(served_model_name, str):
+        served_model_name = [served_model_name]
+    names = tuple(served_model_name or [engine_args.model or "mlaserve-demo"])
+    state = ServerState(engine_args, names, api_key, options or ServerOptions())
+    state.metrics = ServerMetrics(names[0])
     serving_options = ServingOptions(**{
         **{f.name: getattr(state.options, f.name) for f in fields(ServingOptions)},
         "max_num_seqs": engine_args.max_num_seqs,
@@ -276,13 +282,13 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
             state.load_error = exc
             state.stop()
             return
-        serving = Serving(engine, state.served_model_name, model_root, serving_options)
+        serving = Serving(engine, names, model_root, serving_options)
         state.chat = ChatServing(serving)
         state.responses = ResponsesServing(state.chat)
         state.serving = serving
         state.engine = engine
         logger.info("serving on %s (model %s)", state.url or "the configured address",
-                    state.served_model_name)
+                    ", ".join(names))
 
     async def log_stats() -> None:
         """vLLM's stats line every stats_interval_s; at debug level once two intervals in a row
@@ -357,20 +363,19 @@ def create_app(engine_args: EngineArgs, served_model_name: str | None = None,
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
-    def model_card() -> ModelCard:
+    def model_card(name: str) -> ModelCard:
         max_len = state.serving.max_model_len if state.serving else None
-        return ModelCard(id=state.served_model_name, created=state.created, root=model_root,
-                         max_model_len=max_len)
+        return ModelCard(id=name, created=state.created, root=model_root, max_model_len=max_len)
 
     @app.get("/v1/models", responses=_errors(401))
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(name) for name in names])
 
     @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
     async def model(model_id: str) -> ModelCard:
-        if model_id != state.served_model_name:
+        if model_id not in names:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model")
-        return model_card()
+        return model_card(model_id)
 
     generate_errors = _errors(400, 401, 404, 413, 500, 503)
     # with `stream: true`: server-sent events, each `data:` a chunk object, an error object or

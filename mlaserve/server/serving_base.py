@@ -19,7 +19,7 @@ aborted; on shutdown the requests still in flight are aborted in time for an err
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,10 +145,11 @@ class ServingBase:
     """Shared by the handlers: the engine client, the names, the limits and the token-text
     cache."""
 
-    def __init__(self, engine: AsyncEngineClient, served_model_name: str, model_root: str,
-                 options: ServingOptions | None = None) -> None:
+    def __init__(self, engine: AsyncEngineClient, served_model_names: Sequence[str],
+                 model_root: str, options: ServingOptions | None = None) -> None:
         self.engine = engine
-        self.served_model_name = served_model_name
+        self.served_model_names = tuple(served_model_names)  # any may be a request's model
+        self.served_model_name = self.served_model_names[0]  # the one responses name
         self.model_root = model_root
         self.options = options or ServingOptions()
         self.tokenizer = engine.tokenizer
@@ -190,7 +191,7 @@ class ServingBase:
         return await anyio.to_thread.run_sync(func, *args, limiter=self.limiter)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.served_model_name, self.model_root):
+        if model is not None and model not in (*self.served_model_names, self.model_root):
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     def check_text(self, length: int, param: str) -> None:
