@@ -212,6 +212,13 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, YarnScaling | None]:
         )
     except KeyError as exc:
         raise ValueError(f"config.json: yarn rope_scaling needs field {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"config.json: yarn rope_scaling has a field of the wrong type ({exc})"
+                         ) from None
+    if yarn.factor <= 0 or yarn.original_max_position_embeddings <= 0:
+        raise ValueError(f"config.json: yarn rope_scaling factor ({yarn.factor}) and "
+                         "original_max_position_embeddings "
+                         f"({yarn.original_max_position_embeddings}) must be > 0")
     return theta, yarn
 
 
@@ -277,6 +284,13 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"config.json: q_lora_rank = {q_lora_rank} must be > 0 or null")
     torch_dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
     parse_dtype(torch_dtype)
+    rope_dim = _positive(raw, "qk_rope_head_dim")
+    if rope_dim % 2:
+        raise ValueError(f"config.json: qk_rope_head_dim = {rope_dim} must be even (rotary "
+                         "embeddings turn pairs of columns)")
+    rms_norm_eps = float(_get(raw, "rms_norm_eps", 1e-6, (int, float)))
+    if rms_norm_eps <= 0:
+        raise ValueError(f"config.json: field 'rms_norm_eps' = {rms_norm_eps} must be > 0")
     return ModelConfig(
         model_type=model_type,
         vocab_size=_positive(raw, "vocab_size"),
@@ -287,10 +301,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         kv_lora_rank=kv_lora_rank,
         q_lora_rank=q_lora_rank,
         qk_nope_head_dim=_positive(raw, "qk_nope_head_dim"),
-        qk_rope_head_dim=_positive(raw, "qk_rope_head_dim"),
+        qk_rope_head_dim=rope_dim,
         v_head_dim=_positive(raw, "v_head_dim"),
         max_position_embeddings=_positive(raw, "max_position_embeddings", 4096),
-        rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6, (int, float))),
+        rms_norm_eps=rms_norm_eps,
         rope_theta=theta,
         rope_scaling=yarn,
         rope_interleave=bool(raw.get("rope_interleave", True)),

@@ -106,6 +106,12 @@ def test_missing_weights_and_config(tmp_path, checkpoint_dir):
     ("kv_lora_rank", 0, "'kv_lora_rank' = 0 must be > 0"),
     ("hidden_size", "64", "'hidden_size' = '64' has the wrong type"),
     ("rope_scaling", {"type": "linear", "factor": 2}, "rope_scaling type 'linear'"),
+    ("rope_scaling", {"type": "yarn", "factor": -4, "original_max_position_embeddings": 256},
+     r"factor \(-4.0\) and original_max_position_embeddings \(256\) must be > 0"),
+    ("rope_scaling", {"type": "yarn", "factor": "big", "original_max_position_embeddings": 256},
+     "yarn rope_scaling has a field of the wrong type"),
+    ("qk_rope_head_dim", 63, "qk_rope_head_dim = 63 must be even"),
+    ("rms_norm_eps", -1e-6, "'rms_norm_eps' = -1e-06 must be > 0"),
 ])
 def test_config_errors_name_field_and_value(checkpoint_dir, field, value, match):
     src, _ = checkpoint_dir(NAME)

@@ -1,5 +1,6 @@
 """A model directory without a usable tokenizer is refused with a message naming --tokenizer."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,19 @@ def test_an_unloadable_tokenizer_names_the_flag(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
     with pytest.raises(ValueError, match=r"cannot load the tokenizer .*pass --tokenizer DIR"):
         load_tokenizer(tmp_path)
+
+
+def test_a_config_field_transformers_refuses_is_named(tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_MODEL_DIR / name, tmp_path / name)
+    config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1}))
+    try:
+        load_tokenizer(tmp_path)
+    except ValueError as exc:  # transformers 5 validates config.json on the way
+        assert "transformers refuses" in str(exc) and "rms_norm_eps" in str(exc)
+    else:
+        pytest.skip("this transformers does not validate config.json's fields")
 
 
 def test_generate_on_a_model_without_tokenizer_says_which_flag(tmp_path: Path) -> None:

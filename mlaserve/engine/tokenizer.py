@@ -4,6 +4,11 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+try:  # how transformers >= 5 refuses a config.json field on its way to the tokenizer
+    from huggingface_hub.errors import StrictDataclassFieldValidationError as ConfigFieldError
+except ImportError:  # an older huggingface_hub: no such validation
+    ConfigFieldError = ()  # type: ignore[assignment,misc]
+
 # Any of these in a directory means it carries a tokenizer that transformers can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "vocab.json", "tiktoken.model")
@@ -27,8 +32,13 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
                          "tokenizer_config.json)")
     try:
         return AutoTokenizer.from_pretrained(str(directory))
-    except (OSError, ValueError, ImportError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"cannot load the tokenizer in {directory} ({first_line}); pass "
+    except Exception as exc:  # noqa: BLE001 - whatever transformers refuses, said in one line
+        lines = [line.strip() for line in str(exc).strip().splitlines()[:2]]
+        reason = " ".join(lines) or type(exc).__name__
+        if isinstance(exc, ConfigFieldError):
+            raise ValueError(f"transformers refuses {directory / 'config.json'} ({reason}); "
+                             "fix that field, or pass --tokenizer DIR naming a directory with "
+                             "only the tokenizer files") from None
+        raise ValueError(f"cannot load the tokenizer in {directory} ({reason}); pass "
                          "--tokenizer DIR naming a directory with a tokenizer.json that "
                          "transformers loads") from None
