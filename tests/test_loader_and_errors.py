@@ -170,3 +170,11 @@ def test_demo_model_generates_from_strings_and_ids():
     assert ids_out.prompt_token_ids == [7, 8, 9]  # token ids are taken literally
     assert len(text_out.token_ids) == 5 and text_out.outputs[0].text == text_out.text
     assert text_out.text == llm.tokenizer.decode(text_out.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("share", [0, 1.5, -0.1])
+def test_gpu_memory_utilization_is_a_share(share):
+    from mlaserve.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        EngineArgs(gpu_memory_utilization=share)

@@ -55,6 +55,9 @@ class EngineArgs:
             raise ValueError(f"unknown quantization '{self.quantization}'; use one of "
                              f"{', '.join(QUANTIZATION_MODES)}")
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # refuses unknown names
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], the share of the "
+                             f"GPU's memory the engine may use, not {self.gpu_memory_utilization}")
 
 
 def model_dir_of(args: EngineArgs) -> Path:
