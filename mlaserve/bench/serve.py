@@ -1,8 +1,9 @@
 """``mlaserve bench serve``: the online serving benchmark client.
 
-It reproduces vLLM 0.33's ``vllm bench serve`` (random dataset) so that numbers compare 1:1:
-the same prompts for the same tokenizer and seed, the same request bodies, arrival schedule,
-stream parsing, metric definitions, printed "Serving Benchmark Result" block and result JSON.
+It reproduces vLLM 0.33's ``vllm bench serve`` (random, sharegpt and custom datasets) so that
+numbers compare 1:1: the same prompts for the same tokenizer, file and seed, the same request
+bodies, arrival schedule, stream parsing, metric definitions, printed "Serving Benchmark Result"
+block and result JSON.
 
 Flow: list the model (without --model) -> load the tokenizer from a local path -> draw the
 dataset -> align it with the server's /tokenize -> optional ready check and warmups -> the timed
@@ -25,8 +26,16 @@ import numpy as np
 
 from mlaserve.bench import serve_client as client
 from mlaserve.bench import serve_metrics as report
-from mlaserve.bench.serve_dataset import parse_range_ratio, sample_random_requests
+from mlaserve.bench.serve_dataset import (
+    SampleRequest,
+    parse_range_ratio,
+    sample_custom_requests,
+    sample_random_requests,
+    sample_sharegpt_requests,
+)
 from mlaserve.bench.serve_runner import BenchmarkConfig, benchmark
+
+DATASETS = ("random", "sharegpt", "custom")
 
 DEFAULT_PERCENTILE_METRICS = "ttft,tpot,itl"
 PERCENTILE_METRICS = (
@@ -63,7 +72,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="retry a test request until it succeeds (0: skip the check)")
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=["random"])
+    data.add_argument("--dataset-name", default="random", choices=DATASETS)
+    data.add_argument("--dataset-path", default=None,
+                      help="the sharegpt JSON or custom JSONL file")
+    data.add_argument("--sharegpt-output-len", type=int, default=None,
+                      help="output tokens per request (default: the answer's length)")
+    data.add_argument("--custom-output-len", type=int, default=256,
+                      help="output tokens per request of the custom dataset")
+    data.add_argument("--skip-chat-template", action="store_true",
+                      help="custom dataset: send the prompts without the chat template")
+    data.add_argument("--no-oversample", action="store_true",
+                      help="do not repeat requests when the file has fewer than --num-prompts")
+    data.add_argument("--disable-shuffle", action="store_true",
+                      help="take the file's entries in order")
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--random-input-len", type=int, default=1024)
@@ -144,6 +165,30 @@ def load_tokenizer(tokenizer_id: str, trust_remote_code: bool = False) -> Any:
     )
 
 
+def sample_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
+    """The requests of ``--dataset-name`` (ValueError for a path given to, or missing from,
+    the dataset that needs one)."""
+    common = dict(num_requests=args.num_prompts, seed=args.seed,
+                  request_id_prefix=args.request_id_prefix)
+    if args.dataset_name == "random":
+        if args.dataset_path is not None:
+            raise ValueError("the random dataset takes no --dataset-path; name the file's "
+                             "dataset with --dataset-name sharegpt or custom")
+        input_len = args.input_len if args.input_len is not None else args.random_input_len
+        output_len = args.output_len if args.output_len is not None else args.random_output_len
+        return sample_random_requests(
+            tokenizer, input_len=input_len, output_len=output_len,
+            range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len, **common)
+    if args.dataset_path is None:
+        raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path FILE")
+    files = dict(shuffle=not args.disable_shuffle, fill=not args.no_oversample, **common)
+    if args.dataset_name == "sharegpt":
+        return sample_sharegpt_requests(tokenizer, args.dataset_path,
+                                        output_len=args.sharegpt_output_len, **files)
+    return sample_custom_requests(tokenizer, args.dataset_path, output_len=args.custom_output_len,
+                                  chat_template=not args.skip_chat_template, **files)
+
+
 def _redacted(args: argparse.Namespace) -> argparse.Namespace:
     shown = argparse.Namespace(**vars(args))
     if getattr(shown, "header", None):
@@ -193,14 +238,9 @@ async def run_benchmark(args: argparse.Namespace, tokenizer: Any | None = None) 
     if tokenizer is None:
         tokenizer = load_tokenizer(tokenizer_id, args.trust_remote_code)
 
-    input_len = args.input_len if args.input_len is not None else args.random_input_len
-    output_len = args.output_len if args.output_len is not None else args.random_output_len
-    requests = sample_random_requests(
-        tokenizer, num_requests=args.num_prompts, input_len=input_len, output_len=output_len,
-        range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len, seed=args.seed,
-        request_id_prefix=args.request_id_prefix,
-    )
-    requests = await client.align_prompts_to_server(base_url, model_id, requests)
+    requests = sample_requests(args, tokenizer)
+    if args.dataset_name == "random":  # drawn as token ids: check them against the server's
+        requests = await client.align_prompts_to_server(base_url, model_id, requests)
 
     sampling = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
     if "temperature" not in sampling:
@@ -211,7 +251,8 @@ async def run_benchmark(args: argparse.Namespace, tokenizer: Any | None = None) 
         backend=args.backend, api_url=api_url, base_url=base_url, model_id=model_id,
         model_name=model_name, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ramp_up=ramp_up,
-        ignore_eos=True,  # the random dataset always ignores EOS on OpenAI-compatible backends
+        # the random dataset always ignores EOS on OpenAI-compatible backends; others as asked
+        ignore_eos=args.dataset_name == "random" or args.ignore_eos,
         logprobs=args.logprobs, extra_headers=headers,
         extra_body={**sampling, **(args.extra_body or {})},
         percentile_metrics=tuple(percentile_metrics), percentiles=percentiles,

@@ -1,7 +1,9 @@
-"""The random dataset of the serving benchmark: token-soup prompts drawn exactly as vLLM 0.33's
-benchmark client draws them (same tokenizer and seed give the same prompts and lengths).
+"""The datasets of the serving benchmark, drawn exactly as vLLM 0.33's benchmark client draws
+them (the same file, tokenizer and seed give the same prompts and lengths): `random`
+(token-soup prompts, below), `sharegpt` (`sample_sharegpt_requests`) and `custom`
+(`sample_custom_requests`).
 
-Algorithm (one private ``numpy.random.default_rng(seed)``; the order of the draws matters):
+Random algorithm (one private ``numpy.random.default_rng(seed)``; the order of the draws matters):
 
 1. ``real_input_len = max(0, input_len - tokenizer.num_special_tokens_to_add())``; input lengths
    are uniform integers in ``[floor(real_in * (1 - r_in)), ceil(real_in * (1 + r_in))]`` and output
@@ -19,7 +21,8 @@ target, append random unfiltered ids when short, truncate when long; at most 10 
 import json
 import logging
 import math
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -174,3 +177,91 @@ def sample_random_requests(
             abs(total_mismatch), "more" if total_mismatch > 0 else "fewer",
         )
     return requests
+
+
+# ShareGPT pairs outside these bounds are skipped (vLLM's `is_valid_sequence`): too short a prompt
+# or answer, a prompt over 1024 tokens, or prompt + answer over 2048.
+MIN_SEQUENCE_LEN = 4
+MAX_PROMPT_LEN = 1024
+MAX_TOTAL_LEN = 2048
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f) if what == "json" else [json.loads(line) for line in f
+                                                        if line.strip()]
+    except OSError as exc:
+        raise ValueError(f"--dataset-path {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ValueError(f"--dataset-path {path} is not {what.upper()} ({exc})") from None
+
+
+def oversample(requests: list[SampleRequest], num_requests: int, seed: int,
+               request_id_prefix: str) -> list[SampleRequest]:
+    """Fill up to ``num_requests`` with copies of random requests (python ``random`` seeded with
+    ``seed``, as vLLM does), each with a fresh id."""
+    if not requests:
+        raise ValueError("the dataset gave no request within the length limits")
+    rng = random.Random(seed)
+    extra = [replace(rng.choice(requests), request_id=f"{request_id_prefix}{len(requests) + i}")
+             for i in range(num_requests - len(requests))]
+    if extra:
+        logger.info("Oversampled requests to reach %d total samples.", num_requests)
+    return requests + extra
+
+
+def sample_sharegpt_requests(tokenizer: Any, path: str, *, num_requests: int,
+                             output_len: int | None = None, seed: int = 0,
+                             request_id_prefix: str = "", shuffle: bool = True,
+                             fill: bool = True) -> list[SampleRequest]:
+    """ShareGPT conversations (a JSON list of ``{"conversations": [{"value": ...}, ...]}``):
+    those with two turns or more, shuffled (python ``random`` seeded with ``seed``), each giving
+    its first turn as the prompt and the second's token count as the output length
+    (``output_len`` instead where given); pairs outside the length bounds are skipped, and
+    ``fill`` oversamples up to ``num_requests``."""
+    data = _read_json(path, "json")
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file is a JSON list of objects with "
+                         "'conversations'")
+    data = [entry for entry in data if isinstance(entry, dict)
+            and len(entry.get("conversations") or []) >= 2]
+    if shuffle:
+        random.Random(seed).shuffle(data)
+    requests: list[SampleRequest] = []
+    for entry in data:
+        if len(requests) >= num_requests:
+            break
+        prompt, completion = (turn["value"] for turn in entry["conversations"][:2])
+        prompt_len = len(tokenizer(prompt).input_ids)
+        answer_len = len(tokenizer(completion).input_ids) if output_len is None else output_len
+        if (prompt_len < MIN_SEQUENCE_LEN or prompt_len > MAX_PROMPT_LEN
+                or (output_len is None and answer_len < MIN_SEQUENCE_LEN)
+                or prompt_len + answer_len > MAX_TOTAL_LEN):
+            continue
+        requests.append(SampleRequest(prompt, prompt_len, answer_len,
+                                      f"{request_id_prefix}{len(requests)}"))
+    return oversample(requests, num_requests, seed, request_id_prefix) if fill else requests
+
+
+def sample_custom_requests(tokenizer: Any, path: str, *, num_requests: int, output_len: int,
+                           seed: int = 0, request_id_prefix: str = "", shuffle: bool = True,
+                           fill: bool = True, chat_template: bool = True) -> list[SampleRequest]:
+    """A JSON Lines file of ``{"prompt": ...}``: shuffled as ShareGPT is, each prompt put in
+    the tokenizer's chat template as one user turn (unless ``chat_template`` is False), asking
+    for ``output_len`` tokens; ``fill`` oversamples up to ``num_requests``."""
+    rows = _read_json(path, "jsonl")
+    if not all(isinstance(row, dict) and isinstance(row.get("prompt"), str) for row in rows):
+        raise ValueError(f"--dataset-path {path}: every line of a custom dataset is a JSON "
+                         'object with a "prompt" string')
+    if shuffle:
+        random.Random(seed).shuffle(rows)
+    requests = []
+    for i, row in enumerate(rows[:num_requests]):
+        prompt = row["prompt"]
+        if chat_template:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                   add_generation_prompt=True, tokenize=False)
+        requests.append(SampleRequest(prompt, len(tokenizer(prompt).input_ids), output_len,
+                                      f"{request_id_prefix}{i}"))
+    return oversample(requests, num_requests, seed, request_id_prefix) if fill else requests
