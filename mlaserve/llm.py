@@ -48,6 +48,39 @@ class LLM:
         config (`generation_config`: auto) over SamplingParams' defaults, as in vLLM."""
         return SamplingParams(**self._default_sampling)
 
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer."""
+        return self.tokenizer
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a
+        list of them: rendered with the tokenizer's chat template (or `chat_template`), which
+        carries BOS, then generated as `generate` does. Each output's `prompt` is the rendered
+        text. ValueError for a conversation the template cannot render."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations or not all(isinstance(c, list) and c for c in conversations):
+            raise ValueError("messages must be a non-empty list of {role, content} messages, "
+                             "or a list of such lists")
+        texts = []
+        for conversation in conversations:
+            try:
+                texts.append(self.tokenizer.apply_chat_template(
+                    conversation, tokenize=False, chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tools=tools,
+                    **(chat_template_kwargs or {})))
+            except Exception as exc:  # noqa: BLE001 - jinja2's and transformers' errors alike
+                raise ValueError(f"the chat template cannot render this conversation: {exc}"
+                                 ) from None
+        prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        return [replace(output, prompt=text) for output, text in zip(outputs, texts, strict=True)]
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (tensor_parallel_size > 1) and leave their process
         groups, so that another tensor-parallel LLM can start in this process. Workers also

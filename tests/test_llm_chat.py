@@ -1,0 +1,36 @@
+"""`LLM.chat`, as vLLM's: conversations rendered with the chat template (which carries BOS) and
+generated as token ids; the trained demo model answers an arith_chat question."""
+
+import pytest
+
+from mlaserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+QUESTION = [{"role": "user", "content": "Question: What is 12 + 34?\nAnswer:"}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", num_kv_blocks=64)
+
+
+def test_chat_renders_the_template_and_answers(llm):
+    (out,) = llm.chat(QUESTION, GREEDY)
+    rendered = llm.get_tokenizer().apply_chat_template(QUESTION, add_generation_prompt=True,
+                                                       tokenize=False)
+    assert out.prompt == rendered
+    ids = llm.get_tokenizer()(rendered, add_special_tokens=False)["input_ids"]
+    assert out.prompt_token_ids == ids and ids.count(ids[0]) == 1  # one BOS, the template's
+    assert out.token_ids == llm.generate([ids], GREEDY)[0].token_ids
+    assert out.text.strip().endswith("#### 46"), out.text
+
+
+def test_chat_takes_several_conversations_and_refuses_bad_ones(llm):
+    other = [{"role": "user", "content": "Question: What is 2 + 2?\nAnswer:"}]
+    first, second = llm.chat([QUESTION, other], GREEDY)
+    assert first.text.strip().endswith("#### 46") and second.text.strip().endswith("#### 4")
+    with pytest.raises(ValueError, match="non-empty list"):
+        llm.chat([], GREEDY)
+    with pytest.raises(ValueError, match="cannot render"):
+        llm.chat(QUESTION, GREEDY, chat_template="{% for m in messages %}{{ m.nope() }}"
+                                                 "{% endfor %}")
