@@ -12,6 +12,18 @@ from mlaserve.engine.request import RequestOutput, SamplingParams
 Prompt = str | list[int]
 
 
+def _prompt_of(item: Prompt | dict) -> Prompt | None:
+    """A prompt, or the one in vLLM's prompt dicts ({"prompt": text}, {"prompt_token_ids":
+    ids}); None for any other dict."""
+    if not isinstance(item, dict):
+        return item
+    if set(item) == {"prompt"}:
+        return item["prompt"]
+    if set(item) == {"prompt_token_ids"}:
+        return item["prompt_token_ids"]
+    return None
+
+
 class LLM:
     """Load a DeepSeek MLA model (an HF directory, or None for the built-in demo model).
 
@@ -88,15 +100,20 @@ class LLM:
         self.engine.shutdown()
 
     @staticmethod
-    def _normalise(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
+    def _normalise(prompts: Prompt | dict | list[Prompt | dict]) -> list[Prompt]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
             return [prompts]
-        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-            return [prompts]
-        if isinstance(prompts, list) and all(isinstance(p, (str, list)) for p in prompts):
-            return list(prompts)
-        raise ValueError("prompts must be a string, a list of strings, a list of token ids, "
-                         "or a list of token-id lists")
+        if not isinstance(prompts, list):
+            prompts = None
+        else:
+            prompts = [_prompt_of(p) for p in prompts]
+        if prompts is None or not all(isinstance(p, (str, list)) for p in prompts):
+            raise ValueError("prompts must be a string, a list of strings, a list of token ids, "
+                             "a list of token-id lists, or {\"prompt\": text} / "
+                             "{\"prompt_token_ids\": ids} dicts")
+        return prompts
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

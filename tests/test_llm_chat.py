@@ -1,5 +1,6 @@
 """`LLM.chat`, as vLLM's: conversations rendered with the chat template (which carries BOS) and
-generated as token ids; the trained demo model answers an arith_chat question."""
+generated as token ids; the trained demo model answers an arith_chat question. `LLM.generate`
+takes vLLM's prompt dicts ({"prompt": ...}, {"prompt_token_ids": ...})."""
 
 import pytest
 
@@ -34,3 +35,13 @@ def test_chat_takes_several_conversations_and_refuses_bad_ones(llm):
     with pytest.raises(ValueError, match="cannot render"):
         llm.chat(QUESTION, GREEDY, chat_template="{% for m in messages %}{{ m.nope() }}"
                                                  "{% endfor %}")
+
+
+def test_generate_takes_vllms_prompt_dicts(llm):
+    ids = llm.get_tokenizer()("The cache")["input_ids"]
+    by_text, by_ids, plain = llm.generate(
+        [{"prompt": "The cache"}, {"prompt_token_ids": ids}, "The cache"], GREEDY)
+    assert by_text.token_ids == by_ids.token_ids == plain.token_ids
+    assert by_text.prompt_token_ids == by_ids.prompt_token_ids == ids
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"prompt": "x", "multi_modal_data": {}}], GREEDY)
