@@ -178,3 +178,23 @@ def test_gpu_memory_utilization_is_a_share(share):
 
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
         EngineArgs(gpu_memory_utilization=share)
+
+
+def test_max_model_len_past_the_trained_positions_is_refused_unless_allowed(monkeypatch):
+    from mlaserve.config import ModelConfig
+    from mlaserve.engine.args import (
+        ALLOW_LONG_MAX_MODEL_LEN_ENV,
+        DEMO_MODEL_DIR,
+        EngineArgs,
+        resolve_max_model_len,
+    )
+
+    config = ModelConfig.from_pretrained(DEMO_MODEL_DIR)  # max_position_embeddings 1024
+    monkeypatch.delenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, raising=False)
+    assert resolve_max_model_len(EngineArgs(), config) == 1024
+    assert resolve_max_model_len(EngineArgs(max_model_len=512), config) == 512
+    with pytest.raises(ValueError, match="max_model_len 2048 is more than the model's "
+                                         r"max_position_embeddings \(1024\)"):
+        resolve_max_model_len(EngineArgs(max_model_len=2048), config)
+    monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, "1")
+    assert resolve_max_model_len(EngineArgs(max_model_len=2048), config) == 2048

@@ -338,12 +338,12 @@ def test_shutdown_ends_streams_with_an_error_event_and_done(caplog):
     busy, a stats line."""
     options = ServerOptions(stats_interval_s=0.5)
     with caplog.at_level(logging.INFO, logger="mlaserve.server.api"):
-        running = RunningServer(options=options, grace_s=3, max_model_len=2048)
+        running = RunningServer(options=options, grace_s=3, max_model_len=1024)
         running.__enter__()
         events: list[list[str]] = []
 
         def stream():
-            events.append(stream_events(running, {"prompt": "x", "max_tokens": 2000,
+            events.append(stream_events(running, {"prompt": "x", "max_tokens": 1000,
                                                     "ignore_eos": True, "stream": True}))
 
         threads = [threading.Thread(target=stream) for _ in range(2)]

@@ -15,6 +15,8 @@ from mlaserve.option_values import QUANTIZATION_MODES
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 # Decode steps of more requests than this run eagerly (capture time and memory grow with it).
 MAX_CUDA_GRAPH_BATCH_SIZE = 512
+# Set to 1 to run a max_model_len past the model's max_position_embeddings.
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "MLASERVE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,22 @@ class EngineArgs:
 def model_dir_of(args: EngineArgs) -> Path:
     """The model directory: the one given, else the built-in demo model."""
     return Path(args.model) if args.model else DEMO_MODEL_DIR
+
+
+def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
+    """The context length: max_model_len, or the model's max_position_embeddings. ValueError for
+    a length < 1, or past max_position_embeddings (positions the model was not trained for)
+    unless the environment sets ALLOW_LONG_MAX_MODEL_LEN_ENV to 1."""
+    length = args.max_model_len or config.max_position_embeddings
+    if length < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {length}")
+    if length > config.max_position_embeddings and os.environ.get(
+            ALLOW_LONG_MAX_MODEL_LEN_ENV) != "1":
+        raise ValueError(f"max_model_len {length} is more than the model's "
+                         f"max_position_embeddings ({config.max_position_embeddings}): positions "
+                         "past it were never trained; lower --max-model-len, or set "
+                         f"{ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to run it anyway")
+    return length
 
 
 def resolve_device(name: str) -> torch.device:

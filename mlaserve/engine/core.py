@@ -55,6 +55,7 @@ from mlaserve.engine.args import (
     rank_device,
     resolve_device,
     resolve_dtype,
+    resolve_max_model_len,
 )
 from mlaserve.engine.data_parallel import Lockstep
 from mlaserve.engine.messages import (
@@ -112,10 +113,7 @@ class EngineCore:
         for name in ("block_size", "max_seq_len_to_capture", "max_num_seqs"):
             if getattr(args, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
-        max_model_len = args.max_model_len or self.config.max_position_embeddings
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len = resolve_max_model_len(args, self.config)
         budget = args.max_num_batched_tokens or 8192
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")

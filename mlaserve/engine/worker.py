@@ -61,6 +61,7 @@ from mlaserve.engine.args import (
     rank_device,
     resolve_device,
     resolve_dtype,
+    resolve_max_model_len,
 )
 from mlaserve.engine.data_parallel import Lockstep
 from mlaserve.engine.request import Request, SamplingParams
@@ -441,7 +442,7 @@ class Worker:
     def __init__(self, args: EngineArgs, device: torch.device, control: ControlChannel) -> None:
         config = ModelConfig.from_pretrained(model_dir_of(args), args.hf_overrides)
         dtype = resolve_dtype(args.dtype, config, device)
-        max_model_len = args.max_model_len or config.max_position_embeddings
+        max_model_len = resolve_max_model_len(args, config)
         self.control = control
         self.runner: ModelRunner = load_runner(args, config, device, dtype, max_model_len,
                                                control.agree_min)
