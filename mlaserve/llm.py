@@ -7,7 +7,7 @@ from tqdm import tqdm
 from mlaserve.engine.args import model_dir_of
 from mlaserve.engine.engine import EngineArgs, LLMEngine, StepFailed
 from mlaserve.engine.generation_config import default_sampling
-from mlaserve.engine.request import RequestOutput, SamplingParams
+from mlaserve.engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 Prompt = str | list[int]
 
@@ -118,7 +118,8 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in input order.
+        """Run every prompt to completion with continuous batching; outputs in input order,
+        one per prompt (with SamplingParams.n > 1 its `outputs` hold the n samples).
 
         Raises:
             StepFailed: after every prompt has finished, if some failed in the engine (each
@@ -133,12 +134,16 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        # only the final output of each request is wanted: no per-token copies
-        params = [replace(p, output_kind="final_only") for p in params]
+        # one request per sample (sample i of a seeded prompt: seed + i, each reproducible
+        # alone); only the final output of each is wanted: no per-token copies
+        requests = [(i, prompt, replace(p, n=1, output_kind="final_only",
+                                        seed=None if p.seed is None else p.seed + sample))
+                    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+                    for sample in range(p.n)]
         engine = self.engine
         request_ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for _, prompt, p in requests:
                 request_ids.append(engine.add_request(prompt, p))
         except ValueError:
             for request_id in request_ids:
@@ -157,7 +162,12 @@ class LLM:
                     if output.finished:
                         finals[output.request_id] = output
                         bar.update(1)
-        results = [finals[request_id] for request_id in request_ids]
+        samples: list[list[RequestOutput]] = [[] for _ in prompts]
+        for (i, _, _), request_id in zip(requests, request_ids, strict=True):
+            samples[i].append(finals[request_id])
+        results = [group[0] if len(group) == 1 else replace(group[0], samples=[
+            CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.logprobs, o.stop_reason)
+            for j, o in enumerate(group)]) for group in samples]
         if errors:
             raise StepFailed(errors, results)
         return results

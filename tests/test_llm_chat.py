@@ -45,3 +45,21 @@ def test_generate_takes_vllms_prompt_dicts(llm):
     assert by_text.prompt_token_ids == by_ids.prompt_token_ids == ids
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate([{"prompt": "x", "multi_modal_data": {}}], GREEDY)
+
+
+def test_n_samples_of_a_prompt(llm):
+    """SamplingParams(n=3): one output with three samples; seeded, sample i is the prompt run
+    alone with seed + i."""
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
+    (out,) = llm.generate(["The cache"], params)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for i, completion in enumerate(out.outputs):
+        alone = llm.generate(["The cache"], SamplingParams(temperature=1.0, max_tokens=8,
+                                                           seed=5 + i, ignore_eos=True))[0]
+        assert completion.token_ids == alone.token_ids and completion.text == alone.text
+    assert out.token_ids == out.outputs[0].token_ids
+    with pytest.raises(ValueError, match="n must be an integer"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="one sample a request"):
+        llm.engine.add_request("x", SamplingParams(n=2))

@@ -79,6 +79,9 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineIn
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
     params.validate()
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: the engine runs one sample a request; LLM.generate "
+                         "and the server's `n` run n requests")
     if not isinstance(token_ids, list):
         raise ValueError(f"the prompt must be a list of token ids, got {type(token_ids).__name__}")
     if not token_ids:

@@ -153,6 +153,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
+    n: int = 1  # samples of the prompt (`LLM.generate` runs n requests; the engine takes 1)
 
     def __post_init__(self) -> None:
         if self.stop is None or isinstance(self.stop, str):
@@ -181,6 +182,7 @@ class SamplingParams:
         and fit float32.
         """
         _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("n", self.n, 1)
         _check_float("temperature", self.temperature, 0.0, FLOAT32_MAX, note=" (0 is greedy)")
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         top_k = self.top_k
@@ -262,6 +264,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     output_kind: str = "cumulative"  # what text / token_ids / logprobs hold (SamplingParams)
+    # SamplingParams.n > 1 in `LLM.generate`: every sample (the fields above are sample 0's)
+    samples: list[CompletionOutput] | None = None
 
     @property
     def finished(self) -> bool:
@@ -269,6 +273,9 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
+        """The completions, vLLM-style: one, or n with SamplingParams.n."""
+        if self.samples is not None:
+            return self.samples
         return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs,
                                  self.stop_reason)]
 
