@@ -39,6 +39,7 @@ def test_the_six_sampling_fields_are_taken(tmp_path):
 @pytest.mark.parametrize("source, config, overrides, says", [
     ("missing", None, None, "no generation_config.json there"),
     ("auto", "{not json", None, "is not JSON"),
+    ("auto", "[0.6]", None, "is not a JSON object"),
     ("auto", {"temperature": "hot"}, None, "must be a number"),
     ("auto", {"temperature": -1}, None, "temperature"),
     ("auto", {}, {"top_n": 3}, "unknown field"),

@@ -46,6 +46,9 @@ def default_sampling(source: str, model_dir: Path,
             except ValueError as exc:
                 raise ValueError(f"{path} is not JSON ({exc}); fix it, or pass "
                                  "--generation-config vllm to ignore it") from None
+            if not isinstance(found, dict):
+                raise ValueError(f"{path} is not a JSON object; fix it, or pass "
+                                 "--generation-config vllm to ignore it")
         elif source != "auto":
             raise ValueError(f"--generation-config {source}: no {GENERATION_CONFIG_FILE} "
                              "there; give a directory that has one, auto or vllm")
