@@ -307,15 +307,9 @@ def launch_split_pass(
         qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of
             block_n, the KV tokens per tile; num_stages: FP8 tiles in the shared ring.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     batch = block_table.shape[0]
-    if num_tokens // batch * num_heads > GLUON_FP8_ROWS or block_n > block_size:
-        # one program per split holds every query row, and a tile never leaves its page
-        raise ValueError(f"the FP8 Gluon pass takes at most {GLUON_FP8_ROWS} query rows and "
-                         f"tiles within a page, not {num_tokens // batch} x {num_heads} rows "
-                         f"and {block_n}-token tiles over {block_size}-token pages: plan "
-                         "again for this shape")
     rope_dim = head_dim - kv_lora_rank
     kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
     chunk_layout, rope_layout = kv_layouts(block_n, rope_dim)
