@@ -2,7 +2,6 @@
 
 import argparse
 import importlib
-import json
 import logging
 import signal
 import sys
@@ -10,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlaserve import __version__
+from mlaserve.arg_types import json_object
 from mlaserve.option_values import KV_CACHE_DTYPE_NAMES, QUANTIZATION_MODES
 
 
@@ -42,7 +42,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(float8_e4m3fn, scale 1; triton and torch backends)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
-    parser.add_argument("--hf-overrides", type=_json_object, default=None,
+    parser.add_argument("--hf-overrides", type=json_object, default=None,
                         help='JSON merged into config.json, e.g. \'{"num_hidden_layers": 4}\'')
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
@@ -63,24 +63,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling defaults for what a request leaves out: auto (the "
                              "model's generation_config.json), vllm (temperature 1, top_p 1), or "
                              "a directory with a generation_config.json")
-    parser.add_argument("--override-generation-config", type=_json_object, default=None,
+    parser.add_argument("--override-generation-config", type=json_object, default=None,
                         help='JSON merged over those defaults, e.g. \'{"temperature": 0.6}\'')
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted as vLLM takes it; changes nothing: mlaserve implements "
                              "the DeepSeek models itself and never runs a checkpoint's code")
-
-
-def _json_object(text: str) -> dict:
-    """A flag's JSON object, e.g. '{"num_hidden_layers": 4}'."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc}): write an object such as "
-                                         "'{\"key\": 1}'") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: write one such as "
-                                         "'{\"key\": 1}'")
-    return value
 
 
 def _bytes(text: str) -> int:

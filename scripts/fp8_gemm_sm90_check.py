@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from mlaserve.arg_types import positive_int_list
 from mlaserve.bench.gemm import BF16_ROUNDING, FP8_MMA_REL_ERR, load_config, projections
 from mlaserve.kernels.fp8_blocks import quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
@@ -61,19 +62,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="deepseek-v3", help="comma list of config names")
-    parser.add_argument("--tokens", default="256,1024,4096,8192",
+    parser.add_argument("--tokens", type=positive_int_list, default="256,1024,4096,8192",
                         help="comma list of token counts M")
-    parser.add_argument("--stages", default="4,5,6", help="swept num_stages")
-    parser.add_argument("--k-unroll", default="1,2,4", help="swept k_unroll")
-    parser.add_argument("--group-m", default="8", help="swept group_m")
-    parser.add_argument("--block-n", default="128,64", help="swept tile widths")
+    parser.add_argument("--stages", type=positive_int_list, default="4,5,6",
+                        help="swept num_stages")
+    parser.add_argument("--k-unroll", type=positive_int_list, default="1,2,4",
+                        help="swept k_unroll")
+    parser.add_argument("--group-m", type=positive_int_list, default="8", help="swept group_m")
+    parser.add_argument("--block-n", type=positive_int_list, default="128,64",
+                        help="swept tile widths")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     return parser.parse_args(argv)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def _time(call, repeats: int) -> float:
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     gate = FP8_MMA_REL_ERR + BF16_ROUNDING
-    sweep = list(itertools.product(_ints(args.stages), _ints(args.k_unroll),
-                                   _ints(args.group_m), _ints(args.block_n)))
+    sweep = list(itertools.product(args.stages, args.k_unroll,
+                                   args.group_m, args.block_n))
     print(f"{torch.cuda.get_device_name(device)}; defaults: num_stages {DEFAULT_STAGES}, "
           f"k_unroll {DEFAULT_K_UNROLL}, group_m {DEFAULT_GROUP_M}")
     print(f"{'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>8} {'cublas':>8} "
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             w_fp8, w_scales = quantize_block_fp8(weight)
             w_bf16 = weight.to(torch.bfloat16)
             del weight
-            for m in _ints(args.tokens):
+            for m in args.tokens:
                 if not gluon_gemm_serves(m, n, k):
                     print(f"{proj.name:20} {n:6} {k:6} {m:5}  not taken by the Gluon kernel")
                     continue

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from mlaserve.arg_types import positive_int_list
 from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     WEIGHT_ONLY_MAX_ROWS,
@@ -59,18 +60,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=V3_SHAPES, help="comma list of NxK weight shapes")
-    parser.add_argument("--tokens", default="1,16,32,64,128", help="comma list of token counts M")
-    parser.add_argument("--block-n", default="16,32,64", help="swept BLOCK_N (16, 32, 64)")
-    parser.add_argument("--k-blocks", default="1,4", help="swept K blocks per step (1-8)")
-    parser.add_argument("--stages", default="3,4,5", help="swept num_stages")
-    parser.add_argument("--warps", default="2,4", help="swept num_warps")
+    parser.add_argument("--tokens", type=positive_int_list, default="1,16,32,64,128",
+                        help="comma list of token counts M")
+    parser.add_argument("--block-n", type=positive_int_list, default="16,32,64",
+                        help="swept BLOCK_N (16, 32, 64)")
+    parser.add_argument("--k-blocks", type=positive_int_list, default="1,4",
+                        help="swept K blocks per step (1-8)")
+    parser.add_argument("--stages", type=positive_int_list, default="3,4,5",
+                        help="swept num_stages")
+    parser.add_argument("--warps", type=positive_int_list, default="2,4", help="swept num_warps")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     return parser.parse_args(argv)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def _copies(tensor: torch.Tensor, l2_bytes: int) -> list[torch.Tensor]:
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     copy_rate = ceilings.copy_bytes_per_s / 1e9
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2_bytes >> 20} MiB, copy rate "
           f"{copy_rate:.0f} GB/s (read + write); WEIGHT_ONLY_MAX_ROWS = {WEIGHT_ONLY_MAX_ROWS}")
-    sweep = list(itertools.product(_ints(args.block_n), _ints(args.k_blocks), _ints(args.stages),
-                                   _ints(args.warps)))
+    sweep = list(itertools.product(args.block_n, args.k_blocks, args.stages,
+                                   args.warps))
     print(f"{'N x K':>12} {'M':>4} {'path':>11}  {'bf16 us':>8} {'w8a16 us':>8} {'w8a8 us':>8} "
           f"{'best us':>8} {'best (bn,kb,st,wp)':>18}  {'x w8a16':>7} {'x w8a8':>6} {'x best':>6}  "
           f"{'GB/s':>5} {'best':>5}  {'tiles':>7}  rel err", flush=True)
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         # the w8a8 product `block_fp8_linear` takes past the weight-only rows
         w8a8_path = product_path(True, WEIGHT_ONLY_MAX_ROWS + 1, out_features, in_features,
                                  sm90=sm90)
-        for rows_m in _ints(args.tokens):
+        for rows_m in args.tokens:
             x = torch.randn(rows_m, in_features, generator=gen, device=device,
                             dtype=torch.bfloat16)
             want = x.float() @ w_dequantized.T  # [M, N]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from mlaserve.arg_types import positive_int_list
 from mlaserve.kernels.fused_moe import (
     FusedMoEConfig,
     GemmTiles,
@@ -322,15 +323,11 @@ def _names(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
 
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=_names, default=list(MODELS),
                         help=f"comma-separated, of {', '.join(MODELS)}")
-    parser.add_argument("--tokens", type=_ints, default=list(TOKENS))
+    parser.add_argument("--tokens", type=positive_int_list, default=list(TOKENS))
     parser.add_argument("--impls", type=_names, default=["triton", "grouped"],
                         help="comma-separated, of triton, grouped (the loop syncs: no graph)")
     parser.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import mlaserve
+from mlaserve.arg_types import positive_int_list
 from mlaserve.attention import registry
 from mlaserve.attention.base import MLABackend, MLAShape, UnsupportedShape
 from mlaserve.bench.kernel_cases import CellInputs, copies_needed, make_inputs
@@ -73,17 +74,6 @@ JSON_NAME, PLOT_NAME = "kernel_bench.json", "kernel_bench.png"
 PRESETS = {"anchor": anchor_cells, "coverage": coverage_cells}  # --grid NAME: fixed cells
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
-            from exc
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `mlaserve bench kernel` flags."""
     known = ", ".join([*registry.available_backends(), *registry.peer_backends()])
@@ -99,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        ("--kv-lens", "kv_lens"), ("--block-sizes", "block_sizes"),
                        ("--q-lens", "q_lens")):
         default = ",".join(map(str, GRID_DEFAULTS[dest]))
-        parser.add_argument(flag, dest=dest, type=_int_list, default=None,
+        parser.add_argument(flag, dest=dest, type=positive_int_list, default=None,
                             help=f"comma list (default {default})")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--graph", dest="mode", action="store_const", const="graph",

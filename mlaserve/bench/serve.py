@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from mlaserve.arg_types import json_object
 from mlaserve.bench import serve_client as client
 from mlaserve.bench import serve_metrics as report
 from mlaserve.bench.serve_dataset import (
@@ -122,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--presence-penalty", type=float, default=None)
     sampling.add_argument("--repetition-penalty", type=float, default=None)
     sampling.add_argument("--logprobs", type=int, default=None)
-    sampling.add_argument("--extra-body", type=json.loads, default=None,
+    sampling.add_argument("--extra-body", type=json_object, default=None,
                           help="JSON object merged into every request body")
 
     out = parser.add_argument_group("reporting")

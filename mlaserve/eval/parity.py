@@ -24,6 +24,7 @@ import shlex
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+from mlaserve.arg_types import positive_int
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.request import RequestOutput, SamplingParams
 
@@ -178,13 +179,6 @@ def reference_prompts(reference: EngineArgs, args: argparse.Namespace) -> list[l
     return random_prompts(min(config.vocab_size, 30000), args.num_prompts, args.seed)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mlaserve.cli import add_engine_arguments
 
@@ -196,12 +190,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "quoted as one argument; repeat for more candidates; a single flag "
                              "without a value as --compare=--FLAG (default: "
                              f"{DEFAULT_CANDIDATES[0]!r})")
-    parser.add_argument("--num-prompts", type=_positive, default=16,
+    parser.add_argument("--num-prompts", type=positive_int, default=16,
                         help="random prompts, or the first of --prompts-file")
     parser.add_argument("--prompts-file", default=None,
                         help="prompts from this text file, one a line (a JSON string in double "
                              "quotes is decoded, for newlines), instead of random token ids")
-    parser.add_argument("--max-tokens", type=_positive, default=32)
+    parser.add_argument("--max-tokens", type=positive_int, default=32)
     parser.add_argument("--min-token-agreement", type=float, default=0.9,
                         help="fail below this share of generated tokens equal to the "
                              "reference's")

@@ -1,0 +1,42 @@
+"""argparse types shared by the command line, the benchmarks and the scripts: each turns a
+flag's text into its value, or raises ArgumentTypeError saying what to write (argparse prints
+it beside the flag's name). Torch-free, as argument parsing must be."""
+
+import argparse
+import json
+
+
+def positive_int(text: str) -> int:
+    """'16' -> 16; 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """'64,128,512' -> [64, 128, 512]; at least one, each 1 or more."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def json_object(text: str) -> dict:
+    """'{"num_hidden_layers": 4}' -> that dict."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): write an object such as "
+                                         "'{\"key\": 1}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: write one such as "
+                                         "'{\"key\": 1}'")
+    return value
