@@ -118,7 +118,7 @@ def _torchrun_worker(engine_args) -> int | None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from mlaserve.engine.args import check_parallel, model_dir_of
+    from mlaserve.engine.args import check_parallel
     from mlaserve.engine.engine import LLMEngine
     from mlaserve.engine.generation_config import default_sampling
     from mlaserve.engine.request import SamplingParams
@@ -129,8 +129,7 @@ def _generate(args: argparse.Namespace) -> int:
         return status
     given = {name: value for name, value in (("temperature", args.temperature),
                                              ("top_p", args.top_p)) if value is not None}
-    sampling = default_sampling(engine_args.generation_config, model_dir_of(engine_args),
-                                engine_args.override_generation_config) | given
+    sampling = default_sampling(engine_args) | given
     sampling["max_tokens"] = args.max_tokens
     engine = LLMEngine(engine_args)
     try:

@@ -4,7 +4,6 @@ from dataclasses import fields, replace
 
 from tqdm import tqdm
 
-from mlaserve.engine.args import model_dir_of
 from mlaserve.engine.engine import EngineArgs, LLMEngine, StepFailed
 from mlaserve.engine.generation_config import default_sampling
 from mlaserve.engine.request import CompletionOutput, RequestOutput, SamplingParams
@@ -50,8 +49,7 @@ class LLM:
             block_size=block_size, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len, load_format=load_format, seed=seed,
             tensor_parallel_size=tensor_parallel_size, **kwargs)
-        self._default_sampling = default_sampling(args.generation_config, model_dir_of(args),
-                                                  args.override_generation_config)
+        self._default_sampling = default_sampling(args)
         self.engine = LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
 

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.generation_config import default_sampling
 from mlaserve.server.api import ServerOptions
 from tests.server_util import RunningServer
@@ -26,14 +27,18 @@ def write(directory, config: dict):
 def test_the_six_sampling_fields_are_taken(tmp_path):
     model = write(tmp_path / "model", {**DEEPSEEK_V3, "top_k": 40, "min_p": 0.05,
                                        "repetition_penalty": 1.1, "max_new_tokens": 64})
-    assert default_sampling("auto", model) == {
+    def defaults(source: str, model_dir=model, overrides=None):
+        return default_sampling(EngineArgs(model=str(model_dir), generation_config=source,
+                                           override_generation_config=overrides))
+
+    assert defaults("auto") == {
         "temperature": 0.6, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
         "repetition_penalty": 1.1, "max_tokens": 64}
-    assert default_sampling("vllm", model) == {}
-    assert default_sampling("auto", tmp_path) == {}  # no file: the usual defaults
+    assert defaults("vllm") == {}
+    assert defaults("auto", tmp_path) == {}  # no file: the usual defaults
     other = write(tmp_path / "other", {"temperature": 0.3})
-    assert default_sampling(str(other), model) == {"temperature": 0.3}
-    assert default_sampling("auto", model, {"temperature": 0.0, "top_p": None})["temperature"] == 0
+    assert defaults(str(other)) == {"temperature": 0.3}
+    assert defaults("auto", overrides={"temperature": 0.0, "top_p": None})["temperature"] == 0
 
 
 @pytest.mark.parametrize("source, config, overrides, says", [
@@ -49,8 +54,9 @@ def test_bad_generation_configs_are_refused(tmp_path, source, config, overrides,
         tmp_path.joinpath("generation_config.json").write_text(
             config if isinstance(config, str) else json.dumps(config))
     with pytest.raises(ValueError, match=says):
-        default_sampling(str(tmp_path / source) if source == "missing" else source, tmp_path,
-                         overrides)
+        default_sampling(EngineArgs(
+            model=str(tmp_path), override_generation_config=overrides,
+            generation_config=str(tmp_path / source) if source == "missing" else source))
 
 
 def test_llm_generate_samples_with_the_generation_config(tmp_path):

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from mlaserve.engine.args import EngineArgs, model_dir_of
 from mlaserve.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -22,23 +23,21 @@ SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p
                    "max_new_tokens")
 
 
-def default_sampling(source: str, model_dir: Path,
-                     overrides: dict[str, Any] | None = None) -> dict[str, float | int]:
+def default_sampling(args: EngineArgs) -> dict[str, float | int]:
     """The sampling defaults a request's missing fields take, keyed by SamplingParams names
     (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens); empty: the usual ones.
-
-    Args:
-        source: "auto" (model_dir's generation_config.json, none if it has no file), "vllm"
-            (none), or a directory holding a generation_config.json.
-        overrides: fields merged on top (`--override-generation-config`).
+    `args.generation_config` is "auto" (the model directory's generation_config.json, none if
+    it has no file), "vllm" (none) or a directory holding a generation_config.json;
+    `args.override_generation_config` goes on top.
 
     Raises:
         ValueError: a named directory without the file, a file that is not JSON, or a field
             that is not a number or not one of SAMPLING_FIELDS.
     """
+    source, overrides = args.generation_config, args.override_generation_config
     found: dict[str, Any] = {}
     if source != "vllm":
-        directory = model_dir if source == "auto" else Path(source)
+        directory = model_dir_of(args) if source == "auto" else Path(source)
         path = directory / GENERATION_CONFIG_FILE
         if path.is_file():
             try:

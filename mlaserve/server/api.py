@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlaserve import __version__
-from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs, model_dir_of
+from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
 from mlaserve.engine.core_client import AsyncEngineClient, EngineDeadError
 from mlaserve.engine.generation_config import default_sampling
 from mlaserve.engine.messages import SchedulerStats
@@ -265,9 +265,7 @@ def create_app(engine_args: EngineArgs, served_model_name: str | Sequence[str] |
     serving_options = ServingOptions(**{
         **{f.name: getattr(state.options, f.name) for f in fields(ServingOptions)},
         "max_num_seqs": engine_args.max_num_seqs,
-        "default_sampling": default_sampling(engine_args.generation_config,
-                                             model_dir_of(engine_args),
-                                             engine_args.override_generation_config)})
+        "default_sampling": default_sampling(engine_args)})
 
     def on_engine_dead(error: EngineDeadError) -> None:
         logger.error("%s; stopping the server", error)
