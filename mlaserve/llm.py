@@ -99,15 +99,12 @@ class LLM:
 
     @staticmethod
     def _normalise(prompts: Prompt | dict | list[Prompt | dict]) -> list[Prompt]:
-        if isinstance(prompts, (str, dict)):
+        one_list_of_ids = isinstance(prompts, list) and prompts and all(
+            isinstance(t, int) for t in prompts)
+        if isinstance(prompts, (str, dict)) or one_list_of_ids:
             prompts = [prompts]
-        elif isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-            return [prompts]
-        if not isinstance(prompts, list):
-            prompts = None
-        else:
-            prompts = [_prompt_of(p) for p in prompts]
-        if prompts is None or not all(isinstance(p, (str, list)) for p in prompts):
+        prompts = [_prompt_of(p) for p in prompts] if isinstance(prompts, list) else [None]
+        if not all(isinstance(p, (str, list)) for p in prompts):
             raise ValueError("prompts must be a string, a list of strings, a list of token ids, "
                              "a list of token-id lists, or {\"prompt\": text} / "
                              "{\"prompt_token_ids\": ids} dicts")

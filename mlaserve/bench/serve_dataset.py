@@ -186,15 +186,18 @@ MAX_PROMPT_LEN = 1024
 MAX_TOTAL_LEN = 2048
 
 
-def _read_json(path: str, what: str) -> Any:
+def _read_json(path: str, json_lines: bool = False) -> Any:
+    """The file's JSON value, or with `json_lines` the list of its lines' values."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f) if what == "json" else [json.loads(line) for line in f
-                                                        if line.strip()]
+            if json_lines:
+                return [json.loads(line) for line in f if line.strip()]
+            return json.load(f)
     except OSError as exc:
         raise ValueError(f"--dataset-path {path}: {exc.strerror}") from None
     except ValueError as exc:
-        raise ValueError(f"--dataset-path {path} is not {what.upper()} ({exc})") from None
+        kind = "JSON Lines" if json_lines else "JSON"
+        raise ValueError(f"--dataset-path {path} is not {kind} ({exc})") from None
 
 
 def oversample(requests: list[SampleRequest], num_requests: int, seed: int,
@@ -220,7 +223,7 @@ def sample_sharegpt_requests(tokenizer: Any, path: str, *, num_requests: int,
     its first turn as the prompt and the second's token count as the output length
     (``output_len`` instead where given); pairs outside the length bounds are skipped, and
     ``fill`` oversamples up to ``num_requests``."""
-    data = _read_json(path, "json")
+    data = _read_json(path)
     if not isinstance(data, list):
         raise ValueError(f"--dataset-path {path}: a ShareGPT file is a JSON list of objects with "
                          "'conversations'")
@@ -250,7 +253,7 @@ def sample_custom_requests(tokenizer: Any, path: str, *, num_requests: int, outp
     """A JSON Lines file of ``{"prompt": ...}``: shuffled as ShareGPT is, each prompt put in
     the tokenizer's chat template as one user turn (unless ``chat_template`` is False), asking
     for ``output_len`` tokens; ``fill`` oversamples up to ``num_requests``."""
-    rows = _read_json(path, "jsonl")
+    rows = _read_json(path, json_lines=True)
     if not all(isinstance(row, dict) and isinstance(row.get("prompt"), str) for row in rows):
         raise ValueError(f"--dataset-path {path}: every line of a custom dataset is a JSON "
                          'object with a "prompt" string')
