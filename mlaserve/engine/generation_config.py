@@ -1,7 +1,7 @@
 """Default sampling parameters from a model's generation_config.json, as vLLM applies them.
 
-Model makers publish the sampling they recommend in generation_config.json (DeepSeek-V3 and R1:
-temperature 0.6, top_p 0.95). vLLM's server and `LLM.generate` use those values for every field
+Model makers publish the sampling they recommend in generation_config.json (e.g. temperature
+0.6, top_p 0.95). vLLM's server and `LLM.generate` use those values for every field
 a request leaves out (`--generation-config auto`, its default); `--generation-config vllm` keeps
 the usual defaults (temperature 1, top_p 1, no top_k or min_p, repetition_penalty 1), and a
 directory names another generation_config.json. `--override-generation-config` JSON is merged
