@@ -32,8 +32,8 @@ GROUP_M row tiles that share the weight tiles through L2. The CTAs finish after 
 ("waves") as the busiest one has tiles, so a shape with a few more 128-wide tiles than SMs
 takes two rounds for little more than one's work: V3's fused q_a + kv_a product (N = 2112) at
 1024 tokens is 136 tiles on 132 SMs. `choose_block_n` takes 64-wide tiles, half the work each,
-where that shortens the rounds enough to pay for their smaller products (264 tiles: two rounds
-of half the length).
+where that shortens the rounds enough to pay for their smaller products (264 tiles: two rounds,
+each 0.8 of a wide round's time on the H200).
 
 TMA zero-fills rows, columns and K past the operands, so any M, N and K work within TMA's
 alignment (K a multiple of 16, N of 8; `gluon_gemm_serves`). Needs Triton's Gluon (Triton >=
@@ -63,14 +63,14 @@ BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_NS = (128, 64)  # within one weight scale row per tile
 BLOCK_K = 128  # one scale column per K block
 SCALE_ROWS = gl.constexpr(128)  # the weight's scale blocks are 128 x 128
-# 64-wide tiles are chosen only where their estimated time, rounds x width, is at most this
-# share of the 128-wide tiles' (a 64-wide wgmma reads as many x bytes per product as a
-# 128-wide one for half the work, and a tile has fixed costs)
-NARROW_TILE_MARGIN = 0.8
+# The time of a round of 64-wide tiles against a round of 128-wide ones, measured on the H200
+# (scripts/fp8_gemm_sm90_check.py, both widths on V3's shapes: 0.73-0.83, not 0.5): a 64-wide
+# wgmma reads as many x bytes as a 128-wide one for half the work, and a tile has fixed costs
+NARROW_ROUND_COST = 0.8
 NUM_WARPS = 4  # the default partition: the first compute warpgroup
 DEFAULT_STAGES = 5  # 5 x 32 KB ring + 32 KB output staging: one CTA per SM
 DEFAULT_GROUP_M = 8
-DEFAULT_K_UNROLL = 4  # V3's K are multiples of 4 x 128
+DEFAULT_K_UNROLL = 2  # chains of 2 beat 4 on 11 of V3's 14 cells (benchmarks/fp8/gemm_sm90.log)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
@@ -83,13 +83,13 @@ def shared_memory_bytes(num_stages: int, out_dtype: torch.dtype, block_n: int = 
 
 def choose_block_n(rows: int, out_features: int, num_sms: int) -> int:
     """128, or 64 where 128-wide tiles leave the last round of the persistent grid mostly
-    empty: the estimated time of a tile width is its rounds (ceil(tiles / SMs)) times the
-    width, and 64 must beat 128 by NARROW_TILE_MARGIN."""
-    def cost(block_n: int) -> int:
+    empty: a width's estimated time is its rounds (ceil(tiles / SMs)) times the time of one
+    of its rounds (1 at 128, NARROW_ROUND_COST at 64)."""
+    def rounds(block_n: int) -> int:
         tiles = -(-rows // BLOCK_M) * -(-out_features // block_n)
-        return -(-tiles // num_sms) * block_n
+        return -(-tiles // num_sms)
 
-    return 64 if cost(64) <= NARROW_TILE_MARGIN * cost(128) else 128
+    return 64 if rounds(64) * NARROW_ROUND_COST < rounds(128) else 128
 
 
 def gluon_gemm_serves(rows: int, out_features: int, in_features: int) -> bool:
