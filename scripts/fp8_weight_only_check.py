@@ -37,6 +37,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from mlaserve.arg_types import positive_int_list
 from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
@@ -136,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             for block_n, k_blocks, num_stages, num_warps in sweep:
                 config = dict(block_n=block_n, k_blocks=k_blocks, num_stages=num_stages,
                               num_warps=num_warps)
-                err = relative_error(fp8_weight_only_matmul(x, w_fp8, w_scales, **config), want)
+                try:
+                    y = fp8_weight_only_matmul(x, w_fp8, w_scales, **config)  # [M, N]
+                except OutOfResources:  # a ring that does not fit shared memory: not a result
+                    continue
+                err = relative_error(y, want)
                 if err > WEIGHT_ONLY_REL_ERR:
                     print(f"  FAIL {shape} M={rows_m} {config}: rel err {err:.1e}")
                     failed = True

@@ -88,8 +88,8 @@ def test_default_config_takes_the_tuned_fp8_tile_once_one_is_set(
 
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     shape = (16, 1, 512, 64, bf16, 64, 4096)
-    if tuning.GLUON_FP8_TILE is None:
-        assert not default_config(*shape, 64, fp8).gluon_fp8
+    monkeypatch.setattr(tuning, "GLUON_FP8_TILE", None)
+    assert not default_config(*shape, 64, fp8).gluon_fp8
     monkeypatch.setattr(tuning, "GLUON_FP8_TILE", (32, 3))
     config = default_config(*shape, 64, fp8)
     assert config.gluon_fp8 and (config.block_n, config.num_stages) == (32, 3)

@@ -13,9 +13,8 @@ GLUON_SM90_CONFIG = dict(block_m=64, block_n=32, num_warps=8, num_stages=4, prog
 GLUON_MIN_PAGE = 32  # tokens per page the Gluon pass needs (one tile within a page)
 
 # The FP8 Gluon pass (`gluon_sm90_fp8.py`) over an FP8 cache under 16-row programs:
-# (block_n, num_stages), or None while it is unmeasured on the H200 (the Triton split pass then
-# reads FP8 caches with TRITON_TILES).
-GLUON_FP8_TILE: tuple[int, int] | None = None
+# (block_n, num_stages), or None to read FP8 caches with the Triton split pass (TRITON_TILES).
+GLUON_FP8_TILE: tuple[int, int] | None = (32, 2)
 
 # float32 inputs (tests under the interpreter, FMA dots on a GPU): 16-row groups, the widest
 # tile of FLOAT32_BLOCK_NS whose Q and two KV tiles fit FLOAT32_SMEM_BUDGET.
