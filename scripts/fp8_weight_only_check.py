@@ -4,8 +4,8 @@ configuration swept, so that `WEIGHT_ONLY_MAX_ROWS` and `weight_only_tiles` can 
 run.
 
 Usage (GPU): python3 scripts/fp8_weight_only_check.py [--shapes 2112x7168,24576x1536,...]
-    [--tokens 1,16,32,64,128] [--block-n 16,32,64] [--k-blocks 1,4] [--stages 3,4,5]
-    [--warps 2,4]
+    [--tokens 1,16,32,64,128] [--block-n 16,32,64] [--k-splits 1,2,4,8] [--k-blocks 1,4]
+    [--stages 3,4,5] [--warps 2,4]
     [--repeats 10] [--out FILE.json]
 
 Per weight shape N x K: a random bf16 weight (randn * 0.02), quantized per 128x128 block as the
@@ -17,12 +17,13 @@ replay, `kernels.testing.graph_replay_seconds`), each call rotating over copies 
 so that the L2 holds none of the weight a call reads (as in a model, where every layer has its
 own):
 - `bf16`: x @ w_bf16.T (cuBLAS);
-- `w8a16`: `fp8_weight_only_matmul` with its default configuration (`weight_only_tiles`, 4
-  stages, 4 warps);
+- `w8a16`: `fp8_weight_only_matmul` with its default configuration (`weight_only_tiles`: its
+  tiles and K splits are printed; 4 stages, 4 warps);
 - `w8a8`: `block_fp8_w8a8`, the path `block_fp8_linear` runs past `WEIGHT_ONLY_MAX_ROWS`: the
   per-token-group quantization of x plus the product (cuBLASLt where it takes the shape);
-- `best`: the fastest of the swept configurations (block_n x k_blocks x num_stages x
-  num_warps), named.
+- `best`: the fastest of the swept configurations (block_n x k_splits x k_blocks x
+  num_stages x num_warps), named; a configuration whose ring does not fit shared memory is
+  skipped.
 The table gives microseconds, speed-ups over bf16 (above 1: faster than bf16) and the weight
 bytes per second of the w8a16 default and of the best configuration, beside the device's copy
 rate measured in the same run.
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma list of token counts M")
     parser.add_argument("--block-n", type=positive_int_list, default="16,32,64",
                         help="swept BLOCK_N (16, 32, 64)")
+    parser.add_argument("--k-splits", type=positive_int_list, default="1,2,4,8",
+                        help="swept K splits")
     parser.add_argument("--k-blocks", type=positive_int_list, default="1,4",
                         help="swept K blocks per step (1-8)")
     parser.add_argument("--stages", type=positive_int_list, default="3,4,5",
@@ -103,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     copy_rate = ceilings.copy_bytes_per_s / 1e9
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2_bytes >> 20} MiB, copy rate "
           f"{copy_rate:.0f} GB/s (read + write); WEIGHT_ONLY_MAX_ROWS = {WEIGHT_ONLY_MAX_ROWS}")
-    sweep = list(itertools.product(args.block_n, args.k_blocks, args.stages,
+    sweep = list(itertools.product(args.block_n, args.k_splits, args.k_blocks, args.stages,
                                    args.warps))
     print(f"{'N x K':>12} {'M':>4} {'path':>11}  {'bf16 us':>8} {'w8a16 us':>8} {'w8a8 us':>8} "
-          f"{'best us':>8} {'best (bn,kb,st,wp)':>18}  {'x w8a16':>7} {'x w8a8':>6} {'x best':>6}  "
-          f"{'GB/s':>5} {'best':>5}  {'tiles':>7}  rel err", flush=True)
+          f"{'best us':>8} {'best (bn,sp,kb,st,wp)':>21}  {'x w8a16':>7} {'x w8a8':>6} "
+          f"{'x best':>6}  "
+          f"{'GB/s':>5} {'best':>5}  {'tiles/splits':>12}  rel err", flush=True)
     rows, failed = [], False
     for shape in args.shapes.split(","):
         out_features, in_features = (int(v) for v in shape.lower().split("x"))
@@ -134,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             w8a8 = _time([partial(block_fp8_w8a8, x, w, w_scales, w8a8_path)
                           for w in w_fp8s], args.repeats)
             swept = {}
-            for block_n, k_blocks, num_stages, num_warps in sweep:
-                config = dict(block_n=block_n, k_blocks=k_blocks, num_stages=num_stages,
-                              num_warps=num_warps)
+            for block_n, k_splits, k_blocks, num_stages, num_warps in sweep:
+                config = dict(block_n=block_n, k_splits=k_splits, k_blocks=k_blocks,
+                              num_stages=num_stages, num_warps=num_warps)
                 try:
                     y = fp8_weight_only_matmul(x, w_fp8, w_scales, **config)  # [M, N]
                 except OutOfResources:  # a ring that does not fit shared memory: not a result
@@ -146,12 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  FAIL {shape} M={rows_m} {config}: rel err {err:.1e}")
                     failed = True
                     continue
-                swept[(block_n, k_blocks, num_stages, num_warps)] = _time(
+                swept[(block_n, k_splits, k_blocks, num_stages, num_warps)] = _time(
                     [partial(fp8_weight_only_matmul, x, w, w_scales, **config) for w in w_fp8s],
                     args.repeats)
             best_config = min(swept, key=swept.get, default=None)
             best = swept[best_config] if best_config else math.nan
-            tiles = weight_only_tiles(rows_m, out_features, props.multi_processor_count)
+            tiles = weight_only_tiles(rows_m, out_features, in_features,
+                                      props.multi_processor_count)
             path = product_path(True, rows_m, out_features, in_features, sm90=sm90)
             rows.append(dict(
                 out_features=out_features, in_features=in_features, tokens=rows_m, path=path,
@@ -161,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                 sweep_us={",".join(map(str, key)): t * 1e6 for key, t in swept.items()}))
             best_text = ",".join(map(str, best_config)) if best_config else "-"
             print(f"{shape:>12} {rows_m:4} {path:>11}  {bf16 * 1e6:8.1f} {w8a16 * 1e6:8.1f} "
-                  f"{w8a8 * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>18}  {bf16 / w8a16:7.2f} "
+                  f"{w8a8 * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>21}  {bf16 / w8a16:7.2f} "
                   f"{bf16 / w8a8:6.2f} {bf16 / best:6.2f}  {weight_bytes / w8a16 / 1e9:5.0f} "
-                  f"{weight_bytes / best / 1e9:5.0f}  {tiles[0]:3}x{tiles[1]:<3}  {rel_err:.1e}"
+                  f"{weight_bytes / best / 1e9:5.0f}  {tiles[0]:3}x{tiles[1]:<3}/{tiles[2]:<2} "
+                  f"{rel_err:.1e}"
                   f"{'  FAIL' if rel_err > WEIGHT_ONLY_REL_ERR else ''}", flush=True)
         del w_bf16s, w_fp8s, w_dequantized
         torch.cuda.empty_cache()

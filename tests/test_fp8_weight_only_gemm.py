@@ -70,17 +70,22 @@ def test_matches_the_dequantized_product(dtype: torch.dtype, rows: int, out_feat
     assert _error(y, x.float() @ dequantize_block_fp8(weight, wrong).T) > 10 * TOLERANCES[dtype]
 
 
-@pytest.mark.parametrize("block_n,k_blocks", [(16, 1), (32, 2), (64, 1), (16, 4)])
-def test_every_tiling_gives_the_same_product(block_n: int, k_blocks: int) -> None:
+@pytest.mark.parametrize("block_n,k_blocks,k_splits",
+                         [(16, 1, 1), (32, 2, 1), (64, 1, 1), (16, 4, 1), (64, 1, 2),
+                          (32, 2, 3), (64, 1, 5), (16, 2, 9)])
+def test_every_tiling_gives_the_same_product(block_n: int, k_blocks: int, k_splits: int
+                                             ) -> None:
     """The tuning knobs change the tiling, not the result (float32, N = 200 ragged at every
-    width; K = 640 is 5 blocks, so 2 and 4 blocks a step end in a step past the last block)."""
+    width; K = 640 is 5 blocks, so 2 and 4 blocks a step end in a step past the last block;
+    3 splits are of 2, 2 and 1 blocks, 9 become 5 of one)."""
     gen = torch.Generator().manual_seed(block_n)
     weight, scale_inv = quantize_block_fp8(torch.randn(200, 640, generator=gen) * 0.05)
     scale_inv *= 1 + torch.rand(scale_inv.shape, generator=gen)  # a distinct scale per block
     x = torch.randn(3, 640, generator=gen)
     want = x @ dequantize_block_fp8(weight, scale_inv).T
     y = fp8_weight_only_matmul(x.to(DEVICE), weight.to(DEVICE), scale_inv.to(DEVICE),
-                               block_n=block_n, k_blocks=k_blocks, num_stages=3,
+                               block_n=block_n, k_blocks=k_blocks, k_splits=k_splits,
+                               num_stages=3,
                                num_warps=2).cpu()
     assert _error(y, want) <= TOLERANCES[torch.float32]
 
@@ -93,6 +98,8 @@ def test_refuses_bad_operands() -> None:
         fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, k_blocks=3)
     with pytest.raises(ValueError, match="block_n"):
         fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, block_n=128)
+    with pytest.raises(ValueError, match="k_splits must be 1 or more"):
+        fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, k_splits=0)
     with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
         fp8_weight_only_matmul(torch.randn(2, 256, dtype=torch.float64), weight, scale_inv)
 
@@ -112,8 +119,10 @@ def test_product_path_and_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     assert product_path(True, 1000, 200, 300) == "triton"  # K not a multiple of 512
     assert product_path(False, 1, *v3_fused_qkv_a) == "triton"
     assert product_path(False, 6, *v3_fused_qkv_a) == "triton"  # 2 x 3 rows off CUDA
-    assert weight_only_tiles(1, 2112) == (16, 16)  # 132 programs of 16 columns
-    assert weight_only_tiles(16, 24576) == (16, 64)  # 384 programs of 64
-    assert weight_only_tiles(1, 9000) == (16, 32)  # 282 programs of 32 (64: 141)
-    assert weight_only_tiles(33, 7168) == (64, 16)  # 32 columns: 224 programs, too few
-    assert weight_only_tiles(100, 7168) == (64, 32)  # two row blocks: 448 programs of 32
+    # V3's fused q_a + kv_a: 33 column tiles, K split 8 ways for 264 programs of 7 K blocks
+    assert weight_only_tiles(1, 2112, 7168) == (16, 64, 8)
+    assert weight_only_tiles(16, 24576, 1536) == (16, 64, 1)  # 384 column tiles: no split
+    assert weight_only_tiles(64, 7168, 2048) == (64, 64, 3)  # 112 tiles; 3 splits of <= 6
+    assert weight_only_tiles(33, 7168, 2048) == (64, 64, 3)
+    assert weight_only_tiles(100, 7168, 2048) == (64, 64, 2)  # two row blocks: 224 tiles
+    assert weight_only_tiles(1, 256, 512) == (16, 64, 1)  # 4 K blocks: too few to split

@@ -18,7 +18,8 @@ float32) and each weight tile is converted to x's dtype in registers,
 
     y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j],
 
-one launch that reads the weight's FP8 bytes, half of a bf16 weight's. `product_path` picks one
+a product that reads the weight's FP8 bytes, half of a bf16 weight's (K split where the
+weight's column tiles alone would leave SMs idle). `product_path` picks one
 of the four products for `block_fp8_linear`: "weight-only" on CUDA up to
 `WEIGHT_ONLY_MAX_ROWS` rows, "gluon" (the warp-specialised sm_90 kernel of `fp8_gemm_sm90`)
 on an sm_90 GPU from `GLUON_MIN_ROWS` rows, else "cublas" (torch's blockwise scaled matmul)
@@ -49,6 +50,10 @@ WEIGHT_ONLY_MAX_ROWS = 0
 # scripts/fp8_gemm_sm90_check.py has measured it against cuBLASLt (it has not run on a GPU yet).
 GLUON_MIN_ROWS = 0
 HOPPER_SMS = 132  # H100 / H200 SXM: the SM count `weight_only_tiles` assumes off CUDA
+# The weight-only product splits K until it has this many programs per SM, each split at least
+# this many 128-deep K blocks (`weight_only_tiles`)
+WEIGHT_ONLY_PROGRAMS_PER_SM = 2
+WEIGHT_ONLY_MIN_SPLIT_BLOCKS = 4
 
 
 @triton.jit
@@ -191,47 +196,67 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
     return y
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile for every row count of a BLOCK_M
+@triton.jit(do_not_specialize=["M", "BLOCKS_PER_SPLIT"])  # one compile per tiling
 def _fp8_weight_only_matmul_kernel(
     x_ptr,  # [M, K] bfloat16, float16 or float32
     w_ptr,  # [N, K] float8_e4m3fn
-    y_ptr,  # [M, N] x's dtype
+    y_ptr,  # [M, N] x's dtype, or [splits, M, N] float32 partial sums (SPLIT_K)
     w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_ym, stride_ws,
+    BLOCKS_PER_SPLIT,  # K blocks of each split (program_id 2)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # 16, 32 or 64, a divisor of 128: one weight scale row per tile
     BLOCK_K: tl.constexpr,  # 128: one scale column per K block
     K_BLOCKS: tl.constexpr,  # K blocks per loop step (more weight bytes in flight per stage)
+    SPLIT_K: tl.constexpr,  # write float32 partial sums of this split's K blocks
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 x (16-bit operands ignore it)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
     scale_row = (pid_n * BLOCK_N) // 128
-    num_k_blocks = tl.cdiv(K, BLOCK_K)
+    first_block = split * BLOCKS_PER_SPLIT
+    end_block = tl.minimum(first_block + BLOCKS_PER_SPLIT, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # pipelined by the launch's num_stages: each stage holds K_BLOCKS weight tiles
-    for first in range(0, num_k_blocks, K_BLOCKS):
+    for first in range(first_block, end_block, K_BLOCKS):
         for step in tl.static_range(K_BLOCKS):
             k_block = first + step
             cols = k_block * BLOCK_K + offs_k
-            k_mask = cols < K  # also off for a K block past the last
+            k_mask = (cols < K) & (k_block < end_block)  # also off for a K block past the last
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
             w = tl.load(w_ptr + offs_n[:, None] * stride_wn + cols[None, :],
                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK] FP8
             w_scale = tl.load(w_scale_ptr + scale_row * stride_ws + k_block,
-                              mask=k_block < num_k_blocks, other=0.0)
+                              mask=k_block < end_block, other=0.0)
             partial = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION,
                              out_dtype=tl.float32)  # [BM, BN]
             acc += partial * w_scale
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    out = offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K:
+        tl.store(y_ptr + split * M * N + out, acc, mask=mask)
+    else:
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, y_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """y [numel] = the sum over the splits of partial [SPLITS, numel] (float32), in y's
+    dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        acc += tl.load(partial_ptr + split * numel + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -240,28 +265,33 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def weight_only_tiles(rows: int, out_features: int, num_sms: int = HOPPER_SMS
-                      ) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of `fp8_weight_only_matmul` for x [rows, K] and a weight [N, K].
+def weight_only_tiles(rows: int, out_features: int, in_features: int,
+                      num_sms: int = HOPPER_SMS) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, K splits) of `fp8_weight_only_matmul` for x [rows, K] and a weight
+    [N, K].
 
     BLOCK_M: the fewest of 16, 32 and 64 rows that cover `rows` (64 past that, in several row
-    blocks). BLOCK_N: at these row counts the product streams the weight once, and the N tiles
-    are what spread that stream over the SMs, so the widest of 64, 32 and 16 columns (divisors
-    of 128: a tile never straddles a scale block) that still gives at least two programs per
-    SM, else 16.
+    blocks). BLOCK_N: 64 columns, so that each K step of a program reads an 8 KB weight tile.
+    At these row counts the product streams the weight once, and it is the programs that
+    spread that stream over the SMs: where the row and column tiles give fewer than
+    `WEIGHT_ONLY_PROGRAMS_PER_SM` programs per SM, K is split too (each split at least
+    `WEIGHT_ONLY_MIN_SPLIT_BLOCKS` K blocks), and a second launch adds the splits' float32
+    partial sums.
     """
     block_m = next((m for m in (16, 32) if rows <= m), 64)
-    row_blocks = -(-rows // block_m)
-    block_n = next((n for n in (64, 32)
-                    if row_blocks * -(-out_features // n) >= 2 * num_sms), 16)
-    return block_m, block_n
+    block_n = 64
+    tiles = -(-rows // block_m) * -(-out_features // block_n)
+    k_blocks = -(-in_features // 128)
+    wanted = -(-WEIGHT_ONLY_PROGRAMS_PER_SM * num_sms // tiles)
+    k_splits = max(1, min(wanted, k_blocks // WEIGHT_ONLY_MIN_SPLIT_BLOCKS))
+    return block_m, block_n, k_splits
 
 
 def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
                            weight_scale_inv: torch.Tensor, *, block_n: int | None = None,
-                           k_blocks: int = 1, num_stages: int = 4,
+                           k_splits: int | None = None, k_blocks: int = 1, num_stages: int = 4,
                            num_warps: int = 4) -> torch.Tensor:
-    """y [M, N] = x @ dequant(weight, weight_scale_inv)^T in x's dtype (w8a16, one launch).
+    """y [M, N] = x @ dequant(weight, weight_scale_inv)^T in x's dtype (w8a16).
 
         y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j]
 
@@ -269,17 +299,20 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
     in registers (float32 x: float32, multiplied in IEEE float32), multiplied with x's tile in
     float32, and the product scaled by the tile's one weight scale before it is added to the
     float32 accumulator. x is not quantized. Made for a few rows (M <= 64), where the product
-    is bound by reading the weight, in FP8 half of a bf16 weight's bytes.
+    is bound by reading the weight, in FP8 half of a bf16 weight's bytes. With K split, each
+    split's programs write float32 partial sums [splits, M, N] and a second launch adds them
+    and rounds to x's dtype.
 
     Args:
         x: [M, K] bfloat16, float16 or float32 (any strides).
         weight: [N, K] float8_e4m3fn (any row stride), weight_scale_inv
             [ceil(N / 128), ceil(K / 128)] float32 (DeepSeek's checkpoint layout).
-        block_n: columns per program, 16, 32 or 64 (default: `weight_only_tiles`);
+        block_n: columns per program, 16, 32 or 64; k_splits: K split into this many runs of
+            K blocks (default for both: `weight_only_tiles`);
             k_blocks: 128-wide K blocks per step of the K loop (a pipeline stage holds that
             many weight tiles, so more of the weight is in flight per program);
             num_stages, num_warps: the launch's (software pipelining depth of the K loop,
-            warps per program); these four are for tuning.
+            warps per program); these five are for tuning.
     """
     rows, cols = x.shape
     out_features = weight.shape[0]
@@ -291,20 +324,33 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
         weight = weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
     num_sms = sm_count(x.device) if x.is_cuda else HOPPER_SMS
-    block_m, default_block_n = weight_only_tiles(rows, out_features, num_sms)
+    block_m, default_block_n, default_splits = weight_only_tiles(rows, out_features, cols,
+                                                                 num_sms)
     block_n = default_block_n if block_n is None else block_n
+    k_splits = default_splits if k_splits is None else k_splits
     if block_n not in (16, 32, 64):
         raise ValueError(f"block_n must be 16, 32 or 64, not {block_n}")
     if k_blocks not in (1, 2, 4, 8):
         raise ValueError(f"k_blocks must be 1, 2, 4 or 8, not {k_blocks}")
+    if k_splits < 1:
+        raise ValueError(f"k_splits must be 1 or more, not {k_splits}")
+    num_k_blocks = triton.cdiv(cols, 128)
+    blocks_per_split = triton.cdiv(num_k_blocks, k_splits)
+    k_splits = triton.cdiv(num_k_blocks, blocks_per_split)  # none of them empty
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))
+    out = y if k_splits == 1 else torch.empty(k_splits, rows, out_features,
+                                              dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n), k_splits)
     _fp8_weight_only_matmul_kernel[grid](
-        x, weight, y, weight_scale_inv, rows, out_features, cols,
-        x.stride(0), x.stride(1), weight.stride(0), y.stride(0), weight_scale_inv.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, K_BLOCKS=k_blocks,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        x, weight, out, weight_scale_inv, rows, out_features, cols,
+        x.stride(0), x.stride(1), weight.stride(0), out_features, weight_scale_inv.stride(0),
+        blocks_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, K_BLOCKS=k_blocks,
+        SPLIT_K=k_splits > 1, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
+    if k_splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](
+            out, y, y.numel(), SPLITS=k_splits, BLOCK=block)
     return y
 
 
