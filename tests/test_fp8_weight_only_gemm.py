@@ -19,7 +19,6 @@ pytest.importorskip("triton")
 from mlaserve.kernels import fp8_gemm  # noqa: E402
 from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 from mlaserve.kernels.fp8_gemm import (  # noqa: E402
-    WEIGHT_ONLY_MAX_ROWS,
     fp8_weight_only_matmul,
     product_path,
     weight_only_tiles,
@@ -56,13 +55,13 @@ def test_matches_the_dequantized_product(dtype: torch.dtype, rows: int, out_feat
     scale_inv *= 1 + torch.rand(scale_inv.shape, generator=gen)  # a distinct scale per block
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     want = x.float() @ dequantize_block_fp8(weight, scale_inv).T  # [M, N]
-    x, weight = x.to(DEVICE), weight.to(DEVICE)
+    x_in, weight_in = x.to(DEVICE), weight.to(DEVICE)
     if rows == 5:
-        x = torch.nn.functional.pad(x, (3, 16), value=float("nan"))[:, 3:-16]  # [M, K] view
-        weight = torch.nn.functional.pad(weight.float(), (0, 16), value=float("nan")).to(
+        x_in = torch.nn.functional.pad(x_in, (3, 16), value=float("nan"))[:, 3:-16]  # [M, K]
+        weight_in = torch.nn.functional.pad(weight_in.float(), (0, 16), value=float("nan")).to(
             weight.dtype)[:, :in_features]  # [N, K] view, exact: FP8 values are float32's
-        assert weight.stride(0) == in_features + 16
-    y = fp8_weight_only_matmul(x, weight, scale_inv.to(DEVICE)).cpu()
+        assert weight_in.stride(0) == in_features + 16
+    y = fp8_weight_only_matmul(x_in, weight_in, scale_inv.to(DEVICE)).cpu()
     assert y.shape == (rows, out_features) and y.dtype == dtype
     assert _error(y, want) <= TOLERANCES[dtype]
     wrong = scale_inv.clone()
@@ -105,24 +104,25 @@ def test_refuses_bad_operands() -> None:
 
 
 def test_product_path_and_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA a few rows take the weight-only product (when WEIGHT_ONLY_MAX_ROWS turns it on),
+    """On CUDA a few rows take the weight-only product where the weight is small enough,
     more rows cuBLASLt where it takes the shape, else the Triton w8a8 kernel; the CPU always
-    the Triton kernel. The tile widens only while two programs per SM remain."""
+    the Triton kernel."""
     v3_fused_qkv_a = (2112, 7168)  # q_a_proj and kv_a_proj_with_mqa, N x K
-    assert product_path(True, 1, *v3_fused_qkv_a) == (
-        "weight-only" if WEIGHT_ONLY_MAX_ROWS else "cublas")
-    monkeypatch.setattr(fp8_gemm, "WEIGHT_ONLY_MAX_ROWS", 64)
+    v3_o_proj = (7168, 16384)  # 117 MB in FP8
+    monkeypatch.setattr(fp8_gemm, "WEIGHT_ONLY_MAX_ROWS", 16)
     assert product_path(True, 1, *v3_fused_qkv_a) == "weight-only"
-    assert product_path(True, 64, *v3_fused_qkv_a) == "weight-only"
-    assert product_path(True, 65, *v3_fused_qkv_a) == "cublas"
+    assert product_path(True, 16, *v3_fused_qkv_a) == "weight-only"
+    assert product_path(True, 17, *v3_fused_qkv_a) == "cublas"
+    assert product_path(True, 1, *v3_o_proj) == "cublas"  # past WEIGHT_ONLY_MAX_WEIGHT_BYTES
     assert product_path(True, 0, *v3_fused_qkv_a) == "cublas"
     assert product_path(True, 1000, 200, 300) == "triton"  # K not a multiple of 512
     assert product_path(False, 1, *v3_fused_qkv_a) == "triton"
     assert product_path(False, 6, *v3_fused_qkv_a) == "triton"  # 2 x 3 rows off CUDA
-    # V3's fused q_a + kv_a: 33 column tiles, K split 8 ways for 264 programs of 7 K blocks
-    assert weight_only_tiles(1, 2112, 7168) == (16, 64, 8)
-    assert weight_only_tiles(16, 24576, 1536) == (16, 64, 1)  # 384 column tiles: no split
-    assert weight_only_tiles(64, 7168, 2048) == (64, 64, 3)  # 112 tiles; 3 splits of <= 6
-    assert weight_only_tiles(33, 7168, 2048) == (64, 64, 3)
-    assert weight_only_tiles(100, 7168, 2048) == (64, 64, 2)  # two row blocks: 224 tiles
-    assert weight_only_tiles(1, 256, 512) == (16, 64, 1)  # 4 K blocks: too few to split
+    monkeypatch.setattr(fp8_gemm, "WEIGHT_ONLY_MAX_ROWS", 0)
+    assert product_path(True, 1, *v3_fused_qkv_a) == "cublas"
+    # K split in up to 4 runs of at least 14 K blocks: V3's fused q_a + kv_a (K 7168) in 4
+    assert weight_only_tiles(1, 2112, 7168) == (16, 32, 4)
+    assert weight_only_tiles(16, 24576, 1536) == (16, 32, 1)  # 12 K blocks: no split
+    assert weight_only_tiles(33, 7168, 2048) == (64, 32, 1)  # 16 K blocks: no split
+    assert weight_only_tiles(100, 7168, 4096) == (64, 32, 2)
+    assert weight_only_tiles(1, 7168, 16384) == (16, 32, 4)  # 128 K blocks: at most 4

@@ -42,18 +42,20 @@ from mlaserve.kernels.fp8_blocks import (
 from mlaserve.kernels.interpreter import prepare_launch
 
 ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
-# Up to this many rows (tokens) a CUDA `block_fp8_linear` runs the weight-only product. 0: off,
-# until scripts/fp8_weight_only_check.py has measured it against bf16 and w8a8 on the H200 (it
-# has not run on a GPU yet); 64 is the first candidate.
-WEIGHT_ONLY_MAX_ROWS = 0
+# Up to this many rows (tokens) a CUDA `block_fp8_linear` runs the weight-only product, for
+# weights of at most WEIGHT_ONLY_MAX_WEIGHT_BYTES: on the H200 it beats bf16 and the w8a8 path
+# there on V3's narrower projections (scripts/fp8_weight_only_check.py, benchmarks/fp8); past 16
+# rows, or on the 117-264 MB weights of o_proj and the dense MLP, cuBLASLt's w8a8 is faster.
+WEIGHT_ONLY_MAX_ROWS = 16
+WEIGHT_ONLY_MAX_WEIGHT_BYTES = 64 << 20
 # From this many rows an sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`). 0: off, until
 # scripts/fp8_gemm_sm90_check.py has measured it against cuBLASLt (it has not run on a GPU yet).
 GLUON_MIN_ROWS = 0
-HOPPER_SMS = 132  # H100 / H200 SXM: the SM count `weight_only_tiles` assumes off CUDA
-# The weight-only product splits K until it has this many programs per SM, each split at least
-# this many 128-deep K blocks (`weight_only_tiles`)
-WEIGHT_ONLY_PROGRAMS_PER_SM = 2
-WEIGHT_ONLY_MIN_SPLIT_BLOCKS = 4
+# The weight-only product's tiles are 32 columns wide and split K into at most this many runs
+# of at least this many 128-deep K blocks (`weight_only_tiles`; the fastest in the H200 sweep)
+WEIGHT_ONLY_BLOCK_N = 32
+WEIGHT_ONLY_MAX_SPLITS = 4
+WEIGHT_ONLY_MIN_SPLIT_BLOCKS = 14
 
 
 @triton.jit
@@ -265,26 +267,22 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def weight_only_tiles(rows: int, out_features: int, in_features: int,
-                      num_sms: int = HOPPER_SMS) -> tuple[int, int, int]:
+def weight_only_tiles(rows: int, out_features: int, in_features: int
+                      ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, K splits) of `fp8_weight_only_matmul` for x [rows, K] and a weight
     [N, K].
 
     BLOCK_M: the fewest of 16, 32 and 64 rows that cover `rows` (64 past that, in several row
-    blocks). BLOCK_N: 64 columns, so that each K step of a program reads an 8 KB weight tile.
-    At these row counts the product streams the weight once, and it is the programs that
-    spread that stream over the SMs: where the row and column tiles give fewer than
-    `WEIGHT_ONLY_PROGRAMS_PER_SM` programs per SM, K is split too (each split at least
-    `WEIGHT_ONLY_MIN_SPLIT_BLOCKS` K blocks), and a second launch adds the splits' float32
-    partial sums.
+    blocks). BLOCK_N: `WEIGHT_ONLY_BLOCK_N`. At these row counts the product streams the
+    weight once, and the more programs stream it side by side, the more of it is in flight:
+    K is split into up to `WEIGHT_ONLY_MAX_SPLITS` runs of at least
+    `WEIGHT_ONLY_MIN_SPLIT_BLOCKS` K blocks (V3's K of 7168 and more: 4; 1536 and 2048: none),
+    and a second launch adds the splits' float32 partial sums.
     """
     block_m = next((m for m in (16, 32) if rows <= m), 64)
-    block_n = 64
-    tiles = -(-rows // block_m) * -(-out_features // block_n)
     k_blocks = -(-in_features // 128)
-    wanted = -(-WEIGHT_ONLY_PROGRAMS_PER_SM * num_sms // tiles)
-    k_splits = max(1, min(wanted, k_blocks // WEIGHT_ONLY_MIN_SPLIT_BLOCKS))
-    return block_m, block_n, k_splits
+    k_splits = max(1, min(WEIGHT_ONLY_MAX_SPLITS, k_blocks // WEIGHT_ONLY_MIN_SPLIT_BLOCKS))
+    return block_m, WEIGHT_ONLY_BLOCK_N, k_splits
 
 
 def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
@@ -323,9 +321,7 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
-    num_sms = sm_count(x.device) if x.is_cuda else HOPPER_SMS
-    block_m, default_block_n, default_splits = weight_only_tiles(rows, out_features, cols,
-                                                                 num_sms)
+    block_m, default_block_n, default_splits = weight_only_tiles(rows, out_features, cols)
     block_n = default_block_n if block_n is None else block_n
     k_splits = default_splits if k_splits is None else k_splits
     if block_n not in (16, 32, 64):
@@ -366,20 +362,21 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, 
     """Which product `block_fp8_linear` runs for x [rows, K] on CUDA (is_cuda; sm90: 16-bit x
     on an sm_90 GPU) or not and a weight [N, K]: the one place this is decided.
 
-    - "weight-only": on CUDA from 1 to `WEIGHT_ONLY_MAX_ROWS` rows (0: never),
-      `fp8_weight_only_matmul` (there the product is bound by reading the weight, and x's
-      quantization would be a launch of its own);
+    - "weight-only": on CUDA from 1 to `WEIGHT_ONLY_MAX_ROWS` rows (0: never) for weights of
+      at most `WEIGHT_ONLY_MAX_WEIGHT_BYTES`, `fp8_weight_only_matmul` (there the product is
+      bound by reading the weight, and x's quantization would be a launch of its own);
     - "gluon": on sm_90 from `GLUON_MIN_ROWS` rows (0: never) where TMA takes the shape
       (`fp8_gemm_sm90.gluon_gemm_serves`), the warp-specialised Gluon product;
     - "cublas": on CUDA past that, torch's blockwise scaled matmul (cuBLASLt) where it takes
       the shape: K a multiple of 512 (it wants the K blocks of the scales in fours) and N a
-      multiple of 16. On the H200 it is the faster w8a8 product on every DeepSeek-V3
-      projection from 64 tokens on (`mlaserve bench gemm`);
+      multiple of 16. On the H200 it is the faster w8a8 product on most DeepSeek-V3
+      projections (`mlaserve bench gemm`, `scripts/fp8_gemm_sm90_check.py`);
     - "triton": else (the CPU included), `block_fp8_matmul` on x quantized per token group.
     """
     if not is_cuda:
         return "triton"
-    if 0 < rows <= WEIGHT_ONLY_MAX_ROWS:
+    if 0 < rows <= WEIGHT_ONLY_MAX_ROWS and (
+            out_features * in_features <= WEIGHT_ONLY_MAX_WEIGHT_BYTES):
         return "weight-only"
     if sm90 and 0 < GLUON_MIN_ROWS <= rows:
         from mlaserve.kernels.fp8_gemm_sm90 import gluon_gemm_serves  # imports gluon
