@@ -4,6 +4,7 @@ product of the same dequantized operands; Triton's interpreter on CPU, the GPU w
 import pytest
 import torch
 
+from mlaserve.bench.gemm import FP8_MMA_REL_ERR
 from mlaserve.kernels.fp8_blocks import FP8_MAX, quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     block_fp8_linear,
@@ -11,6 +12,7 @@ from mlaserve.kernels.fp8_gemm import (
     block_fp8_reference,
     quantize_activations,
 )
+from mlaserve.kernels.testing import relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -45,12 +47,14 @@ def test_matches_the_dequantized_product(rows: int, out_features: int, in_featur
     got = block_fp8_matmul(x_q.to(DEVICE), x_scales.to(DEVICE), weight.to(DEVICE),
                            scale_inv.to(DEVICE), torch.float32).cpu()
     assert got.shape == (rows, out_features)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # float32 rounding in the interpreter; on a GPU, from 32 rows on (wgmma), Hopper's FP8
+    # tensor cores add each 128-deep block in reduced precision (the H200: 1e-4 relative)
+    bound = FP8_MMA_REL_ERR if DEVICE == "cuda" else 1e-6
+    assert relative_error(got, want) <= bound
     if in_features > 128:  # the bound would catch a kernel that ignored one block's scale
         wrong = x_scales.clone()
         wrong[:, -1] *= 2
-        assert not torch.allclose(block_fp8_reference(x_q, wrong, weight, scale_inv), want,
-                                  rtol=1e-5, atol=1e-5)
+        assert relative_error(got, block_fp8_reference(x_q, wrong, weight, scale_inv)) > 10 * bound
 
 
 def test_linear_keeps_leading_dims_and_dtype() -> None:
