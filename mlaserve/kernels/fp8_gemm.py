@@ -48,8 +48,8 @@ ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
 # rows, or on the 117-264 MB weights of o_proj and the dense MLP, cuBLASLt's w8a8 is faster.
 WEIGHT_ONLY_MAX_ROWS = 16
 WEIGHT_ONLY_MAX_WEIGHT_BYTES = 64 << 20
-# From this many rows an sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`). 0: off, until
-# scripts/fp8_gemm_sm90_check.py has measured it against cuBLASLt (it has not run on a GPU yet).
+# From this many rows an sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`). 0: off: on
+# the H200 it beats cuBLASLt on 5 of V3's 14 large cells only (benchmarks/fp8/gemm_sm90.log).
 GLUON_MIN_ROWS = 0
 # The weight-only product's tiles are 32 columns wide and split K into at most this many runs
 # of at least this many 128-deep K blocks (`weight_only_tiles`; the fastest in the H200 sweep)
