@@ -22,7 +22,7 @@ a product that reads the weight's FP8 bytes, half of a bf16 weight's (K split wh
 weight's column tiles alone would leave SMs idle). `product_path` picks one
 of the four products for `block_fp8_linear`: "weight-only" on CUDA up to
 `WEIGHT_ONLY_MAX_ROWS` rows, "gluon" (the warp-specialised sm_90 kernel of `fp8_gemm_sm90`)
-on an sm_90 GPU from `GLUON_MIN_ROWS` rows, else "cublas" (torch's blockwise scaled matmul)
+on an sm_90 GPU for narrow products, else "cublas" (torch's blockwise scaled matmul)
 where cuBLASLt takes the shape, else "triton".
 """
 
@@ -48,9 +48,14 @@ ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
 # rows, or on the 117-264 MB weights of o_proj and the dense MLP, cuBLASLt's w8a8 is faster.
 WEIGHT_ONLY_MAX_ROWS = 16
 WEIGHT_ONLY_MAX_WEIGHT_BYTES = 64 << 20
-# From this many rows an sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`). 0: off: on
-# the H200 it beats cuBLASLt on 5 of V3's 14 large cells only (benchmarks/fp8/gemm_sm90.log).
-GLUON_MIN_ROWS = 0
+# An sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`) on narrow products only: from
+# GLUON_MIN_ROWS rows, N at most GLUON_MAX_OUT_FEATURES, where it takes 64-wide tiles. On the
+# H200 that is V3's 2112-wide q_a + kv_a product at 64-1024 tokens (25-30% faster than
+# cuBLASLt, whose few 128-wide tiles leave SMs idle) and a routed expert's 4096-wide gate_up at
+# 64-256; elsewhere cuBLASLt is faster on 28 of V3's 33 cells (benchmarks/fp8/gemm/).
+GLUON_MIN_ROWS = 64
+GLUON_MAX_OUT_FEATURES = 4096
+H100_SMS = 132  # the SM count `product_path` assumes unless told (H100 / H200 SXM)
 # The weight-only product's tiles are 32 columns wide and split K into at most this many runs
 # of at least this many 128-deep K blocks (`weight_only_tiles`; the fastest in the H200 sweep)
 WEIGHT_ONLY_BLOCK_N = 32
@@ -358,15 +363,17 @@ def is_sm90(device: torch.device) -> bool:
 
 
 def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, *,
-                 sm90: bool = False) -> str:
+                 sm90: bool = False, num_sms: int = H100_SMS) -> str:
     """Which product `block_fp8_linear` runs for x [rows, K] on CUDA (is_cuda; sm90: 16-bit x
-    on an sm_90 GPU) or not and a weight [N, K]: the one place this is decided.
+    on an sm_90 GPU of num_sms SMs) or not and a weight [N, K]: the one place this is decided.
 
     - "weight-only": on CUDA from 1 to `WEIGHT_ONLY_MAX_ROWS` rows (0: never) for weights of
       at most `WEIGHT_ONLY_MAX_WEIGHT_BYTES`, `fp8_weight_only_matmul` (there the product is
       bound by reading the weight, and x's quantization would be a launch of its own);
-    - "gluon": on sm_90 from `GLUON_MIN_ROWS` rows (0: never) where TMA takes the shape
-      (`fp8_gemm_sm90.gluon_gemm_serves`), the warp-specialised Gluon product;
+    - "gluon": on sm_90 for narrow products (`GLUON_MIN_ROWS` rows or more, N at most
+      `GLUON_MAX_OUT_FEATURES`, and `fp8_gemm_sm90.choose_block_n` taking 64-wide tiles) where
+      TMA takes the shape (`fp8_gemm_sm90.gluon_gemm_serves`), the warp-specialised Gluon
+      product;
     - "cublas": on CUDA past that, torch's blockwise scaled matmul (cuBLASLt) where it takes
       the shape: K a multiple of 512 (it wants the K blocks of the scales in fours) and N a
       multiple of 16. On the H200 it is the faster w8a8 product on most DeepSeek-V3
@@ -378,10 +385,14 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, 
     if 0 < rows <= WEIGHT_ONLY_MAX_ROWS and (
             out_features * in_features <= WEIGHT_ONLY_MAX_WEIGHT_BYTES):
         return "weight-only"
-    if sm90 and 0 < GLUON_MIN_ROWS <= rows:
-        from mlaserve.kernels.fp8_gemm_sm90 import gluon_gemm_serves  # imports gluon
+    if sm90 and 0 < GLUON_MIN_ROWS <= rows and out_features <= GLUON_MAX_OUT_FEATURES:
+        from mlaserve.kernels.fp8_gemm_sm90 import (  # imports gluon
+            choose_block_n,
+            gluon_gemm_serves,
+        )
 
-        if gluon_gemm_serves(rows, out_features, in_features):
+        if (gluon_gemm_serves(rows, out_features, in_features)
+                and choose_block_n(rows, out_features, num_sms) == 64):
             return "gluon"
     if in_features % 512 == 0 and out_features % 16 == 0:
         return "cublas"
@@ -395,7 +406,8 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
     through the Gluon kernel, cuBLASLt or the Triton kernel."""
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
     sm90 = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and is_sm90(x.device)
-    path = product_path(x.is_cuda, flat.shape[0], *weight.shape, sm90=sm90)
+    path = product_path(x.is_cuda, flat.shape[0], *weight.shape, sm90=sm90,
+                        num_sms=sm_count(x.device) if sm90 else H100_SMS)
     if path == "weight-only":
         y = fp8_weight_only_matmul(flat, weight, weight_scale_inv)  # [M, N]
     else:
@@ -455,6 +467,7 @@ def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
     return x @ w.T
 
 
-__all__ = ["GLUON_MIN_ROWS", "WEIGHT_ONLY_MAX_ROWS", "block_fp8_linear", "block_fp8_matmul",
-           "block_fp8_reference", "block_fp8_w8a8", "check_operands", "fp8_weight_only_matmul",
-           "product_path", "quantize_activations", "scaled_mm_block_fp8", "weight_only_tiles"]
+__all__ = ["GLUON_MAX_OUT_FEATURES", "GLUON_MIN_ROWS", "WEIGHT_ONLY_MAX_ROWS",
+           "block_fp8_linear", "block_fp8_matmul", "block_fp8_reference", "block_fp8_w8a8",
+           "check_operands", "fp8_weight_only_matmul", "product_path", "quantize_activations",
+           "scaled_mm_block_fp8", "weight_only_tiles"]

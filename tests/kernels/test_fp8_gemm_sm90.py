@@ -53,18 +53,26 @@ def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int, block_
     assert "setmaxnreg" in ptx  # warp-specialised register split
 
 
-def test_product_path_takes_the_gluon_kernel_only_where_turned_on(
+def test_product_path_takes_the_gluon_kernel_for_narrow_products(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    v3_gate_up = (36864, 7168)
-    assert product_path(True, 4096, *v3_gate_up, sm90=True) == (
-        "gluon" if fp8_gemm.GLUON_MIN_ROWS else "cublas")
-    monkeypatch.setattr(fp8_gemm, "GLUON_MIN_ROWS", 256)
-    assert product_path(True, 4096, *v3_gate_up, sm90=True) == "gluon"
-    assert product_path(True, 255, *v3_gate_up, sm90=True) == "cublas"
-    assert product_path(True, 4096, *v3_gate_up, sm90=False) == "cublas"  # not sm_90
-    assert product_path(True, 4096, 1000, 10944, sm90=True) == "gluon"  # cuBLASLt refuses K
-    assert product_path(True, 4096, 1000, 300, sm90=True) == "triton"  # K not a multiple of 16
-    assert product_path(False, 4096, *v3_gate_up, sm90=True) == "triton"
+    """Where the Gluon kernel's 64-wide tiles fill the SMs and cuBLASLt's do not: V3's fused
+    q_a + kv_a (N 2112) from 64 to 1024 tokens, a routed expert's gate_up (N 4096) to 256."""
+    v3_fused_qkv_a, v3_expert_gate_up, v3_gate_up = (2112, 7168), (4096, 7168), (36864, 7168)
+    for rows in (64, 256, 1024):
+        assert product_path(True, rows, *v3_fused_qkv_a, sm90=True) == "gluon"
+    assert product_path(True, 4096, *v3_fused_qkv_a, sm90=True) == "cublas"  # 128-wide tiles
+    assert product_path(True, 16, *v3_fused_qkv_a, sm90=True) == "weight-only"
+    assert product_path(True, 17, *v3_fused_qkv_a, sm90=True) == "cublas"  # < GLUON_MIN_ROWS
+    assert product_path(True, 256, *v3_expert_gate_up, sm90=True) == "gluon"
+    assert product_path(True, 1024, *v3_expert_gate_up, sm90=True) == "cublas"
+    assert product_path(True, 1024, *v3_gate_up, sm90=True) == "cublas"  # wide
+    assert product_path(True, 1024, *v3_fused_qkv_a, sm90=False) == "cublas"  # not sm_90
+    # on a GPU of fewer SMs, 136 wide tiles fill the rounds better
+    assert product_path(True, 1024, *v3_fused_qkv_a, sm90=True, num_sms=68) == "cublas"
+    assert product_path(True, 1024, 1000, 300, sm90=True) == "triton"  # K not a multiple of 16
+    assert product_path(False, 1024, *v3_fused_qkv_a, sm90=True) == "triton"
+    monkeypatch.setattr(fp8_gemm, "GLUON_MIN_ROWS", 0)
+    assert product_path(True, 1024, *v3_fused_qkv_a, sm90=True) == "cublas"
     assert not gluon_gemm_serves(0, 128, 128) and not gluon_gemm_serves(8, 1001, 128)
 
 
