@@ -10,8 +10,8 @@
 #                64): the Gluon FP8 pass (tiles, stages), then the Triton pass with TMA tiles,
 #                latent chunks, tile sizes and stages, beside the plan's choice; the bf16
 #                cache with the Triton variants (one process each)
-#   decode       the same cells, bf16 and FP8 caches, the plan's choice plus VARIANT, in RUNS
-#                processes
+#   decode       the same cells, bf16 and FP8 caches, the plan's choice (plus VARIANT where
+#                set), in RUNS processes
 #   gemm-gluon   the Gluon sm_90 w8a8 GEMM against bf16 and cuBLASLt at 256-8192 tokens, its
 #                stages and K chains swept (scripts/fp8_gemm_sm90_check.py)
 #   gemm         the weight-only product against bf16 and w8a8 at 1-128 tokens (with its
@@ -19,10 +19,12 @@
 #   serve        the V3 config with 8 layers, FP8 dummy weights, served with a bf16 and an FP8
 #                cache (scripts/gpu_serve_bench.sh, RUNS server processes each; RUNS defaults
 #                to 1 here, as three would pass 10 minutes: repeat the stage into other dirs)
-# env: RUNS=3, VARIANT (a --sweep spec, default 'gluon_fp8=1 block_n=32 num_stages=3')
+# env: RUNS=3, VARIANT (a --sweep spec, default none)
+# The device returns a few files per call, so each stage writes logs (and a few JSON files),
+# not the kernel benchmark's plot folders.
 set -uo pipefail
 stage=${1:?stage}; out=${2:?out dir}; runs=${RUNS:-3}
-variant=${VARIANT:-"gluon_fp8=1 block_n=32 num_stages=3"}
+variant=${VARIANT:-}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/gpu-site .whl/*.whl || exit 1
@@ -70,7 +72,7 @@ case $stage in
       for cache in auto fp8; do
         # shellcheck disable=SC2086
         timeout 180 python3 -m mlaserve bench kernel $cells --kv-cache-dtype "$cache" \
-          --sweep "$variant" --out "$out/decode-$cache-$run" > "$out/decode-$cache-$run.log" 2>&1
+          ${variant:+--sweep "$variant"} > "$out/decode-$cache-$run.log" 2>&1
       done
     done
     grep -hE "^\s*triton" "$out"/decode-*.log ;;
@@ -79,8 +81,8 @@ case $stage in
       > "$out/gemm_sm90.log" 2>&1
     cat "$out/gemm_sm90.log" ;;
   gemm)
-    timeout 300 python3 scripts/fp8_weight_only_check.py --stages 3,4,6 --warps 4 \
-      --out "$out/weight_only.json" > "$out/weight_only.log" 2>&1
+    timeout 300 python3 scripts/fp8_weight_only_check.py --tokens 1,16,64 --block-n 32,64 \
+      --k-splits 1,2,4,8 --k-blocks 1,2 --stages 4 --warps 4 > "$out/weight_only.log" 2>&1
     for run in $(seq "$runs"); do
       timeout 100 python3 -m mlaserve bench gemm --models deepseek-v3 \
         --tokens 1,16,64,256,1024,4096,8192 --out "$out/gemm-$run.json" \
