@@ -49,13 +49,18 @@ from mlaserve.kernels.fp8_gemm import (
     product_path,
     weight_only_tiles,
 )
-from mlaserve.kernels.testing import graph_replay_seconds, measure_ceilings, relative_error
+from mlaserve.kernels.testing import (
+    graph_replay_seconds,
+    l2_bytes,
+    l2_cold_copies,
+    measure_ceilings,
+    relative_error,
+)
 
 # N x K of DeepSeek-V3 at one rank: q_a_proj and kv_a_proj_with_mqa fused (1536 + 576), q_b_proj,
 # o_proj, the dense MLP's gate_up and down, one routed expert's gate_up and down
 V3_SHAPES = "2112x7168,24576x1536,7168x16384,36864x7168,7168x18432,4096x7168,7168x2048"
 WEIGHT_ONLY_REL_ERR = 1e-2  # bf16 output: half a step is 2^-9 relative
-DEFAULT_L2_BYTES = 60 * 1024 * 1024
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,16 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _copies(tensor: torch.Tensor, l2_bytes: int) -> list[torch.Tensor]:
-    """`tensor` and identical copies, enough that a rotation over them reads 2x the L2 between
-    two reads of one copy (at most what fits in half the free memory)."""
-    size = tensor.numel() * tensor.element_size()
-    wanted = max(1, math.ceil(2 * l2_bytes / size) + 1)
-    free, _ = torch.cuda.mem_get_info()
-    count = max(1, min(wanted, int(0.5 * free) // size))
-    return [tensor] + [tensor.clone() for _ in range(count - 1)]
-
-
 def _time(calls: list, repeats: int) -> float:
     return graph_replay_seconds(calls, repeats, calls_per_graph=8)
 
@@ -101,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     sm90 = (props.major, props.minor) == (9, 0)
-    l2_bytes = int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+    l2 = l2_bytes(device)
     ceilings = measure_ceilings(device, copy_bytes=1 << 28, matmul_n=4096, repeats=5)
     copy_rate = ceilings.copy_bytes_per_s / 1e9
-    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2_bytes >> 20} MiB, copy rate "
+    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, copy rate "
           f"{copy_rate:.0f} GB/s (read + write); WEIGHT_ONLY_MAX_ROWS = {WEIGHT_ONLY_MAX_ROWS}")
     sweep = list(itertools.product(args.block_n, args.k_splits, args.k_blocks, args.stages,
                                    args.warps))
@@ -119,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         weight = torch.randn(out_features, in_features, generator=gen, device=device) * 0.02
         w_fp8, w_scales = quantize_block_fp8(weight)
         w_dequantized = dequantize_block_fp8(w_fp8, w_scales)  # [N, K] float32
-        w_bf16s = _copies(weight.to(torch.bfloat16), l2_bytes)
+        w_bf16s = l2_cold_copies(weight.to(torch.bfloat16))
         del weight
-        w_fp8s = _copies(w_fp8, l2_bytes)
+        w_fp8s = l2_cold_copies(w_fp8)
         weight_bytes = w_fp8.numel() + w_scales.numel() * 4
         # the w8a8 product `block_fp8_linear` takes past the weight-only rows
         w8a8_path = product_path(True, WEIGHT_ONLY_MAX_ROWS + 1, out_features, in_features,

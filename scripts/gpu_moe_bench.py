@@ -53,11 +53,10 @@ from mlaserve.kernels.moe import (
     reference_errors,
 )
 from mlaserve.kernels.moe_align import ExpertAlignment, align_by_expert
-from mlaserve.kernels.testing import measure_ceilings
+from mlaserve.kernels.testing import l2_bytes, measure_ceilings
 
 DTYPE = torch.bfloat16
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)
-DEFAULT_L2_BYTES = 60 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -119,11 +118,6 @@ class Case:
         return 2 * self.num_pairs * 3 * self.shape.inter * self.shape.hidden
 
 
-def l2_bytes() -> int:
-    props = torch.cuda.get_device_properties(0)
-    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
-
-
 def make_weights(shape: MoEShape, device: torch.device) -> tuple[list, list]:
     """Identical copies of (gate_up_proj [E, 2I, D], down_proj [E, D, I]), as many as keep a
     call's smallest weight set (K experts) out of L2 between two reads of one copy (at least 2,
@@ -135,7 +129,7 @@ def make_weights(shape: MoEShape, device: torch.device) -> tuple[list, list]:
                        device=device, dtype=DTYPE).mul_(shape.inter ** -0.5)
     copy_bytes = shape.num_experts * shape.expert_bytes(2)
     smallest_call = shape.top_k * shape.expert_bytes(2)
-    wanted = max(2, 1 + math.ceil(2 * l2_bytes() / smallest_call))
+    wanted = max(2, 1 + math.ceil(2 * l2_bytes(torch.device("cuda")) / smallest_call))
     free, _ = torch.cuda.mem_get_info()
     copies = max(1, min(wanted, 1 + int(0.6 * free) // copy_bytes))
     if copies < wanted:
@@ -350,7 +344,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton "
           f"{triton.__version__}; copy {ceilings.copy_bytes_per_s / 1e9:.0f} GB/s (read + "
           f"write), bf16 matmul {ceilings.matmul_flops_per_s / 1e12:.0f} TFLOP/s, L2 "
-          f"{l2_bytes() / 2**20:.0f} MiB")
+          f"{l2_bytes(torch.device('cuda')) / 2**20:.0f} MiB")
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                      "triton": triton.__version__, "copy_bytes_per_s": ceilings.copy_bytes_per_s,
                      "matmul_flops_per_s": ceilings.matmul_flops_per_s, "models": {}}

@@ -17,10 +17,9 @@ import torch
 
 from mlaserve.bench.kernel_grid import Cell, decode_bytes
 from mlaserve.kernels.reference import mla_decode_reference
-from mlaserve.kernels.testing import poisoned_paged_batch
+from mlaserve.kernels.testing import l2_bytes, poisoned_paged_batch
 
 # L2 size assumed when the device does not report one (an H200 has 60 MB).
-DEFAULT_L2_BYTES = 60 * 1024 * 1024
 MAX_COPIES = 512
 
 
@@ -45,12 +44,6 @@ class CellInputs:
     @property
     def num_copies(self) -> int:
         return len(self.caches)
-
-
-def l2_bytes(device: torch.device) -> int:
-    """The device's L2 size (DEFAULT_L2_BYTES when unknown)."""
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
 
 
 def copies_needed(cell: Cell, kv_lora_rank: int, rope_dim: int, element_size: int,

@@ -8,7 +8,8 @@ kernel` and its sweeps (DESIGN §6, §7).
   (`reference.mla_decode_reference`), with one tolerance set per dtype (`TOLERANCES`).
 - `graph_replay_seconds`, `eager_seconds`, `cpu_seconds`: timers (CUDA-graph replay, the
   default for kernels); `measure_ceilings`: the device's copy and matmul rates, measured in the
-  same run, from which a kernel's floor is computed.
+  same run, from which a kernel's floor is computed; `l2_cold_copies` and `rotating`: calls
+  that read different copies of their data, so that L2 holds none of what a call reads.
 """
 
 import itertools
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from mlaserve.kernels.fp8_blocks import saturating_cast
+
+DEFAULT_L2_BYTES = 60 * 1024 * 1024  # H100 / H200, where the device does not say
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
@@ -247,6 +250,23 @@ def measure_ceilings(device: torch.device, copy_bytes: int = 1 << 30, matmul_n: 
     matmul_s = _matmul_seconds(device, matmul_n, repeats)
     torch.cuda.empty_cache()
     return Ceilings(2 * copy_bytes / copy_s, 2 * matmul_n**3 / matmul_s)
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 size (DEFAULT_L2_BYTES when unknown)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def l2_cold_copies(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """`tensor` (on a GPU) and identical copies, enough that a rotation over them reads twice
+    the L2 between two reads of one copy, as a model reads each layer's own weights (at most
+    what fits in half the free memory)."""
+    size = tensor.numel() * tensor.element_size()
+    wanted = math.ceil(2 * l2_bytes(tensor.device) / size) + 1
+    free, _ = torch.cuda.mem_get_info(tensor.device)
+    count = max(1, min(wanted, int(0.5 * free) // size))
+    return [tensor] + [tensor.clone() for _ in range(count - 1)]
 
 
 def rotating(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
