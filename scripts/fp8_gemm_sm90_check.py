@@ -36,7 +36,13 @@ from pathlib import Path
 import torch
 
 from mlaserve.arg_types import positive_int_list
-from mlaserve.bench.gemm import BF16_ROUNDING, FP8_MMA_REL_ERR, load_config, projections
+from mlaserve.bench.gemm import (
+    BF16_ROUNDING,
+    FP8_MMA_REL_ERR,
+    load_config,
+    projections,
+    time_calls,
+)
 from mlaserve.kernels.fp8_blocks import quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     block_fp8_reference,
@@ -55,7 +61,7 @@ from mlaserve.kernels.fp8_gemm_sm90 import (
     shared_memory_bytes,
 )
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT as SHARED_LIMIT
-from mlaserve.kernels.testing import graph_replay_seconds, relative_error
+from mlaserve.kernels.testing import relative_error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _time(call, repeats: int) -> float:
-    return graph_replay_seconds([call], repeats, calls_per_graph=8)
+    """One call, one weight: `bench.gemm.time_calls` of [call]."""
+    return time_calls([call], repeats)
 
 
 

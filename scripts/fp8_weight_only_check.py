@@ -41,6 +41,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from mlaserve.arg_types import positive_int_list
+from mlaserve.bench.gemm import time_calls
 from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     WEIGHT_ONLY_MAX_ROWS,
@@ -50,7 +51,6 @@ from mlaserve.kernels.fp8_gemm import (
     weight_only_tiles,
 )
 from mlaserve.kernels.testing import (
-    graph_replay_seconds,
     l2_bytes,
     l2_cold_copies,
     measure_ceilings,
@@ -81,10 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     return parser.parse_args(argv)
-
-
-def _time(calls: list, repeats: int) -> float:
-    return graph_replay_seconds(calls, repeats, calls_per_graph=8)
 
 
 
@@ -127,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             want = x.float() @ w_dequantized.T  # [M, N]
             rel_err = relative_error(fp8_weight_only_matmul(x, w_fp8, w_scales), want)
             failed |= rel_err > WEIGHT_ONLY_REL_ERR
-            bf16 = _time([partial(torch.matmul, x, w.T) for w in w_bf16s], args.repeats)
-            w8a16 = _time([partial(fp8_weight_only_matmul, x, w, w_scales) for w in w_fp8s],
-                          args.repeats)
-            w8a8 = _time([partial(block_fp8_w8a8, x, w, w_scales, w8a8_path)
+            bf16 = time_calls([partial(torch.matmul, x, w.T) for w in w_bf16s], args.repeats)
+            w8a16 = time_calls(
+                [partial(fp8_weight_only_matmul, x, w, w_scales) for w in w_fp8s], args.repeats)
+            w8a8 = time_calls([partial(block_fp8_w8a8, x, w, w_scales, w8a8_path)
                           for w in w_fp8s], args.repeats)
             swept = {}
             for block_n, k_splits, k_blocks, num_stages, num_warps in sweep:
@@ -145,13 +141,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  FAIL {shape} M={rows_m} {config}: rel err {err:.1e}")
                     failed = True
                     continue
-                swept[(block_n, k_splits, k_blocks, num_stages, num_warps)] = _time(
+                swept[(block_n, k_splits, k_blocks, num_stages, num_warps)] = time_calls(
                     [partial(fp8_weight_only_matmul, x, w, w_scales, **config) for w in w_fp8s],
                     args.repeats)
             best_config = min(swept, key=swept.get, default=None)
             best = swept[best_config] if best_config else math.nan
-            tiles = weight_only_tiles(rows_m, out_features, in_features,
-                                      props.multi_processor_count)
+            tiles = weight_only_tiles(rows_m, out_features, in_features)
             path = product_path(True, rows_m, out_features, in_features, sm90=sm90)
             rows.append(dict(
                 out_features=out_features, in_features=in_features, tokens=rows_m, path=path,

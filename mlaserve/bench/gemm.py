@@ -95,8 +95,9 @@ def load_config(name: str) -> ModelConfig:
     return ModelConfig.from_pretrained(path)
 
 
-def _time(calls: list, repeats: int) -> float:
-    """Median seconds per call, the calls (one per weight copy) replayed in turn."""
+def time_calls(calls: list, repeats: int) -> float:
+    """Median seconds per call under CUDA-graph replay, the calls (e.g. one per weight copy)
+    replayed in turn: the one timer of the GEMM benchmarks."""
     from mlaserve.kernels.testing import graph_replay_seconds
 
     return graph_replay_seconds(calls, repeats, calls_per_graph=8)
@@ -143,11 +144,12 @@ def run(args: argparse.Namespace) -> int:
                 w8a16_want = x.float() @ w_dequantized.T  # [M, N]
                 w8a16_err = relative_error(w8a16_got, w8a16_want)
                 failed |= w8a16_err > WEIGHT_ONLY_REL_ERR
-                bf16 = _time([partial(torch.matmul, x, w.T) for w in w_bf16s], args.repeats)
-                fp8 = _time([partial(block_fp8_linear, x, w, w_scales) for w in w_fp8s],
+                bf16 = time_calls([partial(torch.matmul, x, w.T) for w in w_bf16s], args.repeats)
+                fp8 = time_calls([partial(block_fp8_linear, x, w, w_scales) for w in w_fp8s],
                             args.repeats)
-                w8a16 = _time([partial(fp8_weight_only_matmul, x, w, w_scales) for w in w_fp8s],
-                              args.repeats)
+                w8a16 = time_calls(
+                    [partial(fp8_weight_only_matmul, x, w, w_scales) for w in w_fp8s],
+                    args.repeats)
                 # each w8a8 product alone on the same quantized x: (microseconds, rel err), or
                 # (None, why) where it does not take the shape; checked with a float32 output
                 # where it has one, else with its bf16 output (one more rounding in the gate)
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                     failed |= err > gate
                     calls = [partial(product, x_q, x_scales, w, w_scales, torch.bfloat16)
                              for w in w_fp8s]
-                    timed[name] = (1e6 * _time(calls, args.repeats), err)
+                    timed[name] = (1e6 * time_calls(calls, args.repeats), err)
                 path = product_path(x.is_cuda, m, proj.out_features, proj.in_features,
                                     sm90=sm90)
                 row = dict(model=model, **asdict(proj), tokens=m, bf16_us=bf16 * 1e6,

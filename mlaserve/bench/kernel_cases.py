@@ -19,8 +19,7 @@ from mlaserve.bench.kernel_grid import Cell, decode_bytes
 from mlaserve.kernels.reference import mla_decode_reference
 from mlaserve.kernels.testing import l2_bytes, poisoned_paged_batch
 
-# L2 size assumed when the device does not report one (an H200 has 60 MB).
-MAX_COPIES = 512
+MAX_COPIES = 512  # at most this many copies of a cell's inputs
 
 
 @dataclass

@@ -18,8 +18,8 @@ float32) and each weight tile is converted to x's dtype in registers,
 
     y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j],
 
-a product that reads the weight's FP8 bytes, half of a bf16 weight's (K split where the
-weight's column tiles alone would leave SMs idle). `product_path` picks one
+a product that reads the weight's FP8 bytes, half of a bf16 weight's (K split in up to 4
+runs, so that more programs stream the weight at once). `product_path` picks one
 of the four products for `block_fp8_linear`: "weight-only" on CUDA up to
 `WEIGHT_ONLY_MAX_ROWS` rows, "gluon" (the warp-specialised sm_90 kernel of `fp8_gemm_sm90`)
 on an sm_90 GPU for narrow products, else "cublas" (torch's blockwise scaled matmul)
@@ -50,9 +50,9 @@ WEIGHT_ONLY_MAX_ROWS = 16
 WEIGHT_ONLY_MAX_WEIGHT_BYTES = 64 << 20
 # An sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`) on narrow products only: from
 # GLUON_MIN_ROWS rows, N at most GLUON_MAX_OUT_FEATURES, where it takes 64-wide tiles. On the
-# H200 that is V3's 2112-wide q_a + kv_a product at 64-1024 tokens (25-30% faster than
-# cuBLASLt, whose few 128-wide tiles leave SMs idle) and a routed expert's 4096-wide gate_up at
-# 64-256; elsewhere cuBLASLt is faster on 28 of V3's 33 cells (benchmarks/fp8/gemm/).
+# H200 (benchmarks/fp8/gemm/, products alone) that is V3's 2112-wide q_a + kv_a product at
+# 64-1024 tokens, 13-36% faster than cuBLASLt, and a routed expert's 4096-wide gate_up at
+# 64-256, 3-20% faster; of V3's other 37 cells cuBLASLt is faster on 33, at most 3% slower on 4.
 GLUON_MIN_ROWS = 64
 GLUON_MAX_OUT_FEATURES = 4096
 H100_SMS = 132  # the SM count `product_path` assumes unless told (H100 / H200 SXM)
@@ -207,10 +207,10 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Te
 def _fp8_weight_only_matmul_kernel(
     x_ptr,  # [M, K] bfloat16, float16 or float32
     w_ptr,  # [N, K] float8_e4m3fn
-    y_ptr,  # [M, N] x's dtype, or [splits, M, N] float32 partial sums (SPLIT_K)
+    y_ptr,  # [M, N] x's dtype, or [splits, M, N] float32 partial sums (SPLIT_K); contiguous
     w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32
     M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_ym, stride_ws,
+    stride_xm, stride_xk, stride_wn, stride_ws,
     BLOCKS_PER_SPLIT,  # K blocks of each split (program_id 2)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # 16, 32 or 64, a divisor of 128: one weight scale row per tile
@@ -246,7 +246,7 @@ def _fp8_weight_only_matmul_kernel(
             partial = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION,
                              out_dtype=tl.float32)  # [BM, BN]
             acc += partial * w_scale
-    out = offs_m[:, None] * stride_ym + offs_n[None, :]
+    out = offs_m[:, None] * N + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K:
         tl.store(y_ptr + split * M * N + out, acc, mask=mask)
@@ -344,7 +344,7 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
     grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n), k_splits)
     _fp8_weight_only_matmul_kernel[grid](
         x, weight, out, weight_scale_inv, rows, out_features, cols,
-        x.stride(0), x.stride(1), weight.stride(0), out_features, weight_scale_inv.stride(0),
+        x.stride(0), x.stride(1), weight.stride(0), weight_scale_inv.stride(0),
         blocks_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, K_BLOCKS=k_blocks,
         SPLIT_K=k_splits > 1, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
