@@ -29,6 +29,14 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
+def bool_list(text: str) -> list[bool]:
+    """'0,1' -> [False, True]; at least one, each 0 or 1."""
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    if not values or not set(values) <= {"0", "1"}:
+        raise argparse.ArgumentTypeError(f"expected a comma list of 0 and 1, got {text!r}")
+    return [value == "1" for value in values]
+
+
 def json_object(text: str) -> dict:
     """'{"num_hidden_layers": 4}' -> that dict."""
     try:

@@ -5,7 +5,7 @@ run.
 
 Usage (GPU): python3 scripts/fp8_weight_only_check.py [--shapes 2112x7168,24576x1536,...]
     [--tokens 1,16,32,64,128] [--block-n 16,32,64] [--k-splits 1,2,4,8] [--k-blocks 1,4]
-    [--stages 3,4,5] [--warps 2,4]
+    [--stages 3,4,5] [--warps 2,4] [--swap-ab 0,1]
     [--repeats 10] [--out FILE.json]
 
 Per weight shape N x K: a random bf16 weight (randn * 0.02), quantized per 128x128 block as the
@@ -22,8 +22,8 @@ own):
 - `w8a8`: `block_fp8_w8a8`, the path `block_fp8_linear` runs past `WEIGHT_ONLY_MAX_ROWS`: the
   per-token-group quantization of x plus the product (cuBLASLt where it takes the shape);
 - `best`: the fastest of the swept configurations (block_n x k_splits x k_blocks x
-  num_stages x num_warps), named; a configuration whose ring does not fit shared memory is
-  skipped.
+  num_stages x num_warps x swap_ab, the last 1 for the W x^T operand order), named; a
+  configuration whose ring does not fit shared memory is skipped.
 The table gives microseconds, speed-ups over bf16 (above 1: faster than bf16) and the weight
 bytes per second of the w8a16 default and of the best configuration, beside the device's copy
 rate measured in the same run.
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from triton.runtime.errors import OutOfResources
 
-from mlaserve.arg_types import positive_int_list
+from mlaserve.arg_types import bool_list, positive_int_list
 from mlaserve.bench.gemm import time_calls
 from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stages", type=positive_int_list, default="3,4,5",
                         help="swept num_stages")
     parser.add_argument("--warps", type=positive_int_list, default="2,4", help="swept num_warps")
+    parser.add_argument("--swap-ab", type=bool_list, default="0,1",
+                        help="swept operand orders: 0 x W^T, 1 W x^T")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     return parser.parse_args(argv)
@@ -98,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, copy rate "
           f"{copy_rate:.0f} GB/s (read + write); WEIGHT_ONLY_MAX_ROWS = {WEIGHT_ONLY_MAX_ROWS}")
     sweep = list(itertools.product(args.block_n, args.k_splits, args.k_blocks, args.stages,
-                                   args.warps))
+                                   args.warps, args.swap_ab))
     print(f"{'N x K':>12} {'M':>4} {'path':>11}  {'bf16 us':>8} {'w8a16 us':>8} {'w8a8 us':>8} "
-          f"{'best us':>8} {'best (bn,sp,kb,st,wp)':>21}  {'x w8a16':>7} {'x w8a8':>6} "
+          f"{'best us':>8} {'best (bn,sp,kb,st,wp,sw)':>24}  {'x w8a16':>7} {'x w8a8':>6} "
           f"{'x best':>6}  "
           f"{'GB/s':>5} {'best':>5}  {'tiles/splits':>12}  rel err", flush=True)
     rows, failed = [], False
@@ -129,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             w8a8 = time_calls([partial(block_fp8_w8a8, x, w, w_scales, w8a8_path)
                           for w in w_fp8s], args.repeats)
             swept = {}
-            for block_n, k_splits, k_blocks, num_stages, num_warps in sweep:
+            for block_n, k_splits, k_blocks, num_stages, num_warps, swap_ab in sweep:
                 config = dict(block_n=block_n, k_splits=k_splits, k_blocks=k_blocks,
-                              num_stages=num_stages, num_warps=num_warps)
+                              num_stages=num_stages, num_warps=num_warps, swap_ab=swap_ab)
                 try:
                     y = fp8_weight_only_matmul(x, w_fp8, w_scales, **config)  # [M, N]
                 except OutOfResources:  # a ring that does not fit shared memory: not a result
@@ -141,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  FAIL {shape} M={rows_m} {config}: rel err {err:.1e}")
                     failed = True
                     continue
-                swept[(block_n, k_splits, k_blocks, num_stages, num_warps)] = time_calls(
+                swept[(block_n, k_splits, k_blocks, num_stages, num_warps,
+                       int(swap_ab))] = time_calls(
                     [partial(fp8_weight_only_matmul, x, w, w_scales, **config) for w in w_fp8s],
                     args.repeats)
             best_config = min(swept, key=swept.get, default=None)
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 sweep_us={",".join(map(str, key)): t * 1e6 for key, t in swept.items()}))
             best_text = ",".join(map(str, best_config)) if best_config else "-"
             print(f"{shape:>12} {rows_m:4} {path:>11}  {bf16 * 1e6:8.1f} {w8a16 * 1e6:8.1f} "
-                  f"{w8a8 * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>21}  {bf16 / w8a16:7.2f} "
+                  f"{w8a8 * 1e6:8.1f} {best * 1e6:8.1f} {best_text:>24}  {bf16 / w8a16:7.2f} "
                   f"{bf16 / w8a8:6.2f} {bf16 / best:6.2f}  {weight_bytes / w8a16 / 1e9:5.0f} "
                   f"{weight_bytes / best / 1e9:5.0f}  {tiles[0]:3}x{tiles[1]:<3}/{tiles[2]:<2} "
                   f"{rel_err:.1e}"

@@ -14,8 +14,9 @@
 #                set), in RUNS processes
 #   gemm-gluon   the Gluon sm_90 w8a8 GEMM against bf16 and cuBLASLt at 256-8192 tokens, its
 #                stages and K chains swept (scripts/fp8_gemm_sm90_check.py)
-#   gemm         the weight-only product against bf16 and w8a8 at 1-128 tokens (with its
-#                configuration sweep), then `mlaserve bench gemm` on V3's shapes, RUNS processes
+#   weight-only  the weight-only product against bf16 and w8a8 at 1, 16 and 64 tokens, with its
+#                configuration sweep (both operand orders)
+#   gemm         `mlaserve bench gemm` on V3's shapes, RUNS processes
 #   serve        the V3 config with 8 layers, FP8 dummy weights, served with a bf16 and an FP8
 #                cache (scripts/gpu_serve_bench.sh, RUNS server processes each; RUNS defaults
 #                to 1 here, as three would pass 10 minutes: repeat the stage into other dirs)
@@ -80,15 +81,18 @@ case $stage in
     timeout 500 python3 scripts/fp8_gemm_sm90_check.py --out "$out/gemm_sm90.json" \
       > "$out/gemm_sm90.log" 2>&1
     cat "$out/gemm_sm90.log" ;;
+  weight-only)
+    timeout 540 python3 scripts/fp8_weight_only_check.py --tokens 1,16,64 --block-n 32,64 \
+      --k-splits 1,4,8 --k-blocks 1,2 --stages 4 --warps 4 --swap-ab 0,1 \
+      > "$out/weight_only.log" 2>&1
+    tail -30 "$out/weight_only.log" ;;
   gemm)
-    timeout 300 python3 scripts/fp8_weight_only_check.py --tokens 1,16,64 --block-n 32,64 \
-      --k-splits 1,2,4,8 --k-blocks 1,2 --stages 4 --warps 4 > "$out/weight_only.log" 2>&1
     for run in $(seq "$runs"); do
       timeout 100 python3 -m mlaserve bench gemm --models deepseek-v3 \
         --tokens 1,16,64,256,1024,4096,8192 --out "$out/gemm-$run.json" \
         > "$out/gemm-$run.log" 2>&1
     done
-    tail -30 "$out/weight_only.log" ;;
+    tail -12 "$out"/gemm-*.log ;;
   serve)
     for cache in auto fp8; do
       CONFIG=benchmarks/configs/deepseek-v3.json PROMPTS=256 CONC=128 OUT_LEN=256 \
@@ -97,5 +101,5 @@ case $stage in
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
     done ;;
-  *) echo "unknown stage $stage (tests, decode-sweep, decode, gemm-gluon, gemm, serve)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, decode-sweep, decode, gemm-gluon, weight-only, gemm, serve)" >&2; exit 2 ;;
 esac

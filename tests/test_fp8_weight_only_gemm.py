@@ -40,15 +40,17 @@ def _error(y: torch.Tensor, want: torch.Tensor) -> float:
     return float((y.float() - want).abs().max() / want.abs().max())
 
 
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["xWt", "Wxt"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("rows", [1, 5, 33])
 @pytest.mark.parametrize("out_features,in_features", [(40, 200), (40, 384), (200, 200),
                                                       (200, 384)])
 def test_matches_the_dequantized_product(dtype: torch.dtype, rows: int, out_features: int,
-                                         in_features: int) -> None:
+                                         in_features: int, swap_ab: bool) -> None:
     """Equal, up to float32 sums and the output's rounding, to x.float() @ dequant(W)^T; far
     from it if one scale block (the last, partial one where N or K is ragged) were 2x off.
-    At 5 rows x and the weight are views into NaN-padded rows, so a read past K shows."""
+    At 5 rows x and the weight are views into NaN-padded rows, so a read past K shows. Both
+    operand orders (x W^T, and W x^T stored transposed) give it."""
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     weight, scale_inv = quantize_block_fp8(torch.randn(out_features, in_features,
                                                        generator=gen) * 0.05)
@@ -61,7 +63,7 @@ def test_matches_the_dequantized_product(dtype: torch.dtype, rows: int, out_feat
         weight_in = torch.nn.functional.pad(weight_in.float(), (0, 16), value=float("nan")).to(
             weight.dtype)[:, :in_features]  # [N, K] view, exact: FP8 values are float32's
         assert weight_in.stride(0) == in_features + 16
-    y = fp8_weight_only_matmul(x_in, weight_in, scale_inv.to(DEVICE)).cpu()
+    y = fp8_weight_only_matmul(x_in, weight_in, scale_inv.to(DEVICE), swap_ab=swap_ab).cpu()
     assert y.shape == (rows, out_features) and y.dtype == dtype
     assert _error(y, want) <= TOLERANCES[dtype]
     wrong = scale_inv.clone()
@@ -69,23 +71,25 @@ def test_matches_the_dequantized_product(dtype: torch.dtype, rows: int, out_feat
     assert _error(y, x.float() @ dequantize_block_fp8(weight, wrong).T) > 10 * TOLERANCES[dtype]
 
 
-@pytest.mark.parametrize("block_n,k_blocks,k_splits",
-                         [(16, 1, 1), (32, 2, 1), (64, 1, 1), (16, 4, 1), (64, 1, 2),
-                          (32, 2, 3), (64, 1, 5), (16, 2, 9)])
-def test_every_tiling_gives_the_same_product(block_n: int, k_blocks: int, k_splits: int
-                                             ) -> None:
+@pytest.mark.parametrize("block_n,k_blocks,k_splits,swap_ab",
+                         [(16, 1, 1, False), (32, 2, 1, False), (64, 1, 1, False),
+                          (16, 4, 1, False), (64, 1, 2, False), (32, 2, 3, False),
+                          (64, 1, 5, False), (16, 2, 9, False), (64, 2, 3, True),
+                          (32, 1, 9, True)])
+def test_every_tiling_gives_the_same_product(block_n: int, k_blocks: int, k_splits: int,
+                                             swap_ab: bool) -> None:
     """The tuning knobs change the tiling, not the result (float32, N = 200 ragged at every
     width; K = 640 is 5 blocks, so 2 and 4 blocks a step end in a step past the last block;
-    3 splits are of 2, 2 and 1 blocks, 9 become 5 of one)."""
+    3 splits are of 2, 2 and 1 blocks, 9 become 5 of one; 20 rows are ragged in 32-row
+    blocks)."""
     gen = torch.Generator().manual_seed(block_n)
     weight, scale_inv = quantize_block_fp8(torch.randn(200, 640, generator=gen) * 0.05)
     scale_inv *= 1 + torch.rand(scale_inv.shape, generator=gen)  # a distinct scale per block
-    x = torch.randn(3, 640, generator=gen)
+    x = torch.randn(20, 640, generator=gen)
     want = x @ dequantize_block_fp8(weight, scale_inv).T
     y = fp8_weight_only_matmul(x.to(DEVICE), weight.to(DEVICE), scale_inv.to(DEVICE),
                                block_n=block_n, k_blocks=k_blocks, k_splits=k_splits,
-                               num_stages=3,
-                               num_warps=2).cpu()
+                               num_stages=3, num_warps=2, swap_ab=swap_ab).cpu()
     assert _error(y, want) <= TOLERANCES[torch.float32]
 
 

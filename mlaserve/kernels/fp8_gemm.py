@@ -61,6 +61,11 @@ H100_SMS = 132  # the SM count `product_path` assumes unless told (H100 / H200 S
 WEIGHT_ONLY_BLOCK_N = 32
 WEIGHT_ONLY_MAX_SPLITS = 4
 WEIGHT_ONLY_MIN_SPLIT_BLOCKS = 14
+# Whether the weight-only product multiplies W x^T (the converted weight tile the left operand,
+# which Hopper's wgmma can read from registers) rather than x W^T (the converted tile stored to
+# shared memory first). x W^T is the one measured (benchmarks/fp8/weight_only.log); the sweep
+# of scripts/fp8_weight_only_check.py times both (`--swap-ab 0,1`).
+WEIGHT_ONLY_SWAP_AB = False
 
 
 @triton.jit
@@ -218,6 +223,7 @@ def _fp8_weight_only_matmul_kernel(
     K_BLOCKS: tl.constexpr,  # K blocks per loop step (more weight bytes in flight per stage)
     SPLIT_K: tl.constexpr,  # write float32 partial sums of this split's K blocks
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 x (16-bit operands ignore it)
+    SWAP_AB: tl.constexpr,  # the converted weight tile is the product's left operand
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -230,7 +236,10 @@ def _fp8_weight_only_matmul_kernel(
     scale_row = (pid_n * BLOCK_N) // 128
     first_block = split * BLOCKS_PER_SPLIT
     end_block = tl.minimum(first_block + BLOCKS_PER_SPLIT, tl.cdiv(K, BLOCK_K))
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T's tile
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # pipelined by the launch's num_stages: each stage holds K_BLOCKS weight tiles
     for first in range(first_block, end_block, K_BLOCKS):
         for step in tl.static_range(K_BLOCKS):
@@ -243,11 +252,19 @@ def _fp8_weight_only_matmul_kernel(
                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK] FP8
             w_scale = tl.load(w_scale_ptr + scale_row * stride_ws + k_block,
                               mask=k_block < end_block, other=0.0)
-            partial = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION,
-                             out_dtype=tl.float32)  # [BM, BN]
+            if SWAP_AB:  # W x^T: the converted tile can stay in registers as the left operand
+                partial = tl.dot(w.to(x.dtype), tl.trans(x), input_precision=INPUT_PRECISION,
+                                 out_dtype=tl.float32)  # [BN, BM]
+            else:
+                partial = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=INPUT_PRECISION,
+                                 out_dtype=tl.float32)  # [BM, BN]
             acc += partial * w_scale
-    out = offs_m[:, None] * N + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+    if SWAP_AB:  # acc [BN, BM] is stored through transposed offsets
+        out = offs_n[:, None] + offs_m[None, :] * N
+        mask = n_mask[:, None] & m_mask[None, :]
+    else:
+        out = offs_m[:, None] * N + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K:
         tl.store(y_ptr + split * M * N + out, acc, mask=mask)
     else:
@@ -293,7 +310,8 @@ def weight_only_tiles(rows: int, out_features: int, in_features: int
 def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
                            weight_scale_inv: torch.Tensor, *, block_n: int | None = None,
                            k_splits: int | None = None, k_blocks: int = 1, num_stages: int = 4,
-                           num_warps: int = 4) -> torch.Tensor:
+                           num_warps: int = 4, swap_ab: bool = WEIGHT_ONLY_SWAP_AB
+                           ) -> torch.Tensor:
     """y [M, N] = x @ dequant(weight, weight_scale_inv)^T in x's dtype (w8a16).
 
         y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j]
@@ -315,7 +333,9 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
             k_blocks: 128-wide K blocks per step of the K loop (a pipeline stage holds that
             many weight tiles, so more of the weight is in flight per program);
             num_stages, num_warps: the launch's (software pipelining depth of the K loop,
-            warps per program); these five are for tuning.
+            warps per program);
+            swap_ab: compute each tile as W x^T, [BLOCK_N, BLOCK_M], the converted weight tile
+            the left operand (default `WEIGHT_ONLY_SWAP_AB`); these six are for tuning.
     """
     rows, cols = x.shape
     out_features = weight.shape[0]
@@ -347,7 +367,7 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
         x.stride(0), x.stride(1), weight.stride(0), weight_scale_inv.stride(0),
         blocks_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, K_BLOCKS=k_blocks,
         SPLIT_K=k_splits > 1, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages)
     if k_splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](
