@@ -43,11 +43,11 @@ from mlaserve.bench.gemm import (
     projections,
     time_calls,
 )
+from mlaserve.kernels.fp8_activations import quantize_activations
 from mlaserve.kernels.fp8_blocks import quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     block_fp8_reference,
     block_fp8_w8a8,
-    quantize_activations,
     scaled_mm_block_fp8,
     sm_count,
 )

@@ -175,7 +175,8 @@ def test_fp8_linear_on_cuda_runs_the_block_gemm(in_features: int, weight_only: b
     that it quantizes x per token and 128 columns and runs the w8a8 product: equal, up to the
     same rounding, to the float32 product of the same quantized operands."""
     from mlaserve.kernels import fp8_gemm
-    from mlaserve.kernels.fp8_gemm import block_fp8_reference, quantize_activations
+    from mlaserve.kernels.fp8_activations import quantize_activations
+    from mlaserve.kernels.fp8_gemm import block_fp8_reference
 
     monkeypatch.setattr(fp8_gemm, "WEIGHT_ONLY_MAX_ROWS", 64)
     rows = 5 if weight_only else 64 + 3
@@ -190,3 +191,20 @@ def test_fp8_linear_on_cuda_runs_the_block_gemm(in_features: int, weight_only: b
         x_q, x_scales = quantize_activations(x)
         want = block_fp8_reference(x_q.cpu(), x_scales.cpu(), weight, scale)
     torch.testing.assert_close(got.float().cpu(), want, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_features", [256, 1024])  # the Triton product; cuBLASLt's
+def test_fp8_linear_reads_its_input_quantized_by_the_producer(in_features: int):
+    """A w8a8 product handed its input quantized (as the fused norms and SiLU-and-mul hand it)
+    gives the bits it gives when it quantizes that input itself; 67 rows, which cuBLASLt's
+    product pads to 68 either way."""
+    from mlaserve.kernels.fp8_activations import quantize_activations
+    from mlaserve.kernels.fp8_blocks import QuantizedActivations
+
+    gen = torch.Generator().manual_seed(0)
+    weight, scale = quantize_block_fp8(torch.randn(304, in_features, generator=gen) * 0.02)
+    weight, scale = weight.cuda(), scale.cuda()
+    x = torch.randn(67, in_features, generator=gen).cuda().bfloat16()
+    quantized = QuantizedActivations(*quantize_activations(x), x.dtype)
+    assert torch.equal(linear(quantized, weight, None, scale), linear(x, weight, None, scale))

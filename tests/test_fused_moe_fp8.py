@@ -14,8 +14,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
-from mlaserve.kernels.fp8_gemm import ACTIVATION_BLOCK, quantize_activations  # noqa: E402
+from mlaserve.kernels.fp8_activations import quantize_activations  # noqa: E402
+from mlaserve.kernels.fp8_blocks import (  # noqa: E402
+    ACTIVATION_BLOCK,
+    dequantize_block_fp8,
+    quantize_block_fp8,
+)
 from mlaserve.kernels.fused_moe import (  # noqa: E402
     FusedMoEConfig,
     GemmTiles,

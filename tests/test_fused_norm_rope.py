@@ -1,5 +1,6 @@
 """The fused norm / rope / latent-write kernels against their float32 references, and the whole
-model with the kernels forced on against its torch path.
+model with the kernels forced on against its torch path (with block-FP8 Linears too, whose
+inputs the fused norms and SiLU-and-mul then quantize: `test_fused_activation_quant.py`).
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter (small shapes, float32 and
 float16: the interpreter's bfloat16 is not faithful); with one they run natively, in bfloat16
@@ -17,7 +18,8 @@ pytest.importorskip("triton")
 from mlaserve.attention.base import MLABackend, MLAShape  # noqa: E402
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk  # noqa: E402
 from mlaserve.attention.registry import create_backend  # noqa: E402
-from mlaserve.config import ModelConfig, YarnScaling  # noqa: E402
+from mlaserve.config import FP8_QUANTIZATION_CONFIG, ModelConfig, YarnScaling  # noqa: E402
+from mlaserve.kernels import fused_norm_rope  # noqa: E402
 from mlaserve.kernels.fused import force_fused_kernels  # noqa: E402
 from mlaserve.kernels.fused_norm_rope import (  # noqa: E402
     fused_add_rms_norm,
@@ -205,25 +207,44 @@ def _step_metadata(backend: MLABackend, block_size: int
     return positions, meta
 
 
+QLORA_YARN = dict(q_lora_rank=24, rope_interleave=False,
+                  rope_scaling={"type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 16, "mscale": 0.707,
+                                "mscale_all_dim": 0.707})
+
+
 @pytest.mark.skipif(ON_GPU, reason="compares the interpreted kernels with the CPU torch path")
-@pytest.mark.parametrize("overrides", [
-    dict(q_lora_rank=None, rope_interleave=True),
-    dict(q_lora_rank=24, rope_interleave=False,
-         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                       "mscale": 0.707, "mscale_all_dim": 0.707}),
-], ids=["v2-interleaved", "qlora-neox-yarn"])
-def test_model_with_fused_kernels_equals_the_torch_path(overrides: dict) -> None:
+@pytest.mark.parametrize("overrides,quantized_inputs", [
+    (dict(q_lora_rank=None, rope_interleave=True), 0),
+    (QLORA_YARN, 0),
+    # FP8 Linears: per layer, the input norm's output (for q_a + kv_a) and q_a_layernorm's (for
+    # q_b); in the dense layer also the post-attention norm's (gate_up) and SiLU-and-mul's
+    # (down). The MoE layer's input is not quantized (its router reads it).
+    (dict(QLORA_YARN, quantization_config=FP8_QUANTIZATION_CONFIG), 6),
+], ids=["v2-interleaved", "qlora-neox-yarn", "qlora-fp8"])
+def test_model_with_fused_kernels_equals_the_torch_path(overrides: dict, quantized_inputs: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same step, hidden states and cache rows with the kernels forced on as on the torch
+    path. With FP8 Linears, the forced kernels hand them quantized inputs, the torch path its
+    inputs as they are: equal here, where the interpreter keeps the quantized values in
+    float32 (see `fp8_activations`)."""
     config = ModelConfig.from_dict({**TINY, **overrides})
     model = build_model(config, None, device=DEVICE, dtype=torch.float32, load_format="dummy",
-                        max_positions=64)
+                        max_positions=64, quantization="fp8" if config.quant_method else "auto")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif "scale_inv" in name:  # FP8 weights' block scales
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
             else:
                 param.copy_(0.2 * torch.randn(param.shape, generator=gen))
     model.process_weights_after_loading()
+    allocated = []
+    empty_quantized = fused_norm_rope.empty_quantized
+    monkeypatch.setattr(fused_norm_rope, "empty_quantized",
+                        lambda *args: allocated.append(args) or empty_quantized(*args))
     block_size = 4
     shape = MLAShape(num_heads=config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
                      qk_rope_head_dim=config.qk_rope_head_dim, block_size=block_size,
@@ -239,5 +260,6 @@ def test_model_with_fused_kernels_equals_the_torch_path(overrides: dict) -> None
         with force_fused_kernels():
             actual = model(input_ids, positions, fused_caches, meta)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert len(allocated) == quantized_inputs
     for fused, ref in zip(fused_caches, caches, strict=True):
         torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-5)

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     """Time every (model, projection, tokens) cell; 1 when an FP8 output fails its check."""
     if not torch.cuda.is_available():
         raise ValueError("mlaserve bench gemm times GPU kernels: it needs a CUDA GPU")
+    from mlaserve.kernels.fp8_activations import quantize_activations
     from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
     from mlaserve.kernels.fp8_gemm import (
         block_fp8_linear,
@@ -114,7 +115,6 @@ def run(args: argparse.Namespace) -> int:
         block_fp8_reference,
         fp8_weight_only_matmul,
         product_path,
-        quantize_activations,
         scaled_mm_block_fp8,
     )
     from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90, gluon_gemm_serves

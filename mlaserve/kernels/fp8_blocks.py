@@ -5,18 +5,21 @@ A quantized weight [out, in] is torch.float8_e4m3fn next to float32 scales `scal
 (the last row / column of blocks may be partial). Quantizing a block: scale = amax(|block|) / 448
 (the largest e4m3 value), fp8 = block / scale, and the stored `scale_inv` is that scale (the
 name is DeepSeek's: the inverse of the factor that took the weight to FP8). The activations of
-the w8a8 GEMMs use the same format with 1 x 128 blocks (`fp8_gemm.quantize_activations`).
+the w8a8 GEMMs use the same format with 1 x 128 blocks (`ACTIVATION_BLOCK`), held as
+`QuantizedActivations` (the kernels that quantize them: `fp8_activations`).
 
 Which checkpoint tensors are FP8 and what the model does with them is `mlaserve.model.fp8`.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 BLOCK_SIZE = (128, 128)
+ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
 
 
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,3 +83,58 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, *, row_s
     scale = scale.index_select(-2, rows.to(scale.device)).index_select(
         -1, cols.to(scale.device))  # [..., r, c]
     return weight.to(torch.float32) * scale
+
+
+@dataclass(frozen=True)
+class QuantizedActivations:
+    """Activations x [M, K] of a w8a8 product, quantized per token and 128 columns.
+
+    values: [M, K] float8_e4m3fn (float32, unrounded, off CUDA: `fp8_activations` says why);
+    scales: [M, ceil(K / 128)] float32, M-major on CUDA; x ~= values * scales[:, k // 128].
+    dtype: the dtype of the activations they stand for (the product's output dtype).
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """[M, K], the activations' shape."""
+        return self.values.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.values.is_cuda
+
+    def padded_rows(self, multiple: int) -> "QuantizedActivations":
+        """A copy with zero rows (scale 1) up to a multiple of `multiple` rows, M-major scales
+        (cuBLASLt's blockwise product wants rows in fours)."""
+        rows, num_groups = self.scales.shape
+        padded = -(-rows // multiple) * multiple
+        values = torch.nn.functional.pad(self.values.view(torch.uint8),
+                                         (0, 0, 0, padded - rows))  # zero bytes are +0
+        scales = torch.ones(num_groups, padded, dtype=torch.float32,
+                            device=self.scales.device).t()  # [padded, G], M-major
+        scales[:rows] = self.scales
+        return QuantizedActivations(values.view(self.values.dtype), scales, self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """x [M, K] float32 as the product reads it: values * their group's scale."""
+        return dequantize_block_fp8(self.values, self.scales, block_size=ACTIVATION_BLOCK)
+
+
+def empty_quantized(rows: int, cols: int, dtype: torch.dtype, device: torch.device
+                    ) -> QuantizedActivations:
+    """Uninitialised `QuantizedActivations` of [rows, cols] activations in dtype, for a kernel
+    to fill: FP8 values on CUDA (float32 elsewhere) and M-major scales."""
+    num_groups = -(-cols // ACTIVATION_BLOCK[1])
+    value_dtype = FP8_DTYPE if device.type == "cuda" else torch.float32
+    values = torch.empty(rows, cols, dtype=value_dtype, device=device)
+    scales = torch.empty_strided((rows, num_groups), (1, max(rows, 1)), dtype=torch.float32,
+                                 device=device)
+    return QuantizedActivations(values, scales, dtype)

@@ -27,21 +27,20 @@ where cuBLASLt takes the shape, else "triton".
 """
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.fp8_activations import quantize_activations
 from mlaserve.kernels.fp8_blocks import (
-    BLOCK_SIZE,
-    FP8_DTYPE,
-    FP8_MAX,
+    ACTIVATION_BLOCK,
+    QuantizedActivations,
     dequantize_block_fp8,
-    quantize_block_fp8,
 )
 from mlaserve.kernels.interpreter import prepare_launch
 
-ACTIVATION_BLOCK = (1, BLOCK_SIZE[1])  # one scale per token and 128 columns
 # Up to this many rows (tokens) a CUDA `block_fp8_linear` runs the weight-only product, for
 # weights of at most WEIGHT_ONLY_MAX_WEIGHT_BYTES: on the H200 it beats bf16 and the w8a8 path
 # there on V3's narrower projections (scripts/fp8_weight_only_check.py, benchmarks/fp8); past 16
@@ -66,58 +65,6 @@ WEIGHT_ONLY_MIN_SPLIT_BLOCKS = 14
 # shared memory first). x W^T is the one measured (benchmarks/fp8/weight_only.log); the sweep
 # of scripts/fp8_weight_only_check.py times both (`--swap-ab 0,1`).
 WEIGHT_ONLY_SWAP_AB = False
-
-
-@triton.jit
-def _quantize_groups_kernel(
-    x_ptr,  # [M, K]
-    x_q_ptr,  # [M, K] float8_e4m3fn
-    scale_ptr,  # [M, ceil(K / 128)] float32, any strides
-    K, stride_x, stride_q, stride_sm, stride_sk,
-    FP8_MAX: tl.constexpr,
-    GROUP: tl.constexpr,  # 128 columns per scale
-    GROUPS: tl.constexpr,  # groups per program
-):
-    row = tl.program_id(0)
-    first = tl.program_id(1) * GROUPS
-    groups = first + tl.arange(0, GROUPS)  # [GROUPS]
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
-    mask = cols < K
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [GROUPS]
-    scale = tl.where(amax > 0.0, amax / FP8_MAX, 1.0)
-    x_q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
-    tl.store(x_q_ptr + row * stride_q + cols, x_q.to(x_q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * stride_sm + groups * stride_sk, scale, mask=groups * GROUP < K)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token-group quantization: DeepSeek's block quantization with 1 x 128 blocks
-    (one Triton kernel on CUDA, `quantize_block_fp8` elsewhere: the interpreter does not round
-    float32 to FP8 as the GPU does).
-
-    Args:
-        x: [M, K] activations (any float dtype).
-
-    Returns:
-        x_q [M, K] float8_e4m3fn and scales [M, ceil(K / 128)] float32 with
-        x ~= x_q * scales[:, k // 128] (an all-zero group gets scale 1). On CUDA the scales are
-        M-major (strides (1, M)), the layout cuBLASLt's blockwise scaling reads.
-    """
-    if x.device.type != "cuda":
-        return quantize_block_fp8(x, ACTIVATION_BLOCK)
-    rows, cols = x.shape
-    num_groups = -(-cols // ACTIVATION_BLOCK[1])
-    x_q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty_strided((rows, num_groups), (1, rows), dtype=torch.float32,
-                                 device=x.device)
-    groups_per_program = min(32, triton.next_power_of_2(num_groups))  # up to 4096 columns
-    grid = (rows, triton.cdiv(num_groups, groups_per_program))
-    _quantize_groups_kernel[grid](x, x_q, scales, cols, x.stride(0), x_q.stride(0),
-                                  scales.stride(0), scales.stride(1), FP8_MAX=FP8_MAX,
-                                  GROUP=ACTIVATION_BLOCK[1], GROUPS=groups_per_program,
-                                  num_warps=8 if groups_per_program >= 16 else 4)
-    return x_q, scales
 
 
 def check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -419,15 +366,28 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, 
     return "triton"
 
 
-def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
+def linear_product_path(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor) -> str:
+    """`product_path` for a Linear's input x [..., K] (as it is, or quantized by its producer)
+    and block-FP8 weight [N, K], on x's device: the product `block_fp8_linear` runs, and what
+    a kernel producing x asks before it quantizes its output for the product."""
+    sm90 = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and is_sm90(x.device)
+    return product_path(x.is_cuda, math.prod(x.shape[:-1]), *weight.shape, sm90=sm90,
+                        num_sms=sm_count(x.device) if sm90 else H100_SMS)
+
+
+def block_fp8_linear(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
                      weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """x [..., K] -> y [..., N] in x's dtype with an FP8 weight [N, K] and its scales, by the
-    product `product_path` picks: `fp8_weight_only_matmul` on x as it is, or `block_fp8_w8a8`
-    through the Gluon kernel, cuBLASLt or the Triton kernel."""
+    product `linear_product_path` picks: `fp8_weight_only_matmul` on x as it is, or
+    `block_fp8_w8a8` through the Gluon kernel, cuBLASLt or the Triton kernel. x may come
+    quantized ([M, K]) from the kernel that produced it, where that product is a w8a8 one."""
+    path = linear_product_path(x, weight)
+    if isinstance(x, QuantizedActivations):
+        if path == "weight-only":
+            raise ValueError("quantized activations reached the weight-only FP8 product: their "
+                             "producer quantizes only for a w8a8 product (linear_product_path)")
+        return block_fp8_w8a8(x, weight, weight_scale_inv, path)  # [M, N]
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    sm90 = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and is_sm90(x.device)
-    path = product_path(x.is_cuda, flat.shape[0], *weight.shape, sm90=sm90,
-                        num_sms=sm_count(x.device) if sm90 else H100_SMS)
     if path == "weight-only":
         y = fp8_weight_only_matmul(flat, weight, weight_scale_inv)  # [M, N]
     else:
@@ -435,17 +395,20 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
     return y.view(*x.shape[:-1], weight.shape[0])  # [..., N]
 
 
-def block_fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                   path: str) -> torch.Tensor:
-    """x [M, K] -> y [M, N] in x's dtype: x quantized per token group (`quantize_activations`),
-    then the block-FP8 product with weight [N, K] and its scales by `path` (`product_path`):
-    "gluon" (`fp8_gemm_sm90.block_fp8_matmul_sm90`), "cublas" (torch's blockwise scaled
-    matmul, the rows padded to a multiple of 4 as cuBLASLt needs) or "triton"
-    (`block_fp8_matmul`)."""
+def block_fp8_w8a8(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
+                   weight_scale_inv: torch.Tensor, path: str) -> torch.Tensor:
+    """x [M, K] -> y [M, N] in x's dtype: x quantized per token group (`quantize_activations`)
+    unless its producer did, then the block-FP8 product with weight [N, K] and its scales by
+    `path` (`product_path`): "gluon" (`fp8_gemm_sm90.block_fp8_matmul_sm90`), "cublas"
+    (torch's blockwise scaled matmul, the rows padded to a multiple of 4 as cuBLASLt needs)
+    or "triton" (`block_fp8_matmul`)."""
     rows = x.shape[0]
-    if path == "cublas" and rows % 4:
-        x = torch.nn.functional.pad(x, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
-    x_q, x_scales = quantize_activations(x)
+    if isinstance(x, torch.Tensor):
+        if path == "cublas" and rows % 4:
+            x = torch.nn.functional.pad(x, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
+        x = QuantizedActivations(*quantize_activations(x), x.dtype)
+    elif path == "cublas" and rows % 4:
+        x = x.padded_rows(4)  # [M rounded up to 4, K]
     if path == "gluon":
         from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90
 
@@ -456,7 +419,7 @@ def block_fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
         product = block_fp8_matmul
     else:
         raise ValueError(f"unknown w8a8 product {path!r} (gluon, cublas or triton)")
-    return product(x_q, x_scales, weight, weight_scale_inv, x.dtype)[:rows]  # [M, N]
+    return product(x.values, x.scales, weight, weight_scale_inv, x.dtype)[:rows]  # [M, N]
 
 
 def scaled_mm_block_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
@@ -489,5 +452,5 @@ def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
 
 __all__ = ["GLUON_MAX_OUT_FEATURES", "GLUON_MIN_ROWS", "WEIGHT_ONLY_MAX_ROWS",
            "block_fp8_linear", "block_fp8_matmul", "block_fp8_reference", "block_fp8_w8a8",
-           "check_operands", "fp8_weight_only_matmul", "product_path", "quantize_activations",
+           "check_operands", "fp8_weight_only_matmul", "linear_product_path", "product_path",
            "scaled_mm_block_fp8", "weight_only_tiles"]

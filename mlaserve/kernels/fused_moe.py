@@ -20,7 +20,7 @@ Weights are read K-major as stored ([E, 2I, D] and [E, D, I]). Tile sizes come f
 
 Block-FP8 experts (w8a8, DeepSeek's format: float8_e4m3fn weights with a float32 scale per
 128x128 block, `fp8_blocks.py`) run through the same kernels: x and the activation are quantized
-per token and 128-column group (`fp8_gemm.quantize_activations`), every BLOCK_K step (BLOCK_K
+per token and 128-column group (`fp8_activations.quantize_activations`), every BLOCK_K step (BLOCK_K
 divides 128, so it lies in one scale block) is one FP8 `tl.dot` scaled by the rows' activation
 scales times the columns' weight scales (looked up per column, so any BLOCK_N works) and added to
 the float32 accumulator. The activation is stored in x's dtype before it is quantized, as in the
@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.fp8_activations import quantize_activations
 from mlaserve.kernels.fp8_blocks import BLOCK_SIZE
-from mlaserve.kernels.fp8_gemm import quantize_activations
 from mlaserve.kernels.moe import check_fp8_experts
 from mlaserve.kernels.moe_align import ExpertAlignment, align_by_expert
 

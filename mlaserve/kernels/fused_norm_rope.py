@@ -14,6 +14,11 @@ weights, so each of these ops is one launch:
 - `silu_and_mul`: the SwiGLU activation [gate | up] [T, 2I] -> silu(gate) * up [T, I], one
   program per (row, column block).
 
+The norms and `silu_and_mul` feed the model's Linears. Where a Linear runs a w8a8 block-FP8
+product, they can quantize their output for it as they store it (`quantize=True`: a
+`QuantizedActivations` of FP8 values and 1 x 128 scales, `fp8_activations`) instead of storing
+it in x's dtype for a quantization launch to read again; the bits are the same.
+
 Numerics follow the torch code in `mlaserve.model.layers` (HF DeepSeek): the math is float32,
 and results are rounded where that code rounds them (stated per function). Rotary angles are the
 float32 tables of `RotaryEmbedding.angles` (cos, sin [T, R / 2]; YaRN's cos/sin scale is already
@@ -29,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.fp8_activations import GROUP, store_quantized_groups
+from mlaserve.kernels.fp8_blocks import FP8_MAX, QuantizedActivations, empty_quantized
 from mlaserve.kernels.interpreter import prepare_launch
 
 
@@ -88,14 +95,22 @@ def _rms_norm_kernel(
     x_ptr,  # [T, N]
     residual_ptr,  # [T, N], read and written when ADD_RESIDUAL
     weight_ptr,  # [N]
-    out_ptr,  # [T, N]
+    out_ptr,  # [T, N] in x's dtype, unless QUANTIZE
+    values_ptr,  # [T, N] FP8 when QUANTIZE
+    scales_ptr,  # [T, ceil(N / 128)] float32 when QUANTIZE
     n_cols,
     eps,
     stride_x,
     stride_residual,
     stride_out,
-    BLOCK_N: tl.constexpr,
+    stride_values,
+    stride_scale_row,
+    stride_scale_group,
+    BLOCK_N: tl.constexpr,  # a power of 2, at least 128 when QUANTIZE
     ADD_RESIDUAL: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # store the rows quantized per 128 columns, not out
+    FP8_MAX: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
@@ -107,31 +122,44 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_ptr.dtype.element_ty)
         tl.store(residual_row, x, mask=mask)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    y = _rms_normalize(x, weight, n_cols, eps, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
+    y = _rms_normalize(x, weight, n_cols, eps, x_ptr.dtype.element_ty)  # zero past n_cols
+    if QUANTIZE:
+        groups = tl.reshape(y.to(tl.float32), (BLOCK_N // GROUP, GROUP))  # [G, 128]
+        store_quantized_groups(groups, values_ptr, scales_ptr, row, 0, n_cols, stride_values,
+                               stride_scale_row, stride_scale_group, GROUPS=BLOCK_N // GROUP,
+                               GROUP=GROUP, FP8_MAX=FP8_MAX)
+    else:
+        tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
+             ) -> torch.Tensor | QuantizedActivations:
     """RMSNorm as HF DeepSeek computes it, one launch.
 
     Args:
         x: [T, N] float32, float16 or bfloat16, unit column stride.
         weight: [N] (normally in x's dtype).
+        quantize: return the rows quantized for a w8a8 product instead.
 
     Returns:
         [T, N] in x's dtype, contiguous: x * rsqrt(mean(x^2) + eps) computed in float32 and
-        rounded to x's dtype, then times weight (in float32) and rounded again.
+        rounded to x's dtype, then times weight (in float32) and rounded again. With quantize,
+        those rows quantized per token and 128 columns (`fp8_activations`).
     """
     num_tokens, n_cols = x.shape
     _check_rows("x", x, n_cols)
-    out = torch.empty(num_tokens, n_cols, dtype=x.dtype, device=x.device)
+    if quantize:
+        out = empty_quantized(num_tokens, n_cols, x.dtype, x.device)
+    else:
+        out = torch.empty(num_tokens, n_cols, dtype=x.dtype, device=x.device)
     if num_tokens:
         _launch_rms_norm(x, x, weight, out, eps, add_residual=False)
     return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, quantize: bool = False
+                       ) -> tuple[torch.Tensor | QuantizedActivations, torch.Tensor]:
     """The decoder's residual stream step, one launch, both tensors updated in place.
 
     residual <- x + residual: the sum in float32, rounded once to residual's dtype (what torch's
@@ -142,9 +170,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         x: [T, N] (a sublayer's output), float32, float16 or bfloat16.
         residual: [T, N] the residual stream, same dtype as x.
         weight: [N].
+        quantize: leave x as it is and return the normalised rows quantized for a w8a8
+            product (`rms_norm`).
 
     Returns:
-        (x, residual): the same tensors, now holding the normalised rows and the new stream.
+        (x, residual): the same tensors, now holding the normalised rows and the new stream;
+        with quantize, (the quantized rows, residual).
     """
     num_tokens, n_cols = x.shape
     _check_rows("x", x, n_cols)
@@ -152,19 +183,29 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if residual.shape[0] != num_tokens or residual.dtype != x.dtype:
         raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match x "
                          f"{x.dtype} {tuple(x.shape)}")
+    out = empty_quantized(num_tokens, n_cols, x.dtype, x.device) if quantize else x
     if num_tokens:
-        _launch_rms_norm(x, residual, weight, x, eps, add_residual=True)
-    return x, residual
+        _launch_rms_norm(x, residual, weight, out, eps, add_residual=True)
+    return out, residual
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     out: torch.Tensor, eps: float, add_residual: bool) -> None:
+                     out: torch.Tensor | QuantizedActivations, eps: float,
+                     add_residual: bool) -> None:
     prepare_launch(x)
     num_tokens, n_cols = x.shape
     block = triton.next_power_of_2(n_cols)
+    quantized = isinstance(out, QuantizedActivations)
+    if quantized:  # the rows in whole 128-column groups; nothing stored in x's dtype
+        block = max(block, GROUP)
+        out, values, scales = x, out.values, out.scales
+    else:
+        values, scales = x, x  # unused
     _rms_norm_kernel[(num_tokens,)](
-        x, residual, weight, out, n_cols, eps, x.stride(0), residual.stride(0), out.stride(0),
-        BLOCK_N=block, ADD_RESIDUAL=add_residual, num_warps=_norm_warps(block))
+        x, residual, weight, out, values, scales, n_cols, eps, x.stride(0), residual.stride(0),
+        out.stride(0), values.stride(0), scales.stride(0), scales.stride(-1), BLOCK_N=block,
+        ADD_RESIDUAL=add_residual, QUANTIZE=quantized, FP8_MAX=FP8_MAX, GROUP=GROUP,
+        num_warps=_norm_warps(block))
 
 
 @triton.jit
@@ -339,40 +380,67 @@ def write_latent(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2I]
-    out_ptr,  # [T, I]
+    out_ptr,  # [T, I] in x's dtype, unless QUANTIZE
+    values_ptr,  # [T, I] FP8 when QUANTIZE
+    scales_ptr,  # [T, ceil(I / 128)] float32 when QUANTIZE
     inter,
     stride_x,
     stride_out,
-    BLOCK: tl.constexpr,
+    stride_values,
+    stride_scale_row,
+    stride_scale_group,
+    BLOCK: tl.constexpr,  # a power of 2, a multiple of 128 when QUANTIZE
+    QUANTIZE: tl.constexpr,  # store the rows quantized per 128 columns, not out
+    FP8_MAX: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded as F.silu's output
-    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(dtype), mask=mask)
+    y = (silu * up).to(dtype)  # zero past inter
+    if QUANTIZE:
+        groups = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))  # [G, 128]
+        store_quantized_groups(groups, values_ptr, scales_ptr, row,
+                               tl.program_id(1) * (BLOCK // GROUP), inter, stride_values,
+                               stride_scale_row, stride_scale_group, GROUPS=BLOCK // GROUP,
+                               GROUP=GROUP, FP8_MAX=FP8_MAX)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False
+                 ) -> torch.Tensor | QuantizedActivations:
     """SwiGLU's activation, one launch.
 
     Args:
         gate_up: [T, 2I] = [gate | up], float32, float16 or bfloat16, unit column stride.
+        quantize: return the rows quantized for a w8a8 product instead.
 
     Returns:
         [T, I] in gate_up's dtype: silu(gate) computed in float32 and rounded to the dtype, then
-        times up in float32 and rounded again (torch's `F.silu(gate) * up`).
+        times up in float32 and rounded again (torch's `F.silu(gate) * up`). With quantize,
+        those rows quantized per token and 128 columns (`fp8_activations`).
     """
     num_tokens, width = gate_up.shape
     _check_rows("gate_up", gate_up, width)
     inter = width // 2
-    out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if quantize:
+        out = empty_quantized(num_tokens, inter, gate_up.dtype, gate_up.device)
+        dense, values, scales = gate_up, out.values, out.scales  # dense: unused
+    else:
+        out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+        dense, values, scales = out, gate_up, gate_up  # values, scales: unused
     if num_tokens:
         prepare_launch(gate_up)
         block = min(1024, triton.next_power_of_2(inter))
+        if quantize:
+            block = max(block, GROUP)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
-            num_warps=max(1, block // 256))
+            gate_up, dense, values, scales, inter, gate_up.stride(0), dense.stride(0),
+            values.stride(0), scales.stride(0), scales.stride(-1), BLOCK=block,
+            QUANTIZE=quantize, FP8_MAX=FP8_MAX, GROUP=GROUP, num_warps=max(1, block // 256))
     return out

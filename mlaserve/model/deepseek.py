@@ -26,7 +26,12 @@ from mlaserve.attention.prefill import expanded_prefill
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
 from mlaserve.distributed.expert_parallel import get_ep_group
-from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, FP8_DTYPE, scale_shape
+from mlaserve.kernels.fp8_blocks import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    QuantizedActivations,
+    scale_shape,
+)
 from mlaserve.kernels.moe import fused_experts, select_experts
 from mlaserve.model.expert_parallel import expert_parallel_moe
 from mlaserve.model.fp8_linear import keep_linear_fp8
@@ -105,17 +110,23 @@ class MLAAttention(nn.Module):
         self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()  # [H, P, L]
         self.w_uv_t = w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [H, L, V]
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def quantizes_input(self, hidden: torch.Tensor) -> bool:
+        """Whether the norm before this layer should quantize its output for the first GEMM."""
+        return self.q_kv_a.quantizes_input(hidden)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor],
+                hidden: torch.Tensor | QuantizedActivations, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         """hidden [T, D] -> [T, D]; writes this step's latents into kv_cache [N, bs, L + R].
 
         rope: the step's rotary angles (cos, sin) [T, R / 2] from `RotaryEmbedding.angles`.
+        hidden: quantized where `quantizes_input` says so.
         """
         num_tokens = hidden.shape[0]
         # [T, H * (P + R)] (or [T, q_lora_rank]), [T, L + R]
         q, kv = self.q_kv_a(hidden).split(self.q_kv_a_split, dim=-1)
         if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q = self.q_b_proj(self.q_a_layernorm(q, self.q_b_proj.quantizes_input(q)))
         q = q.view(num_tokens, self.num_heads, -1)  # [T, H, P + R]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, L + R]
@@ -123,12 +134,12 @@ class MLAAttention(nn.Module):
             kv, self.kv_a_layernorm, self.rotary, rope, kv_flat,
             meta.slot_mapping, keep_rows=bool(meta.prefills))  # [T, L + R] or None
 
-        out = hidden.new_empty(num_tokens, self.num_heads, self.v_head_dim)
+        out = kv.new_empty(num_tokens, self.num_heads, self.v_head_dim)
         cos, sin = rope
         d = meta.num_decode_tokens
         if d:
             rank = self.kv_lora_rank
-            q_abs = hidden.new_empty(d, self.num_heads, rank + self.qk_rope_head_dim)
+            q_abs = kv.new_empty(d, self.num_heads, rank + self.qk_rope_head_dim)
             # q_abs = [q_nope W_UK | rope(q_pe)]: the bmm writes q_latent [H, d, L] through a
             # transposed view of the first L columns, the rope the last R columns
             torch.bmm(q_nope[:d].transpose(0, 1), self.w_uk,
@@ -261,6 +272,10 @@ class MoE(nn.Module):
                 reduce_results=False)
         self.num_shared_experts = 0  # folded into the stacks after loading
 
+    def quantizes_input(self, x: torch.Tensor) -> bool:
+        """False: the router reads x in the model dtype, and the fused MoE quantizes it."""
+        return False
+
     def keep_experts_fp8(self, prefix: str, tp_size: int) -> None:
         """Keep the routed and shared experts block-FP8 where `RoutedExperts.keep_fp8` can
         (I a multiple of 128); otherwise both stay in the model dtype, dequantized at load."""
@@ -389,14 +404,17 @@ class DecoderLayer(nn.Module):
         Returns:
             (mlp_out, residual) [T, D]: the stream is residual + mlp_out. Each residual add is
             folded into the norm that follows it (`RMSNorm.add_and_norm`), which may update
-            `hidden` and `residual` in place.
+            `hidden` and `residual` in place, and which quantizes its output where the GEMM
+            after it runs a w8a8 product (`quantizes_input`).
         """
+        quantize = self.self_attn.quantizes_input(hidden)
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, quantize)
         else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, quantize)
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(
+            hidden, residual, self.mlp.quantizes_input(hidden))
         return self.mlp(hidden), residual
 
 

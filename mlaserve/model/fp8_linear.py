@@ -7,7 +7,9 @@ both straight from the checkpoint (a tensor-parallel rank reads its rows or colu
 scale blocks that cover them). `linear` computes any of the model's Linear products: on CUDA
 `mlaserve.kernels.fp8_gemm.block_fp8_linear` (a weight-only w8a16 GEMM at a few tokens, else
 the block-FP8 w8a8 GEMM with per-token 1 x 128 activation scales), and on the CPU the weight
-dequantized in float32 (weight-only).
+dequantized in float32 (weight-only). Where the product is w8a8 the kernel producing a Linear's
+input (a norm, SiLU-and-mul) quantizes it as it stores it (`takes_quantized_input`), and the
+Linear reads those `QuantizedActivations`.
 
 Which Linears stay high precision: `kv_b_proj`, dequantized to the model dtype at load because
 the absorbed MLA products read it per head as W_UK [H, P, L] and W_UV [H, L, V] in the model
@@ -24,25 +26,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, FP8_DTYPE, dequantize_block_fp8, scale_shape
+from mlaserve.kernels.fp8_blocks import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    QuantizedActivations,
+    dequantize_block_fp8,
+    scale_shape,
+)
+from mlaserve.kernels.fused import use_fused_kernels
 
 # kv_b_proj; the shared experts go with their MoE's routed experts (MoE.keep_experts_fp8)
 _STAYS_DEQUANTIZED = re.compile(r"(^|\.)(kv_b_proj|shared_experts\.\w+)$")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
+           bias: torch.Tensor | None = None,
            weight_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b for a high-precision or a block-FP8 weight.
 
     Args:
-        x: [..., in] activations in the model dtype.
+        x: [..., in] activations in the model dtype; for an FP8 weight also [T, in] quantized
+            by their producer (`takes_quantized_input`).
         weight: [out, in], the model dtype; or float8_e4m3fn with weight_scale_inv
             [ceil(out / 128), ceil(in / 128)] float32.
         bias: [out] or None.
 
     Returns:
         [..., out] in x's dtype. An FP8 weight runs `block_fp8_linear` on CUDA; on the CPU it
-        is dequantized and the product computed in float32.
+        is dequantized (so are quantized activations) and the product computed in float32.
     """
     if weight_scale_inv is None:
         return F.linear(x, weight, bias)
@@ -51,8 +62,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         y = block_fp8_linear(x, weight, weight_scale_inv)
     else:
-        y = F.linear(x.float(), dequantize_block_fp8(weight, weight_scale_inv)).to(x.dtype)
+        x_float = x.dequantize() if isinstance(x, QuantizedActivations) else x.float()
+        y = F.linear(x_float, dequantize_block_fp8(weight, weight_scale_inv)).to(x.dtype)
     return y if bias is None else y + bias
+
+
+def takes_quantized_input(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
+                          weight_scale_inv: torch.Tensor | None) -> bool:
+    """Whether a Linear with this weight wants its input quantized by the kernel that produces
+    it (`fp8_activations`): a block-FP8 weight whose product on x [T, in] (or a tensor of x's
+    rows, dtype and device) is a w8a8 one (`fp8_gemm.linear_product_path`), where the fused
+    kernels run (`use_fused_kernels`). The producer then stores its output once, in FP8, and
+    no quantization launch runs between it and the product."""
+    if weight_scale_inv is None or not use_fused_kernels(x):
+        return False
+    from mlaserve.kernels.fp8_gemm import linear_product_path  # imports triton
+
+    return linear_product_path(x, weight) != "weight-only"
 
 
 def keep_linears_fp8(model: nn.Module, tp_size: int) -> None:

@@ -8,6 +8,8 @@ op, CUDA-graph capturable) and the torch code here, which is the CPU path and st
 semantics the kernels follow. Which one runs is decided in one place,
 `mlaserve.kernels.fused.use_fused_kernels`: the kernels on CUDA tensors, the torch code on CPU
 tensors (tests run the kernels on CPU in Triton's interpreter inside `force_fused_kernels()`).
+The norms and SiLU-and-multiply hand a block-FP8 Linear that runs a w8a8 product its input
+quantized (`quantize=True`, asked of the Linear: `quantizes_input`).
 """
 
 import math
@@ -18,9 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config import YarnScaling
-from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, saturating_cast
+from mlaserve.kernels.fp8_blocks import (
+    ACTIVATION_BLOCK,
+    BLOCK_SIZE,
+    QuantizedActivations,
+    quantize_block_fp8,
+    saturating_cast,
+)
 from mlaserve.kernels.fused import use_fused_kernels
-from mlaserve.model.fp8_linear import linear
+from mlaserve.model.fp8_linear import linear, takes_quantized_input
 from mlaserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -38,29 +46,35 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, N] -> [T, N] in x's dtype (a new tensor)."""
+    def forward(self, x: torch.Tensor, quantize: bool = False
+                ) -> torch.Tensor | QuantizedActivations:
+        """x [T, N] -> [T, N] in x's dtype (a new tensor); with quantize, quantized for a w8a8
+        product."""
         if use_fused_kernels(x):
-            return _kernels().rms_norm(x, self.weight, self.eps)
-        return self._normalize(x)
+            return _kernels().rms_norm(x, self.weight, self.eps, quantize=quantize)
+        return _quantized(self._normalize(x)) if quantize else self._normalize(x)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, quantize: bool = False
+                     ) -> tuple[torch.Tensor | QuantizedActivations, torch.Tensor]:
         """One step of the residual stream: (norm(x + residual), x + residual).
 
         Args:
             x: [T, N] a sublayer's output.
             residual: [T, N] the stream before that sublayer, in x's dtype.
+            quantize: return norm(x + residual) quantized for a w8a8 product.
 
         Returns:
             (normed, residual) [T, N] in x's dtype. The sum is rounded to x's dtype once and
             normalised as rounded. The fused kernel writes them into x and residual in place
-            (one launch); the torch code returns new tensors.
+            (one launch; with quantize, the normed rows into new `QuantizedActivations`); the
+            torch code returns new tensors.
         """
         if use_fused_kernels(x):
-            return _kernels().fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return _kernels().fused_add_rms_norm(x, residual, self.weight, self.eps,
+                                                 quantize=quantize)
         residual = x + residual
-        return self._normalize(residual), residual
+        normed = self._normalize(residual)
+        return _quantized(normed) if quantize else normed, residual
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -226,7 +240,11 @@ class FusedLinear:
                 layer.weight_scale_inv = nn.Parameter(
                     self.weight_scale_inv[first : first + -(-n // block)], requires_grad=False)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def quantizes_input(self, x: torch.Tensor) -> bool:
+        """Whether x's producer should quantize it for this GEMM (`takes_quantized_input`)."""
+        return takes_quantized_input(x, self.weight, self.weight_scale_inv)
+
+    def __call__(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
         """x [T, K] -> [T, sum N_i] in x's dtype: the linears' outputs side by side, in order."""
         y = linear(x, self.weight, self.bias, self.weight_scale_inv)  # [T, sum padded N_i]
         return y if self.columns is None else y.index_select(-1, self.columns)
@@ -237,13 +255,21 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat((tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])))
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, quantize: bool = False
+                 ) -> torch.Tensor | QuantizedActivations:
     """[T, 2I] = [gate | up] -> silu(gate) * up [T, I] in gate_up's dtype (silu rounded to that
-    dtype before the product, as torch computes `F.silu(gate) * up`)."""
+    dtype before the product, as torch computes `F.silu(gate) * up`); with quantize, quantized
+    for a w8a8 product."""
     if use_fused_kernels(gate_up):
-        return _kernels().silu_and_mul(gate_up)
+        return _kernels().silu_and_mul(gate_up, quantize=quantize)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return _quantized(F.silu(gate) * up) if quantize else F.silu(gate) * up
+
+
+def _quantized(x: torch.Tensor) -> QuantizedActivations:
+    """The torch code's quantization of x [T, N] per token and 128 columns, as the fused
+    kernels quantize their output."""
+    return QuantizedActivations(*quantize_block_fp8(x, ACTIVATION_BLOCK), x.dtype)
 
 
 class GatedMLP(nn.Module):
@@ -267,6 +293,11 @@ class GatedMLP(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.gate_up = FusedLinear(self.gate_proj, self.up_proj)  # [2I / size, D]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quantizes_input(self, x: torch.Tensor) -> bool:
+        """Whether x's producer should quantize it for gate_up (`takes_quantized_input`)."""
+        return self.gate_up.quantizes_input(x)
+
+    def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
-        return self.down_proj(silu_and_mul(self.gate_up(x)))  # via [T, 2I / size]
+        gate_up = self.gate_up(x)  # [T, 2I / size]
+        return self.down_proj(silu_and_mul(gate_up, self.down_proj.quantizes_input(gate_up)))

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.distributed import get_tp_group
-from mlaserve.model.fp8_linear import linear
+from mlaserve.kernels.fp8_blocks import QuantizedActivations
+from mlaserve.model.fp8_linear import linear, takes_quantized_input
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,13 @@ class ColumnParallelLinear(nn.Linear):
         self.tp_shards = {"weight": ShardSpec(0)} | ({"bias": ShardSpec(0)} if bias else {})
         self.register_parameter("weight_scale_inv", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features / size]."""
         return linear(x, self.weight, self.bias, self.weight_scale_inv)
+
+    def quantizes_input(self, x: torch.Tensor) -> bool:
+        """Whether x's producer should quantize it for this layer (`takes_quantized_input`)."""
+        return takes_quantized_input(x, self.weight, self.weight_scale_inv)
 
 
 class RowParallelLinear(nn.Linear):
@@ -125,7 +130,11 @@ class RowParallelLinear(nn.Linear):
         self.tp_shards = {"weight": ShardSpec(1)}
         self.register_parameter("weight_scale_inv", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quantizes_input(self, x: torch.Tensor) -> bool:
+        """Whether x's producer should quantize it for this layer (`takes_quantized_input`)."""
+        return takes_quantized_input(x, self.weight, self.weight_scale_inv)
+
+    def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
         """x [T, in_features / size] -> [T, out_features] (a partial sum without the reduce)."""
         scale = self.weight_scale_inv
         if self.tp.size == 1:

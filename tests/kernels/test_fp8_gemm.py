@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from mlaserve.bench.gemm import FP8_MMA_REL_ERR
+from mlaserve.kernels.fp8_activations import quantize_activations
 from mlaserve.kernels.fp8_blocks import FP8_MAX, quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     block_fp8_linear,
     block_fp8_matmul,
     block_fp8_reference,
-    quantize_activations,
 )
 from mlaserve.kernels.testing import relative_error
 

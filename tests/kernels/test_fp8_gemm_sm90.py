@@ -10,12 +10,12 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from mlaserve.kernels import fp8_gemm  # noqa: E402
+from mlaserve.kernels.fp8_activations import quantize_activations  # noqa: E402
 from mlaserve.kernels.fp8_blocks import quantize_block_fp8  # noqa: E402
 from mlaserve.kernels.fp8_gemm import (  # noqa: E402
     block_fp8_linear,
     block_fp8_reference,
     product_path,
-    quantize_activations,
 )
 from mlaserve.kernels.fp8_gemm_sm90 import (  # noqa: E402
     block_fp8_matmul_sm90,
