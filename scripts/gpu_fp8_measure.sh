@@ -4,8 +4,10 @@
 #
 # Stages, in the order to run them (correctness before timing):
 #   tests        the GPU tests of the FP8 GEMMs (the Gluon sm_90 GEMM included), Linears, MoE,
-#                the FP8 cache and the decode kernels (the Gluon FP8 pass, FP8 TMA tiles,
-#                latent chunks), 8 workers
+#                the FP8 cache, the decode kernels (the Gluon FP8 pass, FP8 TMA tiles, latent
+#                chunks), 8 workers
+#   tests-gemm   every test (marked gpu or not) of the FP8 GEMMs and Linears, the weight-only
+#                product and the norm / SiLU kernels that quantize their output, 8 workers
 #   decode-sweep the FP8-cache decode cells (16 heads x batch 64/128/512 x kv 4096, pages of
 #                64): the Gluon FP8 pass (tiles, stages), then the Triton pass with TMA tiles,
 #                latent chunks, tile sizes and stages, beside the plan's choice; the bf16
@@ -56,6 +58,13 @@ case $stage in
       tests/test_fp8_weights.py tests/test_fp8_weight_only_gemm.py tests/test_fused_moe_fp8.py \
       tests/test_fp8_kv_cache.py > "$out/gpu_tests.log" 2>&1
     echo "rest rc=$?"; tail -3 "$out/gpu_tests.log" ;;
+  tests-gemm)
+    # every test of these files, not only those marked gpu: they run natively where a GPU is
+    timeout 400 python3 -m pytest -q -rs -p no:cacheprovider -n 8 \
+      tests/test_fused_activation_quant.py tests/test_fused_norm_rope.py \
+      tests/test_fp8_weight_only_gemm.py tests/kernels/test_fp8_gemm.py \
+      tests/test_fp8_weights.py > "$out/gpu_tests_gemm.log" 2>&1
+    echo "gemm tests rc=$?"; tail -5 "$out/gpu_tests_gemm.log" ;;
   decode-sweep)
     sweep="tma_loads=1 latent_chunks=1,4 block_n=16,32 num_stages=4,6"
     # shellcheck disable=SC2086
@@ -101,5 +110,5 @@ case $stage in
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
     done ;;
-  *) echo "unknown stage $stage (tests, decode-sweep, decode, gemm-gluon, weight-only, gemm, serve)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, gemm-gluon, weight-only, gemm, serve)" >&2; exit 2 ;;
 esac

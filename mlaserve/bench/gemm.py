@@ -5,7 +5,11 @@ projections, the dense MLP and one routed expert) and each token count, it times
 - `bf16`: torch.matmul of bf16 activations with the bf16 weight (cuBLAS);
 - `fp8`: `block_fp8_linear`, what a layer runs: the product `product_path` picks (column
   `path`): the weight-only product up to `WEIGHT_ONLY_MAX_ROWS` tokens, else the
-  per-token-group activation quantization plus cuBLASLt's or the Triton w8a8 product;
+  per-token-group activation quantization plus the Gluon, cuBLASLt or Triton w8a8 product;
+- `fp8-q`: `block_fp8_linear` on x quantized beforehand, what a layer runs where the kernel
+  before it quantizes its output (the norms before q_a + kv_a, q_b and the dense gate_up,
+  SiLU-and-mul before the dense down projection: `model.fp8_linear.takes_quantized_input`),
+  on the w8a8 paths only;
 - `w8a16`: the weight-only product (`fp8_weight_only_matmul`) alone, on the bf16 activations;
 - `fp8-mm`: the block-FP8 Triton w8a8 product alone, on activations quantized beforehand;
 - `torch-mm`: the same product through torch's blockwise scaled matmul (cuBLASLt,
@@ -17,11 +21,12 @@ error printed): for w8a8 the dequantized FP8 activations and weight, for w8a16 t
 activations and the dequantized weight. Times are medians under CUDA-graph replay
 (`kernels.testing`), the calls rotating over copies of the weight so that L2 holds none of the
 weight a call reads (`l2_cold_copies`), as in a model where every layer has its own; the table
-gives microseconds and the `fp8` speed-up over bf16. Needs a CUDA GPU.
+gives microseconds and the `fp8` and `fp8-q` speed-ups over bf16. Needs a CUDA GPU.
 """
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -108,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("mlaserve bench gemm times GPU kernels: it needs a CUDA GPU")
     from mlaserve.kernels.fp8_activations import quantize_activations
-    from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
+    from mlaserve.kernels.fp8_blocks import (
+        QuantizedActivations,
+        dequantize_block_fp8,
+        quantize_block_fp8,
+    )
     from mlaserve.kernels.fp8_gemm import (
         block_fp8_linear,
         block_fp8_matmul,
@@ -125,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
     sm90 = torch.cuda.get_device_capability(device) == (9, 0)
     rows, failed = [], False
     print(f"{'model':18} {'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>9} "
-          f"{'fp8 us':>9} {'path':>11} {'w8a16 us':>9} {'fp8-mm us':>9} {'torch-mm us':>11} "
-          f"{'gluon-mm us':>11}  {'x bf16':>6}  rel err (w8a16, fp8-mm, torch-mm, gluon-mm)")
+          f"{'fp8 us':>9} {'path':>11} {'fp8-q us':>9} {'w8a16 us':>9} {'fp8-mm us':>9} "
+          f"{'torch-mm us':>11} {'gluon-mm us':>11}  {'x bf16':>6} {'x q':>5}  "
+          "rel err (w8a16, fp8-mm, torch-mm, gluon-mm)")
     for model in args.models.split(","):
         config = load_config(model)
         for proj in projections(config):
@@ -172,9 +182,15 @@ def run(args: argparse.Namespace) -> int:
                     timed[name] = (1e6 * time_calls(calls, args.repeats), err)
                 path = product_path(x.is_cuda, m, proj.out_features, proj.in_features,
                                     sm90=sm90)
+                fp8_q = math.nan  # the weight-only product reads x as it is
+                if path != "weight-only":
+                    x_quantized = QuantizedActivations(x_q, x_scales, x.dtype)
+                    fp8_q = time_calls([partial(block_fp8_linear, x_quantized, w, w_scales)
+                                        for w in w_fp8s], args.repeats)
                 row = dict(model=model, **asdict(proj), tokens=m, bf16_us=bf16 * 1e6,
-                           fp8_us=fp8 * 1e6, fp8_path=path, w8a16_us=w8a16 * 1e6,
-                           w8a16_rel_err=w8a16_err)
+                           fp8_us=fp8 * 1e6, fp8_path=path,
+                           fp8_q_us=None if math.isnan(fp8_q) else fp8_q * 1e6,
+                           w8a16_us=w8a16 * 1e6, w8a16_rel_err=w8a16_err)
                 for name, (micros, err) in timed.items():
                     row |= {f"{name}_us": micros, f"{name}_rel_err": err}
                 rows.append(row)
@@ -184,8 +200,9 @@ def run(args: argparse.Namespace) -> int:
                 errs = "  ".join(f"{err:.1e}" if isinstance(err, float) else str(err)
                                  for _, err in timed.values())
                 print(f"{model:18} {proj.name:20} {proj.out_features:6} {proj.in_features:6} "
-                      f"{m:5}  {bf16 * 1e6:9.1f} {fp8 * 1e6:9.1f} {path:>11} {w8a16 * 1e6:9.1f} "
-                      f"{cells}  {bf16 / fp8:6.2f}  {w8a16_err:.1e}  {errs}", flush=True)
+                      f"{m:5}  {bf16 * 1e6:9.1f} {fp8 * 1e6:9.1f} {path:>11} "
+                      f"{fp8_q * 1e6:9.1f} {w8a16 * 1e6:9.1f} {cells}  {bf16 / fp8:6.2f} "
+                      f"{bf16 / fp8_q:5.2f}  {w8a16_err:.1e}  {errs}", flush=True)
             del w_bf16s, w_fp8s, w_dequantized
             torch.cuda.empty_cache()
     if args.out:
