@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=positive_int_list, default="1,16,32,64,128",
                         help="comma list of token counts M")
     parser.add_argument("--block-n", type=positive_int_list, default="16,32,64",
-                        help="swept BLOCK_N (16, 32, 64)")
+                        help="swept BLOCK_N (16, 32, 64, 128)")
     parser.add_argument("--k-splits", type=positive_int_list, default="1,2,4,8",
                         help="swept K splits")
     parser.add_argument("--k-blocks", type=positive_int_list, default="1,4",

@@ -75,7 +75,7 @@ def test_matches_the_dequantized_product(dtype: torch.dtype, rows: int, out_feat
                          [(16, 1, 1, False), (32, 2, 1, False), (64, 1, 1, False),
                           (16, 4, 1, False), (64, 1, 2, False), (32, 2, 3, False),
                           (64, 1, 5, False), (16, 2, 9, False), (64, 2, 3, True),
-                          (32, 1, 9, True)])
+                          (32, 1, 9, True), (128, 1, 2, True), (128, 2, 1, False)])
 def test_every_tiling_gives_the_same_product(block_n: int, k_blocks: int, k_splits: int,
                                              swap_ab: bool) -> None:
     """The tuning knobs change the tiling, not the result (float32, N = 200 ragged at every
@@ -100,7 +100,7 @@ def test_refuses_bad_operands() -> None:
     with pytest.raises(ValueError, match="k_blocks must be 1, 2, 4 or 8"):
         fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, k_blocks=3)
     with pytest.raises(ValueError, match="block_n"):
-        fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, block_n=128)
+        fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, block_n=256)
     with pytest.raises(ValueError, match="k_splits must be 1 or more"):
         fp8_weight_only_matmul(torch.randn(2, 256), weight, scale_inv, k_splits=0)
     with pytest.raises(ValueError, match="bfloat16, float16 or float32"):

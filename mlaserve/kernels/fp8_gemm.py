@@ -165,7 +165,7 @@ def _fp8_weight_only_matmul_kernel(
     stride_xm, stride_xk, stride_wn, stride_ws,
     BLOCKS_PER_SPLIT,  # K blocks of each split (program_id 2)
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # 16, 32 or 64, a divisor of 128: one weight scale row per tile
+    BLOCK_N: tl.constexpr,  # 16, 32, 64 or 128, a divisor of 128: one weight scale row a tile
     BLOCK_K: tl.constexpr,  # 128: one scale column per K block
     K_BLOCKS: tl.constexpr,  # K blocks per loop step (more weight bytes in flight per stage)
     SPLIT_K: tl.constexpr,  # write float32 partial sums of this split's K blocks
@@ -275,8 +275,9 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
         x: [M, K] bfloat16, float16 or float32 (any strides).
         weight: [N, K] float8_e4m3fn (any row stride), weight_scale_inv
             [ceil(N / 128), ceil(K / 128)] float32 (DeepSeek's checkpoint layout).
-        block_n: columns per program, 16, 32 or 64; k_splits: K split into this many runs of
-            K blocks (default for both: `weight_only_tiles`);
+        block_n: columns per program, 16, 32, 64 or 128 (with swap_ab the product's rows:
+            Hopper's wgmma takes 64 and more); k_splits: K split into this many runs of K
+            blocks (default for both: `weight_only_tiles`);
             k_blocks: 128-wide K blocks per step of the K loop (a pipeline stage holds that
             many weight tiles, so more of the weight is in flight per program);
             num_stages, num_warps: the launch's (software pipelining depth of the K loop,
@@ -296,8 +297,8 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
     block_m, default_block_n, default_splits = weight_only_tiles(rows, out_features, cols)
     block_n = default_block_n if block_n is None else block_n
     k_splits = default_splits if k_splits is None else k_splits
-    if block_n not in (16, 32, 64):
-        raise ValueError(f"block_n must be 16, 32 or 64, not {block_n}")
+    if block_n not in (16, 32, 64, 128):
+        raise ValueError(f"block_n must be 16, 32, 64 or 128, not {block_n}")
     if k_blocks not in (1, 2, 4, 8):
         raise ValueError(f"k_blocks must be 1, 2, 4 or 8, not {k_blocks}")
     if k_splits < 1:
