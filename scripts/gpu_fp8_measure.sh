@@ -61,7 +61,7 @@ case $stage in
   tests-gemm)
     # every test of these files, not only those marked gpu: they run natively where a GPU is
     timeout 400 python3 -m pytest -q -rs -p no:cacheprovider -n 8 \
-      tests/test_fused_activation_quant.py tests/test_fused_norm_rope.py \
+      tests/test_fused_norm_rope.py \
       tests/test_fp8_weight_only_gemm.py tests/kernels/test_fp8_gemm.py \
       tests/test_fp8_weights.py > "$out/gpu_tests_gemm.log" 2>&1
     echo "gemm tests rc=$?"; tail -5 "$out/gpu_tests_gemm.log" ;;

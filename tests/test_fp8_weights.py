@@ -1,7 +1,8 @@
 """Block-FP8 weights kept FP8 in the model (`mlaserve.model.fp8_linear`): FP8 experts with the
 shared experts folded in, tensor- and expert-parallel reads of FP8 weights and their scale
-blocks, the shard rule's error, FP8 dummy weights, and the CUDA GEMM. On a checkpoint whose
-expert I and tensor-parallel shards are whole 128-blocks."""
+blocks, the shard rule's error, FP8 dummy weights, the CUDA GEMM, and Linears reading input
+that its producer quantized. On a checkpoint whose expert I and tensor-parallel shards are
+whole 128-blocks."""
 
 import math
 from datetime import timedelta
@@ -15,7 +16,12 @@ import torch.multiprocessing as mp
 from mlaserve import LLM, SamplingParams
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import TensorParallelGroup, expert_parallel, parallel_state
-from mlaserve.kernels.fp8_blocks import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+from mlaserve.kernels.fp8_blocks import (
+    FP8_DTYPE,
+    QuantizedActivations,
+    dequantize_block_fp8,
+    quantize_block_fp8,
+)
 from mlaserve.model.deepseek import DeepseekForCausalLM, MoE
 from mlaserve.model.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
 from mlaserve.model.fp8_linear import linear
@@ -208,3 +214,28 @@ def test_fp8_linear_reads_its_input_quantized_by_the_producer(in_features: int):
     x = torch.randn(67, in_features, generator=gen).cuda().bfloat16()
     quantized = QuantizedActivations(*quantize_activations(x), x.dtype)
     assert torch.equal(linear(quantized, weight, None, scale), linear(x, weight, None, scale))
+
+
+def test_linear_reads_quantized_activations_as_their_dequantized_values() -> None:
+    """On the CPU an FP8 Linear given quantized activations computes in float32 with them and
+    the weight dequantized (the w8a8 product's oracle), and adds the bias."""
+    gen = torch.Generator().manual_seed(0)
+    weight, weight_scales = quantize_block_fp8(torch.randn(40, 200, generator=gen) * 0.05)
+    values, scales = quantize_block_fp8(torch.randn(3, 200, generator=gen), (1, 128))
+    x = QuantizedActivations(values, scales, torch.float32)
+    bias = torch.randn(40, generator=gen)
+    want = (dequantize_block_fp8(values, scales, block_size=(1, 128))
+            @ dequantize_block_fp8(weight, weight_scales).T + bias)
+    torch.testing.assert_close(linear(x, weight, bias, weight_scales), want, rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_padded_rows_are_zero_with_scale_one() -> None:
+    values, scales = quantize_block_fp8(torch.randn(5, 200), (1, 128))
+    padded = QuantizedActivations(values, scales, torch.bfloat16).padded_rows(4)
+    assert padded.shape == (8, 200) and padded.dtype == torch.bfloat16
+    assert padded.values.dtype == FP8_DTYPE and padded.scales.stride() == (1, 8)
+    assert torch.equal(padded.values[:5].float(), values.float())
+    assert torch.equal(padded.scales[:5], scales)
+    assert not padded.values[5:].float().any() and torch.equal(
+        padded.scales[5:], torch.ones(3, 2))

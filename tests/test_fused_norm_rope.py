@@ -1,17 +1,23 @@
-"""The fused norm / rope / latent-write kernels against their float32 references, and the whole
-model with the kernels forced on against its torch path (with block-FP8 Linears too, whose
-inputs the fused norms and SiLU-and-mul then quantize: `test_fused_activation_quant.py`).
+"""The fused norm / rope / latent-write kernels against their float32 references, the norms and
+SiLU-and-mul quantizing their output for a w8a8 product (`quantize=True`) against their own
+output quantized per token and 128 columns in torch, and the whole model with the kernels
+forced on against its torch path (with block-FP8 Linears too, whose inputs the forced kernels
+then quantize).
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter (small shapes, float32 and
 float16: the interpreter's bfloat16 is not faithful); with one they run natively, in bfloat16
 too. Widths that are not powers of two exercise the masks; destinations are views into larger
-NaN-filled tensors, so a kernel that writes outside its rows or columns is caught.
+NaN-filled tensors, so a kernel that writes outside its rows or columns is caught. The
+interpreter's float32 -> FP8 conversion is wrong (`fp8_activations`): there quantized values are
+stored in float32, unrounded, and compared with the torch quotient exactly; on a GPU their FP8
+bits must equal torch's rounding of that quotient.
 """
 
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -20,6 +26,7 @@ from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk  # noqa:
 from mlaserve.attention.registry import create_backend  # noqa: E402
 from mlaserve.config import FP8_QUANTIZATION_CONFIG, ModelConfig, YarnScaling  # noqa: E402
 from mlaserve.kernels import fused_norm_rope  # noqa: E402
+from mlaserve.kernels.fp8_blocks import FP8_DTYPE, FP8_MAX, QuantizedActivations  # noqa: E402
 from mlaserve.kernels.fused import force_fused_kernels  # noqa: E402
 from mlaserve.kernels.fused_norm_rope import (  # noqa: E402
     fused_add_rms_norm,
@@ -80,6 +87,59 @@ def test_silu_and_mul(dtype: torch.dtype, num_tokens: int, inter: int) -> None:
     _check(out, torch.nn.functional.silu(gate) * up, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     _check(out, (torch.nn.functional.silu(gate) * up).float(), dtype)  # torch's rounding
+
+
+def _assert_quantizes(quantized: QuantizedActivations, dense: torch.Tensor) -> None:
+    """quantized holds dense [T, N] (the kernel's own unquantized output) quantized per token
+    and 128 columns: scales amax / 448 (1 for a zero group), M-major; values dense / scale,
+    saturated, in the values' dtype (FP8 on CUDA: torch's rounding), bit for bit."""
+    rows, cols = dense.shape
+    groups = -(-cols // 128)
+    padded = F.pad(dense.float(), (0, groups * 128 - cols)).view(rows, groups, 128)
+    amax = padded.abs().amax(dim=-1)  # [T, G]
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    values = (padded / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).view(rows, -1)[:, :cols]
+    assert quantized.dtype == dense.dtype and quantized.shape == (rows, cols)
+    assert quantized.values.dtype == (FP8_DTYPE if ON_GPU else torch.float32)
+    assert rows < 2 or quantized.scales.stride() == (1, rows)  # M-major
+    assert torch.equal(quantized.scales, scales)
+    assert torch.equal(quantized.values.float(), values.to(quantized.values.dtype).float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,hidden_size", [(1, 40), (5, 200), (3, 384)])
+def test_rms_norm_quantized_is_the_norm_then_quantized(dtype: torch.dtype, num_tokens: int,
+                                                        hidden_size: int) -> None:
+    x = _randn(num_tokens, hidden_size + 8, dtype=dtype, seed=hidden_size)[:, :hidden_size]
+    x[0] = 0  # a zero row: scale 1, values 0
+    weight = _randn(hidden_size, dtype=dtype, seed=1)
+    quantized = rms_norm(x, weight, EPS, quantize=True)
+    _assert_quantizes(quantized, rms_norm(x, weight, EPS))
+    assert torch.equal(quantized.scales[0], torch.ones_like(quantized.scales[0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,hidden_size", [(1, 200), (4, 256)])
+def test_add_and_norm_quantized_updates_the_residual_and_leaves_x(
+        dtype: torch.dtype, num_tokens: int, hidden_size: int) -> None:
+    x = _randn(num_tokens, hidden_size, dtype=dtype, seed=2)
+    residual = _randn(num_tokens, hidden_size, dtype=dtype, seed=3)
+    weight = _randn(hidden_size, dtype=dtype, seed=4)
+    dense, dense_residual = fused_add_rms_norm(x.clone(), residual.clone(), weight, EPS)
+    x_in, residual_in = x.clone(), residual.clone()
+    quantized, new_residual = fused_add_rms_norm(x_in, residual_in, weight, EPS, quantize=True)
+    assert new_residual is residual_in and torch.equal(new_residual, dense_residual)
+    assert torch.equal(x_in, x)  # the normed rows go to the quantized output only
+    _assert_quantizes(quantized, dense)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,inter", [(1, 64), (3, 200), (2, 1100)])
+def test_silu_and_mul_quantized_is_the_activation_then_quantized(
+        dtype: torch.dtype, num_tokens: int, inter: int) -> None:
+    gate_up = _randn(num_tokens, 2 * inter + 8, dtype=dtype, seed=inter)[:, : 2 * inter]
+    quantized = silu_and_mul(gate_up, quantize=True)  # 1100: two column blocks of 8 groups
+    _assert_quantizes(quantized, silu_and_mul(gate_up))
 
 
 def test_fused_linear_stacks_weights_into_shared_storage() -> None:
