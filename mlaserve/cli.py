@@ -35,7 +35,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: a block-FP8 checkpoint keeps its Linear weights FP8 (w8a8 "
                              "block GEMMs) on GPUs of compute capability >= 8.9 and is "
                              "dequantized on load to --dtype elsewhere; none: always dequantize "
-                             "on load; fp8: keep FP8 weights on any device (the CPU dequantizes "
+                             "on load; fp8: keep FP8 weights on any device (a bf16 checkpoint "
+                             "is quantized to 128x128 blocks as it loads; the CPU dequantizes "
                              "per GEMM; dummy weights are drawn FP8)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
                         help="the latent cache's element type: auto (the model's dtype) or fp8 "

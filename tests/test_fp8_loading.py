@@ -287,13 +287,11 @@ def test_fp8_linears_hold_the_checkpoint_tensors(name, fp8_pair):
 
 def test_fp8_path_decision_and_the_fused_projection_pads_to_scale_blocks(fp8_pair):
     cpu = torch.device("cpu")
-    assert not keep_fp8_weights("fp8", "auto", cpu, dummy=False)  # no FP8 tensor cores
-    assert not keep_fp8_weights("fp8", "none", cpu, dummy=False)
-    assert keep_fp8_weights("fp8", "fp8", cpu, dummy=False)
-    assert not keep_fp8_weights(None, "auto", cpu, dummy=False)
-    assert keep_fp8_weights(None, "fp8", cpu, dummy=True)  # FP8 dummy weights of any config
-    with pytest.raises(ValueError, match="this checkpoint is not FP8 .*fp8_checkpoint quantize"):
-        keep_fp8_weights(None, "fp8", cpu, dummy=False)
+    assert not keep_fp8_weights("fp8", "auto", cpu)  # no FP8 tensor cores
+    assert not keep_fp8_weights("fp8", "none", cpu)
+    assert keep_fp8_weights("fp8", "fp8", cpu)
+    assert not keep_fp8_weights(None, "auto", cpu)  # a high-precision checkpoint stays so
+    assert keep_fp8_weights(None, "fp8", cpu)  # ... unless asked: quantized as it loads
     # q_a_proj (32 rows) and kv_a_proj_with_mqa (48 rows) run as one GEMM: q_a padded to 128
     attention = _build(fp8_pair("v3-noaux-lora-yarn-sharded")[0], "fp8").model.layers[0].self_attn
     fused = attention.q_kv_a

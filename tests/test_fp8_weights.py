@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.config import ModelConfig
@@ -35,7 +36,8 @@ PROMPTS = [[0, 5, 17, 42, 99, 3, 250, 7], [0, 200, 1, 13]]
 def aligned_pair(tmp_path_factory):
     """A two-layer V3 checkpoint (dense layer, then MoE with a shared expert) whose shards under
     tensor parallelism 2 are whole 128-blocks (q_b 256 rows, o_proj 256 columns, dense MLP 256,
-    expert I 256), with partial blocks along the hidden size (200); as FP8 and dequantized."""
+    expert I 256), with partial blocks along the hidden size (200): (its FP8 copy in the
+    published layout, that copy dequantized, the checkpoint itself in float32)."""
     arch, overrides, _ = CHECKPOINTS["v3-noaux-lora-yarn-sharded"]
     root = tmp_path_factory.mktemp("fp8-aligned")
     write_checkpoint(root / "bf16", arch, {
@@ -44,7 +46,7 @@ def aligned_pair(tmp_path_factory):
         "moe_intermediate_size": 256}, sharded=True)
     quantize_checkpoint(root / "bf16", root / "fp8")
     dequantize_checkpoint(root / "fp8", root / "dequantized", torch.float32)
-    return root / "fp8", root / "dequantized"
+    return root / "fp8", root / "dequantized", root / "bf16"
 
 
 def _build(path, quantization: str, load_format: str = "safetensors") -> DeepseekForCausalLM:
@@ -56,7 +58,7 @@ def _build(path, quantization: str, load_format: str = "safetensors") -> Deepsee
 def test_fp8_experts_give_the_dequantized_models_logprobs(aligned_pair):
     """Routed and shared experts stay FP8 (one stack of E + S experts with per-expert scale
     stacks), and the model scores prompts as the dequantized checkpoint does."""
-    fp8_dir, dequantized_dir = aligned_pair
+    fp8_dir, dequantized_dir, _ = aligned_pair
     moe = _build(fp8_dir, "fp8").model.layers[1].mlp
     assert isinstance(moe, MoE) and moe.num_shared_experts == 1
     assert moe.gate_up_stack.dtype == moe.down_stack.dtype == FP8_DTYPE
@@ -96,6 +98,49 @@ def test_parallel_ranks_read_their_fp8_blocks(tp_rank, ep_rank, aligned_pair, mo
         assert param.dtype == want.dtype and torch.equal(
             param.view(torch.uint8), want.view(torch.uint8)), name
     assert num_fp8 == 13  # q_a, q_b, kv_a, o_proj per layer; the dense MLP's 3; 2 stacks
+
+
+@pytest.mark.parametrize("tp_rank", [None, 1], ids=["one-process", "tp2-rank1"])
+def test_quantization_fp8_quantizes_a_high_precision_checkpoint_as_it_loads(
+        tp_rank, aligned_pair, monkeypatch):
+    """--quantization fp8 on a float32 checkpoint: its FP8 weights and scales are those of its
+    published-format FP8 copy (bytes equal: the same 128x128 blocks), for a tensor-parallel
+    rank too (its shard quantized); every other parameter, kv_b_proj included, is the
+    checkpoint's own, as without quantization."""
+    fp8_dir, _, original_dir = aligned_pair
+    if tp_rank is not None:
+        monkeypatch.setattr(parallel_state, "_tp_group", TensorParallelGroup(rank=tp_rank, size=2))
+    published = dict(_build(fp8_dir, "fp8").named_parameters())
+    plain = dict(_build(original_dir, "auto").named_parameters())
+    quantized = dict(_build(original_dir, "fp8").named_parameters())
+    assert quantized.keys() == published.keys()
+    num_fp8 = 0
+    for name, param in quantized.items():
+        fp8 = param.dtype == FP8_DTYPE or name.endswith("_scale_inv")
+        num_fp8 += param.dtype == FP8_DTYPE
+        want = published[name] if fp8 else plain[name]
+        assert param.dtype == want.dtype and torch.equal(
+            param.view(torch.uint8), want.view(torch.uint8)), name
+    assert num_fp8 == 13  # q_a, q_b, kv_a, o_proj per layer; the dense MLP's 3; 2 stacks
+
+
+def test_fused_experts_are_not_quantized_as_they_load(tmp_path):
+    """Experts stored fused (3-D) in high precision, which --quantization fp8 would keep FP8:
+    a clear error that says how to get a checkpoint it loads."""
+    arch, overrides, _ = CHECKPOINTS["v3-noaux-lora-yarn-sharded"]
+    write_checkpoint(tmp_path, arch, {**overrides, "num_hidden_layers": 2,
+                                      "moe_intermediate_size": 128}, sharded=False)
+    tensors = load_file(tmp_path / "model.safetensors")
+    prefix = "model.layers.1.mlp.experts"
+    num_experts = ModelConfig.from_pretrained(tmp_path).n_routed_experts
+    tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([
+        tensors.pop(f"{prefix}.{e}.{part}.weight") for part in ("gate_proj", "up_proj")])
+        for e in range(num_experts)])  # [E, 2I, D]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"gate_up_proj stores the experts fused .* quantize "
+                                         r"SRC DST\), or load with --quantization auto"):
+        _build(tmp_path, "fp8")
+    _build(tmp_path, "auto")  # the fused layout in high precision loads as it is
 
 
 def test_fp8_shards_must_cover_whole_scale_blocks(aligned_pair, monkeypatch):

@@ -12,7 +12,8 @@ attention projections included, is FP8.
 
 Whether the model keeps those weights FP8 (block-FP8 GEMMs, `mlaserve.model.fp8_linear`) or
 dequantizes them at load is decided in one place, `keep_fp8_weights`, from the checkpoint's
-`quant_method`, the engine's `quantization` option and the device. Where a weight is
+`quant_method`, the engine's `quantization` option and the device; `--quantization fp8` also
+quantizes a high-precision checkpoint as it loads. Where a weight is
 dequantized, the loader does it weight-only, at load, one tensor (or one rank's shard of it) at
 a time: `Fp8WeightSlice` indexes like a safetensors slice of the dequantized weight and reads
 only the indexed rows / columns of the FP8 tensor and of the scale blocks that cover them.
@@ -33,24 +34,25 @@ _HIGH_PRECISION = re.compile(
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper, Blackwell
 
 
-def keep_fp8_weights(quant_method: str | None, quantization: str, device: torch.device,
-                     dummy: bool) -> bool:
-    """Whether the model's Linear weights stay block-FP8 (True) or are dequantized to the model
-    dtype at load (False): the one place this is decided.
+def keep_fp8_weights(quant_method: str | None, quantization: str, device: torch.device
+                     ) -> bool:
+    """Whether the model's Linear weights are block-FP8 (True) or in the model dtype (False):
+    the one place this is decided.
 
     - `none`: never; every FP8 weight is dequantized at load.
     - `auto`: for an FP8 checkpoint (`quant_method` "fp8") on a CUDA device of compute
       capability >= 8.9, whose tensor cores run the block-FP8 GEMM; on the CPU and older GPUs
-      the weights are dequantized at load.
-    - `fp8`: always, on any device. The checkpoint must be FP8 (dummy weights are drawn FP8
-      whatever the config says); on the CPU each GEMM dequantizes its weight in float32, which
-      keeps FP8's memory, not its speed.
+      the weights are dequantized at load. A high-precision checkpoint stays as it is.
+    - `fp8`: always, on any device. An FP8 checkpoint's weights load as stored; a
+      high-precision checkpoint's Linear weights are quantized as they load, into the
+      published format (128x128 blocks, `quantize_block_fp8`: what `python -m
+      mlaserve.model.fp8_checkpoint quantize` writes); dummy weights are drawn FP8. On the CPU
+      each GEMM dequantizes its weight in float32, which keeps FP8's memory, not its speed.
 
     Args:
         quant_method: the config's `quantization_config.quant_method` (None: not quantized).
         quantization: the engine's option, one of `mlaserve.option_values.QUANTIZATION_MODES`.
         device: where the model runs.
-        dummy: whether the weights are drawn at random instead of read (`--load-format dummy`).
     """
     if quantization == "none" or (quantization == "auto" and quant_method != "fp8"):
         return False
@@ -58,12 +60,6 @@ def keep_fp8_weights(quant_method: str | None, quantization: str, device: torch.
         torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY)
     if quantization == "auto":
         return capable
-    if quant_method != "fp8" and not dummy:
-        raise ValueError("--quantization fp8 keeps a block-FP8 checkpoint's weights FP8, but "
-                         "this checkpoint is not FP8 (its config.json has no "
-                         "quantization_config): write an FP8 copy with `python -m "
-                         "mlaserve.model.fp8_checkpoint quantize SRC DST`, or use "
-                         "--quantization auto")
     if device.type == "cuda" and not capable:
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(f"--quantization fp8 needs FP8 tensor cores (compute capability >= "

@@ -12,7 +12,10 @@ layers are `mlaserve.model.fp8_linear`'s), the FP8 weight and its scales are cop
 (this rank's rows / columns, or its experts, and the scale blocks that cover them); every
 other FP8 weight (all of them with `--quantization none`; kv_b_proj always; the experts where
 their I is not whole 128-blocks) is dequantized weight-only into the model's dtype as it is
-read, again only its shard. Dummy weights of a
+read, again only its shard. A high-precision weight that the model keeps FP8 (`--quantization
+fp8` on a bf16 checkpoint) is quantized as it is read, its shard in 128x128 blocks as
+`quantize_block_fp8` quantizes a published checkpoint (a rank's shard covers whole blocks, so
+the shards of the blocks are the blocks of the shard). Dummy weights of a
 model that keeps FP8 Linear weights are drawn FP8, with scales that give them the magnitude of
 the other dummy weights, so a model holds half the bytes it would in bf16 for those layers.
 
@@ -37,7 +40,13 @@ from tqdm import tqdm
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
 from mlaserve.distributed.expert_parallel import get_ep_group
-from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, FP8_DTYPE, FP8_MAX, scale_shape
+from mlaserve.kernels.fp8_blocks import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    FP8_MAX,
+    quantize_block_fp8,
+    scale_shape,
+)
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.fp8 import SCALE_SUFFIX, Fp8WeightSlice, keep_fp8_weights
 from mlaserve.model.fp8_linear import keep_linears_fp8
@@ -58,6 +67,10 @@ _FUSED_FP8_MESSAGE = ("FP8 weights in the fused-experts layout ({key}, 3-D) have
                       "format: store the experts one by one (mlp.experts.N.gate_proj.weight ...) "
                       "as DeepSeek does, or dequantize the checkpoint "
                       "(python -m mlaserve.model.fp8_checkpoint dequantize SRC DST)")
+_FUSED_QUANTIZE_MESSAGE = ("{key} stores the experts fused (3-D), which --quantization fp8 does "
+                           "not quantize as it loads: write a block-FP8 copy first (python -m "
+                           "mlaserve.model.fp8_checkpoint quantize SRC DST), or load with "
+                           "--quantization auto")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -148,6 +161,14 @@ def _target(param: torch.Tensor, spec: ShardSpec | None, expert: int | None,
     return (param[expert, :half] if part == "gate_proj" else param[expert, half:]), spec
 
 
+def _scale_target(scale_key: str, expected: dict[str, tuple[str, int | None, str]],
+                  params: dict[str, torch.Tensor], shards: dict[str, ShardSpec]
+                  ) -> tuple[torch.Tensor, ShardSpec | None]:
+    """`_target` of the scales `scale_key` of an FP8 weight the model keeps FP8."""
+    name, expert, part = expected[scale_key]
+    return _target(params[name], shards.get(name), expert, part)
+
+
 def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
     """Copy every checkpoint tensor (this rank's shard of it) into its parameter; one
     ValueError lists all problems."""
@@ -210,9 +231,7 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                     continue
                 scale = locations[scale_key].get_slice(scale_key)
                 if target.dtype == FP8_DTYPE:  # kept FP8: the weight and scales as stored
-                    scale_name, scale_expert, scale_part = expected[scale_key]
-                    scale_target, scale_spec = _target(
-                        params[scale_name], shards.get(scale_name), scale_expert, scale_part)
+                    scale_target, scale_spec = _scale_target(scale_key, expected, params, shards)
                     scale_cuts = [] if scale_spec is None else [(scale_spec, tp.rank, tp.size)]
                     with torch.no_grad():
                         target.copy_(_cut(source, shape, key_cuts))
@@ -220,11 +239,19 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                     pending.difference_update(targets)
                     continue
                 source = Fp8WeightSlice(source, scale, shape, target.device, block_size)
-            elif target.dtype == FP8_DTYPE:
-                wrong_shape.append(f"{key}: checkpoint {source.get_dtype()}, model "
-                                   "float8_e4m3fn (the model keeps this Linear block-FP8, as "
-                                   "--quantization auto / fp8 does for an FP8 checkpoint; load "
-                                   "with --quantization none)")
+            elif target.dtype == FP8_DTYPE:  # kept FP8, stored high precision: quantized here
+                if fused:
+                    raise ValueError(f"{model_dir}: " + _FUSED_QUANTIZE_MESSAGE.format(key=key))
+                if scale_key in locations:
+                    unexpected.append(f"{scale_key} (its weight is not FP8)")
+                tensor = _cut(source, shape, key_cuts) if key_cuts else handle.get_tensor(key)
+                weight_fp8, weight_scales = quantize_block_fp8(
+                    tensor.to(target.device, torch.float32), block_size)
+                # the scales of this rank's shard, as quantized: no cut to take
+                scale_target, _ = _scale_target(scale_key, expected, params, shards)
+                with torch.no_grad():
+                    target.copy_(weight_fp8)
+                    scale_target.copy_(weight_scales)
                 pending.difference_update(targets)
                 continue
             elif scale_key in locations:
@@ -324,7 +351,7 @@ def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.de
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, max_positions)
     model = model.to(dtype)  # before the FP8 layers, which the cast would cast too
-    if keep_fp8_weights(config.quant_method, quantization, device, load_format == "dummy"):
+    if keep_fp8_weights(config.quant_method, quantization, device):
         keep_linears_fp8(model, tp_size)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
