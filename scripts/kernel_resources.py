@@ -1,5 +1,5 @@
-"""Registers, stack, shared memory and instruction mix of the Triton decode kernel, for sm_90,
-without a GPU.
+"""Registers, stack, shared memory and instruction mix of the Triton decode kernel and of the
+FP8 GEMM side's Triton kernels, for sm_90, without a GPU.
 
 Usage: python scripts/kernel_resources.py
 Compiles the stage-1 kernel (`_mla_decode_split_kernel`) with each anchor shape's default
@@ -11,6 +11,9 @@ of the tile loop comes from the bundled nvdisasm: instructions per loop pass (a 
 pipelined loop's steady state: the shortest backward branch spanning HMMA instructions) per KV
 token, local loads and stores (spills) in it, tensor-core and conversion instructions. Then the
 Gluon pass's partitions, and the merge kernel's load layout with float32 and 16-bit partials.
+Then the weight-only FP8 product in both operand orders (whether the converted weight tile
+goes through shared memory: STS in its K loop) and the norm and SiLU kernels that quantize
+their output.
 """
 
 import itertools
@@ -27,6 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from mlaserve.kernels import fp8_gemm, fused_norm_rope  # noqa: E402
 from mlaserve.kernels.mla_decode import merge, triton_split  # noqa: E402
 from mlaserve.kernels.mla_decode.common import GLUON_SM90_FP8  # noqa: E402
 from mlaserve.kernels.mla_decode.gluon_sm90_aot import compile_fp8_for_sm90  # noqa: E402
@@ -110,7 +114,7 @@ def compile_split(plan: MLADecodePlan, block_size: int, q_len: int, cache: str,
 
 def tile_loop_mix(cubin: bytes) -> dict[str, int]:
     """Instruction counts of the tile loop's steady state in the cubin's SASS: the shortest
-    span of a backward branch that holds HMMA (tensor-core) instructions."""
+    span of a backward branch that holds tensor-core (HMMA or HGMMA) instructions."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -129,12 +133,13 @@ def tile_loop_mix(cubin: bytes) -> dict[str, int]:
         target = re.search(r"BRA `\(\.(L_x_\d+)\)", text)
         start = labels.get(target.group(1), end) if target else end
         body = code[start:end + 1]
-        if start < end and any("HMMA" in op for op in body):
+        if start < end and any("HMMA" in op or "HGMMA" in op for op in body):
             loops.append(body)
     body = min(loops, key=len)
     ops = [op.split()[1] if op.startswith("@") else op.split()[0] for op in body]
     count = {name: sum(op.split(".")[0] == name for op in ops)  # LDS: not LDSM
-             for name in ("LDL", "STL", "HMMA", "F2FP", "LDS", "LDSM", "FMUL", "BAR")}
+             for name in ("LDL", "STL", "HMMA", "HGMMA", "F2FP", "LDS", "LDSM", "STS", "FMUL",
+                          "BAR")}
     return {"instructions": len(ops), **count}
 
 
@@ -227,8 +232,63 @@ def merge_kernel() -> None:
               f"{compiled.asm['ptx'].count('bar.sync')}")
 
 
+def fp8_gemm_kernels() -> None:
+    """The weight-only FP8 product (bf16 x, K split) at the tiles the sweep tries, in both
+    operand orders: x W^T stores each converted weight tile to shared memory for wgmma (STS in
+    the K loop), W x^T hands it to wgmma from registers. Then the norm and SiLU kernels of a
+    V3 layer with and without quantizing their output."""
+    kernel = fp8_gemm._fp8_weight_only_matmul_kernel
+    names = kernel.arg_names
+    for (block_m, block_n), swap_ab in itertools.product(
+            ((16, 32), (16, 64), (64, 32), (64, 64), (64, 128)), (False, True)):
+        signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "y_ptr": "*fp32",
+                     "w_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                     "stride_xm": "i32", "stride_wn": "i32", "stride_ws": "i32",
+                     "BLOCKS_PER_SPLIT": "i32"}
+        constexprs = dict(stride_xk=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+                          K_BLOCKS=1, SPLIT_K=True, INPUT_PRECISION="tf32", SWAP_AB=swap_ab)
+        signature |= {name: "constexpr" for name in constexprs}
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in
+                 ("x_ptr", "w_ptr", "y_ptr", "w_scale_ptr", "N", "K", "stride_xm", "stride_wn")}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs,
+                                            attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "num_stages": 4})
+        mix = tile_loop_mix(compiled.asm["cubin"])
+        print(f"weight-only {'W x^T' if swap_ab else 'x W^T'} {block_m:>2}x{block_n:<3}: "
+              f"{resources(compiled.asm['cubin'])}  shared "
+              f"{compiled.metadata.shared // 1024:>3} KB | K loop {mix['instructions']:>4}: "
+              f"HGMMA {mix['HGMMA']} HMMA {mix['HMMA']} STS {mix['STS']} LDSM {mix['LDSM']} "
+              f"F2FP {mix['F2FP']} BAR {mix['BAR']}")
+    for name, kernel, width, block, quantize in (
+            ("input norm", fused_norm_rope._rms_norm_kernel, 7168, 8192, False),
+            ("input norm", fused_norm_rope._rms_norm_kernel, 7168, 8192, True),
+            ("SiLU-and-mul", fused_norm_rope._silu_and_mul_kernel, 18432, 1024, False),
+            ("SiLU-and-mul", fused_norm_rope._silu_and_mul_kernel, 18432, 1024, True)):
+        signature = {arg: "i32" for arg in kernel.arg_names if arg.startswith(("stride", "n_",
+                                                                               "inter"))}
+        signature |= {arg: "*bf16" for arg in kernel.arg_names if arg.endswith("_ptr")}
+        if quantize:
+            signature |= {"values_ptr": "*fp8e4nv", "scales_ptr": "*fp32"}
+        constexprs = dict(QUANTIZE=quantize, FP8_MAX=448.0, GROUP=128)
+        if "eps" in kernel.arg_names:
+            signature["eps"] = "fp32"
+            constexprs |= dict(BLOCK_N=block, ADD_RESIDUAL=True)
+        else:
+            constexprs |= dict(BLOCK=block)
+        signature |= {arg: "constexpr" for arg in constexprs}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": max(1, min(16, block // 256))})
+        ptx = compiled.asm["ptx"]
+        print(f"{name} [*, {width}] {'quantized' if quantize else 'bf16'} output: "
+              f"{resources(compiled.asm['cubin'])}  shared {compiled.metadata.shared} B | "
+              f"e4m3 conversions {ptx.count('e4m3')}  bar.sync {ptx.count('bar.sync')}")
+
+
 if __name__ == "__main__":
     main()
     cache_variants()
     warp_specialized()
     merge_kernel()
+    fp8_gemm_kernels()
