@@ -284,3 +284,25 @@ def test_padded_rows_are_zero_with_scale_one() -> None:
     assert torch.equal(padded.scales[:5], scales)
     assert not padded.values[5:].float().any() and torch.equal(
         padded.scales[5:], torch.ones(3, 2))
+
+
+@pytest.mark.gpu
+def test_producers_quantizing_the_input_change_no_bit_of_the_model(aligned_pair, monkeypatch):
+    """On CUDA the norms and SiLU-and-mul quantize the input of the w8a8 products (prompts of
+    40+ tokens: past the weight-only rows); the prompt logprobs and tokens are those of the
+    model whose products quantize their own input, bit for bit."""
+    from mlaserve.model import fp8_linear
+
+    prompts = [[(11 * i + 5 * j) % 250 + 1 for j in range(40 + 9 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    outputs = {}
+    for in_producers in (True, False):
+        monkeypatch.setattr(fp8_linear, "QUANTIZE_IN_PRODUCERS", in_producers)
+        llm = LLM(str(aligned_pair[0]), device="cuda", dtype="bfloat16", quantization="fp8",
+                  attention_backend="triton", block_size=16, num_kv_blocks=64,
+                  enforce_eager=True)
+        outputs[in_producers] = llm.generate(prompts, params)
+        del llm
+    for fused, unfused in zip(outputs[True], outputs[False], strict=True):
+        assert fused.token_ids == unfused.token_ids
+        assert fused.prompt_logprobs == unfused.prompt_logprobs

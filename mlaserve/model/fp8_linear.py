@@ -37,6 +37,10 @@ from mlaserve.kernels.fused import use_fused_kernels
 
 # kv_b_proj; the shared experts go with their MoE's routed experts (MoE.keep_experts_fp8)
 _STAYS_DEQUANTIZED = re.compile(r"(^|\.)(kv_b_proj|shared_experts\.\w+)$")
+# Whether the kernels that produce a w8a8 product's input quantize it (`takes_quantized_input`);
+# False makes every product quantize its own input, the same bits a launch later (tests compare
+# the two)
+QUANTIZE_IN_PRODUCERS = True
 
 
 def linear(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
@@ -74,7 +78,7 @@ def takes_quantized_input(x: torch.Tensor | QuantizedActivations, weight: torch.
     rows, dtype and device) is a w8a8 one (`fp8_gemm.linear_product_path`), where the fused
     kernels run (`use_fused_kernels`). The producer then stores its output once, in FP8, and
     no quantization launch runs between it and the product."""
-    if weight_scale_inv is None or not use_fused_kernels(x):
+    if weight_scale_inv is None or not QUANTIZE_IN_PRODUCERS or not use_fused_kernels(x):
         return False
     from mlaserve.kernels.fp8_gemm import linear_product_path  # imports triton
 
