@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from mlaserve.kernels import fused_moe  # noqa: E402
 from mlaserve.kernels.fp8_activations import quantize_activations  # noqa: E402
 from mlaserve.kernels.fp8_blocks import (  # noqa: E402
     ACTIVATION_BLOCK,
@@ -151,6 +152,23 @@ def test_dispatch_runs_triton_and_the_bound_catches_a_dropped_block_or_pair() ->
         out = fused_experts_triton(**{**inputs, **wrong}, config=SMALL_TILES, shared_experts=1)
         rel_err, cos_gap = reference_errors(out, ref)
         assert rel_err > 10 * BOUNDS[0] and cos_gap > 10 * BOUNDS[1], (rel_err, cos_gap)
+
+
+@needs_triton
+def test_activation_scales_are_read_in_either_layout(monkeypatch) -> None:
+    """CUDA's `quantize_activations` writes M-major scales [T, G] (strides (1, T)), the CPU's
+    row-major ones: the kernels read both by their strides, to the same output."""
+    inputs = make_fp8_inputs(5, 320, 256, 4, 2)
+    want = fused_experts_triton(**inputs, config=SMALL_TILES, shared_experts=1)
+
+    def m_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, scales = quantize_activations(x)
+        rows, groups = scales.shape
+        return values, torch.empty_strided((rows, groups), (1, rows),
+                                           device=scales.device).copy_(scales)
+
+    monkeypatch.setattr(fused_moe, "quantize_activations", m_major)
+    assert torch.equal(fused_experts_triton(**inputs, config=SMALL_TILES, shared_experts=1), want)
 
 
 @pytest.mark.parametrize("impl", ["auto", "grouped", "loop"])

@@ -124,7 +124,7 @@ def _gate_up_silu_kernel(
     x_ptr,  # [T, D]
     w_ptr,  # [E, 2I, D]: gate rows then up rows
     act_ptr,  # [max_padded, I], out, unit column stride
-    x_scale_ptr,  # FP8: [T, ceil(D / 128)] float32, unit column stride
+    x_scale_ptr,  # FP8: [T, ceil(D / 128)] float32, any strides
     w_scale_ptr,  # FP8: [E, 2I / 128, ceil(D / 128)] float32, unit column stride
     sorted_ids_ptr,  # [max_padded] int32
     expert_ids_ptr,  # [num_m_blocks] int32
@@ -141,6 +141,7 @@ def _gate_up_silu_kernel(
     stride_wd,
     stride_am,
     stride_xst,
+    stride_xsg,
     stride_wse,
     stride_wsn,
     BLOCK_M: tl.constexpr,
@@ -183,7 +184,8 @@ def _gate_up_silu_kernel(
             w_gate = tl.load(gate_ptrs, mask=in_k[:, None], other=0.0)
             w_up = tl.load(up_ptrs, mask=in_k[:, None], other=0.0)
         if FP8:  # the step lies in scale block k // 128 (BLOCK_K divides 128)
-            a_scale = tl.load(x_scale_ptrs + k // 128, mask=valid, other=0.0)[:, None]
+            a_scale = tl.load(x_scale_ptrs + k // 128 * stride_xsg, mask=valid,
+                              other=0.0)[:, None]
             gate += tl.dot(a, w_gate) * (a_scale * tl.load(gate_scale_ptrs + k // 128)[None, :])
             up += tl.dot(a, w_up) * (a_scale * tl.load(up_scale_ptrs + k // 128)[None, :])
         else:
@@ -202,7 +204,7 @@ def _down_kernel(
     act_ptr,  # [max_padded, I], unit column stride
     w_ptr,  # [E, D, I]
     out_ptr,  # [T * K, D], out, unit column stride
-    act_scale_ptr,  # FP8: [max_padded, I / 128] float32, unit column stride
+    act_scale_ptr,  # FP8: [max_padded, I / 128] float32, any strides
     w_scale_ptr,  # FP8: [E, ceil(D / 128), I / 128] float32, unit column stride
     topk_weights_ptr,  # [T * K] float32
     sorted_ids_ptr,  # [max_padded] int32
@@ -218,6 +220,7 @@ def _down_kernel(
     stride_wk,
     stride_om,
     stride_asm,
+    stride_asg,
     stride_wse,
     stride_wsn,
     BLOCK_M: tl.constexpr,
@@ -253,7 +256,7 @@ def _down_kernel(
             a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
         if FP8:  # as in the gate kernel
-            a_scale = tl.load(a_scale_ptrs + k // 128, mask=valid, other=0.0)
+            a_scale = tl.load(a_scale_ptrs + k // 128 * stride_asg, mask=valid, other=0.0)
             acc += tl.dot(a, w) * (a_scale[:, None] * tl.load(w_scale_ptrs + k // 128)[None, :])
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
@@ -271,15 +274,15 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
 
 
 def _scale_args(scales: tuple[torch.Tensor, torch.Tensor] | None, dummy: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+                ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
     """The kernels' scale operands: (activation scales, weight scales, the activation scales'
-    row stride, the weight scales' expert and row strides); `dummy` and zero strides without
-    FP8."""
+    row and group strides, the weight scales' expert and row strides); `dummy` and zero
+    strides without FP8. The activation scales are read as they are (CUDA's
+    `quantize_activations` writes them M-major), the weight scales with unit column stride."""
     if scales is None:
-        return dummy, dummy, 0, 0, 0
-    # the kernels read unit column strides; CUDA's `quantize_activations` writes M-major scales
-    act_scales, weight_scales = (scale.contiguous() for scale in scales)
-    return act_scales, weight_scales, act_scales.stride(0), *weight_scales.stride()[:2]
+        return dummy, dummy, 0, 0, 0, 0
+    act_scales, weight_scales = scales[0], scales[1].contiguous()
+    return act_scales, weight_scales, *act_scales.stride(), *weight_scales.stride()[:2]
 
 
 def gate_up_silu(x: torch.Tensor, gate_up_proj: torch.Tensor, alignment: ExpertAlignment,
@@ -380,7 +383,7 @@ def fused_experts_triton(
         weighted output are rounded to x's dtype, the sum over K accumulates in float32.
         Five launches plus the sum, no host sync (CUDA-graph capturable); with FP8 weights x
         and the activation are also quantized per token and 128-column group
-        (`quantize_activations`) and their scales made row-major.
+        (`quantize_activations`).
     """
     fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     num_tokens, hidden = x.shape
