@@ -3,7 +3,8 @@
 y = x W^T with W [N, K] float8_e4m3fn and its float32 scales S_w [ceil(N / 128), ceil(K / 128)]
 (one per 128x128 block, `fp8_blocks.py`), and x [M, K] quantized on the fly per token and group
 of 128 columns: x_q [M, K] float8_e4m3fn with S_x [M, ceil(K / 128)], S_x = amax(|x group|) /
-448. Then, for the 128-wide K block k,
+448 (`fp8_activations`: by a launch of its own, or by the kernel that produced x, which hands
+`QuantizedActivations` to `block_fp8_linear`). Then, for the 128-wide K block k,
 
     y[m, n] = sum_k  S_x[m, k] * S_w[n // 128, k] * sum_{j in block k} x_q[m, j] W[n, j],
 
@@ -19,11 +20,11 @@ float32) and each weight tile is converted to x's dtype in registers,
     y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j],
 
 a product that reads the weight's FP8 bytes, half of a bf16 weight's (K split in up to 4
-runs, so that more programs stream the weight at once). `product_path` picks one
-of the four products for `block_fp8_linear`: "weight-only" on CUDA up to
-`WEIGHT_ONLY_MAX_ROWS` rows, "gluon" (the warp-specialised sm_90 kernel of `fp8_gemm_sm90`)
-on an sm_90 GPU for narrow products, else "cublas" (torch's blockwise scaled matmul)
-where cuBLASLt takes the shape, else "triton".
+runs, so that more programs stream the weight at once). `product_path` picks one of the four
+products for `block_fp8_linear`: "weight-only" on CUDA up to `WEIGHT_ONLY_MAX_ROWS` rows,
+"gluon" (the warp-specialised sm_90 kernel of `fp8_gemm_sm90`) on an sm_90 GPU for narrow
+products, else "cublas" (torch's blockwise scaled matmul) where cuBLASLt takes the shape, else
+"triton".
 """
 
 import functools

@@ -13,10 +13,10 @@ attention projections included, is FP8.
 Whether the model keeps those weights FP8 (block-FP8 GEMMs, `mlaserve.model.fp8_linear`) or
 dequantizes them at load is decided in one place, `keep_fp8_weights`, from the checkpoint's
 `quant_method`, the engine's `quantization` option and the device; `--quantization fp8` also
-quantizes a high-precision checkpoint as it loads. Where a weight is
-dequantized, the loader does it weight-only, at load, one tensor (or one rank's shard of it) at
-a time: `Fp8WeightSlice` indexes like a safetensors slice of the dequantized weight and reads
-only the indexed rows / columns of the FP8 tensor and of the scale blocks that cover them.
+quantizes a high-precision checkpoint as it loads. Where a weight is dequantized, the loader
+does it weight-only, at load, one tensor (or one rank's shard of it) at a time:
+`Fp8WeightSlice` indexes like a safetensors slice of the dequantized weight and reads only the
+indexed rows / columns of the FP8 tensor and of the scale blocks that cover them.
 """
 
 import re
