@@ -19,6 +19,8 @@
 #   weight-only  the weight-only product against bf16 and w8a8 at 1, 16 and 64 tokens, with its
 #                configuration sweep (both operand orders)
 #   gemm         `mlaserve bench gemm` on V3's shapes, RUNS processes
+#   moe          the fused MoE at V3's expert shapes, FP8 beside bf16 weights (weight GB/s at
+#                1-1024 tokens: what decode steps of an FP8 V3 spend most of their time on)
 #   serve        the V3 config with 8 layers, FP8 dummy weights, served with a bf16 and an FP8
 #                cache (scripts/gpu_serve_bench.sh, RUNS server processes each; RUNS defaults
 #                to 1 here, as three would pass 10 minutes: repeat the stage into other dirs)
@@ -95,6 +97,14 @@ case $stage in
       --k-splits 1,2,4 --k-blocks 1 --stages 4 --warps 4 --swap-ab 0,1 \
       > "$out/weight_only.log" 2>&1
     tail -30 "$out/weight_only.log" ;;
+  moe)
+    # the fused MoE at V3's expert shapes with FP8 and with bf16 weights, one process each
+    for weights in fp8 bf16; do
+      timeout 270 python3 scripts/gpu_moe_bench.py --models v3 --weights "$weights" \
+        --impls triton --tokens 1,8,64,256,1024 --calls 10 --replays 5 \
+        --out "$out/moe-$weights.json" > "$out/moe-$weights.log" 2>&1
+    done
+    tail -12 "$out"/moe-*.log ;;
   gemm)
     for run in $(seq "$runs"); do
       timeout 100 python3 -m mlaserve bench gemm --models deepseek-v3 \
@@ -110,5 +120,5 @@ case $stage in
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
     done ;;
-  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, gemm-gluon, weight-only, gemm, serve)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, gemm-gluon, weight-only, gemm, moe, serve)" >&2; exit 2 ;;
 esac

@@ -1,23 +1,30 @@
-"""Routed experts at DeepSeek-V2-Lite and DeepSeek-V3 shapes (bf16): the Triton kernels of
-`mlaserve.kernels.fused_moe` beside the torch grouped-GEMM path, under CUDA-graph replay.
+"""Routed experts at DeepSeek-V2-Lite and DeepSeek-V3 shapes (bf16 activations; bf16 or
+block-FP8 weights): the Triton kernels of `mlaserve.kernels.fused_moe` beside the torch
+grouped-GEMM path, under CUDA-graph replay.
 
 Usage (GPU): python3 scripts/gpu_moe_bench.py [--models v2-lite,v3] [--tokens 1,2,...,8192]
-    [--impls triton,grouped] [--calls 20] [--replays 10] [--sweep] [--out FILE.json]
+    [--impls triton,grouped] [--weights bf16|fp8] [--calls 20] [--replays 10] [--sweep]
+    [--out FILE.json]
 
 Per model and token count T: random x, routing drawn uniformly (K distinct experts per token)
 with random positive weights, and `copies` copies of the expert weights so that consecutive calls
 read different copies and the ~60 MB L2 holds none of a call's weights (the weights a single call
 touches already exceed it at V3; V2-Lite takes 3 copies). Every implementation is first checked
 against the float32 reference (`fused_experts_loop` in float32, TF32 off) with the tolerances of
-`mlaserve.kernels.moe.REFERENCE_TOLERANCES`; one that fails is reported and not timed. Timing:
+`mlaserve.kernels.moe.REFERENCE_TOLERANCES`; one that fails is reported and not timed. With
+`--weights fp8` each expert is quantized as DeepSeek's checkpoints are (128x128 blocks) and only
+the Triton path runs (w8a8: x and the activation quantized per token and 128 columns); its
+reference is that computation in float32 from the dequantized operands (`w8a8_reference`),
+within `FP8_TOLERANCES`. Timing:
 `--calls` calls rotating over the copies are captured in one CUDA graph, each of `--replays`
 replays is timed by CUDA events, and the median replay / calls is the time per call.
 
 The table: microseconds per implementation, the weights the call reads (experts that got at least
 one token), GB/s and TFLOP/s of the Triton path, its share of the floor
-max(bytes / copy rate, flops / bf16 matmul rate) with both ceilings measured in this run, and
-grouped / triton (above 1: Triton is faster). GPU timings vary between processes by up to ~10%:
-run the script three times and report the range.
+max(bytes / copy rate, flops / bf16 matmul rate) with both ceilings measured in this run (FP8
+products run up to twice the bf16 rate, so with FP8 weights that floor is loose where the
+flops set it), and grouped / triton (above 1: Triton is faster). GPU timings vary between
+processes by up to ~10%: run the script three times and report the range.
 
 --sweep also tries, per T, block_m in {16, 32, 64, 128} (up to 4x the mean rows per expert) and a
 few tile shapes for each of the two GEMM kernels, timed separately (the kernels are independent
@@ -38,6 +45,13 @@ import torch
 import triton
 
 from mlaserve.arg_types import positive_int_list
+from mlaserve.kernels.fp8_activations import quantize_activations
+from mlaserve.kernels.fp8_blocks import (
+    ACTIVATION_BLOCK,
+    FP8_DTYPE,
+    dequantize_block_fp8,
+    quantize_block_fp8,
+)
 from mlaserve.kernels.fused_moe import (
     FusedMoEConfig,
     GemmTiles,
@@ -57,6 +71,13 @@ from mlaserve.kernels.testing import l2_bytes, measure_ceilings
 
 DTYPE = torch.bfloat16
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)
+# (relative error, 1 - least per-row cosine) of the FP8 Triton path against `w8a8_reference`.
+# The FP8 products add in reduced precision (~1e-3 relative), which moves an activation that
+# lies that close to an e4m3 rounding boundary to the neighbouring value (one e4m3 step, 6-12%):
+# ~1% of them, so ~6e-3 relative in the output (Triton's CPU interpreter, whose bf16 rounding
+# truncates, shows 1.6e-2 at D = 320); 1 - cos ~ error^2 / 2. One zeroed scale block of an
+# expert gives 0.33 and 0.10 there.
+FP8_TOLERANCES = (3e-2, 1e-3)
 
 
 @dataclass(frozen=True)
@@ -96,11 +117,18 @@ class Case:
 
     shape: MoEShape
     x: torch.Tensor  # [T, D] bf16
-    gate_up: list[torch.Tensor]  # copies of [E, 2I, D] bf16
-    down: list[torch.Tensor]  # copies of [E, D, I] bf16
+    gate_up: list[torch.Tensor]  # copies of [E, 2I, D] bf16 or float8_e4m3fn
+    down: list[torch.Tensor]  # copies of [E, D, I] bf16 or float8_e4m3fn
     topk_weights: torch.Tensor  # [T, K] float32
     topk_ids: torch.Tensor  # [T, K] int64
     ref: torch.Tensor  # [T, D] float32
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8: the stacks' block scales
+
+    def weights(self, copy: int) -> dict[str, torch.Tensor | None]:
+        """`fused_experts`' weight arguments for weight copy `copy` (the copies share scales)."""
+        gate_up_scale_inv, down_scale_inv = self.scales or (None, None)
+        return dict(gate_up_proj=self.gate_up[copy], down_proj=self.down[copy],
+                    gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv)
 
     @property
     def num_tokens(self) -> int:
@@ -112,49 +140,97 @@ class Case:
 
     def weight_bytes(self) -> int:
         """Weights one call reads: every expert that got at least one token."""
-        return self.topk_ids.unique().numel() * self.shape.expert_bytes(self.x.element_size())
+        return self.topk_ids.unique().numel() * self.shape.expert_bytes(
+            self.gate_up[0].element_size())
 
     def flops(self) -> int:
         return 2 * self.num_pairs * 3 * self.shape.inter * self.shape.hidden
 
 
-def make_weights(shape: MoEShape, device: torch.device) -> tuple[list, list]:
+def quantize_experts(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, ceil(N / 128), ceil(K / 128)]),
+    each expert quantized as DeepSeek's checkpoints store it; the bf16 stack is released."""
+    values = torch.empty(stack.shape, dtype=FP8_DTYPE, device=stack.device)
+    scales = []
+    for expert in range(stack.shape[0]):
+        values[expert], scale = quantize_block_fp8(stack[expert])
+        scales.append(scale)
+    return values, torch.stack(scales)
+
+
+def make_weights(shape: MoEShape, device: torch.device, fp8: bool
+                 ) -> tuple[list, list, tuple[torch.Tensor, torch.Tensor] | None]:
     """Identical copies of (gate_up_proj [E, 2I, D], down_proj [E, D, I]), as many as keep a
     call's smallest weight set (K experts) out of L2 between two reads of one copy (at least 2,
-    if they fit in 60% of free memory)."""
+    if they fit in 60% of free memory); with fp8 the stacks are block-FP8 and their scales
+    (gate_up [E, 2I / 128, ceil(D / 128)], down [E, ceil(D / 128), I / 128]) come third."""
     generator = torch.Generator(device=device).manual_seed(0)
     gate_up = torch.randn(shape.num_experts, 2 * shape.inter, shape.hidden, generator=generator,
                           device=device, dtype=DTYPE).mul_(shape.hidden ** -0.5)
     down = torch.randn(shape.num_experts, shape.hidden, shape.inter, generator=generator,
                        device=device, dtype=DTYPE).mul_(shape.inter ** -0.5)
-    copy_bytes = shape.num_experts * shape.expert_bytes(2)
-    smallest_call = shape.top_k * shape.expert_bytes(2)
+    scales = None
+    if fp8:
+        (gate_up, gate_up_scales), (down, down_scales) = (quantize_experts(gate_up),
+                                                          quantize_experts(down))
+        scales = (gate_up_scales, down_scales)
+    element_size = gate_up.element_size()
+    copy_bytes = shape.num_experts * shape.expert_bytes(element_size)
+    smallest_call = shape.top_k * shape.expert_bytes(element_size)
     wanted = max(2, 1 + math.ceil(2 * l2_bytes(torch.device("cuda")) / smallest_call))
     free, _ = torch.cuda.mem_get_info()
     copies = max(1, min(wanted, 1 + int(0.6 * free) // copy_bytes))
     if copies < wanted:
         print(f"  only {copies} weight copies fit (wanted {wanted})")
     return ([gate_up] + [gate_up.clone() for _ in range(copies - 1)],
-            [down] + [down.clone() for _ in range(copies - 1)])
+            [down] + [down.clone() for _ in range(copies - 1)], scales)
+
+
+def _dequantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, N] quantized per row and 128 columns as the FP8 kernels quantize it, dequantized
+    to float32."""
+    return dequantize_block_fp8(*quantize_activations(x), block_size=ACTIVATION_BLOCK)
+
+
+def w8a8_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   scales: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """The FP8 kernels' computation in float32, one expert at a time: x [T, D] quantized per
+    token and 128 columns, each expert's block-FP8 weights dequantized, the activation
+    silu(gate) * up rounded to x's dtype and quantized like x, each pair's output weighted and
+    summed over the pairs. Returns [T, D] float32."""
+    x_deq = _dequantized_rows(x)  # [T, D]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in topk_ids.unique().tolist():
+        tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)  # [P], [P]
+        gate_up_deq = dequantize_block_fp8(gate_up[expert], scales[0][expert])  # [2I, D]
+        gate, up = (x_deq[tokens] @ gate_up_deq.T).chunk(2, dim=-1)  # [P, I] each
+        act = _dequantized_rows((torch.nn.functional.silu(gate) * up).to(x.dtype))  # [P, I]
+        y = act @ dequantize_block_fp8(down[expert], scales[1][expert]).T  # [P, D]
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots][:, None])
+    return out
 
 
 def make_case(shape: MoEShape, num_tokens: int, gate_up: list, down: list,
-              device: torch.device) -> Case:
+              scales: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device) -> Case:
     generator = torch.Generator(device=device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, shape.hidden, generator=generator, device=device, dtype=DTYPE)
     scores = torch.rand(num_tokens, shape.num_experts, generator=generator, device=device)
     topk_ids = scores.topk(shape.top_k, dim=-1).indices  # [T, K] distinct, uniform
     topk_weights = torch.rand(num_tokens, shape.top_k, generator=generator, device=device)
     topk_weights = topk_weights.softmax(dim=-1)
-    ref = fused_experts_loop(x, gate_up[0], down[0], topk_weights, topk_ids,
-                             compute_dtype=torch.float32)
-    return Case(shape, x, gate_up, down, topk_weights, topk_ids, ref)
+    if scales is None:
+        ref = fused_experts_loop(x, gate_up[0], down[0], topk_weights, topk_ids,
+                                 compute_dtype=torch.float32)
+    else:
+        ref = w8a8_reference(x, gate_up[0], down[0], scales, topk_weights, topk_ids)
+    return Case(shape, x, gate_up, down, topk_weights, topk_ids, ref, scales)
 
 
 def check(case: Case, out: torch.Tensor) -> tuple[bool, float, float]:
     """(passed, relative error, 1 - least per-row cosine) against the float32 reference."""
     rel_err, cos_gap = reference_errors(out, case.ref)
-    rel_bound, cos_bound = REFERENCE_TOLERANCES[DTYPE]
+    rel_bound, cos_bound = REFERENCE_TOLERANCES[DTYPE] if case.scales is None else FP8_TOLERANCES
     return rel_err < rel_bound and cos_gap < cos_bound, rel_err, cos_gap
 
 
@@ -185,8 +261,8 @@ def graph_seconds(call: Callable[[int], object], num_copies: int, calls: int,
 
 def time_impl(case: Case, impl: str, calls: int, replays: int) -> float:
     def call(copy: int) -> torch.Tensor:
-        return fused_experts(case.x, case.gate_up[copy], case.down[copy], case.topk_weights,
-                             case.topk_ids, impl=impl)
+        return fused_experts(case.x, topk_weights=case.topk_weights, topk_ids=case.topk_ids,
+                             impl=impl, **case.weights(copy))
 
     return graph_seconds(call, len(case.gate_up), calls, replays)
 
@@ -326,6 +402,8 @@ def main() -> None:
                         help="comma-separated, of triton, grouped (the loop syncs: no graph)")
     parser.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     parser.add_argument("--replays", type=int, default=10, help="timed replays (median)")
+    parser.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                        help="the experts' weights: bf16, or block-FP8 (Triton only)")
     parser.add_argument("--sweep", action="store_true", help="also search tile configurations")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -337,6 +415,10 @@ def main() -> None:
     for impl in args.impls:
         if impl not in ("triton", "grouped"):
             sys.exit(f"unknown or uncapturable implementation {impl!r}")
+    fp8 = args.weights == "fp8"
+    if fp8 and (args.impls != ["triton"] or args.sweep):
+        sys.exit("--weights fp8 times the Triton path only (--impls triton), without --sweep: "
+                 "the grouped path would dequantize every expert per call")
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference
     torch.set_float32_matmul_precision("highest")
     device = torch.device("cuda")
@@ -350,24 +432,26 @@ def main() -> None:
                      "matmul_flops_per_s": ceilings.matmul_flops_per_s, "models": {}}
     for name in args.models:
         shape = MODELS[name]
-        gate_up, down = make_weights(shape, device)
+        gate_up, down, scales = make_weights(shape, device, fp8)
         print(f"\n{name}: D={shape.hidden} I={shape.inter} E={shape.num_experts} "
-              f"K={shape.top_k}, {len(gate_up)} weight copies of "
-              f"{shape.num_experts * shape.expert_bytes(2) / 1e9:.2f} GB")
+              f"K={shape.top_k}, {len(gate_up)} {args.weights} weight copies of "
+              f"{shape.num_experts * shape.expert_bytes(gate_up[0].element_size()) / 1e9:.2f} "
+              "GB")
         rows, tuned = [], []
         for num_tokens in args.tokens:
-            case = make_case(shape, num_tokens, gate_up, down, device)
+            case = make_case(shape, num_tokens, gate_up, down, scales, device)
             floor_s = max(case.weight_bytes() / ceilings.copy_bytes_per_s,
                           case.flops() / ceilings.matmul_flops_per_s)
             config = moe_config(case.num_pairs, shape.num_experts, shape.hidden, shape.inter,
-                                DTYPE)
+                                gate_up[0].dtype)
             row = {"tokens": num_tokens, "num_pairs": case.num_pairs,
                    "weight_bytes": case.weight_bytes(), "flops": case.flops(),
                    "floor_us": floor_s * 1e6, "triton_config": dataclasses.asdict(config),
                    "us": {}, "errors": {}}
             for impl in args.impls:
                 passed, rel_err, cos_gap = check(case, fused_experts(
-                    case.x, gate_up[0], down[0], case.topk_weights, case.topk_ids, impl=impl))
+                    case.x, topk_weights=case.topk_weights, topk_ids=case.topk_ids, impl=impl,
+                    **case.weights(0)))
                 row["errors"][impl] = {"rel_err": rel_err, "cos_gap": cos_gap, "passed": passed}
                 if not passed:
                     print(f"  T={num_tokens} {impl}: WRONG OUTPUT (relative error {rel_err:.2e},"
@@ -384,13 +468,14 @@ def main() -> None:
                                 "default_us": best["default_us"]}
             del case
             torch.cuda.empty_cache()
-        print(f"\n{name}, bf16, CUDA-graph replay, {len(gate_up)} weight copies rotated")
+        print(f"\n{name}, {args.weights} weights, CUDA-graph replay, {len(gate_up)} weight "
+              "copies rotated")
         print_table(rows, args.impls)
         if tuned:
             print_tuned((shape.num_experts, shape.hidden, shape.inter), tuned)
-        results["models"][name] = {"shape": dataclasses.asdict(shape),
+        results["models"][name] = {"shape": dataclasses.asdict(shape), "weights": args.weights,
                                    "copies": len(gate_up), "rows": rows}
-        del gate_up, down
+        del gate_up, down, scales
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
