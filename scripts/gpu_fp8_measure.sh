@@ -19,8 +19,9 @@
 #   weight-only  the weight-only product against bf16 and w8a8 at 1, 16 and 64 tokens, with its
 #                configuration sweep (both operand orders)
 #   gemm         `mlaserve bench gemm` on V3's shapes, RUNS processes
-#   moe          the fused MoE at V3's expert shapes, FP8 beside bf16 weights (weight GB/s at
-#                1-1024 tokens: what decode steps of an FP8 V3 spend most of their time on)
+#   moe          the fused MoE at V3's expert shapes, FP8 beside bf16 weights, each with its
+#                tiles as they are and transposed (swap_ab) (weight GB/s at 1-1024 tokens:
+#                what decode steps of an FP8 V3 spend most of their time on)
 #   serve        the V3 config with 8 layers, FP8 dummy weights, served with a bf16 and an FP8
 #                cache (scripts/gpu_serve_bench.sh, RUNS server processes each; RUNS defaults
 #                to 1 here, as three would pass 10 minutes: repeat the stage into other dirs)
@@ -101,7 +102,7 @@ case $stage in
     # the fused MoE at V3's expert shapes with FP8 and with bf16 weights, one process each
     for weights in fp8 bf16; do
       timeout 270 python3 scripts/gpu_moe_bench.py --models v3 --weights "$weights" \
-        --impls triton --tokens 1,8,64,256,1024 --calls 10 --replays 5 \
+        --impls triton,triton-swap --tokens 1,8,64,256,1024 --calls 10 --replays 5 \
         --out "$out/moe-$weights.json" > "$out/moe-$weights.log" 2>&1
     done
     tail -12 "$out"/moe-*.log ;;

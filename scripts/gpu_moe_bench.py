@@ -3,13 +3,16 @@ block-FP8 weights): the Triton kernels of `mlaserve.kernels.fused_moe` beside th
 grouped-GEMM path, under CUDA-graph replay.
 
 Usage (GPU): python3 scripts/gpu_moe_bench.py [--models v2-lite,v3] [--tokens 1,2,...,8192]
-    [--impls triton,grouped] [--weights bf16|fp8] [--calls 20] [--replays 10] [--sweep]
+    [--impls triton,triton-swap,grouped] [--weights bf16|fp8] [--calls 20] [--replays 10]
+    [--sweep]
     [--out FILE.json]
 
 Per model and token count T: random x, routing drawn uniformly (K distinct experts per token)
 with random positive weights, and `copies` copies of the expert weights so that consecutive calls
 read different copies and the ~60 MB L2 holds none of a call's weights (the weights a single call
-touches already exceed it at V3; V2-Lite takes 3 copies). Every implementation is first checked
+touches already exceed it at V3; V2-Lite takes 3 copies). `triton-swap` is the Triton path with
+the default tiles computed transposed (`GemmTiles.swap_ab`: W x^T, so that wgmma takes the
+weight's columns as its rows, FP8 operands unconverted). Every implementation is first checked
 against the float32 reference (`fused_experts_loop` in float32, TF32 off) with the tolerances of
 `mlaserve.kernels.moe.REFERENCE_TOLERANCES`; one that fails is reported and not timed. With
 `--weights fp8` each expert is quantized as DeepSeek's checkpoints are (128x128 blocks) and only
@@ -259,10 +262,25 @@ def graph_seconds(call: Callable[[int], object], num_copies: int, calls: int,
     return statistics.median(times) / calls
 
 
-def time_impl(case: Case, impl: str, calls: int, replays: int) -> float:
-    def call(copy: int) -> torch.Tensor:
+def run_impl(case: Case, impl: str, copy: int = 0) -> torch.Tensor:
+    """One call of `impl` on weight copy `copy`: "triton", "grouped", or "triton-swap" (the
+    Triton path with its default tiles computed transposed)."""
+    if impl != "triton-swap":
         return fused_experts(case.x, topk_weights=case.topk_weights, topk_ids=case.topk_ids,
                              impl=impl, **case.weights(copy))
+    shape = case.shape
+    config = moe_config(case.num_pairs, shape.num_experts, shape.hidden, shape.inter,
+                        case.gate_up[0].dtype)
+    config = dataclasses.replace(
+        config, gate_up=dataclasses.replace(config.gate_up, swap_ab=True),
+        down=dataclasses.replace(config.down, swap_ab=True))
+    return fused_experts_triton(case.x, topk_weights=case.topk_weights,
+                                topk_ids=case.topk_ids, config=config, **case.weights(copy))
+
+
+def time_impl(case: Case, impl: str, calls: int, replays: int) -> float:
+    def call(copy: int) -> torch.Tensor:
+        return run_impl(case, impl, copy)
 
     return graph_seconds(call, len(case.gate_up), calls, replays)
 
@@ -354,14 +372,14 @@ def print_table(rows: list[dict], impls: list[str]) -> None:
     """One line per T: per implementation microseconds and GB/s of weights read; the Triton
     path's TFLOP/s and share of the floor; grouped / triton."""
     both = {"triton", "grouped"} <= set(impls)
-    head = "".join(f"{impl + ' us':>12}{'GB/s':>7}" for impl in impls)
+    head = "".join(f"{impl + ' us':>15}{'GB/s':>7}" for impl in impls)
     print(f"{'T':>6}{'GB read':>9}{head}{'TFLOP/s':>9}{'% floor':>9}"
           + (f"{'grp/tri':>9}" if both else ""))
     for row in rows:
         line = f"{row['tokens']:>6}{row['weight_bytes'] / 1e9:>9.3f}"
         for impl in impls:
             us = row["us"].get(impl, math.nan)
-            line += f"{us:>12.1f}{row['weight_bytes'] / us / 1e3:>7.0f}"
+            line += f"{us:>15.1f}{row['weight_bytes'] / us / 1e3:>7.0f}"
         triton_us = row["us"].get("triton", math.nan)
         line += f"{row['flops'] / triton_us / 1e6:>9.1f}{100 * row['floor_us'] / triton_us:>8.0f}%"
         if both:
@@ -399,7 +417,8 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--tokens", type=positive_int_list, default=list(TOKENS))
     parser.add_argument("--impls", type=_names, default=["triton", "grouped"],
-                        help="comma-separated, of triton, grouped (the loop syncs: no graph)")
+                        help="comma-separated, of triton, triton-swap, grouped (the loop syncs: "
+                             "no graph)")
     parser.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     parser.add_argument("--replays", type=int, default=10, help="timed replays (median)")
     parser.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
@@ -413,12 +432,12 @@ def main() -> None:
         if name not in MODELS:
             sys.exit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     for impl in args.impls:
-        if impl not in ("triton", "grouped"):
+        if impl not in ("triton", "triton-swap", "grouped"):
             sys.exit(f"unknown or uncapturable implementation {impl!r}")
     fp8 = args.weights == "fp8"
-    if fp8 and (args.impls != ["triton"] or args.sweep):
-        sys.exit("--weights fp8 times the Triton path only (--impls triton), without --sweep: "
-                 "the grouped path would dequantize every expert per call")
+    if fp8 and ("grouped" in args.impls or args.sweep):
+        sys.exit("--weights fp8 times the Triton paths only (--impls triton,triton-swap), "
+                 "without --sweep: the grouped path would dequantize every expert per call")
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference
     torch.set_float32_matmul_precision("highest")
     device = torch.device("cuda")
@@ -449,9 +468,7 @@ def main() -> None:
                    "floor_us": floor_s * 1e6, "triton_config": dataclasses.asdict(config),
                    "us": {}, "errors": {}}
             for impl in args.impls:
-                passed, rel_err, cos_gap = check(case, fused_experts(
-                    case.x, topk_weights=case.topk_weights, topk_ids=case.topk_ids, impl=impl,
-                    **case.weights(0)))
+                passed, rel_err, cos_gap = check(case, run_impl(case, impl))
                 row["errors"][impl] = {"rel_err": rel_err, "cos_gap": cos_gap, "passed": passed}
                 if not passed:
                     print(f"  T={num_tokens} {impl}: WRONG OUTPUT (relative error {rel_err:.2e},"

@@ -12,8 +12,10 @@ pipelined loop's steady state: the shortest backward branch spanning HMMA instru
 token, local loads and stores (spills) in it, tensor-core and conversion instructions. Then the
 Gluon pass's partitions, and the merge kernel's load layout with float32 and 16-bit partials.
 Then the weight-only FP8 product in both operand orders (whether the converted weight tile
-goes through shared memory: STS in its K loop) and the norm and SiLU kernels that quantize
-their output.
+goes through shared memory: STS in its K loop), the norm and SiLU kernels that quantize their
+output, and the fused MoE's two kernels at decode tiles in both operand orders, bf16 and FP8
+(x W^T at 16 rows converts FP8 operands to float16 for mma.sync, F2FP; W x^T runs FP8 wgmma,
+QGMMA, on them as they are).
 """
 
 import itertools
@@ -30,7 +32,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mlaserve.kernels import fp8_gemm, fused_norm_rope  # noqa: E402
+from mlaserve.kernels import fp8_gemm, fused_moe, fused_norm_rope  # noqa: E402
 from mlaserve.kernels.mla_decode import merge, triton_split  # noqa: E402
 from mlaserve.kernels.mla_decode.common import GLUON_SM90_FP8  # noqa: E402
 from mlaserve.kernels.mla_decode.gluon_sm90_aot import compile_fp8_for_sm90  # noqa: E402
@@ -114,7 +116,8 @@ def compile_split(plan: MLADecodePlan, block_size: int, q_len: int, cache: str,
 
 def tile_loop_mix(cubin: bytes) -> dict[str, int]:
     """Instruction counts of the tile loop's steady state in the cubin's SASS: the shortest
-    span of a backward branch that holds tensor-core (HMMA or HGMMA) instructions."""
+    span of a backward branch that holds tensor-core instructions (HMMA: mma.sync; HGMMA and
+    QGMMA: wgmma on 16-bit and on FP8 operands)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -133,13 +136,13 @@ def tile_loop_mix(cubin: bytes) -> dict[str, int]:
         target = re.search(r"BRA `\(\.(L_x_\d+)\)", text)
         start = labels.get(target.group(1), end) if target else end
         body = code[start:end + 1]
-        if start < end and any("HMMA" in op or "HGMMA" in op for op in body):
+        if start < end and any(unit in op for op in body for unit in ("HMMA", "GMMA")):
             loops.append(body)
     body = min(loops, key=len)
     ops = [op.split()[1] if op.startswith("@") else op.split()[0] for op in body]
     count = {name: sum(op.split(".")[0] == name for op in ops)  # LDS: not LDSM
-             for name in ("LDL", "STL", "HMMA", "HGMMA", "F2FP", "LDS", "LDSM", "STS", "FMUL",
-                          "BAR")}
+             for name in ("LDL", "STL", "HMMA", "HGMMA", "QGMMA", "F2FP", "LDS", "LDSM", "STS",
+                          "FMUL", "BAR")}
     return {"instructions": len(ops), **count}
 
 
@@ -286,9 +289,46 @@ def fp8_gemm_kernels() -> None:
               f"e4m3 conversions {ptx.count('e4m3')}  bar.sync {ptx.count('bar.sync')}")
 
 
+def moe_kernels() -> None:
+    """The fused MoE's gate_up and down kernels at the decode tiles of `default_config` (16
+    rows, 64 columns, 128-deep K steps), bf16 and FP8 weights, as laid out and transposed
+    (`GemmTiles.swap_ab`): registers, shared memory and the K loop's instruction mix."""
+    index_args = ("sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr")
+    for (name, kernel, num_stages), fp8, swap_ab in itertools.product(
+            (("gate_up", fused_moe._gate_up_silu_kernel, 3), ("down", fused_moe._down_kernel, 4)),
+            (False, True), (False, True)):
+        names = kernel.arg_names
+        signature = {arg: "i32" for arg in names}
+        for arg in (arg for arg in names if arg.endswith("_ptr")):
+            signature[arg] = ("*i32" if arg in index_args else
+                              "*fp32" if "scale" in arg or "topk" in arg else "*bf16")
+        if fp8:
+            signature |= {"w_ptr": "*fp8e4nv", names[0]: "*fp8e4nv"}  # x or act, and w
+        constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_SIZE_M=1, EVEN_K=True,
+                          DOT_PRECISION=None, FP8=fp8, SWAP_AB=swap_ab)
+        # unit K strides, which the launcher specialises to 1
+        constexprs |= {arg: 1 for arg in ("stride_xd", "stride_wd", "stride_wk") if arg in names}
+        signature |= {arg: "constexpr" for arg in constexprs}
+        aligned = [arg for arg in names if arg.endswith("_ptr")] + [
+            arg for arg in ("hidden", "inter", "stride_xt", "stride_am", "stride_we",
+                            "stride_wn", "stride_om") if arg in names]
+        attrs = {(names.index(arg),): [["tt.divisibility", 16]] for arg in aligned}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs,
+                                            attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "num_stages": num_stages})
+        mix = tile_loop_mix(compiled.asm["cubin"])
+        print(f"MoE {name:7} {'fp8 ' if fp8 else 'bf16'} {'W x^T' if swap_ab else 'x W^T'}: "
+              f"{resources(compiled.asm['cubin'])}  shared "
+              f"{compiled.metadata.shared // 1024:>3} KB | K loop {mix['instructions']:>4}: "
+              f"HMMA {mix['HMMA']} HGMMA {mix['HGMMA']} QGMMA {mix['QGMMA']} F2FP "
+              f"{mix['F2FP']} LDSM {mix['LDSM']}")
+
+
 if __name__ == "__main__":
     main()
     cache_variants()
     warp_specialized()
     merge_kernel()
     fp8_gemm_kernels()
+    moe_kernels()

@@ -7,6 +7,7 @@ columns) and a ragged K edge (48-deep rows against 32-deep tiles). With a GPU th
 run natively, in bfloat16 too, plus DeepSeek-V2-Lite's shape and a CUDA-graph replay.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -44,6 +45,10 @@ SMALL_TILES = FusedMoEConfig(
     gate_up=GemmTiles(block_n=32, block_k=16, group_size_m=2, num_warps=4, num_stages=2),
     down=GemmTiles(block_n=32, block_k=32, group_size_m=1, num_warps=4, num_stages=2),
 )
+# the same tiles computed transposed (W x^T) in both kernels
+SWAPPED_TILES = FusedMoEConfig(
+    block_m=16, gate_up=dataclasses.replace(SMALL_TILES.gate_up, swap_ab=True),
+    down=dataclasses.replace(SMALL_TILES.down, swap_ab=True))
 
 
 def _dtype_id(dtype: torch.dtype) -> str:
@@ -141,13 +146,14 @@ SHAPES = [  # (T, D, I, E, K)
 ]
 
 
+@pytest.mark.parametrize("config", [SMALL_TILES, SWAPPED_TILES], ids=["xWt", "Wxt"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("routing", ["distinct", "one_expert", "repeats"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_triton_matches_reference(shape, routing, dtype):
+def test_triton_matches_reference(shape, routing, dtype, config):
     num_tokens, hidden, inter, num_experts, top_k = shape
     inputs = make_inputs(num_tokens, hidden, inter, num_experts, top_k, routing, dtype)
-    out = fused_experts_triton(*inputs, config=SMALL_TILES)
+    out = fused_experts_triton(*inputs, config=config)
     assert_matches(out, dense_reference(*inputs), dtype)
 
 

@@ -6,6 +6,7 @@ so only the accumulation differs. The other implementations dequantize the weigh
 and must equal the 16-bit path run on the dequantized weights in float32.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -59,6 +60,10 @@ SMALL_TILES = FusedMoEConfig(
     gate_up=GemmTiles(block_n=32, block_k=64, group_size_m=2, num_warps=4, num_stages=2),
     down=GemmTiles(block_n=64, block_k=32, group_size_m=1, num_warps=4, num_stages=2),
 )
+# the same tiles computed transposed (W x^T: FP8 wgmma on sm_90) in both kernels
+SWAPPED_TILES = FusedMoEConfig(
+    block_m=16, gate_up=dataclasses.replace(SMALL_TILES.gate_up, swap_ab=True),
+    down=dataclasses.replace(SMALL_TILES.down, swap_ab=True))
 
 
 def quantize_experts(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +126,8 @@ def assert_within(out: torch.Tensor, ref: torch.Tensor, bounds: tuple[float, flo
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["default", "small"])
+@pytest.mark.parametrize("config", [None, SMALL_TILES, SWAPPED_TILES],
+                         ids=["default", "small", "small-swapped"])
 @pytest.mark.parametrize("shape", [(5, 256, 128, 4, 2), (3, 320, 256, 4, 2)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_triton_w8a8_matches_the_reference(shape, config, dtype) -> None:

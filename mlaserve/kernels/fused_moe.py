@@ -51,6 +51,11 @@ class GemmTiles:
     group_size_m: int  # M-blocks that run next to each other on one N-block (L2 reuse)
     num_warps: int
     num_stages: int
+    # Compute each tile transposed, [block_n, block_m] = W x^T: the weight's columns fill the
+    # 64 rows Hopper's wgmma needs where block_m is small, and FP8 operands stay FP8 (wgmma
+    # reads both K-major from shared memory; x W^T at 16 rows runs mma.sync on operands
+    # converted to float16 first: `scripts/kernel_resources.py`)
+    swap_ab: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,36 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int,
 
 
 @triton.jit
+def _product(a, w, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] @ w [BLOCK_K, BLOCK_N]: acc [BLOCK_M, BLOCK_N], or with
+    SWAP_AB its transpose [BLOCK_N, BLOCK_M] (w^T a^T)."""
+    if SWAP_AB:
+        return tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=DOT_PRECISION)
+    else:
+        return tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _scaled_product(a, w, a_scale, w_scale, SWAP_AB: tl.constexpr):
+    """One FP8 K step: a @ w (as `_product` lays it out) times the rows' activation scales
+    a_scale [BLOCK_M] and the columns' weight scales w_scale [BLOCK_N]."""
+    if SWAP_AB:
+        return tl.dot(tl.trans(w), tl.trans(a)) * (w_scale[:, None] * a_scale[None, :])
+    else:
+        return tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
+
+
+@triton.jit
+def _tile_offsets(row_offs, row_mask, col_offs, col_mask, SWAP_AB: tl.constexpr):
+    """Offsets and mask of an output tile from per-row [BLOCK_M] and per-column [BLOCK_N]
+    ones, laid out as `_product` lays out its tile."""
+    if SWAP_AB:
+        return row_offs[None, :] + col_offs[:, None], row_mask[None, :] & col_mask[:, None]
+    else:
+        return row_offs[:, None] + col_offs[None, :], row_mask[:, None] & col_mask[None, :]
+
+
+@triton.jit
 def _tile_of_program(pid, num_m_blocks, num_n_blocks, GROUP_SIZE_M: tl.constexpr):
     """Program id -> (M-block, N-block): GROUP_SIZE_M M-blocks in a row share each N-block."""
     group_width = GROUP_SIZE_M * num_n_blocks
@@ -151,6 +186,7 @@ def _gate_up_silu_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of_program(tl.program_id(0), num_m_blocks, tl.cdiv(inter, BLOCK_N),
                                     GROUP_SIZE_M)
@@ -171,8 +207,11 @@ def _gate_up_silu_kernel(
     x_scale_ptrs = x_scale_ptr + tokens * stride_xst  # [BLOCK_M]
     gate_scale_ptrs = w_scale_ptr + expert * stride_wse + w_cols // 128 * stride_wsn  # [BLOCK_N]
     up_scale_ptrs = gate_scale_ptrs + inter // 128 * stride_wsn  # gate and up: I % 128 == 0
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros_like(gate)
     for k in range(0, hidden, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
@@ -184,19 +223,19 @@ def _gate_up_silu_kernel(
             w_gate = tl.load(gate_ptrs, mask=in_k[:, None], other=0.0)
             w_up = tl.load(up_ptrs, mask=in_k[:, None], other=0.0)
         if FP8:  # the step lies in scale block k // 128 (BLOCK_K divides 128)
-            a_scale = tl.load(x_scale_ptrs + k // 128 * stride_xsg, mask=valid,
-                              other=0.0)[:, None]
-            gate += tl.dot(a, w_gate) * (a_scale * tl.load(gate_scale_ptrs + k // 128)[None, :])
-            up += tl.dot(a, w_up) * (a_scale * tl.load(up_scale_ptrs + k // 128)[None, :])
+            a_scale = tl.load(x_scale_ptrs + k // 128 * stride_xsg, mask=valid, other=0.0)
+            gate += _scaled_product(a, w_gate, a_scale, tl.load(gate_scale_ptrs + k // 128),
+                                    SWAP_AB)
+            up += _scaled_product(a, w_up, a_scale, tl.load(up_scale_ptrs + k // 128), SWAP_AB)
         else:
-            gate = tl.dot(a, w_gate, gate, input_precision=DOT_PRECISION)
-            up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
+            gate = _product(a, w_gate, gate, DOT_PRECISION, SWAP_AB)
+            up = _product(a, w_up, up, DOT_PRECISION, SWAP_AB)
         x_ptrs += BLOCK_K * stride_xd
         gate_ptrs += BLOCK_K * stride_wd
         up_ptrs += BLOCK_K * stride_wd
     act = gate * tl.sigmoid(gate) * up
-    tl.store(act_ptr + rows[:, None] * stride_am + cols[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & (cols < inter)[None, :])
+    offs, mask = _tile_offsets(rows * stride_am, valid, cols, cols < inter, SWAP_AB)
+    tl.store(act_ptr + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
@@ -230,6 +269,7 @@ def _down_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of_program(tl.program_id(0), num_m_blocks, tl.cdiv(hidden, BLOCK_N),
                                     GROUP_SIZE_M)
@@ -246,7 +286,10 @@ def _down_kernel(
     w_ptrs = w_ptr + expert * stride_we + w_cols[None, :] * stride_wn + ks[:, None] * stride_wk
     a_scale_ptrs = act_scale_ptr + rows * stride_asm  # [BLOCK_M]
     w_scale_ptrs = w_scale_ptr + expert * stride_wse + w_cols // 128 * stride_wsn  # [BLOCK_N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, inter, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
@@ -257,15 +300,19 @@ def _down_kernel(
             w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
         if FP8:  # as in the gate kernel
             a_scale = tl.load(a_scale_ptrs + k // 128 * stride_asg, mask=valid, other=0.0)
-            acc += tl.dot(a, w) * (a_scale[:, None] * tl.load(w_scale_ptrs + k // 128)[None, :])
+            acc += _scaled_product(a, w, a_scale, tl.load(w_scale_ptrs + k // 128), SWAP_AB)
         else:
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            acc = _product(a, w, acc, DOT_PRECISION, SWAP_AB)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     routing = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)
-    out = acc * routing[:, None]
-    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < hidden)[None, :])
+    if SWAP_AB:
+        out = acc * routing[None, :]
+    else:
+        out = acc * routing[:, None]
+    offs, mask = _tile_offsets(pairs.to(tl.int64) * stride_om, valid, cols, cols < hidden,
+                               SWAP_AB)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _dot_precision(dtype: torch.dtype) -> str | None:
@@ -314,7 +361,7 @@ def gate_up_silu(x: torch.Tensor, gate_up_proj: torch.Tensor, alignment: ExpertA
         x.stride(0), x.stride(1), *gate_up_proj.stride(), act.stride(0), *scale_strides,
         BLOCK_M=alignment.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_SIZE_M=tiles.group_size_m, EVEN_K=hidden % tiles.block_k == 0,
-        DOT_PRECISION=_dot_precision(x.dtype), FP8=scales is not None,
+        DOT_PRECISION=_dot_precision(x.dtype), FP8=scales is not None, SWAP_AB=tiles.swap_ab,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return act
 
@@ -349,7 +396,7 @@ def down_weighted(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torc
         act.stride(0), *down_proj.stride(), out.stride(1), *scale_strides,
         BLOCK_M=alignment.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_SIZE_M=tiles.group_size_m, EVEN_K=inter % tiles.block_k == 0,
-        DOT_PRECISION=_dot_precision(act.dtype), FP8=scales is not None,
+        DOT_PRECISION=_dot_precision(act.dtype), FP8=scales is not None, SWAP_AB=tiles.swap_ab,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
