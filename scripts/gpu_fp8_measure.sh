@@ -7,7 +7,8 @@
 #                the FP8 cache, the decode kernels (the Gluon FP8 pass, FP8 TMA tiles, latent
 #                chunks), 8 workers
 #   tests-gemm   every test (marked gpu or not) of the FP8 GEMMs and Linears, the weight-only
-#                product and the norm / SiLU kernels that quantize their output, 8 workers
+#                product, the norm / SiLU kernels that quantize their output and the fused MoE
+#                (both operand orders), 8 workers
 #   decode-sweep the FP8-cache decode cells (16 heads x batch 64/128/512 x kv 4096, pages of
 #                64): the Gluon FP8 pass (tiles, stages), then the Triton pass with TMA tiles,
 #                latent chunks, tile sizes and stages, beside the plan's choice; the bf16
@@ -64,7 +65,7 @@ case $stage in
   tests-gemm)
     # every test of these files, not only those marked gpu: they run natively where a GPU is
     timeout 400 python3 -m pytest -q -rs -p no:cacheprovider -n 8 \
-      tests/test_fused_norm_rope.py \
+      tests/test_fused_norm_rope.py tests/test_fused_moe.py tests/test_fused_moe_fp8.py \
       tests/test_fp8_weight_only_gemm.py tests/kernels/test_fp8_gemm.py \
       tests/test_fp8_weights.py > "$out/gpu_tests_gemm.log" 2>&1
     echo "gemm tests rc=$?"; tail -5 "$out/gpu_tests_gemm.log" ;;
