@@ -16,7 +16,9 @@ Then two GEMM kernels:
 
 Weights are read K-major as stored ([E, 2I, D] and [E, D, I]). Tile sizes come from
 `moe_config` (one place): 16-row M-blocks with wide K tiles while experts get a few rows each
-(decode, weight streaming), 64-128-row blocks as the rows per expert grow (prefill).
+(decode, weight streaming), 64-128-row blocks as the rows per expert grow (prefill). Either
+kernel can compute its tiles transposed, [BLOCK_N, BLOCK_M] (`GemmTiles.swap_ab`), which gives
+small M-blocks Hopper's wgmma (the weight's columns as its 64 rows).
 
 Block-FP8 experts (w8a8, DeepSeek's format: float8_e4m3fn weights with a float32 scale per
 128x128 block, `fp8_blocks.py`) run through the same kernels: x and the activation are quantized
