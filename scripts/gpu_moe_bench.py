@@ -17,8 +17,8 @@ against the float32 reference (`fused_experts_loop` in float32, TF32 off) with t
 `mlaserve.kernels.moe.REFERENCE_TOLERANCES`; one that fails is reported and not timed. With
 `--weights fp8` each expert is quantized as DeepSeek's checkpoints are (128x128 blocks) and only
 the Triton path runs (w8a8: x and the activation quantized per token and 128 columns); its
-reference is that computation in float32 from the dequantized operands (`w8a8_reference`),
-within `FP8_TOLERANCES`. Timing:
+reference is that computation in float32 from the dequantized operands
+(`fused_experts_w8a8_reference`), within `W8A8_REFERENCE_TOLERANCES`. Timing:
 `--calls` calls rotating over the copies are captured in one CUDA graph, each of `--replays`
 replays is timed by CUDA events, and the median replay / calls is the time per call.
 
@@ -48,13 +48,7 @@ import torch
 import triton
 
 from mlaserve.arg_types import positive_int_list
-from mlaserve.kernels.fp8_activations import quantize_activations
-from mlaserve.kernels.fp8_blocks import (
-    ACTIVATION_BLOCK,
-    FP8_DTYPE,
-    dequantize_block_fp8,
-    quantize_block_fp8,
-)
+from mlaserve.kernels.fp8_blocks import quantize_block_fp8
 from mlaserve.kernels.fused_moe import (
     FusedMoEConfig,
     GemmTiles,
@@ -65,8 +59,10 @@ from mlaserve.kernels.fused_moe import (
 )
 from mlaserve.kernels.moe import (
     REFERENCE_TOLERANCES,
+    W8A8_REFERENCE_TOLERANCES,
     fused_experts,
     fused_experts_loop,
+    fused_experts_w8a8_reference,
     reference_errors,
 )
 from mlaserve.kernels.moe_align import ExpertAlignment, align_by_expert
@@ -74,13 +70,6 @@ from mlaserve.kernels.testing import l2_bytes, measure_ceilings
 
 DTYPE = torch.bfloat16
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)
-# (relative error, 1 - least per-row cosine) of the FP8 Triton path against `w8a8_reference`.
-# The FP8 products add in reduced precision (~1e-3 relative), which moves an activation that
-# lies that close to an e4m3 rounding boundary to the neighbouring value (one e4m3 step, 6-12%):
-# ~1% of them, so ~6e-3 relative in the output (Triton's CPU interpreter, whose bf16 rounding
-# truncates, shows 1.6e-2 at D = 320); 1 - cos ~ error^2 / 2. One zeroed scale block of an
-# expert gives 0.33 and 0.10 there.
-FP8_TOLERANCES = (3e-2, 1e-3)
 
 
 @dataclass(frozen=True)
@@ -150,17 +139,6 @@ class Case:
         return 2 * self.num_pairs * 3 * self.shape.inter * self.shape.hidden
 
 
-def quantize_experts(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, ceil(N / 128), ceil(K / 128)]),
-    each expert quantized as DeepSeek's checkpoints store it; the bf16 stack is released."""
-    values = torch.empty(stack.shape, dtype=FP8_DTYPE, device=stack.device)
-    scales = []
-    for expert in range(stack.shape[0]):
-        values[expert], scale = quantize_block_fp8(stack[expert])
-        scales.append(scale)
-    return values, torch.stack(scales)
-
-
 def make_weights(shape: MoEShape, device: torch.device, fp8: bool
                  ) -> tuple[list, list, tuple[torch.Tensor, torch.Tensor] | None]:
     """Identical copies of (gate_up_proj [E, 2I, D], down_proj [E, D, I]), as many as keep a
@@ -174,8 +152,8 @@ def make_weights(shape: MoEShape, device: torch.device, fp8: bool
                        device=device, dtype=DTYPE).mul_(shape.inter ** -0.5)
     scales = None
     if fp8:
-        (gate_up, gate_up_scales), (down, down_scales) = (quantize_experts(gate_up),
-                                                          quantize_experts(down))
+        (gate_up, gate_up_scales), (down, down_scales) = (quantize_block_fp8(gate_up),
+                                                          quantize_block_fp8(down))
         scales = (gate_up_scales, down_scales)
     element_size = gate_up.element_size()
     copy_bytes = shape.num_experts * shape.expert_bytes(element_size)
@@ -187,31 +165,6 @@ def make_weights(shape: MoEShape, device: torch.device, fp8: bool
         print(f"  only {copies} weight copies fit (wanted {wanted})")
     return ([gate_up] + [gate_up.clone() for _ in range(copies - 1)],
             [down] + [down.clone() for _ in range(copies - 1)], scales)
-
-
-def _dequantized_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, N] quantized per row and 128 columns as the FP8 kernels quantize it, dequantized
-    to float32."""
-    return dequantize_block_fp8(*quantize_activations(x), block_size=ACTIVATION_BLOCK)
-
-
-def w8a8_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   scales: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
-    """The FP8 kernels' computation in float32, one expert at a time: x [T, D] quantized per
-    token and 128 columns, each expert's block-FP8 weights dequantized, the activation
-    silu(gate) * up rounded to x's dtype and quantized like x, each pair's output weighted and
-    summed over the pairs. Returns [T, D] float32."""
-    x_deq = _dequantized_rows(x)  # [T, D]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in topk_ids.unique().tolist():
-        tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)  # [P], [P]
-        gate_up_deq = dequantize_block_fp8(gate_up[expert], scales[0][expert])  # [2I, D]
-        gate, up = (x_deq[tokens] @ gate_up_deq.T).chunk(2, dim=-1)  # [P, I] each
-        act = _dequantized_rows((torch.nn.functional.silu(gate) * up).to(x.dtype))  # [P, I]
-        y = act @ dequantize_block_fp8(down[expert], scales[1][expert]).T  # [P, D]
-        out.index_add_(0, tokens, y * topk_weights[tokens, slots][:, None])
-    return out
 
 
 def make_case(shape: MoEShape, num_tokens: int, gate_up: list, down: list,
@@ -226,14 +179,16 @@ def make_case(shape: MoEShape, num_tokens: int, gate_up: list, down: list,
         ref = fused_experts_loop(x, gate_up[0], down[0], topk_weights, topk_ids,
                                  compute_dtype=torch.float32)
     else:
-        ref = w8a8_reference(x, gate_up[0], down[0], scales, topk_weights, topk_ids)
+        ref = fused_experts_w8a8_reference(x, gate_up[0], down[0], topk_weights, topk_ids,
+                                           *scales)
     return Case(shape, x, gate_up, down, topk_weights, topk_ids, ref, scales)
 
 
 def check(case: Case, out: torch.Tensor) -> tuple[bool, float, float]:
     """(passed, relative error, 1 - least per-row cosine) against the float32 reference."""
     rel_err, cos_gap = reference_errors(out, case.ref)
-    rel_bound, cos_bound = REFERENCE_TOLERANCES[DTYPE] if case.scales is None else FP8_TOLERANCES
+    rel_bound, cos_bound = (REFERENCE_TOLERANCES[DTYPE] if case.scales is None
+                            else W8A8_REFERENCE_TOLERANCES)
     return rel_err < rel_bound and cos_gap < cos_bound, rel_err, cos_gap
 
 

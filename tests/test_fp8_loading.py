@@ -40,6 +40,10 @@ def test_block_quantization_round_trip_and_partial_blocks(tmp_path):
     assert scale_inv[1, 0] == 1 and not fp8[128:256, :128].float().any()
     assert fp8[256:, 256:].float().abs().max() == FP8_MAX  # each block's amax maps to 448
     full = dequantize_block_fp8(fp8, scale_inv)  # [300, 260] float32
+    stack_fp8, stack_scales = quantize_block_fp8(torch.stack((weight, -weight)))  # a stack:
+    assert stack_scales.shape == (2, 3, 3) and torch.equal(stack_scales[1], scale_inv)
+    assert torch.equal(stack_fp8[0].view(torch.uint8), fp8.view(torch.uint8))  # per matrix
+    assert torch.equal(stack_fp8[1].float(), -fp8.float())
     block_amax = scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260]
     assert ((full - weight).abs() <= block_amax * 448 / 16).all()  # e4m3: 3 mantissa bits
     save_file({"w": fp8, "s": scale_inv}, tmp_path / "w.safetensors")

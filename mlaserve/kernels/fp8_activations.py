@@ -44,13 +44,15 @@ def store_quantized_groups(y, values_ptr, scales_ptr, row, first_group, n_cols,
 
     y: [GROUPS, GROUP] float32, the row's values as rounded to the activations' dtype, zero
     past n_cols. Stores y / scale (saturated at +-FP8_MAX, converted to values_ptr's dtype)
-    and each group's scale = amax(|y|) / FP8_MAX (1 for an all-zero group).
+    and each group's scale = amax(|y|) / FP8_MAX (1 for an all-zero group). Both divisions
+    round correctly (`div_rn`; Triton's `/` is the approximate one on the GPU), so the result
+    is `quantize_block_fp8`'s, bit for bit.
     """
     groups = first_group + tl.arange(0, GROUPS)  # [GROUPS]
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
     amax = tl.max(tl.abs(y), axis=1)  # [GROUPS]
-    scale = tl.where(amax > 0.0, amax / FP8_MAX, 1.0)
-    y_q = tl.clamp(y / scale[:, None], -FP8_MAX, FP8_MAX)
+    scale = tl.where(amax > 0.0, tl.div_rn(amax, FP8_MAX), 1.0)
+    y_q = tl.clamp(tl.div_rn(y, scale[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(values_ptr + row * stride_values + cols, y_q.to(values_ptr.dtype.element_ty),
              mask=cols < n_cols)
     tl.store(scales_ptr + row * stride_scale_row + groups * stride_scale_group, scale,

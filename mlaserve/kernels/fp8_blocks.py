@@ -42,12 +42,21 @@ def quantize_block_fp8(weight: torch.Tensor, block_size: tuple[int, int] = BLOCK
     """Quantize a weight per block as DeepSeek's checkpoints are.
 
     Args:
-        weight: [out, in], any float dtype.
+        weight: [..., out, in], any float dtype; leading dims (a stack of experts) are
+            quantized one matrix at a time, each as a checkpoint stores it.
 
     Returns:
-        (fp8 [out, in] float8_e4m3fn, scale_inv [ceil(out / b0), ceil(in / b1)] float32) with
-        scale_inv = amax(|block|) / 448 (1 for an all-zero block) and fp8 = weight / scale_inv.
+        (fp8 [..., out, in] float8_e4m3fn, scale_inv [..., ceil(out / b0), ceil(in / b1)]
+        float32) with scale_inv = amax(|block|) / 448 (1 for an all-zero block) and fp8 =
+        weight / scale_inv.
     """
+    if weight.dim() > 2:
+        fp8 = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+        scale_inv = torch.empty(*weight.shape[:-2], *scale_shape(weight.shape[-2:], block_size),
+                                device=weight.device)
+        for index in range(weight.shape[0]):
+            fp8[index], scale_inv[index] = quantize_block_fp8(weight[index], block_size)
+        return fp8, scale_inv
     out_features, in_features = weight.shape
     rows, cols = scale_shape(weight.shape, block_size)
     padded = weight.new_zeros(rows * block_size[0], cols * block_size[1], dtype=torch.float32)
