@@ -87,7 +87,6 @@ def _time(call, repeats: int) -> float:
     return time_calls([call], repeats)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):

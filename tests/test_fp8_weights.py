@@ -291,18 +291,26 @@ def test_producers_quantizing_the_input_change_no_bit_of_the_model(aligned_pair,
     """On CUDA the norms and SiLU-and-mul quantize the input of the w8a8 products (prompts of
     40+ tokens: past the weight-only rows); the prompt logprobs and tokens are those of the
     model whose products quantize their own input, bit for bit."""
+    from mlaserve.kernels import fused_norm_rope
     from mlaserve.model import fp8_linear
 
     prompts = [[(11 * i + 5 * j) % 250 + 1 for j in range(40 + 9 * i)] for i in range(3)]
     params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2, ignore_eos=True)
-    outputs = {}
+    allocated = []  # the producers' quantized outputs
+    empty_quantized = fused_norm_rope.empty_quantized
+    monkeypatch.setattr(fused_norm_rope, "empty_quantized",
+                        lambda *args: allocated.append(args) or empty_quantized(*args))
+    outputs, quantized_by_producers = {}, {}
     for in_producers in (True, False):
         monkeypatch.setattr(fp8_linear, "QUANTIZE_IN_PRODUCERS", in_producers)
+        allocated.clear()
         llm = LLM(str(aligned_pair[0]), device="cuda", dtype="bfloat16", quantization="fp8",
                   attention_backend="triton", block_size=16, num_kv_blocks=64,
                   enforce_eager=True)
         outputs[in_producers] = llm.generate(prompts, params)
+        quantized_by_producers[in_producers] = len(allocated)
         del llm
+    assert quantized_by_producers[True] > 0 and quantized_by_producers[False] == 0
     for fused, unfused in zip(outputs[True], outputs[False], strict=True):
         assert fused.token_ids == unfused.token_ids
         assert fused.prompt_logprobs == unfused.prompt_logprobs
