@@ -406,10 +406,8 @@ def block_fp8_w8a8(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
     or "triton" (`block_fp8_matmul`)."""
     rows = x.shape[0]
     if isinstance(x, torch.Tensor):
-        if path == "cublas" and rows % 4:
-            x = torch.nn.functional.pad(x, (0, 0, 0, -rows % 4))  # [M rounded up to 4, K]
         x = QuantizedActivations(*quantize_activations(x), x.dtype)
-    elif path == "cublas" and rows % 4:
+    if path == "cublas" and rows % 4:
         x = x.padded_rows(4)  # [M rounded up to 4, K]
     if path == "gluon":
         from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90
