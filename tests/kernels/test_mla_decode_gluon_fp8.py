@@ -1,9 +1,12 @@
-"""The FP8-cache Gluon split pass (`kernels/mla_decode/gluon_sm90_fp8.py`) without a GPU: it
-compiles for sm_90 with no register spills, inside the shared memory the plan's
-`gluon_fp8_serves` check assumes, converting each FP8 tile once and reading the float16 copy
-with ldmatrix; and the plan chooses it only where it applies. Its numerics are checked against
-the float32 reference on the GPU in tests/kernels/test_mla_decode_fp8.py
-(`test_gluon_fp8_pass`)."""
+"""The FP8-cache Gluon split passes (`kernels/mla_decode/gluon_sm90_fp8.py` and
+`gluon_sm90_fp8_transposed.py`) without a GPU: each compiles for sm_90 with no register
+spills, inside the shared memory the plan's `gluon_fp8_serves` /
+`gluon_fp8_transposed_serves` checks assume, in the way its docstring describes (the first
+converts each FP8 tile once into a float16 copy read with ldmatrix; the transposed pass feeds
+wgmma from registers, with no shared-memory round trip between conversion and product); and
+the plan chooses each only where it applies. Their numerics are checked against the float32
+reference on the GPU in tests/kernels/test_mla_decode_fp8.py (`test_gluon_fp8_pass`,
+`test_gluon_fp8_transposed_pass`)."""
 
 from dataclasses import replace
 
@@ -15,11 +18,15 @@ pytest.importorskip("triton.experimental.gluon")
 from mlaserve.kernels.mla_decode.common import (  # noqa: E402
     GLUON_SHARED_MEMORY_LIMIT,
     GLUON_SM90_FP8,
+    GLUON_SM90_FP8_T,
     TRITON_SPLIT,
     gluon_fp8_serves,
     gluon_fp8_shared_memory_bytes,
+    gluon_fp8_transposed_serves,
+    gluon_fp8_transposed_shared_memory_bytes,
 )
 from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
+    MLADecodeConfig,
     default_config,
     describe,
     plan_mla_decode,
@@ -102,3 +109,77 @@ def test_default_config_takes_the_tuned_fp8_tile_once_one_is_set(
     off_sm90 = plan_mla_decode(64, 4096, 16, 1, 512, 64, bf16, 132, 64, capability=(8, 0),
                                kv_cache_dtype=fp8)
     assert off_sm90.kernel == TRITON_SPLIT and off_sm90.config.block_n == 32
+
+
+@pytest.mark.parametrize("num_stages,direct_output", [(2, False), (3, True)])
+def test_transposed_pass_compiles_for_sm90_as_designed(num_stages: int,
+                                                       direct_output: bool) -> None:
+    result = compile_sm90("compile_fp8_for_sm90", num_stages=num_stages,
+                          direct_output=direct_output, transposed=True)
+    assert result["stack"] == 0  # no register spills
+    assert result["shared"] <= gluon_fp8_transposed_shared_memory_bytes(512, 64, num_stages)
+    ptx = result["ptx"]
+    assert "cp.async.bulk.tensor.2d.shared" in ptx  # FP8 tiles by TMA, from the loader warp
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t232;" in ptx  # the compute warpgroup
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    # Both products are wgmma with 16 query rows as N and the A operand in registers (a brace
+    # list of registers where a shared-memory operand would be a 64-bit descriptor).
+    products = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    assert products and all("m64n16k16.f32.f16.f16" in line for line in products)
+    assert all(line.split(",")[8].strip().startswith("{") for line in products)
+    assert "mma.sync" not in ptx
+    assert "serialized" not in result["ptxas_notes"]  # the products stay asynchronous
+
+
+def test_transposed_pass_serves_sm90_fp8_shapes_only() -> None:
+    sm90, fp8, bf16 = (9, 0), torch.float8_e4m3fn, torch.bfloat16
+    assert gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 64, 2, 64)
+    assert gluon_fp8_transposed_serves(sm90, torch.float16, fp8, 8, 512, 64, 4, 128)
+    assert not gluon_fp8_transposed_serves(None, bf16, fp8, 16, 512, 64, 2, 64)  # not CUDA
+    assert not gluon_fp8_transposed_serves((10, 0), bf16, fp8, 16, 512, 64, 2, 64)
+    assert not gluon_fp8_transposed_serves(sm90, bf16, bf16, 16, 512, 64, 2, 64)  # bf16 cache
+    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 32, 512, 64, 2, 64)  # > 16 rows
+    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 256, 64, 2, 64)  # L != 512
+    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 128, 2, 64)  # R != 64
+    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 64, 2, 32)  # half tiles
+    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 64, 1, 64)  # no ring
+    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 64, 6, 64)  # > 227 KB
+    with pytest.raises(ValueError, match="fp8_transposed reads tiles of 64 keys: set block_n=64"):
+        MLADecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, gluon_fp8=True,
+                        fp8_transposed=True)
+
+
+def test_the_plan_takes_the_transposed_pass_only_where_asked_and_served(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlaserve.kernels.mla_decode import tuning
+
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    config = replace(default_config(16, 1, 512, 64, bf16, 64, 4096, 64), gluon_fp8=True,
+                     fp8_transposed=True, block_n=64, num_stages=2)
+
+    def plan(**changes):
+        args = dict(batch_size=64, max_seq_len=4096, num_heads=16, q_len=1, kv_lora_rank=512,
+                    qk_rope_head_dim=64, dtype=bf16, num_sms=132, block_size=64,
+                    config=config, capability=(9, 0), kv_cache_dtype=fp8)
+        return plan_mla_decode(**(args | changes))
+
+    assert plan().kernel == GLUON_SM90_FP8_T
+    assert describe(plan()).startswith(f"{GLUON_SM90_FP8_T} m16 n64 s2")
+    assert plan(block_size=128).kernel == GLUON_SM90_FP8_T
+    assert plan(kv_cache_dtype=None).kernel == TRITON_SPLIT  # a bf16 cache
+    assert plan(capability=(8, 0)).kernel == TRITON_SPLIT
+    assert plan(num_heads=32).kernel == TRITON_SPLIT  # 32 rows
+    assert plan(config=replace(config, fp8_transposed=False)).kernel == GLUON_SM90_FP8
+    assert plan(config=replace(config, split_policy="balanced")).kernel == TRITON_SPLIT
+    # As the default: one value in tuning.py, and only where the pages are whole tiles.
+    shape = (16, 1, 512, 64, bf16, 64, 4096)
+    assert not default_config(*shape, 64, fp8).fp8_transposed
+    monkeypatch.setattr(tuning, "GLUON_FP8_TRANSPOSED_STAGES", 3)
+    chosen = default_config(*shape, 64, fp8)
+    assert chosen.gluon_fp8 and chosen.fp8_transposed
+    assert (chosen.block_n, chosen.num_stages) == (64, 3)
+    assert not default_config(*shape, 32, fp8).fp8_transposed  # pages of 32 tokens
+    assert not default_config(*shape, 64).fp8_transposed  # a bf16 cache
+    assert plan_mla_decode(64, 4096, 16, 1, 512, 64, bf16, 132, 64, capability=(9, 0),
+                           kv_cache_dtype=fp8).kernel == GLUON_SM90_FP8_T

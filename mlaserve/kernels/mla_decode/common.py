@@ -21,7 +21,10 @@ TRITON_SPLIT = "triton_split"  # `triton_split._mla_decode_split_kernel`, any CU
 GLUON_SM90 = "gluon_sm90"  # `gluon_sm90._mla_decode_split_kernel_sm90`, sm_90 only
 # `gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8`, sm_90 and an FP8 cache only
 GLUON_SM90_FP8 = "gluon_sm90_fp8"
-KERNELS = (TRITON_SPLIT, GLUON_SM90, GLUON_SM90_FP8)
+# `gluon_sm90_fp8_transposed._mla_decode_split_kernel_sm90_fp8_transposed`: the same problem,
+# both products transposed (the 16 query rows as wgmma's N), sm_90 and an FP8 cache only
+GLUON_SM90_FP8_T = "gluon_sm90_fp8_transposed"
+KERNELS = (TRITON_SPLIT, GLUON_SM90, GLUON_SM90_FP8, GLUON_SM90_FP8_T)
 
 LOG2E = 1.4426950408889634  # scores are computed in base 2: qk_scale = softmax_scale * LOG2E
 MAX_MERGE_CHUNK = 64  # most splits the merge kernel reads in one load
@@ -31,6 +34,7 @@ GLUON_SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of shared memory per block on sm
 _GLUON_DTYPES = (torch.bfloat16, torch.float16)
 GLUON_FP8_ROWS = 16  # query rows per program of the FP8 Gluon pass
 GLUON_FP8_CHUNK = 128  # latent columns per chunk of the FP8 Gluon pass (4 chunks: L = 512)
+GLUON_FP8_TRANSPOSED_TILE = 64  # keys per tile of the transposed FP8 pass: wgmma's M
 
 
 def next_pow2(value: int) -> int:
@@ -92,6 +96,30 @@ def gluon_fp8_serves(capability: tuple[int, int] | None, dtype: torch.dtype,
             <= GLUON_SHARED_MEMORY_LIMIT)
 
 
+def gluon_fp8_transposed_shared_memory_bytes(kv_lora_rank: int, rope_dim: int,
+                                             num_stages: int) -> int:
+    """Shared memory of the transposed FP8 pass: num_stages FP8 tiles [64, L + R], Q [16, L + R]
+    in float16, P^T [16, 64] in float16, and 8 KB for the ready / empty barriers and the
+    compiler's scratch (the column max across the warps, the output's change of layout)."""
+    head_dim = kv_lora_rank + rope_dim
+    return (head_dim * (num_stages * GLUON_FP8_TRANSPOSED_TILE + 2 * GLUON_FP8_ROWS)
+            + 2 * GLUON_FP8_ROWS * GLUON_FP8_TRANSPOSED_TILE + 8192)
+
+
+def gluon_fp8_transposed_serves(capability: tuple[int, int] | None, dtype: torch.dtype,
+                                cache_dtype: torch.dtype, rows: int, kv_lora_rank: int,
+                                rope_dim: int, num_stages: int, block_size: int) -> bool:
+    """Whether the transposed FP8 pass serves the shape: sm_90, 16-bit q over a
+    float8_e4m3fn cache, at most 16 query rows, L = 4 x 128, R = 64, pages of a multiple of
+    its 64-key tiles, 2 or more tiles in the ring, within the shared memory of a block."""
+    return (capability == (9, 0) and dtype in _GLUON_DTYPES
+            and cache_dtype == torch.float8_e4m3fn and rows <= GLUON_FP8_ROWS
+            and kv_lora_rank == 4 * GLUON_FP8_CHUNK and rope_dim == 64
+            and block_size % GLUON_FP8_TRANSPOSED_TILE == 0 and num_stages >= 2
+            and gluon_fp8_transposed_shared_memory_bytes(kv_lora_rank, rope_dim, num_stages)
+            <= GLUON_SHARED_MEMORY_LIMIT)
+
+
 @functools.cache
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) compute capability of a CUDA device; None off CUDA."""
@@ -100,7 +128,9 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability(device))
 
 
-__all__ = ["GLUON_BLOCK_M", "GLUON_FP8_CHUNK", "GLUON_FP8_ROWS", "GLUON_SHARED_MEMORY_LIMIT",
-           "GLUON_SM90", "GLUON_SM90_FP8", "KERNELS", "LOG2E", "MAX_MERGE_CHUNK", "TRITON_SPLIT",
-           "device_capability", "gluon_fp8_serves", "gluon_fp8_shared_memory_bytes",
-           "gluon_serves", "gluon_shared_memory_bytes", "next_pow2", "whole_tiles"]
+__all__ = ["GLUON_BLOCK_M", "GLUON_FP8_CHUNK", "GLUON_FP8_ROWS", "GLUON_FP8_TRANSPOSED_TILE",
+           "GLUON_SHARED_MEMORY_LIMIT", "GLUON_SM90", "GLUON_SM90_FP8", "GLUON_SM90_FP8_T",
+           "KERNELS", "LOG2E", "MAX_MERGE_CHUNK", "TRITON_SPLIT", "device_capability",
+           "gluon_fp8_serves", "gluon_fp8_shared_memory_bytes", "gluon_fp8_transposed_serves",
+           "gluon_fp8_transposed_shared_memory_bytes", "gluon_serves",
+           "gluon_shared_memory_bytes", "next_pow2", "whole_tiles"]

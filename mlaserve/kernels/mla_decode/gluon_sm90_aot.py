@@ -1,7 +1,7 @@
-"""Compile the sm_90 Gluon split passes (`gluon_sm90`, `gluon_sm90_fp8`) without a GPU, through
-Triton's bundled ptxas and with the argument specialisation a launch gets: for resource checks
-(registers, spills, shared memory, instruction mix) in CPU tests and
-scripts/kernel_resources.py."""
+"""Compile the sm_90 Gluon split passes (`gluon_sm90`, `gluon_sm90_fp8`,
+`gluon_sm90_fp8_transposed`) without a GPU, through Triton's bundled ptxas and with the argument
+specialisation a launch gets: for resource checks (registers, spills, shared memory,
+instruction mix) in CPU tests and scripts/kernel_resources.py."""
 
 import functools
 
@@ -10,6 +10,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from mlaserve.kernels.mla_decode.common import GLUON_FP8_ROWS
 from mlaserve.kernels.mla_decode.gluon_sm90 import (
     BLOCK_M,
     NUM_WARPS,
@@ -70,15 +71,24 @@ def compile_fp8_for_sm90(
     num_stages: int = 3,
     block_size: int = 64,
     direct_output: bool = False,
+    transposed: bool = False,
 ):
-    """The FP8-cache pass (`gluon_sm90_fp8`) compiled for sm_90, q in dtype, 16-bit partials
-    in float32 (or the final output in dtype); returns Triton's CompiledKernel."""
-    from mlaserve.kernels.mla_decode import gluon_sm90_fp8
+    """An FP8-cache pass compiled for sm_90 (`gluon_sm90_fp8`, or with `transposed`
+    `gluon_sm90_fp8_transposed`, whose tiles are 64 keys whatever block_n says), q in dtype,
+    the partials in float32 (or the final output in dtype); returns Triton's CompiledKernel."""
+    from mlaserve.kernels.mla_decode import gluon_sm90_fp8, gluon_sm90_fp8_transposed
 
-    kernel = gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8
     type_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    chunk_layout, rope_layout = gluon_sm90_fp8.kv_layouts(block_n, rope_dim)
     constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output)
+    options = {"num_warps": gluon_sm90_fp8.NUM_WARPS}
+    kernel = gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8
+    if transposed:
+        kernel = gluon_sm90_fp8_transposed._mla_decode_split_kernel_sm90_fp8_transposed
+        block_n = gluon_sm90_fp8_transposed.TILE.value
+        constexprs["ROWS"] = GLUON_FP8_ROWS
+        options = {"num_warps": gluon_sm90_fp8_transposed.NUM_WARPS,
+                   "maxnreg": gluon_sm90_fp8_transposed.LAUNCH_REGISTERS}
+    chunk_layout, rope_layout = gluon_sm90_fp8.kv_layouts(block_n, rope_dim)
     signature = {
         "q_ptr": f"*{type_name}",
         "kv_desc": f"tensordesc<fp8e4nv[{block_n}, {gluon_sm90_fp8.CHUNK}],{chunk_layout!r}>",
@@ -92,8 +102,7 @@ def compile_fp8_for_sm90(
                "stride_q_head", "stride_bt"]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     return triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": gluon_sm90_fp8.NUM_WARPS})
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 __all__ = ["compile_fp8_for_sm90", "compile_for_sm90"]

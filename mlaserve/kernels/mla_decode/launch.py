@@ -1,6 +1,6 @@
 """`mla_decode_triton`: the paged MLA decode launch, which obeys its plan (`plan.py`).
 
-The plan names the split pass (`TRITON_SPLIT` or `GLUON_SM90`) and every compile-time parameter;
+The plan names the split pass (`TRITON_SPLIT` or a Gluon pass) and every compile-time parameter;
 this module only checks that the tensors are what the plan assumes, allocates what is missing,
 and launches the split pass, then the merge kernel when there is more than one split. It never
 synchronises with the device.
@@ -9,8 +9,15 @@ synchronises with the device.
 import torch
 
 from mlaserve.kernels.mla_decode import merge, triton_split
-from mlaserve.kernels.mla_decode.common import GLUON_SM90, GLUON_SM90_FP8, LOG2E
+from mlaserve.kernels.mla_decode.common import (
+    GLUON_SM90,
+    GLUON_SM90_FP8,
+    GLUON_SM90_FP8_T,
+    LOG2E,
+)
 from mlaserve.kernels.mla_decode.plan import MLADecodePlan, partial_dtype_of
+
+_GLUON_PASSES = (GLUON_SM90, GLUON_SM90_FP8, GLUON_SM90_FP8_T)
 
 
 def _check_pow2(name: str, value: int, minimum: int) -> None:
@@ -28,12 +35,12 @@ def _check_layout(plan: MLADecodePlan, q: torch.Tensor, kv_cache: torch.Tensor) 
     shapes only; every cache the engine allocates has its pages back to back)."""
     head_dim = q.shape[-1]
     needs = []
-    if plan.kernel in (GLUON_SM90, GLUON_SM90_FP8) or plan.tma_loads:
+    if plan.kernel in _GLUON_PASSES or plan.tma_loads:
         if not _pages_back_to_back(kv_cache):
             needs.append("kv_cache pages back to back")
         if kv_cache.data_ptr() % 16:
             needs.append("a 16-byte aligned kv_cache")
-    if plan.kernel in (GLUON_SM90, GLUON_SM90_FP8) and kv_cache.stride(1) != head_dim:
+    if plan.kernel in _GLUON_PASSES and kv_cache.stride(1) != head_dim:
         needs.append("kv_cache rows of exactly L + R elements")
     if needs:
         raise ValueError(f"the plan's {plan.kernel} kernel"
@@ -89,8 +96,9 @@ def mla_decode_triton(
     if kv_cache.dtype != q.dtype and plan.kernel == GLUON_SM90:
         raise ValueError("an FP8 cache needs a plan made with kv_cache_dtype=float8_e4m3fn "
                          "(no 16-bit Gluon pass)")
-    if plan.kernel == GLUON_SM90_FP8 and kv_cache.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"the plan's {GLUON_SM90_FP8} pass reads an FP8 cache, got "
+    fp8_pass = plan.kernel in (GLUON_SM90_FP8, GLUON_SM90_FP8_T)
+    if fp8_pass and kv_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"the plan's {plan.kernel} pass reads an FP8 cache, got "
                          f"{kv_cache.dtype}: plan with kv_cache_dtype={kv_cache.dtype}")
     _check_pow2("kv_lora_rank", kv_lora_rank, 16)
     _check_pow2("qk_rope_head_dim", head_dim - kv_lora_rank, 16)
@@ -144,6 +152,12 @@ def mla_decode_triton(
                                          partial_lse, qk_scale, kv_lora_rank, q_len, num_splits,
                                          plan.config.min_split_len, plan.config.block_n,
                                          plan.config.num_stages)
+    elif plan.kernel == GLUON_SM90_FP8_T:
+        from mlaserve.kernels.mla_decode import gluon_sm90_fp8_transposed  # imported when planned
+
+        gluon_sm90_fp8_transposed.launch_split_pass(
+            q, kv_cache, block_table, seq_lens, partial_o, partial_lse, qk_scale, kv_lora_rank,
+            q_len, num_splits, plan.config.min_split_len, plan.config.num_stages)
     else:
         triton_split.launch_split(plan, q, kv_cache, block_table, seq_lens, partial_o,
                                   partial_lse, qk_scale, kv_lora_rank, q_len)

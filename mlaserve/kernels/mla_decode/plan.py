@@ -13,11 +13,14 @@ import torch
 
 from mlaserve.kernels.mla_decode import tuning
 from mlaserve.kernels.mla_decode.common import (
+    GLUON_FP8_TRANSPOSED_TILE,
     GLUON_SM90,
     GLUON_SM90_FP8,
+    GLUON_SM90_FP8_T,
     MAX_MERGE_CHUNK,
     TRITON_SPLIT,
     gluon_fp8_serves,
+    gluon_fp8_transposed_serves,
     gluon_serves,
     next_pow2,
     whole_tiles,
@@ -66,6 +69,10 @@ class MLADecodeConfig:
             `gluon_sm90_fp8.py` (each FP8 tile converted once into a float16 shared tile that
             both products read), block_n tokens a tile and num_stages FP8 tiles in its ring;
             num_warps does not apply.
+        fp8_transposed: with gluon_fp8, run instead the Gluon kernel of
+            `gluon_sm90_fp8_transposed.py` (both products transposed so that the query rows
+            are wgmma's N, each FP8 tile converted in registers; 64-key tiles, so pages of a
+            multiple of 64 tokens), num_stages FP8 tiles in its ring; block_n must be 64.
         latent_chunks: the Triton split pass holds the latent (L columns of q, of each KV
             tile and of the accumulator) as this many column chunks, each its own dot, so no
             operand of a whole [block_n, L] tile has to live in registers at once; a power of
@@ -88,6 +95,7 @@ class MLADecodeConfig:
     partial_dtype: str = "float32"
     latent_chunks: int = 1
     gluon_fp8: bool = False
+    fp8_transposed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -106,6 +114,9 @@ class MLADecodeConfig:
         if self.latent_chunks < 1 or self.latent_chunks & (self.latent_chunks - 1):
             raise ValueError(
                 f"latent_chunks must be a power of two, got {self.latent_chunks}")
+        if self.fp8_transposed and self.block_n != GLUON_FP8_TRANSPOSED_TILE:
+            raise ValueError(f"fp8_transposed reads tiles of {GLUON_FP8_TRANSPOSED_TILE} keys: "
+                             f"set block_n={GLUON_FP8_TRANSPOSED_TILE}, not {self.block_n}")
 
 
 @dataclass(frozen=True)
@@ -113,8 +124,8 @@ class MLADecodePlan:
     """What one decode step launches; built by `plan_mla_decode` from host-side ints only.
 
     Attributes:
-        kernel: the split pass that runs: `TRITON_SPLIT`, `GLUON_SM90` or `GLUON_SM90_FP8`
-            (common.py).
+        kernel: the split pass that runs: `TRITON_SPLIT`, `GLUON_SM90`, `GLUON_SM90_FP8` or
+            `GLUON_SM90_FP8_T` (common.py).
         tma_loads: the Triton split pass loads whole tiles by TMA (sm_90+, a 16-bit or FP8
             cache, tiles within a page, asked for by the config); the cache's pages must lie
             back to back.
@@ -185,7 +196,9 @@ def default_config(
       16 rows over >= 32 requests, or 64-token tiles that do not fit, 32-token tiles; else
       64-token tiles with 2 stages. 64-row Triton programs load whole tiles by TMA.
     - Partial outputs: 16-bit for 16-row programs over 32-255 requests, else float32.
-    - An FP8 cache under 16-row programs: the FP8 Gluon pass (`gluon_fp8`) with its tile
+    - An FP8 cache under 16-row programs: the transposed FP8 Gluon pass (`fp8_transposed`)
+      with `tuning.GLUON_FP8_TRANSPOSED_STAGES` where that is set and the pages are whole
+      64-key tiles; else the FP8 Gluon pass (`gluon_fp8`) with its tile
       `tuning.GLUON_FP8_TILE` where that is set and the pages hold a tile (None: the Triton
       pass with the tiles above).
     - float32 inputs (tests only) use 16-row groups and tiles sized for the interpreter.
@@ -239,11 +252,17 @@ def default_config(
         policy, per_sm = "fill", tuning.FILL_PROGRAMS_PER_SM
         if regime == "gathered_pages":
             block_n, num_stages = tuning.TRITON_TILES["gathered_pages_fill"]
+    fp8_cache_16_rows = (kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
+                         and block_m == 16)
+    transposed_stages = tuning.GLUON_FP8_TRANSPOSED_STAGES
+    fp8_transposed = (fp8_cache_16_rows and transposed_stages is not None
+                      and (block_size is None or block_size % GLUON_FP8_TRANSPOSED_TILE == 0))
     fp8_tile = tuning.GLUON_FP8_TILE
-    gluon_fp8 = (fp8_tile is not None and kv_cache_dtype is not None
-                 and kv_cache_dtype.itemsize == 1 and block_m == 16
-                 and (block_size is None or block_size >= fp8_tile[0]))
-    if gluon_fp8:
+    gluon_fp8 = fp8_transposed or (fp8_cache_16_rows and fp8_tile is not None
+                                   and (block_size is None or block_size >= fp8_tile[0]))
+    if fp8_transposed:
+        block_n, num_stages = GLUON_FP8_TRANSPOSED_TILE, transposed_stages
+    elif gluon_fp8:
         block_n, num_stages = fp8_tile
     min_split_len = tuning.MIN_SPLIT_LEN[(block_m, long_requests)]
     partial_dtype = "input" if block_m == 16 and medium_batch else "float32"
@@ -251,7 +270,7 @@ def default_config(
                            num_stages=num_stages, split_policy=policy, programs_per_sm=per_sm,
                            min_split_len=min_split_len, merge_block_rows=merge_block_rows,
                            tma_loads=block_m >= 64, partial_dtype=partial_dtype,
-                           gluon_fp8=gluon_fp8)
+                           gluon_fp8=gluon_fp8, fp8_transposed=fp8_transposed)
 
 
 def _choose_num_splits(
@@ -357,6 +376,10 @@ def plan_mla_decode(
         config.num_stages, block_size)
     if gluon and not fp8_cache and not balance_splits:  # neither is in the Gluon pass
         kernel = GLUON_SM90
+    elif config.gluon_fp8 and config.fp8_transposed and not balance_splits:
+        if gluon_fp8_transposed_serves(capability, dtype, cache_dtype, rows, kv_lora_rank,
+                                       qk_rope_head_dim, config.num_stages, block_size):
+            kernel = GLUON_SM90_FP8_T
     elif config.gluon_fp8 and not balance_splits and gluon_fp8_serves(
             capability, dtype, cache_dtype, rows, kv_lora_rank, qk_rope_head_dim,
             config.block_n, config.num_stages, block_size):
