@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from mlaserve.kernels import fp8_gemm, fused_moe, fused_norm_rope  # noqa: E402
 from mlaserve.kernels.mla_decode import merge, triton_split  # noqa: E402
-from mlaserve.kernels.mla_decode.common import GLUON_SM90_FP8  # noqa: E402
+from mlaserve.kernels.mla_decode.common import GLUON_SM90_FP8, GLUON_SM90_FP8_T  # noqa: E402
 from mlaserve.kernels.mla_decode.gluon_sm90_aot import compile_fp8_for_sm90  # noqa: E402
 from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     MLADecodePlan,
@@ -67,7 +67,8 @@ VARIANTS = [dict(), dict(tma_loads=True), dict(tma_loads=True, latent_chunks=4, 
             dict(tma_loads=True, latent_chunks=4, block_n=16, num_stages=6),
             dict(tma_loads=True, latent_chunks=4, block_n=32, num_stages=4),
             dict(gluon_fp8=True, block_n=32, num_stages=3),
-            dict(gluon_fp8=True, block_n=64, num_stages=2)]
+            dict(gluon_fp8=True, block_n=64, num_stages=2),
+            dict(gluon_fp8=True, fp8_transposed=True, block_n=64, num_stages=2)]
 
 
 def resources(cubin: bytes) -> str:
@@ -141,8 +142,8 @@ def tile_loop_mix(cubin: bytes) -> dict[str, int]:
     body = min(loops, key=len)
     ops = [op.split()[1] if op.startswith("@") else op.split()[0] for op in body]
     count = {name: sum(op.split(".")[0] == name for op in ops)  # LDS: not LDSM
-             for name in ("LDL", "STL", "HMMA", "HGMMA", "QGMMA", "F2FP", "LDS", "LDSM", "STS",
-                          "FMUL", "BAR")}
+             for name in ("LDL", "STL", "HMMA", "HGMMA", "QGMMA", "F2FP", "PRMT", "LDS", "LDSM",
+                          "STS", "FMUL", "BAR")}
     return {"instructions": len(ops), **count}
 
 
@@ -172,9 +173,10 @@ def cache_variants() -> None:
                                         64), **changes)
         plan = plan_mla_decode(64, 4096, 16, 1, KV_LORA_RANK, ROPE_DIM, torch.bfloat16, 132, 64,
                                config=config, capability=(9, 0), kv_cache_dtype=kv_dtype)
-        if plan.kernel == GLUON_SM90_FP8:
+        if plan.kernel in (GLUON_SM90_FP8, GLUON_SM90_FP8_T):
             compiled = compile_fp8_for_sm90(block_n=config.block_n,
-                                            num_stages=config.num_stages)
+                                            num_stages=config.num_stages,
+                                            transposed=plan.kernel == GLUON_SM90_FP8_T)
         elif changes.get("gluon_fp8"):
             continue  # the FP8 pass reads FP8 caches only
         else:
@@ -184,8 +186,9 @@ def cache_variants() -> None:
         print(f"{cache:7} {describe(plan):80} | {resources(compiled.asm['cubin'])}  shared "
               f"{compiled.metadata.shared // 1024:>3} KB | loop {mix['instructions']:>4} "
               f"({per_token:4.1f}/token): LDL {mix['LDL']} STL {mix['STL']} HMMA "
-              f"{mix['HMMA']} F2FP {mix['F2FP']} LDS {mix['LDS']} LDSM {mix['LDSM']} FMUL "
-              f"{mix['FMUL']} BAR {mix['BAR']}")
+              f"{mix['HMMA']} HGMMA {mix['HGMMA']} F2FP {mix['F2FP']} PRMT {mix['PRMT']} LDS "
+              f"{mix['LDS']} LDSM {mix['LDSM']} STS {mix['STS']} FMUL {mix['FMUL']} BAR "
+              f"{mix['BAR']}")
 
 
 def warp_specialized() -> None:

@@ -10,7 +10,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from mlaserve.kernels.mla_decode.common import GLUON_FP8_ROWS
+from mlaserve.kernels.mla_decode.common import GLUON_FP8_ROWS, GLUON_FP8_TRANSPOSED_TILE
 from mlaserve.kernels.mla_decode.gluon_sm90 import (
     BLOCK_M,
     NUM_WARPS,
@@ -84,7 +84,7 @@ def compile_fp8_for_sm90(
     kernel = gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8
     if transposed:
         kernel = gluon_sm90_fp8_transposed._mla_decode_split_kernel_sm90_fp8_transposed
-        block_n = gluon_sm90_fp8_transposed.TILE.value
+        block_n = GLUON_FP8_TRANSPOSED_TILE
         constexprs["ROWS"] = GLUON_FP8_ROWS
         options = {"num_warps": gluon_sm90_fp8_transposed.NUM_WARPS,
                    "maxnreg": gluon_sm90_fp8_transposed.LAUNCH_REGISTERS}

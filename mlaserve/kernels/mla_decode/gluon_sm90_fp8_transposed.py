@@ -42,7 +42,7 @@ The schedule, one program per (split, request), 5 warps:
 
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
 log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
-pass only where `common.gluon_fp8_serves` holds with 64-key tiles and the configuration asks
+pass only where `common.gluon_fp8_transposed_serves` holds and the configuration asks
 (`gluon_fp8` with `fp8_transposed`).
 """
 
@@ -411,9 +411,10 @@ def launch_split_pass(
     batch = block_table.shape[0]
     rope_dim = head_dim - kv_lora_rank
     kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
-    chunk_layout, rope_layout = kv_layouts(TILE, rope_dim)
-    kv_desc = TensorDescriptor.from_tensor(kv_rows, [TILE, CHUNK], chunk_layout)
-    pe_desc = TensorDescriptor.from_tensor(kv_rows, [TILE, rope_dim], rope_layout)
+    tile = GLUON_FP8_TRANSPOSED_TILE
+    chunk_layout, rope_layout = kv_layouts(tile, rope_dim)
+    kv_desc = TensorDescriptor.from_tensor(kv_rows, [tile, CHUNK], chunk_layout)
+    pe_desc = TensorDescriptor.from_tensor(kv_rows, [tile, rope_dim], rope_layout)
     _mla_decode_split_kernel_sm90_fp8_transposed[(1, num_splits, batch)](
         q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
         num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),
