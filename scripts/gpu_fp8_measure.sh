@@ -18,8 +18,8 @@
 #   decode-transposed
 #                the transposed FP8 pass (gluon_sm90_fp8_transposed): its GPU tests in a
 #                process of their own under a timeout, then, if they pass, the same cells in
-#                RUNS processes: its ring depths beside the plan's choice over an FP8 cache,
-#                and the bf16 cache's plan
+#                RUNS processes: its ring depths, with float16 and with FP8 queries, beside the
+#                plan's choice over an FP8 cache, and the bf16 cache's plan
 #   gemm-gluon   the Gluon sm_90 w8a8 GEMM against bf16 and cuBLASLt at 256-8192 tokens, its
 #                stages and K chains swept (scripts/fp8_gemm_sm90_check.py)
 #   weight-only  the weight-only product against bf16 and w8a8 at 1, 16 and 64 tokens, with its
@@ -96,15 +96,15 @@ case $stage in
     done
     grep -hE "^\s*triton" "$out"/decode-*.log ;;
   decode-transposed)
-    timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 4 \
+    timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
       tests/kernels/test_mla_decode_fp8.py -k gluon_fp8_transposed_pass \
       > "$out/gpu_tests_fp8_transposed.log" 2>&1
     rc=$?; echo "transposed tests rc=$rc"; tail -3 "$out/gpu_tests_fp8_transposed.log"
     [ "$rc" = 0 ] || exit 1
     for run in $(seq "$runs"); do
       # shellcheck disable=SC2086
-      timeout 120 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 \
-        --sweep "gluon_fp8=1 fp8_transposed=1 block_n=64 num_stages=2,3,4" \
+      timeout 150 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 \
+        --sweep "gluon_fp8=1 fp8_transposed=1 fp8_queries=0,1 block_n=64 num_stages=2,3,4" \
         > "$out/decode-transposed-$run.log" 2>&1
       # shellcheck disable=SC2086
       timeout 90 python3 -m mlaserve bench kernel $cells > "$out/decode-auto-$run.log" 2>&1

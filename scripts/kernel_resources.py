@@ -68,7 +68,9 @@ VARIANTS = [dict(), dict(tma_loads=True), dict(tma_loads=True, latent_chunks=4, 
             dict(tma_loads=True, latent_chunks=4, block_n=32, num_stages=4),
             dict(gluon_fp8=True, block_n=32, num_stages=3),
             dict(gluon_fp8=True, block_n=64, num_stages=2),
-            dict(gluon_fp8=True, fp8_transposed=True, block_n=64, num_stages=2)]
+            dict(gluon_fp8=True, fp8_transposed=True, block_n=64, num_stages=2),
+            dict(gluon_fp8=True, fp8_transposed=True, fp8_queries=True, block_n=64,
+                 num_stages=2)]
 
 
 def resources(cubin: bytes) -> str:
@@ -176,7 +178,8 @@ def cache_variants() -> None:
         if plan.kernel in (GLUON_SM90_FP8, GLUON_SM90_FP8_T):
             compiled = compile_fp8_for_sm90(block_n=config.block_n,
                                             num_stages=config.num_stages,
-                                            transposed=plan.kernel == GLUON_SM90_FP8_T)
+                                            transposed=plan.kernel == GLUON_SM90_FP8_T,
+                                            fp8_queries=config.fp8_queries)
         elif changes.get("gluon_fp8"):
             continue  # the FP8 pass reads FP8 caches only
         else:
@@ -186,7 +189,8 @@ def cache_variants() -> None:
         print(f"{cache:7} {describe(plan):80} | {resources(compiled.asm['cubin'])}  shared "
               f"{compiled.metadata.shared // 1024:>3} KB | loop {mix['instructions']:>4} "
               f"({per_token:4.1f}/token): LDL {mix['LDL']} STL {mix['STL']} HMMA "
-              f"{mix['HMMA']} HGMMA {mix['HGMMA']} F2FP {mix['F2FP']} PRMT {mix['PRMT']} LDS "
+              f"{mix['HMMA']} HGMMA {mix['HGMMA']} QGMMA {mix['QGMMA']} F2FP {mix['F2FP']} PRMT "
+              f"{mix['PRMT']} LDS "
               f"{mix['LDS']} LDSM {mix['LDSM']} STS {mix['STS']} FMUL {mix['FMUL']} BAR "
               f"{mix['BAR']}")
 

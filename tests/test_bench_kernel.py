@@ -29,6 +29,7 @@ from mlaserve.bench.kernel_grid import (
 )
 from mlaserve.bench.kernel_sweep import parse_sweep, split_variant, variant_name
 from mlaserve.cli import main
+from mlaserve.kernels.reference import fp8_query_round_trip
 
 ON_GPU = torch.cuda.is_available()  # without it conftest.py sets TRITON_INTERPRET=1
 
@@ -68,6 +69,31 @@ class Base2LseBackend(TorchMLABackend):
     def run(self, q, kv_cache, return_lse=False):
         o, lse = super().run(q, kv_cache, return_lse=True)
         return (o, lse / math.log(2)) if return_lse else o
+
+
+class RoundedQueriesBackend(TorchMLABackend):
+    """Computes with its queries rounded to e4m3 (as an FP8-query kernel does), and says so."""
+
+    name = "rounded-queries"
+
+    def rounded_queries(self, q):
+        return fp8_query_round_trip(q, self.shape.kv_lora_rank)
+
+    def run(self, q, kv_cache, return_lse=False):
+        return super().run(self.rounded_queries(q).to(q.dtype), kv_cache, return_lse)
+
+
+class SilentlyRoundedBackend(RoundedQueriesBackend):
+    """The same numbers, without saying that it rounds its queries."""
+
+    name = "silently-rounded"
+
+    def rounded_queries(self, q):
+        return None
+
+    def run(self, q, kv_cache, return_lse=False):
+        rounded = fp8_query_round_trip(q, self.shape.kv_lora_rank).to(q.dtype)
+        return TorchMLABackend.run(self, rounded, kv_cache, return_lse)
 
 
 def _sweep(tmp_path, *flags: str) -> tuple[int, dict]:
@@ -269,6 +295,26 @@ def test_gate_excludes_wrong_backends_from_timing(tmp_path, monkeypatch, capsys)
     assert "1-cos" in header
     torch_gap = results[(2, 1, 20, 8, 1, "torch")]["gate"]["cos_gap"]
     assert any(" torch " in row and f"{torch_gap:8.1e}" in row for row in rows)
+
+
+def test_a_kernel_that_rounds_its_queries_is_gated_against_their_reference(
+        tmp_path, monkeypatch, capsys):
+    """Held to the reference of the queries it computes with (a dropped key still fails), and
+    its distance from the reference of q printed; the same numbers unannounced fail the gate."""
+    for cls in (RoundedQueriesBackend, SilentlyRoundedBackend):
+        monkeypatch.setitem(registry._BACKENDS, cls.name, f"{__name__}:{cls.__name__}")
+    rc, record = _sweep(tmp_path, "--backends", "torch,rounded-queries,silently-rounded",
+                        "--dtype", "fp32")
+    assert rc == 1
+    results = _results(record)
+    out = capsys.readouterr().out
+    for batch in (1, 3):
+        key = (2, batch, 20, 8, 1)
+        rounded = results[(*key, "rounded-queries")]
+        assert rounded["status"] == "ok" and rounded["gate"]["cos_gap"] < 1e-8
+        assert rounded["gate"]["cos_gap_exact_queries"] > 1e-6  # e4m3 queries cost accuracy
+        assert results[(*key, "silently-rounded")]["status"] == "failed"
+    assert "rounded queries; 1-cos to exact q" in out
 
 
 def test_sweep_reports_unsupported_backends_as_skipped(tmp_path):

@@ -127,6 +127,13 @@ class MLABackend(ABC):
         the backend's name where it has only one way to run."""
         return self.name
 
+    def rounded_queries(self, q: torch.Tensor) -> torch.Tensor | None:
+        """What the last `plan()`'s kernel computes with in place of q [*, H, L + R], in float32,
+        where it rounds the queries (an FP8-query pass); None where it reads q as it is. A
+        correctness check holds such a kernel to the reference of these queries (and reports
+        its distance from the reference of q apart)."""
+        return None
+
     @abstractmethod
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor, return_lse: bool = False

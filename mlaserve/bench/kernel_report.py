@@ -70,7 +70,8 @@ def _fmt(value: float | None, width: int, precision: int, suffix: str = "") -> s
 def format_table(cells: list[CellResult]) -> str:
     """The results as a fixed-width text table, one row per cell and backend (kv ~N: a ragged
     cell, lengths drawn up to N; 1-cos: the gate's cosine gap to the float32 reference, 1 - the
-    least per-row cosine similarity)."""
+    least per-row cosine similarity; for a kernel that rounds its queries, gated against the
+    reference of the rounded queries, the note gives its gap to the reference of q itself)."""
     header = (f"{'heads':>5} {'batch':>5} {'kv':>6} {'blk':>4} {'q':>2} {'floor µs':>9}  "
               f"{'backend':<15}{'µs':>9} {'GB/s':>7} {'TFLOP/s':>8} {'%floor':>7} "
               f"{'x peer':>7} {'1-cos':>8}  note")
@@ -81,6 +82,9 @@ def format_table(cells: list[CellResult]) -> str:
         for result in cell_result.results:
             m = cell_result.metrics(result)
             note = "" if result.status == "ok" else f"{result.status}: {result.reason}"
+            exact = result.gate.get("cos_gap_exact_queries")
+            if exact is not None:
+                note = f"rounded queries; 1-cos to exact q {exact:.1e} {note}"
             kv = f"{'~' if cell.ragged else ''}{cell.kv_len}"  # ~: ragged, lengths up to kv
             lines.append(
                 f"{cell.num_heads:>5} {cell.batch_size:>5} {kv:>6} "

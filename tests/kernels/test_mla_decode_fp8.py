@@ -17,6 +17,7 @@ from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     describe,
     plan_mla_decode,
 )
+from mlaserve.kernels.reference import fp8_query_round_trip  # noqa: E402
 from tests.kernels.decode_util import (  # noqa: E402
     CAPABILITY,
     DTYPES,
@@ -134,12 +135,12 @@ def test_gluon_fp8_pass(partial_dtype: str, block_size: int, tiles: tuple[int, i
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("heads_and_q_len", [(16, 1), (8, 2), (5, 3)])
-@pytest.mark.parametrize("num_stages", [2, 3])
-@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("block_size,num_stages", [(64, 2), (128, 3)])
 @pytest.mark.parametrize("partial_dtype", ["float32", "input"])
-def test_gluon_fp8_transposed_pass(partial_dtype: str, block_size: int, num_stages: int,
-                                   heads_and_q_len: tuple[int, int], num_splits: int,
-                                   dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("fp8_queries", [False, True], ids=["fp16-queries", "fp8-queries"])
+def test_gluon_fp8_transposed_pass(fp8_queries: bool, partial_dtype: str, block_size: int,
+                                   num_stages: int, heads_and_q_len: tuple[int, int],
+                                   num_splits: int, dtype: torch.dtype) -> None:
     # The transposed Gluon pass over an FP8 cache (`gluon_sm90_fp8_transposed.py`): 64-key
     # tiles by TMA from a loader warp, both products with the query rows as wgmma's N and the
     # FP8 tile converted in registers (a partial last tile's keys past the split zeroed
@@ -147,13 +148,14 @@ def test_gluon_fp8_transposed_pass(partial_dtype: str, block_size: int, num_stag
     # q_len, causal), NaN in every page tail and unused page, a request with no keys, partials
     # in float32 and in q's dtype, and a NaN-filled workspace; against the float32 reference
     # of the same cache, to dtype's bounds (a column of O^T stored at another column's place,
-    # or a dropped key, fails them).
+    # or a dropped key, fails them). With fp8_queries the pass rounds q to e4m3 itself, and the
+    # reference reads q rounded the same way (`fp8_query_round_trip`), to the same bounds.
     num_heads, q_len = heads_and_q_len
     lens = [4096, q_len, 1000, 0, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
     config = dataclasses.replace(
         default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
-        gluon_fp8=True, fp8_transposed=True, block_n=64, num_stages=num_stages,
-        partial_dtype=partial_dtype)
+        gluon_fp8=True, fp8_transposed=True, fp8_queries=fp8_queries, block_n=64,
+        num_stages=num_stages, partial_dtype=partial_dtype)
     planned = plan_mla_decode(len(lens), 8192, num_heads, q_len, 512, 64, dtype, NUM_SMS,
                               block_size, config=config, capability=CAPABILITY,
                               kv_cache_dtype=torch.float8_e4m3fn)
@@ -161,4 +163,6 @@ def test_gluon_fp8_transposed_pass(partial_dtype: str, block_size: int, num_stag
         assert planned.kernel == "gluon_sm90_fp8_transposed"
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
                   seed=block_size + num_heads + num_stages, poison_workspace=True,
-                  kv_cache_dtype=torch.float8_e4m3fn)
+                  kv_cache_dtype=torch.float8_e4m3fn,
+                  reference_queries=(lambda q: fp8_query_round_trip(q, 512)) if fp8_queries
+                  else None)

@@ -132,6 +132,47 @@ def test_transposed_pass_compiles_for_sm90_as_designed(num_stages: int,
     assert "serialized" not in result["ptxas_notes"]  # the products stay asynchronous
 
 
+def test_fp8_queries_run_the_scores_on_fp8_tensor_cores() -> None:
+    result = compile_sm90("compile_fp8_for_sm90", num_stages=2, transposed=True,
+                          fp8_queries=True)
+    assert result["stack"] == 0
+    assert result["shared"] <= gluon_fp8_transposed_shared_memory_bytes(512, 64, 2)
+    ptx = result["ptx"]
+    scores = [line for line in ptx.splitlines() if "m64n16k32.f32.e4m3.e4m3" in line]
+    values = [line for line in ptx.splitlines() if "m64n16k16.f32.f16.f16" in line]
+    # S^T: FP8 products (18 k-steps a tile: 4 latent chunks and the rope part, in the loop and
+    # in the partial last tile's copy), both operands in shared memory (64-bit descriptors,
+    # no register list for A); O^T as in the float16 mode.
+    assert len(scores) == 2 * 18
+    assert all(line.split(",")[8].strip().startswith("%rd") for line in scores)
+    assert values and all(line.split(",")[8].strip().startswith("{") for line in values)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the queries rounded in the pass
+    assert "div.rn.f32" in ptx  # divisions rounded as fp8_query_round_trip's
+
+
+def test_fp8_query_round_trip_is_e4m3_with_a_scale_per_row_and_group() -> None:
+    from mlaserve.kernels.reference import fp8_query_round_trip
+
+    q = torch.randn(3, 16, 576) * torch.logspace(-2, 2, 576)  # groups of unlike magnitudes
+    q[0, 0] = 0.0
+    rounded = fp8_query_round_trip(q, 512)
+    assert torch.equal(rounded[0, 0], q[0, 0])  # a row of zeros stays zero
+    for start, stop in ((0, 128), (128, 256), (256, 384), (384, 512), (512, 576)):
+        group, back = q[1:, :, start:stop], rounded[1:, :, start:stop]
+        amax = group.abs().amax(dim=-1, keepdim=True)
+        scaled = back / (amax / 448.0)  # e4m3 values, the largest 448
+        torch.testing.assert_close(scaled.to(torch.float8_e4m3fn).float(), scaled, rtol=1e-6,
+                                   atol=0.0)
+        torch.testing.assert_close(scaled.abs().amax(dim=-1, keepdim=True),
+                                   torch.full_like(amax, 448.0), rtol=1e-6, atol=0.0)
+        normal = group.abs() >= amax / 448.0 * 2.0 ** -6  # e4m3's smallest normal
+        error = ((back - group).abs() / group.abs())[normal]
+        assert error.max() <= 2.0 ** -4 + 1e-6  # round to nearest with 3 mantissa bits
+    with pytest.raises(ValueError, match="fp8_queries is a mode of the transposed FP8 pass"):
+        MLADecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, gluon_fp8=True,
+                        fp8_queries=True)
+
+
 def test_transposed_pass_serves_sm90_fp8_shapes_only() -> None:
     sm90, fp8, bf16 = (9, 0), torch.float8_e4m3fn, torch.bfloat16
     assert gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 64, 2, 64)
@@ -166,6 +207,8 @@ def test_the_plan_takes_the_transposed_pass_only_where_asked_and_served(
 
     assert plan().kernel == GLUON_SM90_FP8_T
     assert describe(plan()).startswith(f"{GLUON_SM90_FP8_T} m16 n64 s2")
+    assert "fp8-queries" not in describe(plan())
+    assert describe(plan(config=replace(config, fp8_queries=True))).endswith("fp8-queries")
     assert plan(block_size=128).kernel == GLUON_SM90_FP8_T
     assert plan(kv_cache_dtype=None).kernel == TRITON_SPLIT  # a bf16 cache
     assert plan(capability=(8, 0)).kernel == TRITON_SPLIT

@@ -40,6 +40,13 @@ The schedule, one program per (split, request), 5 warps:
   end in registers (a page tail may hold NaN, and P = 0 times NaN is NaN). The column sums of
   P are kept per element and added across the warps once, at the end.
 
+FP8_QUERIES (opt-in, `MLADecodeConfig.fp8_queries`): the queries are rounded to e4m3 in the
+prologue, a scale per row and per 128-column group (the rope part one group), amax / 448, with
+correctly rounded divisions (`reference.fp8_query_round_trip` gives the same values), and S^T
+runs on FP8 tensor cores with both operands in shared memory, the tile as TMA stored it (one
+product per group, scaled as the groups are added): no conversion for S^T, half the pass's.
+This changes the numerics by the queries' rounding; O^T is computed as without it.
+
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
 log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
 pass only where `common.gluon_fp8_transposed_serves` holds and the configuration asks
@@ -69,6 +76,7 @@ from mlaserve.kernels.mla_decode.splits import split_bounds
 
 CHUNK = GLUON_FP8_CHUNK  # latent columns per TMA box and per S^T chain
 TILE = gl.constexpr(GLUON_FP8_TRANSPOSED_TILE)  # keys per tile: wgmma's M in S^T
+FP8_E4M3_MAX = gl.constexpr(448.0)  # the largest float8_e4m3fn value
 NUM_WARPS = 4  # the compute warpgroup; the loader warp comes on top
 # Registers per thread at launch, for the 8 warps the compiler makes of 4 + 1: two programs fit
 # an SM's 64K registers; setmaxnreg then gives the compute warpgroup 232 and the loader 24.
@@ -126,6 +134,22 @@ def _output_in_column_order(out):
     out = gl.reshape(out, [8, 4, 2, 8, ROWS_O])  # [b, w, h, g, row]
     out = gl.permute(out, [4, 1, 3, 0, 2])  # [row, w, g, b, h]
     return gl.reshape(out, [ROWS_O, 512])
+
+
+@gluon.jit
+def _store_fp8_queries(q_rows_ptr, q_mask, first_column, target, SCALE_LAYOUT: gl.constexpr):
+    """Round the queries' columns first_column .. + W (W: target's width) to e4m3 with a scale
+    per row, amax / 448 (1 for a row of zeros), into target [16, W]; returns the scales [16]
+    in SCALE_LAYOUT. Divisions rounded correctly, so the values are those of
+    `reference.fp8_query_round_trip`."""
+    W: gl.constexpr = target.type.shape[1]
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    cols = gl.expand_dims(first_column + gl.arange(0, W, layout=gl.SliceLayout(0, LOAD)), 0)
+    q = gl.load(q_rows_ptr + cols, mask=q_mask, other=0.0).to(gl.float32)  # [16, W]
+    amax = gl.max(gl.abs(q), axis=1)
+    scale = gl.where(amax > 0.0, gl.div_rn(amax, gl.full_like(amax, FP8_E4M3_MAX)), 1.0)
+    target.store(gl.div_rn(q, gl.expand_dims(scale, 1)).to(gl.float8e4nv))
+    return gl.convert_layout(scale, SCALE_LAYOUT)
 
 
 @gluon.jit
@@ -191,6 +215,37 @@ def _scores(kv_smem, pe_smem, q_smem, q_pe_smem, stage, S_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def _scores_fp8_queries(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, stage,
+                        S_LAYOUT: gl.constexpr):
+    """S^T [64 keys, 16] of ring slot `stage` with the queries in FP8: one FP8 wgmma per
+    piece (4 latent chunks and the rope part) on the tile as stored, each scaled by its
+    queries' scales [16] (`q_scales`, a tuple of 5) as the pieces are added."""
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    # FP8 wgmma's K step is 32; the accumulator's registers are the same as S_LAYOUT's.
+    S8_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, ROWS, 32])
+    zeros = gl.zeros([TILE, ROWS], gl.float32, S8_LAYOUT)
+    slot = kv_smem.index(stage)  # [4 x 64, 128]
+    s_0 = warpgroup_mma(slot.slice(0, TILE), q_smem.index(0).permute((1, 0)), zeros,
+                        use_acc=False, is_async=True)
+    s_1 = warpgroup_mma(slot.slice(TILE, TILE), q_smem.index(1).permute((1, 0)), zeros,
+                        use_acc=False, is_async=True)
+    s_2 = warpgroup_mma(slot.slice(2 * TILE, TILE), q_smem.index(2).permute((1, 0)), zeros,
+                        use_acc=False, is_async=True)
+    s_3 = warpgroup_mma(slot.slice(3 * TILE, TILE), q_smem.index(3).permute((1, 0)), zeros,
+                        use_acc=False, is_async=True)
+    s_pe = warpgroup_mma(pe_smem.index(stage), q_pe_smem.permute((1, 0)), zeros, use_acc=False,
+                         is_async=True)
+    s_0, s_1, s_2, s_3, s_pe = warpgroup_mma_wait(0, deps=[s_0, s_1, s_2, s_3, s_pe])
+    scale_0, scale_1, scale_2, scale_3, scale_pe = q_scales
+    return (gl.convert_layout(s_0, S_LAYOUT) * gl.expand_dims(scale_0, 0)
+            + gl.convert_layout(s_1, S_LAYOUT) * gl.expand_dims(scale_1, 0)
+            + gl.convert_layout(s_2, S_LAYOUT) * gl.expand_dims(scale_2, 0)
+            + gl.convert_layout(s_3, S_LAYOUT) * gl.expand_dims(scale_3, 0)
+            + gl.convert_layout(s_pe, S_LAYOUT) * gl.expand_dims(scale_pe, 0))
+
+
+@gluon.jit
 def _value_operand(chunks, part, num_valid, A_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr):
     """Keys 16 part .. 16 part + 15 of a tile's chunks [4, 64, 128] as O^T's A operand V^T
     [512, 16], float16; in a PARTIAL tile the keys >= num_valid are zeroed."""
@@ -229,7 +284,7 @@ def _add_values(kv_smem, p_smem, stage, acc, num_valid, PARTIAL: gl.constexpr):
 
 
 @gluon.jit
-def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready, kv_empty, t,
+def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem, kv_ready, kv_empty, t,
                split_start, split_end, last_key, qk_scale, acc, m_i, l_cols,
                PARTIAL: gl.constexpr):
     """Tile t of the split: returns O^T [512, 16], the running column max [16] and the column
@@ -240,7 +295,11 @@ def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready, kv_empty, 
     stage = t % STAGES
     tile_start = split_start + t * TILE
     mbarrier.wait(kv_ready.index(stage), (t // STAGES) & 1)
-    scores = _scores(kv_smem, pe_smem, q_smem, q_pe_smem, stage, S_LAYOUT)
+    if q_smem.type.element_ty == gl.float8e4nv:
+        scores = _scores_fp8_queries(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, stage,
+                                     S_LAYOUT)
+    else:
+        scores = _scores(kv_smem, pe_smem, q_smem, q_pe_smem, stage, S_LAYOUT)
     pos = gl.expand_dims(tile_start + gl.arange(0, TILE, layout=KEY_S), 1)  # [64, 1]
     visible = (pos < split_end) & (pos <= gl.expand_dims(last_key, 0))  # [64, 16]
     scores = gl.where(visible, scores * qk_scale, float("-inf"))
@@ -279,13 +338,23 @@ def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_re
     q_offs = gl.expand_dims((req * q_len + q_rows // num_heads).to(gl.int64) * stride_q_token
                             + (q_rows % num_heads) * stride_q_head, 1)  # [ROWS, 1]
     q_mask = gl.expand_dims(q_rows < num_rows, 1)
-    for c in gl.static_range(C):
-        cols = gl.expand_dims(c * LC + gl.arange(0, LC, layout=gl.SliceLayout(0, Q_LOAD)), 0)
-        q_chunk = gl.load(q_ptr + q_offs + cols, mask=q_mask, other=0.0).to(gl.float16)
-        q_smem.index(c).store(_columns_for_scores(q_chunk))
-    cols_pe = gl.expand_dims(L + gl.arange(0, R, layout=gl.SliceLayout(0, Q_LOAD)), 0)
-    q_pe = gl.load(q_ptr + q_offs + cols_pe, mask=q_mask, other=0.0).to(gl.float16)
-    q_pe_smem.store(_columns_for_scores(q_pe))
+    if q_smem.type.element_ty == gl.float8e4nv:  # FP8 queries, columns in order
+        q_scales = (_store_fp8_queries(q_ptr + q_offs, q_mask, 0, q_smem.index(0), ROW_S),
+                    _store_fp8_queries(q_ptr + q_offs, q_mask, LC, q_smem.index(1), ROW_S),
+                    _store_fp8_queries(q_ptr + q_offs, q_mask, 2 * LC, q_smem.index(2), ROW_S),
+                    _store_fp8_queries(q_ptr + q_offs, q_mask, 3 * LC, q_smem.index(3), ROW_S),
+                    _store_fp8_queries(q_ptr + q_offs, q_mask, L, q_pe_smem, ROW_S))
+    else:  # float16 queries, columns in S^T's order
+        for c in gl.static_range(C):
+            cols = gl.expand_dims(c * LC + gl.arange(0, LC, layout=gl.SliceLayout(0, Q_LOAD)),
+                                  0)
+            q_chunk = gl.load(q_ptr + q_offs + cols, mask=q_mask, other=0.0).to(gl.float16)
+            q_smem.index(c).store(_columns_for_scores(q_chunk))
+        cols_pe = gl.expand_dims(L + gl.arange(0, R, layout=gl.SliceLayout(0, Q_LOAD)), 0)
+        q_pe = gl.load(q_ptr + q_offs + cols_pe, mask=q_mask, other=0.0).to(gl.float16)
+        q_pe_smem.store(_columns_for_scores(q_pe))
+        one = gl.full([ROWS], 1.0, gl.float32, ROW_S)
+        q_scales = (one, one, one, one, one)  # unused
     fence_async_shared()
     gl.thread_barrier()  # Q^T is whole before wgmma reads it
 
@@ -296,19 +365,19 @@ def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_re
     l_cols = gl.zeros([TILE, ROWS], gl.float32, S_LAYOUT)
     num_whole = gl.maximum(split_end - split_start, 0) // TILE
     for t in range(num_whole):
-        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready,
-                                      kv_empty, t, split_start, split_end, last_key, qk_scale,
-                                      acc, m_i, l_cols, False)
+        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem,
+                                      kv_ready, kv_empty, t, split_start, split_end, last_key,
+                                      qk_scale, acc, m_i, l_cols, False)
     if num_whole < num_tiles:  # the split's partial last tile
-        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready,
-                                      kv_empty, num_whole, split_start, split_end, last_key,
-                                      qk_scale, acc, m_i, l_cols, True)
+        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem,
+                                      kv_ready, kv_empty, num_whole, split_start, split_end,
+                                      last_key, qk_scale, acc, m_i, l_cols, True)
 
     l_i = gl.sum(l_cols, axis=0)  # [ROWS]
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
     gl.store(lse_ptr + out_base + rows, lse, mask=rows < num_rows)
-    out = acc / gl.expand_dims(l_safe, 0)
+    out = acc * gl.expand_dims(1.0 / l_safe, 0)
     out = gl.convert_layout(_output_in_column_order(out), OUT)  # [ROWS, L]
     rows_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT))
     out_ok = rows_o < num_rows
@@ -340,6 +409,7 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
+    FP8_QUERIES: gl.constexpr,  # queries rounded to e4m3, S^T on FP8 tensor cores
 ):
     LC: gl.constexpr = kv_desc.block_type.shape[1]
     R: gl.constexpr = pe_desc.block_type.shape[1]
@@ -357,10 +427,11 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     kv_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, C * TILE, LC],
                                         kv_desc.layout)
     pe_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TILE, R], pe_desc.layout)
+    q_dtype: gl.constexpr = gl.float8e4nv if FP8_QUERIES else gl.float16
     q_smem = gl.allocate_shared_memory(
-        gl.float16, [C, ROWS, LC], gl.NVMMASharedLayout.get_default_for([ROWS, LC], gl.float16))
+        q_dtype, [C, ROWS, LC], gl.NVMMASharedLayout.get_default_for([ROWS, LC], q_dtype))
     q_pe_smem = gl.allocate_shared_memory(
-        gl.float16, [ROWS, R], gl.NVMMASharedLayout.get_default_for([ROWS, R], gl.float16))
+        q_dtype, [ROWS, R], gl.NVMMASharedLayout.get_default_for([ROWS, R], q_dtype))
     p_smem = gl.allocate_shared_memory(
         gl.float16, [ROWS, TILE], gl.NVMMASharedLayout.get_default_for([ROWS, TILE], gl.float16))
     BARRIERS: gl.constexpr = mbarrier.MBarrierLayout()
@@ -394,6 +465,7 @@ def launch_split_pass(
     num_splits: int,
     min_split_len: int,
     num_stages: int,
+    fp8_queries: bool = False,
 ) -> None:
     """Stage 1 of `mla_decode_triton` where the plan names this pass (`GLUON_SM90_FP8_T`).
 
@@ -404,7 +476,8 @@ def launch_split_pass(
         partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
             (flat): the partials, or with num_splits == 1 the final o (q's dtype) and lse.
         qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of 64;
-            num_stages: FP8 tiles in the shared ring.
+            num_stages: FP8 tiles in the shared ring. fp8_queries: round q to e4m3 and compute
+            the scores on FP8 tensor cores (`reference.fp8_query_round_trip` is the rounding).
     """
     _, num_heads, head_dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
@@ -419,7 +492,8 @@ def launch_split_pass(
         q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
         num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),
         ROWS=GLUON_FP8_ROWS, BLOCK_SIZE=block_size, NUM_STAGES=num_stages,
-        DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGISTERS)
+        DIRECT_OUTPUT=num_splits == 1, FP8_QUERIES=fp8_queries, num_warps=NUM_WARPS,
+        maxnreg=LAUNCH_REGISTERS)
 
 
 __all__ = ["launch_split_pass"]

@@ -73,6 +73,10 @@ class MLADecodeConfig:
             `gluon_sm90_fp8_transposed.py` (both products transposed so that the query rows
             are wgmma's N, each FP8 tile converted in registers; 64-key tiles, so pages of a
             multiple of 64 tokens), num_stages FP8 tiles in its ring; block_n must be 64.
+        fp8_queries: with fp8_transposed, round the queries to e4m3 (a scale per row and
+            128-column group: `reference.fp8_query_round_trip`) and compute the scores on FP8
+            tensor cores, on the tiles as stored (half the pass's conversions). Changes the
+            numerics: never chosen by `default_config`.
         latent_chunks: the Triton split pass holds the latent (L columns of q, of each KV
             tile and of the accumulator) as this many column chunks, each its own dot, so no
             operand of a whole [block_n, L] tile has to live in registers at once; a power of
@@ -96,6 +100,7 @@ class MLADecodeConfig:
     latent_chunks: int = 1
     gluon_fp8: bool = False
     fp8_transposed: bool = False
+    fp8_queries: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -114,6 +119,9 @@ class MLADecodeConfig:
         if self.latent_chunks < 1 or self.latent_chunks & (self.latent_chunks - 1):
             raise ValueError(
                 f"latent_chunks must be a power of two, got {self.latent_chunks}")
+        if self.fp8_queries and not self.fp8_transposed:
+            raise ValueError("fp8_queries is a mode of the transposed FP8 pass: set "
+                             "fp8_transposed=True (and gluon_fp8=True) too")
         if self.fp8_transposed and self.block_n != GLUON_FP8_TRANSPOSED_TILE:
             raise ValueError(f"fp8_transposed reads tiles of {GLUON_FP8_TRANSPOSED_TILE} keys: "
                              f"set block_n={GLUON_FP8_TRANSPOSED_TILE}, not {self.block_n}")
@@ -463,7 +471,9 @@ def describe(plan: MLADecodePlan) -> str:
         balance = f" keys/{plan.balance_splits}" if plan.balance_splits else ""
         parts.append(f"({c.split_policy}{balance} {c.programs_per_sm:g}/SM, "
                      f"min {c.min_split_len}, {c.partial_dtype} partials)")
+    fp8_queries = c.fp8_queries and plan.kernel == GLUON_SM90_FP8_T
     flags = [name for name, on in (("tma", plan.tma_loads), ("pdl", plan.programmatic_launch),
-                                   ("fp16-dots", plan.fp16_dots and plan.kernel == TRITON_SPLIT))
+                                   ("fp16-dots", plan.fp16_dots and plan.kernel == TRITON_SPLIT),
+                                   ("fp8-queries", fp8_queries))
              if on]
     return " ".join(parts + flags)
