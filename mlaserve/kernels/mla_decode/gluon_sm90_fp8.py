@@ -280,6 +280,19 @@ def kv_layouts(block_n: int, rope_dim: int) -> tuple[gl.NVMMASharedLayout, gl.NV
             gl.NVMMASharedLayout.get_default_for([block_n, rope_dim], gl.float8e4nv))
 
 
+def kv_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int
+                   ) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors over an FP8 cache [num_blocks, block_size, L + R] (pages back to back)
+    seen as rows [num_blocks * block_size, L + R]: boxes of a latent chunk [block_n, 128] and
+    of the rope part [block_n, R] (read at column L); both FP8 passes read tiles through them."""
+    num_blocks, block_size, head_dim = kv_cache.shape
+    rope_dim = head_dim - kv_lora_rank
+    kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
+    chunk_layout, rope_layout = kv_layouts(block_n, rope_dim)
+    return (TensorDescriptor.from_tensor(kv_rows, [block_n, CHUNK], chunk_layout),
+            TensorDescriptor.from_tensor(kv_rows, [block_n, rope_dim], rope_layout))
+
+
 def launch_split_pass(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -307,14 +320,10 @@ def launch_split_pass(
         qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of
             block_n, the KV tokens per tile; num_stages: FP8 tiles in the shared ring.
     """
-    _, num_heads, head_dim = q.shape
-    num_blocks, block_size, _ = kv_cache.shape
+    num_heads = q.shape[1]
+    block_size = kv_cache.shape[1]
     batch = block_table.shape[0]
-    rope_dim = head_dim - kv_lora_rank
-    kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
-    chunk_layout, rope_layout = kv_layouts(block_n, rope_dim)
-    kv_desc = TensorDescriptor.from_tensor(kv_rows, [block_n, CHUNK], chunk_layout)
-    pe_desc = TensorDescriptor.from_tensor(kv_rows, [block_n, rope_dim], rope_layout)
+    kv_desc, pe_desc = kv_descriptors(kv_cache, kv_lora_rank, block_n)
     _mla_decode_split_kernel_sm90_fp8[(1, num_splits, batch)](
         q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
         num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),
@@ -322,4 +331,4 @@ def launch_split_pass(
         num_warps=NUM_WARPS)
 
 
-__all__ = ["kv_layouts", "launch_split_pass"]
+__all__ = ["kv_descriptors", "kv_layouts", "launch_split_pass"]

@@ -63,18 +63,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mlaserve.kernels.mla_decode.common import (
-    GLUON_FP8_CHUNK,
-    GLUON_FP8_ROWS,
-    GLUON_FP8_TRANSPOSED_TILE,
-)
-from mlaserve.kernels.mla_decode.gluon_sm90_fp8 import kv_layouts
+from mlaserve.kernels.mla_decode.common import GLUON_FP8_ROWS, GLUON_FP8_TRANSPOSED_TILE
+from mlaserve.kernels.mla_decode.gluon_sm90_fp8 import kv_descriptors
 from mlaserve.kernels.mla_decode.gluon_sm90_tiles import wgmma_layout
 from mlaserve.kernels.mla_decode.splits import split_bounds
 
-CHUNK = GLUON_FP8_CHUNK  # latent columns per TMA box and per S^T chain
 TILE = gl.constexpr(GLUON_FP8_TRANSPOSED_TILE)  # keys per tile: wgmma's M in S^T
 FP8_E4M3_MAX = gl.constexpr(448.0)  # the largest float8_e4m3fn value
 NUM_WARPS = 4  # the compute warpgroup; the loader warp comes on top
@@ -479,15 +473,10 @@ def launch_split_pass(
             num_stages: FP8 tiles in the shared ring. fp8_queries: round q to e4m3 and compute
             the scores on FP8 tensor cores (`reference.fp8_query_round_trip` is the rounding).
     """
-    _, num_heads, head_dim = q.shape
-    num_blocks, block_size, _ = kv_cache.shape
+    num_heads = q.shape[1]
+    block_size = kv_cache.shape[1]
     batch = block_table.shape[0]
-    rope_dim = head_dim - kv_lora_rank
-    kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
-    tile = GLUON_FP8_TRANSPOSED_TILE
-    chunk_layout, rope_layout = kv_layouts(tile, rope_dim)
-    kv_desc = TensorDescriptor.from_tensor(kv_rows, [tile, CHUNK], chunk_layout)
-    pe_desc = TensorDescriptor.from_tensor(kv_rows, [tile, rope_dim], rope_layout)
+    kv_desc, pe_desc = kv_descriptors(kv_cache, kv_lora_rank, GLUON_FP8_TRANSPOSED_TILE)
     _mla_decode_split_kernel_sm90_fp8_transposed[(1, num_splits, batch)](
         q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
         num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),
