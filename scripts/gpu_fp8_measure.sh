@@ -104,7 +104,7 @@ case $stage in
     for run in $(seq "$runs"); do
       # shellcheck disable=SC2086
       timeout 150 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 \
-        --sweep "gluon_fp8=1 fp8_transposed=1 fp8_queries=0,1 block_n=64 num_stages=2,3,4" \
+        --sweep "gluon_fp8=1 fp8_transposed=1 fp8_products=none,scores,all block_n=64 num_stages=2,3,4" \
         > "$out/decode-transposed-$run.log" 2>&1
       # shellcheck disable=SC2086
       timeout 90 python3 -m mlaserve bench kernel $cells > "$out/decode-auto-$run.log" 2>&1

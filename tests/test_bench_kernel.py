@@ -96,6 +96,29 @@ class SilentlyRoundedBackend(RoundedQueriesBackend):
         return TorchMLABackend.run(self, rounded, kv_cache, return_lse)
 
 
+class NoisyProbabilitiesBackend(TorchMLABackend):
+    """Each output element off by up to 4%, as a kernel rounding P to e4m3 is; says it rounds
+    P (or, as `quiet-noisy`, does not)."""
+
+    name = "noisy-probabilities"
+
+    def rounds_probabilities(self):
+        return True
+
+    def run(self, q, kv_cache, return_lse=False):
+        o, lse = super().run(q, kv_cache, return_lse=True)
+        noise = 1 + 0.04 * (2 * torch.rand(o.shape, generator=torch.Generator().manual_seed(0))
+                            - 1)
+        return (o * noise.to(o.dtype), lse) if return_lse else o * noise.to(o.dtype)
+
+
+class QuietNoisyBackend(NoisyProbabilitiesBackend):
+    name = "quiet-noisy"
+
+    def rounds_probabilities(self):
+        return False
+
+
 def _sweep(tmp_path, *flags: str) -> tuple[int, dict]:
     out = tmp_path / "out"
     argv = ["bench", "kernel", *TINY, "--out", str(out), *flags]
@@ -297,14 +320,16 @@ def test_gate_excludes_wrong_backends_from_timing(tmp_path, monkeypatch, capsys)
     assert any(" torch " in row and f"{torch_gap:8.1e}" in row for row in rows)
 
 
-def test_a_kernel_that_rounds_its_queries_is_gated_against_their_reference(
+def test_kernels_that_round_their_queries_or_weights_are_gated_for_what_they_compute(
         tmp_path, monkeypatch, capsys):
-    """Held to the reference of the queries it computes with (a dropped key still fails), and
-    its distance from the reference of q printed; the same numbers unannounced fail the gate."""
-    for cls in (RoundedQueriesBackend, SilentlyRoundedBackend):
+    """A kernel that rounds its queries is held to the reference of those queries (a dropped
+    key still fails) and its distance from the reference of q printed; one that rounds P to
+    e4m3 to FP8 bounds. The same numbers unannounced fail the gate."""
+    for cls in (RoundedQueriesBackend, SilentlyRoundedBackend, NoisyProbabilitiesBackend,
+                QuietNoisyBackend):
         monkeypatch.setitem(registry._BACKENDS, cls.name, f"{__name__}:{cls.__name__}")
-    rc, record = _sweep(tmp_path, "--backends", "torch,rounded-queries,silently-rounded",
-                        "--dtype", "fp32")
+    rc, record = _sweep(tmp_path, "--backends", "torch,rounded-queries,silently-rounded,"
+                        "noisy-probabilities,quiet-noisy", "--dtype", "fp32")
     assert rc == 1
     results = _results(record)
     out = capsys.readouterr().out
@@ -314,7 +339,11 @@ def test_a_kernel_that_rounds_its_queries_is_gated_against_their_reference(
         assert rounded["status"] == "ok" and rounded["gate"]["cos_gap"] < 1e-8
         assert rounded["gate"]["cos_gap_exact_queries"] > 1e-6  # e4m3 queries cost accuracy
         assert results[(*key, "silently-rounded")]["status"] == "failed"
+        # a kernel that rounds P is held to FP8 bounds, and only where it says so
+        assert results[(*key, "noisy-probabilities")]["status"] == "ok"
+        assert results[(*key, "quiet-noisy")]["status"] == "failed"
     assert "rounded queries; 1-cos to exact q" in out
+    assert "e4m3 P, gated to FP8 bounds" in out
 
 
 def test_sweep_reports_unsupported_backends_as_skipped(tmp_path):

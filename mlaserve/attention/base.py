@@ -134,6 +134,12 @@ class MLABackend(ABC):
         its distance from the reference of q apart)."""
         return None
 
+    def rounds_probabilities(self) -> bool:
+        """Whether the last `plan()`'s kernel rounds the attention weights P to e4m3 for P V (an
+        FP8 pass's "all" products): its output then carries an error of e4m3's order, and a
+        correctness check holds it to `testing.FP8_PROBABILITIES_TOLERANCE`."""
+        return False
+
     @abstractmethod
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor, return_lse: bool = False

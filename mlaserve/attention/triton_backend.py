@@ -155,9 +155,13 @@ class TritonMLABackend(MLABackend):
 
     def rounded_queries(self, q: torch.Tensor) -> torch.Tensor | None:
         plan = self.kernel_plan
-        if plan.kernel == GLUON_SM90_FP8_T and plan.config.fp8_queries:
+        if plan.kernel == GLUON_SM90_FP8_T and plan.config.fp8_products != "none":
             return fp8_query_round_trip(q, self.shape.kv_lora_rank)
         return None
+
+    def rounds_probabilities(self) -> bool:
+        plan = self.kernel_plan
+        return plan.kernel == GLUON_SM90_FP8_T and plan.config.fp8_products == "all"
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, return_lse: bool = False
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -132,9 +132,9 @@ def test_transposed_pass_compiles_for_sm90_as_designed(num_stages: int,
     assert "serialized" not in result["ptxas_notes"]  # the products stay asynchronous
 
 
-def test_fp8_queries_run_the_scores_on_fp8_tensor_cores() -> None:
+def test_fp8_scores_run_on_fp8_tensor_cores() -> None:
     result = compile_sm90("compile_fp8_for_sm90", num_stages=2, transposed=True,
-                          fp8_queries=True)
+                          fp8_products="scores")
     assert result["stack"] == 0
     assert result["shared"] <= gluon_fp8_transposed_shared_memory_bytes(512, 64, 2)
     ptx = result["ptx"]
@@ -148,6 +148,23 @@ def test_fp8_queries_run_the_scores_on_fp8_tensor_cores() -> None:
     assert values and all(line.split(",")[8].strip().startswith("{") for line in values)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the queries rounded in the pass
     assert "div.rn.f32" in ptx  # divisions rounded as fp8_query_round_trip's
+
+
+def test_all_fp8_products_convert_nothing() -> None:
+    result = compile_sm90("compile_fp8_for_sm90", num_stages=2, transposed=True,
+                          fp8_products="all")
+    assert result["stack"] == 0
+    assert result["shared"] <= gluon_fp8_transposed_shared_memory_bytes(512, 64, 2)
+    assert "serialized" not in result["ptxas_notes"]
+    ptx = result["ptx"]
+    products = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    values = [line for line in products if line.split(",")[8].strip().startswith("{")]
+    # S^T from shared memory (18 k-steps a tile); O^T with the FP8 tile in registers, 8 row
+    # blocks x 2 k-steps a tile; each in the loop and in the partial last tile's copy.
+    assert all("m64n16k32.f32.e4m3.e4m3" in line for line in products)
+    assert len(products) == 2 * (18 + 16) and len(values) == 2 * 16
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx  # no FP8 value is converted
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # q and P are rounded to e4m3
 
 
 def test_fp8_query_round_trip_is_e4m3_with_a_scale_per_row_and_group() -> None:
@@ -168,9 +185,12 @@ def test_fp8_query_round_trip_is_e4m3_with_a_scale_per_row_and_group() -> None:
         normal = group.abs() >= amax / 448.0 * 2.0 ** -6  # e4m3's smallest normal
         error = ((back - group).abs() / group.abs())[normal]
         assert error.max() <= 2.0 ** -4 + 1e-6  # round to nearest with 3 mantissa bits
-    with pytest.raises(ValueError, match="fp8_queries is a mode of the transposed FP8 pass"):
+    with pytest.raises(ValueError, match="fp8_products is a mode of the transposed FP8 pass"):
         MLADecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, gluon_fp8=True,
-                        fp8_queries=True)
+                        fp8_products="scores")
+    with pytest.raises(ValueError, match="fp8_products must be one of"):
+        MLADecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, gluon_fp8=True,
+                        fp8_transposed=True, fp8_products="values")
 
 
 def test_transposed_pass_serves_sm90_fp8_shapes_only() -> None:
@@ -207,8 +227,9 @@ def test_the_plan_takes_the_transposed_pass_only_where_asked_and_served(
 
     assert plan().kernel == GLUON_SM90_FP8_T
     assert describe(plan()).startswith(f"{GLUON_SM90_FP8_T} m16 n64 s2")
-    assert "fp8-queries" not in describe(plan())
-    assert describe(plan(config=replace(config, fp8_queries=True))).endswith("fp8-queries")
+    assert "fp8-" not in describe(plan())
+    assert describe(plan(config=replace(config, fp8_products="scores"))).endswith("fp8-scores")
+    assert describe(plan(config=replace(config, fp8_products="all"))).endswith("fp8-all")
     assert plan(block_size=128).kernel == GLUON_SM90_FP8_T
     assert plan(kv_cache_dtype=None).kernel == TRITON_SPLIT  # a bf16 cache
     assert plan(capability=(8, 0)).kernel == TRITON_SPLIT

@@ -40,12 +40,16 @@ The schedule, one program per (split, request), 5 warps:
   end in registers (a page tail may hold NaN, and P = 0 times NaN is NaN). The column sums of
   P are kept per element and added across the warps once, at the end.
 
-FP8_QUERIES (opt-in, `MLADecodeConfig.fp8_queries`): the queries are rounded to e4m3 in the
-prologue, a scale per row and per 128-column group (the rope part one group), amax / 448, with
-correctly rounded divisions (`reference.fp8_query_round_trip` gives the same values), and S^T
-runs on FP8 tensor cores with both operands in shared memory, the tile as TMA stored it (one
-product per group, scaled as the groups are added): no conversion for S^T, half the pass's.
-This changes the numerics by the queries' rounding; O^T is computed as without it.
+FP8 products (opt-in, `MLADecodeConfig.fp8_products`; both change the numerics):
+- "scores" (FP8_QUERIES): the queries are rounded to e4m3 in the prologue, a scale per row and
+  per 128-column group (the rope part one group), amax / 448, with correctly rounded divisions
+  (`reference.fp8_query_round_trip` gives the same values), and S^T runs on FP8 tensor cores
+  with both operands in shared memory, the tile as TMA stored it (one product per group,
+  scaled as the groups are added): no conversion for S^T, half the pass's.
+- "all" (FP8_VALUES as well): P^T is rounded to e4m3 (times 2^8, undone at the end) and O^T
+  runs on FP8 tensor cores too, its A operand the tile's bytes moved into place by byte
+  permutes, 32 keys a product: no conversions at all. P's rounding puts an error of e4m3's
+  order (~4%) on the output.
 
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
 log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
@@ -71,10 +75,19 @@ from mlaserve.kernels.mla_decode.splits import split_bounds
 
 TILE = gl.constexpr(GLUON_FP8_TRANSPOSED_TILE)  # keys per tile: wgmma's M in S^T
 FP8_E4M3_MAX = gl.constexpr(448.0)  # the largest float8_e4m3fn value
+P_SCALE = gl.constexpr(256.0)  # P (<= 1) times 2^8 before its e4m3 rounding
 NUM_WARPS = 4  # the compute warpgroup; the loader warp comes on top
 # Registers per thread at launch, for the 8 warps the compiler makes of 4 + 1: two programs fit
 # an SM's 64K registers; setmaxnreg then gives the compute warpgroup 232 and the loader 24.
 LAUNCH_REGISTERS = 128
+
+
+@gluon.constexpr_function
+def fp8_wgmma_layout(columns):
+    """Accumulator layout of one warpgroup's FP8 wgmma over 64 rows x `columns`: FP8's K step
+    is 32; the registers are those of `wgmma_layout(columns)`."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, columns, 32])
 
 
 @gluon.constexpr_function
@@ -90,13 +103,17 @@ def _scores_operand_load(width):
 
 
 @gluon.constexpr_function
-def _output_operand_load(keys):
-    """Registers of a tile's 4 latent chunks [4, keys, 128] as O^T's A operand reads them:
-    thread (w, 4g + q) holds chunk w, columns 16g .. 16g + 15, and keys 16s + 8j + 2q + i."""
-    regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]]
-    regs += [[0, 16 << i, 0] for i in range((keys // 16).bit_length() - 1)]
+def _output_operand_load(keys, k_width):
+    """Registers of a tile's 4 latent chunks [4, keys, 128] as O^T's A operand reads them, for
+    k_width keys a register (2: float16, 4: FP8): thread (w, 4g + q) holds chunk w, columns
+    16g .. 16g + 15, and keys 8 k_width s + 4 k_width j + k_width q + i (i < k_width)."""
+    regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+    regs += [[0, 1 << b, 0] for b in range(k_width.bit_length() - 1)]
+    regs += [[0, 4 * k_width, 0]]
+    regs += [[0, (8 * k_width) << b, 0] for b in range((keys // (8 * k_width)).bit_length() - 1)]
     return gl.DistributedLinearLayout(
-        reg_bases=regs, lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+        reg_bases=regs,
+        lane_bases=[[0, k_width, 0], [0, 2 * k_width, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, keys, 128])
 
 
@@ -215,9 +232,7 @@ def _scores_fp8_queries(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, stage,
     piece (4 latent chunks and the rope part) on the tile as stored, each scaled by its
     queries' scales [16] (`q_scales`, a tuple of 5) as the pieces are added."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
-    # FP8 wgmma's K step is 32; the accumulator's registers are the same as S_LAYOUT's.
-    S8_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, ROWS, 32])
+    S8_LAYOUT: gl.constexpr = fp8_wgmma_layout(ROWS)
     zeros = gl.zeros([TILE, ROWS], gl.float32, S8_LAYOUT)
     slot = kv_smem.index(stage)  # [4 x 64, 128]
     s_0 = warpgroup_mma(slot.slice(0, TILE), q_smem.index(0).permute((1, 0)), zeros,
@@ -243,7 +258,7 @@ def _scores_fp8_queries(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, stage,
 def _value_operand(chunks, part, num_valid, A_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr):
     """Keys 16 part .. 16 part + 15 of a tile's chunks [4, 64, 128] as O^T's A operand V^T
     [512, 16], float16; in a PARTIAL tile the keys >= num_valid are zeroed."""
-    LOAD: gl.constexpr = _output_operand_load(16)
+    LOAD: gl.constexpr = _output_operand_load(16, 2)
     v = chunks.slice(part * 16, 16, dim=1).load(LOAD).to(gl.float16)  # [4, 16, 128]
     if PARTIAL:
         keys = part * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LOAD)))
@@ -278,6 +293,38 @@ def _add_values(kv_smem, p_smem, stage, acc, num_valid, PARTIAL: gl.constexpr):
 
 
 @gluon.jit
+def _add_values_fp8(kv_smem, p_smem, stage, acc, num_valid, PARTIAL: gl.constexpr):
+    """O^T += V^T P^T over ring slot `stage` on FP8 tensor cores (P^T rounded to e4m3), 32 keys
+    a product; the tile's bytes reach the operand layout by byte permutes only. In a PARTIAL
+    tile the keys >= num_valid are zeroed."""
+    C: gl.constexpr = kv_smem.type.shape[1] // TILE
+    LC: gl.constexpr = kv_smem.type.shape[2]
+    PART: gl.constexpr = 32  # keys: FP8 wgmma's K step
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
+                                                 k_width=4)
+    LOAD: gl.constexpr = _output_operand_load(PART, 4)
+    CHUNKS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                rank=3)
+    chunks = kv_smem.index(stage)._reinterpret(gl.float8e4nv, [C, TILE, LC],
+                                               CHUNKS)  # [4, 64, 128]
+    for part in gl.static_range(TILE // PART):
+        v = chunks.slice(part * PART, PART, dim=1).load(LOAD)  # [4, 32, 128] FP8
+        if PARTIAL:
+            keys = part * PART + gl.arange(0, PART, layout=gl.SliceLayout(
+                0, gl.SliceLayout(2, LOAD)))
+            keep = gl.expand_dims(gl.expand_dims(keys < num_valid, 0), 2)  # [1, 32, 1]
+            bits = v.to(gl.uint8, bitcast=True)
+            v = gl.where(keep, bits, gl.zeros_like(bits)).to(gl.float8e4nv, bitcast=True)
+        v = gl.convert_layout(_rows_for_output(v), A_LAYOUT)  # V^T [512, 32]
+        p_part = p_smem.slice(part * PART, PART, dim=1).permute((1, 0))  # P^T [32 keys, 16]
+        acc = warpgroup_mma(v, p_part, acc, is_async=True)
+        # The wait takes no 8-bit operand to keep alive: each product is waited on before the
+        # next operand is built.
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    return acc
+
+
+@gluon.jit
 def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem, kv_ready, kv_empty, t,
                split_start, split_end, last_key, qk_scale, acc, m_i, l_cols,
                PARTIAL: gl.constexpr):
@@ -302,11 +349,18 @@ def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem, kv_ready, 
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(scores - gl.expand_dims(m_safe, 0))  # [64, 16]
     l_cols = l_cols * gl.expand_dims(alpha, 0) + p
-    p_smem.store(gl.permute(p.to(gl.float16), [1, 0]))  # P^T [16, 64], keys contiguous
+    fp8_values: gl.constexpr = p_smem.type.element_ty == gl.float8e4nv
+    if fp8_values:  # P^T [16, 64] in e4m3, times 2^8 (P <= 1): exact, undone at the end
+        p_smem.store(gl.permute((p * P_SCALE).to(gl.float8e4nv), [1, 0]))
+    else:
+        p_smem.store(gl.permute(p.to(gl.float16), [1, 0]))  # P^T [16, 64], keys contiguous
     fence_async_shared()
     gl.thread_barrier()  # P^T is whole before wgmma reads it
-    acc = acc * gl.expand_dims(alpha, 0)
-    acc = _add_values(kv_smem, p_smem, stage, acc, split_end - tile_start, PARTIAL)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, acc.type.layout)), 0)
+    if fp8_values:
+        acc = _add_values_fp8(kv_smem, p_smem, stage, acc, split_end - tile_start, PARTIAL)
+    else:
+        acc = _add_values(kv_smem, p_smem, stage, acc, split_end - tile_start, PARTIAL)
     mbarrier.arrive(kv_empty.index(stage))
     return acc, m_new, l_cols
 
@@ -323,6 +377,7 @@ def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_re
     R: gl.constexpr = q_pe_smem.type.shape[1]
     L: gl.constexpr = C * LC
     S_LAYOUT: gl.constexpr = wgmma_layout(ROWS)  # [64 keys or latent rows, 16 query rows]
+    S8_LAYOUT: gl.constexpr = fp8_wgmma_layout(ROWS)  # the same registers, FP8's K step
     ROW_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     OUT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
@@ -354,7 +409,9 @@ def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_re
 
     rows = gl.arange(0, ROWS, layout=ROW_S)
     last_key = seq_len - q_len + rows // num_heads  # token t sees keys up to its position
-    acc = gl.zeros([L, ROWS], gl.float32, S_LAYOUT)  # O^T
+    fp8_values: gl.constexpr = p_smem.type.element_ty == gl.float8e4nv
+    O_LAYOUT: gl.constexpr = S8_LAYOUT if fp8_values else S_LAYOUT
+    acc = gl.zeros([L, ROWS], gl.float32, O_LAYOUT)  # O^T
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
     l_cols = gl.zeros([TILE, ROWS], gl.float32, S_LAYOUT)
     num_whole = gl.maximum(split_end - split_start, 0) // TILE
@@ -371,7 +428,10 @@ def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_re
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
     gl.store(lse_ptr + out_base + rows, lse, mask=rows < num_rows)
-    out = acc * gl.expand_dims(1.0 / l_safe, 0)
+    inv = 1.0 / l_safe
+    if fp8_values:
+        inv = inv / P_SCALE
+    out = acc * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, O_LAYOUT)), 0)
     out = gl.convert_layout(_output_in_column_order(out), OUT)  # [ROWS, L]
     rows_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT))
     out_ok = rows_o < num_rows
@@ -404,6 +464,7 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
     FP8_QUERIES: gl.constexpr,  # queries rounded to e4m3, S^T on FP8 tensor cores
+    FP8_VALUES: gl.constexpr,  # P rounded to e4m3, O^T on FP8 tensor cores
 ):
     LC: gl.constexpr = kv_desc.block_type.shape[1]
     R: gl.constexpr = pe_desc.block_type.shape[1]
@@ -426,8 +487,9 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
         q_dtype, [C, ROWS, LC], gl.NVMMASharedLayout.get_default_for([ROWS, LC], q_dtype))
     q_pe_smem = gl.allocate_shared_memory(
         q_dtype, [ROWS, R], gl.NVMMASharedLayout.get_default_for([ROWS, R], q_dtype))
+    p_dtype: gl.constexpr = gl.float8e4nv if FP8_VALUES else gl.float16
     p_smem = gl.allocate_shared_memory(
-        gl.float16, [ROWS, TILE], gl.NVMMASharedLayout.get_default_for([ROWS, TILE], gl.float16))
+        p_dtype, [ROWS, TILE], gl.NVMMASharedLayout.get_default_for([ROWS, TILE], p_dtype))
     BARRIERS: gl.constexpr = mbarrier.MBarrierLayout()
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS)
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS)
@@ -459,7 +521,7 @@ def launch_split_pass(
     num_splits: int,
     min_split_len: int,
     num_stages: int,
-    fp8_queries: bool = False,
+    fp8_products: str = "none",
 ) -> None:
     """Stage 1 of `mla_decode_triton` where the plan names this pass (`GLUON_SM90_FP8_T`).
 
@@ -470,8 +532,9 @@ def launch_split_pass(
         partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
             (flat): the partials, or with num_splits == 1 the final o (q's dtype) and lse.
         qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of 64;
-            num_stages: FP8 tiles in the shared ring. fp8_queries: round q to e4m3 and compute
-            the scores on FP8 tensor cores (`reference.fp8_query_round_trip` is the rounding).
+            num_stages: FP8 tiles in the shared ring. fp8_products: which products run on
+            FP8 tensor cores (`plan.FP8_PRODUCTS`): "none"; "scores" (q rounded to e4m3 as
+            `reference.fp8_query_round_trip` rounds it); "all" (P rounded to e4m3 too).
     """
     num_heads = q.shape[1]
     block_size = kv_cache.shape[1]
@@ -481,7 +544,8 @@ def launch_split_pass(
         q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
         num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),
         ROWS=GLUON_FP8_ROWS, BLOCK_SIZE=block_size, NUM_STAGES=num_stages,
-        DIRECT_OUTPUT=num_splits == 1, FP8_QUERIES=fp8_queries, num_warps=NUM_WARPS,
+        DIRECT_OUTPUT=num_splits == 1, FP8_QUERIES=fp8_products != "none",
+        FP8_VALUES=fp8_products == "all", num_warps=NUM_WARPS,
         maxnreg=LAUNCH_REGISTERS)
 
 
