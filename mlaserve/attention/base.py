@@ -136,8 +136,8 @@ class MLABackend(ABC):
 
     def rounds_probabilities(self) -> bool:
         """Whether the last `plan()`'s kernel rounds the attention weights P to e4m3 for P V (an
-        FP8 pass's "all" products): its output then carries an error of e4m3's order, and a
-        correctness check holds it to `testing.FP8_PROBABILITIES_TOLERANCE`."""
+        FP8 pass's "all" products, up to 2^-4 of each weight): its output then carries that
+        error, and a correctness check holds it to `testing.FP8_PROBABILITIES_TOLERANCE`."""
         return False
 
     @abstractmethod

@@ -79,8 +79,9 @@ class MLADecodeConfig:
             (`FP8_PRODUCTS`): "none"; "scores", the queries rounded to e4m3 (a scale per row
             and 128-column group: `reference.fp8_query_round_trip`) and S^T computed on the
             tiles as stored (half the pass's conversions); "all", P rounded to e4m3 too and
-            O^T on FP8 as well (no conversions; an output error of e4m3's order, ~4%).
-            Either changes the numerics: never chosen by `default_config`.
+            O^T on FP8 as well (no conversions; up to 2^-4 of each weight, held to
+            `testing.FP8_PROBABILITIES_TOLERANCE`). Either changes the numerics: never chosen
+            by `default_config`.
         latent_chunks: the Triton split pass holds the latent (L columns of q, of each KV
             tile and of the accumulator) as this many column chunks, each its own dot, so no
             operand of a whole [block_n, L] tile has to live in registers at once; a power of
