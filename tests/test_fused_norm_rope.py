@@ -97,7 +97,8 @@ def _assert_quantizes(quantized: QuantizedActivations, dense: torch.Tensor) -> N
     groups = -(-cols // 128)
     padded = F.pad(dense.float(), (0, groups * 128 - cols)).view(rows, groups, 128)
     amax = padded.abs().amax(dim=-1)  # [T, G]
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA torch multiplies by a Python scalar's reciprocal instead
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     values = (padded / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).view(rows, -1)[:, :cols]
     assert quantized.dtype == dense.dtype and quantized.shape == (rows, cols)
     assert quantized.values.dtype == (FP8_DTYPE if ON_GPU else torch.float32)

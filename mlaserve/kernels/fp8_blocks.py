@@ -63,7 +63,10 @@ def quantize_block_fp8(weight: torch.Tensor, block_size: tuple[int, int] = BLOCK
     padded[:out_features, :in_features] = weight
     blocks = padded.view(rows, block_size[0], cols, block_size[1])  # [R, b0, C, b1]
     amax = blocks.abs().amax(dim=(1, 3))  # [R, C]
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor: CUDA torch divides by a Python scalar as a product with its reciprocal,
+    # not the correctly rounded quotient the Triton quantization kernels compute.
+    scale_inv = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX),
+                            torch.ones_like(amax))
     scaled = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     fp8 = scaled.view_as(padded)[:out_features, :in_features].to(FP8_DTYPE)
     return fp8.contiguous(), scale_inv

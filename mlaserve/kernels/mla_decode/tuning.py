@@ -17,7 +17,7 @@ GLUON_MIN_PAGE = 32  # tokens per page the Gluon pass needs (one tile within a p
 GLUON_FP8_TILE: tuple[int, int] | None = (32, 2)
 # The transposed FP8 pass (`gluon_sm90_fp8_transposed.py`, 64-key tiles): its ring depth, or
 # None while it is not the default (it has not been timed on the H200 yet).
-GLUON_FP8_TRANSPOSED_STAGES: int | None = None
+GLUON_FP8_TRANSPOSED_STAGES: int | None = 2
 
 # float32 inputs (tests under the interpreter, FMA dots on a GPU): 16-row groups, the widest
 # tile of FLOAT32_BLOCK_NS whose Q and two KV tiles fit FLOAT32_SMEM_BUDGET.
