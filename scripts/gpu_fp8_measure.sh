@@ -10,7 +10,7 @@
 #                product, the norm / SiLU kernels that quantize their output and the fused MoE
 #                (both operand orders), 8 workers
 #   decode-sweep the FP8-cache decode cells (16 heads x batch 64/128/512 x kv 4096, pages of
-#                64): the Gluon FP8 pass (tiles, stages), then the Triton pass with TMA tiles,
+#                64): the first Gluon FP8 pass (tiles, stages), then the Triton pass with TMA tiles,
 #                latent chunks, tile sizes and stages, beside the plan's choice; the bf16
 #                cache with the Triton variants (one process each)
 #   decode       the same cells, bf16 and FP8 caches, the plan's choice (plus VARIANT where
@@ -18,8 +18,8 @@
 #   decode-transposed
 #                the transposed FP8 pass (gluon_sm90_fp8_transposed): its GPU tests in a
 #                process of their own under a timeout, then, if they pass, the same cells in
-#                RUNS processes: its ring depths, with float16 and with FP8 queries, beside the
-#                plan's choice over an FP8 cache, and the bf16 cache's plan
+#                RUNS processes: its ring depths beside the plan's choice over an FP8 cache, and
+#                the bf16 cache's plan
 #   gemm-gluon   the Gluon sm_90 w8a8 GEMM against bf16 and cuBLASLt at 256-8192 tokens, its
 #                stages and K chains swept (scripts/fp8_gemm_sm90_check.py)
 #   weight-only  the weight-only product against bf16 and w8a8 at 1, 16 and 64 tokens, with its
@@ -75,10 +75,11 @@ case $stage in
       tests/test_fp8_weights.py > "$out/gpu_tests_gemm.log" 2>&1
     echo "gemm tests rc=$?"; tail -5 "$out/gpu_tests_gemm.log" ;;
   decode-sweep)
-    sweep="tma_loads=1 latent_chunks=1,4 block_n=16,32 num_stages=4,6"
+    sweep="gluon_fp8=0 tma_loads=1 latent_chunks=1,4 block_n=16,32 num_stages=4,6"
     # shellcheck disable=SC2086
     timeout 200 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 \
-      --sweep "gluon_fp8=1 block_n=32,64 num_stages=2,3,4" > "$out/decode_sweep_gluon.log" 2>&1
+      --sweep "gluon_fp8=1 fp8_transposed=0 block_n=32,64 num_stages=2,3,4" \
+      > "$out/decode_sweep_gluon.log" 2>&1
     # shellcheck disable=SC2086
     timeout 200 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 --sweep "$sweep" \
       > "$out/decode_sweep_fp8.log" 2>&1
@@ -104,7 +105,7 @@ case $stage in
     for run in $(seq "$runs"); do
       # shellcheck disable=SC2086
       timeout 150 python3 -m mlaserve bench kernel $cells --kv-cache-dtype fp8 \
-        --sweep "gluon_fp8=1 fp8_transposed=1 fp8_products=none,scores,all block_n=64 num_stages=2,3,4" \
+        --sweep "gluon_fp8=1 fp8_transposed=1 block_n=64 num_stages=2,3,4" \
         > "$out/decode-transposed-$run.log" 2>&1
       # shellcheck disable=SC2086
       timeout 90 python3 -m mlaserve bench kernel $cells > "$out/decode-auto-$run.log" 2>&1

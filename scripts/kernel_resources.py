@@ -68,11 +68,7 @@ VARIANTS = [dict(), dict(tma_loads=True), dict(tma_loads=True, latent_chunks=4, 
             dict(tma_loads=True, latent_chunks=4, block_n=32, num_stages=4),
             dict(gluon_fp8=True, block_n=32, num_stages=3),
             dict(gluon_fp8=True, block_n=64, num_stages=2),
-            dict(gluon_fp8=True, fp8_transposed=True, block_n=64, num_stages=2),
-            dict(gluon_fp8=True, fp8_transposed=True, fp8_products="scores", block_n=64,
-                 num_stages=2),
-            dict(gluon_fp8=True, fp8_transposed=True, fp8_products="all", block_n=64,
-                 num_stages=2)]
+            dict(gluon_fp8=True, fp8_transposed=True, block_n=64, num_stages=2)]
 
 
 def resources(cubin: bytes) -> str:
@@ -180,8 +176,7 @@ def cache_variants() -> None:
         if plan.kernel in (GLUON_SM90_FP8, GLUON_SM90_FP8_T):
             compiled = compile_fp8_for_sm90(block_n=config.block_n,
                                             num_stages=config.num_stages,
-                                            transposed=plan.kernel == GLUON_SM90_FP8_T,
-                                            fp8_products=config.fp8_products)
+                                            transposed=plan.kernel == GLUON_SM90_FP8_T)
         elif changes.get("gluon_fp8"):
             continue  # the FP8 pass reads FP8 caches only
         else:

@@ -127,19 +127,6 @@ class MLABackend(ABC):
         the backend's name where it has only one way to run."""
         return self.name
 
-    def rounded_queries(self, q: torch.Tensor) -> torch.Tensor | None:
-        """What the last `plan()`'s kernel computes with in place of q [*, H, L + R], in float32,
-        where it rounds the queries (an FP8-query pass); None where it reads q as it is. A
-        correctness check holds such a kernel to the reference of these queries (and reports
-        its distance from the reference of q apart)."""
-        return None
-
-    def rounds_probabilities(self) -> bool:
-        """Whether the last `plan()`'s kernel rounds the attention weights P to e4m3 for P V (an
-        FP8 pass's "all" products, up to 2^-4 of each weight): its output then carries that
-        error, and a correctness check holds it to `testing.FP8_PROBABILITIES_TOLERANCE`."""
-        return False
-
     @abstractmethod
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor, return_lse: bool = False

@@ -24,7 +24,7 @@ import torch
 
 from mlaserve.attention.base import BackendCapabilities, MLABackend, MLAShape
 from mlaserve.kernels.interpreter import patch_triton_interpreter
-from mlaserve.kernels.mla_decode.common import GLUON_SM90_FP8_T, device_capability
+from mlaserve.kernels.mla_decode.common import device_capability
 from mlaserve.kernels.mla_decode.plan import (
     MLADecodeConfig,
     MLADecodePlan,
@@ -32,7 +32,6 @@ from mlaserve.kernels.mla_decode.plan import (
     describe,
     plan_mla_decode,
 )
-from mlaserve.kernels.reference import fp8_query_round_trip
 
 # SM count assumed on CPU, where the kernel only runs in Triton's interpreter (tests).
 _CPU_NUM_SMS = 4
@@ -152,16 +151,6 @@ class TritonMLABackend(MLABackend):
     def describe_plan(self) -> str:
         """The kernel and configuration the current step's plan runs, in one line."""
         return describe(self.kernel_plan)
-
-    def rounded_queries(self, q: torch.Tensor) -> torch.Tensor | None:
-        plan = self.kernel_plan
-        if plan.kernel == GLUON_SM90_FP8_T and plan.config.fp8_products != "none":
-            return fp8_query_round_trip(q, self.shape.kv_lora_rank)
-        return None
-
-    def rounds_probabilities(self) -> bool:
-        plan = self.kernel_plan
-        return plan.kernel == GLUON_SM90_FP8_T and plan.config.fp8_products == "all"
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, return_lse: bool = False
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -70,9 +70,7 @@ def _fmt(value: float | None, width: int, precision: int, suffix: str = "") -> s
 def format_table(cells: list[CellResult]) -> str:
     """The results as a fixed-width text table, one row per cell and backend (kv ~N: a ragged
     cell, lengths drawn up to N; 1-cos: the gate's cosine gap to the float32 reference, 1 - the
-    least per-row cosine similarity; for a kernel that rounds its queries, gated against the
-    reference of the rounded queries, the note gives its gap to the reference of q itself, and
-    says where a kernel that rounds P to e4m3 was held to `FP8_PROBABILITIES_TOLERANCE`)."""
+    least per-row cosine similarity)."""
     header = (f"{'heads':>5} {'batch':>5} {'kv':>6} {'blk':>4} {'q':>2} {'floor µs':>9}  "
               f"{'backend':<15}{'µs':>9} {'GB/s':>7} {'TFLOP/s':>8} {'%floor':>7} "
               f"{'x peer':>7} {'1-cos':>8}  note")
@@ -83,11 +81,6 @@ def format_table(cells: list[CellResult]) -> str:
         for result in cell_result.results:
             m = cell_result.metrics(result)
             note = "" if result.status == "ok" else f"{result.status}: {result.reason}"
-            exact = result.gate.get("cos_gap_exact_queries")
-            if exact is not None:
-                note = f"rounded queries; 1-cos to exact q {exact:.1e} {note}"
-            if result.gate.get("e4m3_probabilities"):
-                note = f"e4m3 P, gated to FP8 bounds; {note}"
             kv = f"{'~' if cell.ragged else ''}{cell.kv_len}"  # ~: ragged, lengths up to kv
             lines.append(
                 f"{cell.num_heads:>5} {cell.batch_size:>5} {kv:>6} "

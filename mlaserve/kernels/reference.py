@@ -55,27 +55,6 @@ def mla_decode_reference(
     return o, lse
 
 
-def fp8_query_round_trip(q: torch.Tensor, kv_lora_rank: int, group: int = 128) -> torch.Tensor:
-    """What an FP8-query decode pass computes with: q rounded to float8_e4m3fn and back, in
-    float32, with a scale per row and column group (`group` latent columns, the rope part one
-    group): scale = amax / 448 (1 for a group of zeros), q8 = round(q / scale).
-
-    Args:
-        q: [..., L + R] queries [q_latent | q_pe]; L a multiple of `group`.
-
-    Returns:
-        [..., L + R] float32, q8 * scale.
-    """
-    q = q.float()
-    groups = list(q[..., :kv_lora_rank].split(group, dim=-1)) + [q[..., kv_lora_rank:]]
-    out = []
-    for values in groups:
-        amax = values.abs().amax(dim=-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, 1.0)
-        out.append((values / scale).to(torch.float8_e4m3fn).float() * scale)
-    return torch.cat(out, dim=-1)
-
-
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32 without intermediate rounding.
 

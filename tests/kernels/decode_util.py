@@ -3,7 +3,6 @@ tiles, and `run_and_check` (a poisoned paged batch through the kernel, checked a
 float32 reference)."""
 
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -50,12 +49,9 @@ def check(
     softmax_scale: float,
     kv_lora_rank: int,
     q_len: int,
-    reference_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
-    """Compare (o, lse) with `mla_decode_reference` through the shared comparator (the
-    reference reading reference_queries(q) where given), to q's dtype's bounds."""
-    q_ref = q if reference_queries is None else reference_queries(q)
-    ref_o, ref_lse = mla_decode_reference(q_ref, kv_cache, block_table, seq_lens, softmax_scale,
+    """Compare (o, lse) with `mla_decode_reference` through the shared comparator."""
+    ref_o, ref_lse = mla_decode_reference(q, kv_cache, block_table, seq_lens, softmax_scale,
                                           kv_lora_rank, q_len)
     assert_matches_reference(o, lse, ref_o, ref_lse, q.dtype)
 
@@ -73,13 +69,10 @@ def run_and_check(
     seed: int = 0,
     poison_workspace: bool = False,
     kv_cache_dtype: torch.dtype | None = None,
-    reference_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Run the kernel on a poisoned batch and check it; poison_workspace fills the partial
     workspace with NaN first (what the merge must never read from an empty split);
-    kv_cache_dtype stores the cache in FP8, which the reference dequantizes;
-    reference_queries(q) is what the reference reads instead of q (a pass that rounds q), held
-    to q's dtype's bounds."""
+    kv_cache_dtype stores the cache in FP8, which the reference dequantizes."""
     q, kv_cache, block_table, lens = make_batch(seq_lens, num_heads, kv_lora_rank, rope_dim,
                                                 block_size, q_len, dtype, seed, kv_cache_dtype)
     scale = 1.5 / math.sqrt(kv_lora_rank + rope_dim)  # peakier than 1/sqrt(192) at small sizes
@@ -94,5 +87,4 @@ def run_and_check(
             buffer.fill_(float("nan"))
     o, lse = mla_decode_triton(q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len,
                                plan, workspace=workspace)
-    check(o, lse, q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len,
-          reference_queries)
+    check(o, lse, q, kv_cache, block_table, lens, scale, kv_lora_rank, q_len)

@@ -5,7 +5,6 @@ every batch poisons unused pages and page tails with NaN.
 """
 
 import dataclasses
-import math
 import os
 
 import pytest
@@ -13,22 +12,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from mlaserve.kernels.mla_decode.launch import mla_decode_triton  # noqa: E402
 from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
-    MLADecodeConfig,
-    alloc_workspace,
     default_config,
     describe,
     plan_mla_decode,
-)
-from mlaserve.kernels.reference import (  # noqa: E402
-    fp8_query_round_trip,
-    mla_decode_reference,
-)
-from mlaserve.kernels.testing import (  # noqa: E402
-    FP8_PROBABILITIES_TOLERANCE,
-    Tolerance,
-    assert_matches_reference,
 )
 from tests.kernels.decode_util import (  # noqa: E402
     CAPABILITY,
@@ -38,7 +25,6 @@ from tests.kernels.decode_util import (  # noqa: E402
     SMALL_TILES,
     dtype_id,
     gpu_only,
-    make_batch,
     run_and_check,
 )
 
@@ -150,10 +136,9 @@ def test_gluon_fp8_pass(partial_dtype: str, block_size: int, tiles: tuple[int, i
 @pytest.mark.parametrize("heads_and_q_len", [(16, 1), (8, 2), (5, 3)])
 @pytest.mark.parametrize("block_size,num_stages", [(64, 2), (128, 3)])
 @pytest.mark.parametrize("partial_dtype", ["float32", "input"])
-@pytest.mark.parametrize("fp8_products", ["none", "scores"])
-def test_gluon_fp8_transposed_pass(fp8_products: str, partial_dtype: str, block_size: int,
-                                   num_stages: int, heads_and_q_len: tuple[int, int],
-                                   num_splits: int, dtype: torch.dtype) -> None:
+def test_gluon_fp8_transposed_pass(partial_dtype: str, block_size: int, num_stages: int,
+                                   heads_and_q_len: tuple[int, int], num_splits: int,
+                                   dtype: torch.dtype) -> None:
     # The transposed Gluon pass over an FP8 cache (`gluon_sm90_fp8_transposed.py`): 64-key
     # tiles by TMA from a loader warp, both products with the query rows as wgmma's N and the
     # FP8 tile converted in registers (a partial last tile's keys past the split zeroed
@@ -161,13 +146,12 @@ def test_gluon_fp8_transposed_pass(fp8_products: str, partial_dtype: str, block_
     # q_len, causal), NaN in every page tail and unused page, a request with no keys, partials
     # in float32 and in q's dtype, and a NaN-filled workspace; against the float32 reference
     # of the same cache, to dtype's bounds (a column of O^T stored at another column's place,
-    # or a dropped key, fails them). With FP8 scores the pass rounds q to e4m3 itself, and the
-    # reference reads q rounded the same way (`fp8_query_round_trip`), to the same bounds.
+    # or a dropped key, fails them).
     num_heads, q_len = heads_and_q_len
     lens = [4096, q_len, 1000, 0, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
     config = dataclasses.replace(
         default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
-        gluon_fp8=True, fp8_transposed=True, fp8_products=fp8_products, block_n=64,
+        gluon_fp8=True, fp8_transposed=True, block_n=64,
         num_stages=num_stages, partial_dtype=partial_dtype)
     planned = plan_mla_decode(len(lens), 8192, num_heads, q_len, 512, 64, dtype, NUM_SMS,
                               block_size, config=config, capability=CAPABILITY,
@@ -176,76 +160,5 @@ def test_gluon_fp8_transposed_pass(fp8_products: str, partial_dtype: str, block_
         assert planned.kernel == "gluon_sm90_fp8_transposed"
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
                   seed=block_size + num_heads + num_stages, poison_workspace=True,
-                  kv_cache_dtype=torch.float8_e4m3fn,
-                  reference_queries=None if fp8_products == "none"
-                  else (lambda q: fp8_query_round_trip(q, 512)))
+                  kv_cache_dtype=torch.float8_e4m3fn)
 
-
-def _all_fp8_config(num_heads: int, q_len: int, dtype: torch.dtype, batch: int,
-                    block_size: int) -> MLADecodeConfig:
-    return dataclasses.replace(
-        default_config(num_heads, q_len, 512, 64, dtype, batch, 8192, block_size),
-        gluon_fp8=True, fp8_transposed=True, fp8_products="all", block_n=64, num_stages=2)
-
-
-@gpu_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("heads_and_q_len", [(16, 1), (5, 3)])
-def test_all_fp8_products_weigh_every_key_in_its_column(heads_and_q_len: tuple[int, int],
-                                                        num_splits: int,
-                                                        dtype: torch.dtype) -> None:
-    # "all" rounds P to e4m3, so no tight bound on random values can catch one dropped key.
-    # Here key k's latent is the unit vector of column k (up to 512 keys): o[r, k] is key k's
-    # weight alone, which the pass must give within P's rounding (2^-4 relative) plus the
-    # output's; a dropped, doubled or misplaced key is off by 100% in some column. Queries
-    # are compared with the reference of their e4m3 rounding; NaN page tails as always.
-    num_heads, q_len = heads_and_q_len
-    lens = [512, q_len, 300, 0, 129, 65, 63 + q_len]
-    q, cache, block_table, seq_lens = make_batch(lens, num_heads, 512, 64, 64, q_len, dtype,
-                                                 seed=7, kv_cache_dtype=torch.float8_e4m3fn)
-    for b, length in enumerate(lens):
-        keys = torch.arange(length, device=cache.device)
-        pages, slots = block_table[b, keys // 64].long(), keys % 64
-        cache[pages, slots, :512] = 0.0
-        cache[pages, slots, keys] = 1.0
-    config = _all_fp8_config(num_heads, q_len, dtype, len(lens), 64)
-    plan = plan_mla_decode(len(lens), 8192, num_heads, q_len, 512, 64, dtype, NUM_SMS, 64,
-                           config=config, num_splits=num_splits, capability=CAPABILITY,
-                           kv_cache_dtype=torch.float8_e4m3fn)
-    if CAPABILITY == (9, 0):
-        assert plan.kernel == "gluon_sm90_fp8_transposed"
-    scale = 1.5 / math.sqrt(576)
-    o, lse = mla_decode_triton(q, cache, block_table, seq_lens, scale, 512, q_len, plan)
-    ref_o, ref_lse = mla_decode_reference(fp8_query_round_trip(q, 512), cache, block_table,
-                                          seq_lens, scale, 512, q_len)
-    weights = Tolerance(atol=1e-5, rtol=0.07, rel_err=0.07, cos_gap=2e-3, lse_err=1e-2)
-    assert_matches_reference(o, lse, ref_o, ref_lse, dtype, weights)
-
-
-@gpu_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("block_size", [64, 128])
-def test_all_fp8_products_on_random_values(block_size: int, num_splits: int,
-                                           dtype: torch.dtype) -> None:
-    # Random latents of up to 4096 keys, NaN pages and page tails, a request with no keys, a
-    # NaN-filled workspace: within FP8_PROBABILITIES_TOLERANCE of the reference of the
-    # rounded queries.
-    lens = [4096, 1, 1000, 0, 3 * 1024 + 17, 2 * block_size, block_size + 1, 64]
-    config = _all_fp8_config(16, 1, dtype, len(lens), block_size)
-    q, cache, block_table, seq_lens = make_batch(lens, 16, 512, 64, block_size, 1, dtype,
-                                                 seed=block_size,
-                                                 kv_cache_dtype=torch.float8_e4m3fn)
-    plan = plan_mla_decode(len(lens), 8192, 16, 1, 512, 64, dtype, NUM_SMS, block_size,
-                           config=config, num_splits=num_splits, capability=CAPABILITY,
-                           kv_cache_dtype=torch.float8_e4m3fn)
-    workspace = alloc_workspace(plan, q.device)
-    for buffer in workspace:
-        buffer.fill_(float("nan"))
-    scale = 1.5 / math.sqrt(576)
-    o, lse = mla_decode_triton(q, cache, block_table, seq_lens, scale, 512, 1, plan,
-                               workspace=workspace)
-    ref_o, ref_lse = mla_decode_reference(fp8_query_round_trip(q, 512), cache, block_table,
-                                          seq_lens, scale, 512, 1)
-    assert_matches_reference(o, lse, ref_o, ref_lse, dtype, FP8_PROBABILITIES_TOLERANCE)

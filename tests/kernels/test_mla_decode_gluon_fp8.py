@@ -26,7 +26,6 @@ from mlaserve.kernels.mla_decode.common import (  # noqa: E402
     gluon_fp8_transposed_shared_memory_bytes,
 )
 from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
-    MLADecodeConfig,
     default_config,
     describe,
     plan_mla_decode,
@@ -95,6 +94,7 @@ def test_default_config_takes_the_tuned_fp8_tile_once_one_is_set(
 
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     shape = (16, 1, 512, 64, bf16, 64, 4096)
+    monkeypatch.setattr(tuning, "GLUON_FP8_TRANSPOSED_STAGES", None)  # the default above it
     monkeypatch.setattr(tuning, "GLUON_FP8_TILE", None)
     assert not default_config(*shape, 64, fp8).gluon_fp8
     monkeypatch.setattr(tuning, "GLUON_FP8_TILE", (32, 3))
@@ -132,83 +132,21 @@ def test_transposed_pass_compiles_for_sm90_as_designed(num_stages: int,
     assert "serialized" not in result["ptxas_notes"]  # the products stay asynchronous
 
 
-def test_fp8_scores_run_on_fp8_tensor_cores() -> None:
-    result = compile_sm90("compile_fp8_for_sm90", num_stages=2, transposed=True,
-                          fp8_products="scores")
-    assert result["stack"] == 0
-    assert result["shared"] <= gluon_fp8_transposed_shared_memory_bytes(512, 64, 2)
-    ptx = result["ptx"]
-    scores = [line for line in ptx.splitlines() if "m64n16k32.f32.e4m3.e4m3" in line]
-    values = [line for line in ptx.splitlines() if "m64n16k16.f32.f16.f16" in line]
-    # S^T: FP8 products (18 k-steps a tile: 4 latent chunks and the rope part, in the loop and
-    # in the partial last tile's copy), both operands in shared memory (64-bit descriptors,
-    # no register list for A); O^T as in the float16 mode.
-    assert len(scores) == 2 * 18
-    assert all(line.split(",")[8].strip().startswith("%rd") for line in scores)
-    assert values and all(line.split(",")[8].strip().startswith("{") for line in values)
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the queries rounded in the pass
-    assert "div.rn.f32" in ptx  # divisions rounded as fp8_query_round_trip's
-
-
-def test_all_fp8_products_convert_nothing() -> None:
-    result = compile_sm90("compile_fp8_for_sm90", num_stages=2, transposed=True,
-                          fp8_products="all")
-    assert result["stack"] == 0
-    assert result["shared"] <= gluon_fp8_transposed_shared_memory_bytes(512, 64, 2)
-    assert "serialized" not in result["ptxas_notes"]
-    ptx = result["ptx"]
-    products = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
-    values = [line for line in products if line.split(",")[8].strip().startswith("{")]
-    # S^T from shared memory (18 k-steps a tile); O^T with the FP8 tile in registers, 8 row
-    # blocks x 2 k-steps a tile; each in the loop and in the partial last tile's copy.
-    assert all("m64n16k32.f32.e4m3.e4m3" in line for line in products)
-    assert len(products) == 2 * (18 + 16) and len(values) == 2 * 16
-    assert "cvt.rn.f16x2.e4m3x2" not in ptx  # no FP8 value is converted
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # q and P are rounded to e4m3
-
-
-def test_fp8_query_round_trip_is_e4m3_with_a_scale_per_row_and_group() -> None:
-    from mlaserve.kernels.reference import fp8_query_round_trip
-
-    q = torch.randn(3, 16, 576) * torch.logspace(-2, 2, 576)  # groups of unlike magnitudes
-    q[0, 0] = 0.0
-    rounded = fp8_query_round_trip(q, 512)
-    assert torch.equal(rounded[0, 0], q[0, 0])  # a row of zeros stays zero
-    for start, stop in ((0, 128), (128, 256), (256, 384), (384, 512), (512, 576)):
-        group, back = q[1:, :, start:stop], rounded[1:, :, start:stop]
-        amax = group.abs().amax(dim=-1, keepdim=True)
-        scaled = back / (amax / 448.0)  # e4m3 values, the largest 448
-        torch.testing.assert_close(scaled.to(torch.float8_e4m3fn).float(), scaled, rtol=1e-6,
-                                   atol=0.0)
-        torch.testing.assert_close(scaled.abs().amax(dim=-1, keepdim=True),
-                                   torch.full_like(amax, 448.0), rtol=1e-6, atol=0.0)
-        normal = group.abs() >= amax / 448.0 * 2.0 ** -6  # e4m3's smallest normal
-        error = ((back - group).abs() / group.abs())[normal]
-        assert error.max() <= 2.0 ** -4 + 1e-6  # round to nearest with 3 mantissa bits
-    with pytest.raises(ValueError, match="fp8_products is a mode of the transposed FP8 pass"):
-        MLADecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, gluon_fp8=True,
-                        fp8_products="scores")
-    with pytest.raises(ValueError, match="fp8_products must be one of"):
-        MLADecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, gluon_fp8=True,
-                        fp8_transposed=True, fp8_products="values")
-
-
 def test_transposed_pass_serves_sm90_fp8_shapes_only() -> None:
     sm90, fp8, bf16 = (9, 0), torch.float8_e4m3fn, torch.bfloat16
-    assert gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 64, 2, 64)
-    assert gluon_fp8_transposed_serves(sm90, torch.float16, fp8, 8, 512, 64, 4, 128)
-    assert not gluon_fp8_transposed_serves(None, bf16, fp8, 16, 512, 64, 2, 64)  # not CUDA
-    assert not gluon_fp8_transposed_serves((10, 0), bf16, fp8, 16, 512, 64, 2, 64)
-    assert not gluon_fp8_transposed_serves(sm90, bf16, bf16, 16, 512, 64, 2, 64)  # bf16 cache
-    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 32, 512, 64, 2, 64)  # > 16 rows
-    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 256, 64, 2, 64)  # L != 512
-    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 128, 2, 64)  # R != 64
-    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 64, 2, 32)  # half tiles
-    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 64, 1, 64)  # no ring
-    assert not gluon_fp8_transposed_serves(sm90, bf16, fp8, 16, 512, 64, 6, 64)  # > 227 KB
-    with pytest.raises(ValueError, match="fp8_transposed reads tiles of 64 keys: set block_n=64"):
-        MLADecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, gluon_fp8=True,
-                        fp8_transposed=True)
+    serves = gluon_fp8_transposed_serves
+    assert serves(sm90, bf16, fp8, 16, 512, 64, 64, 2, 64)
+    assert serves(sm90, torch.float16, fp8, 8, 512, 64, 64, 4, 128)
+    assert not serves(None, bf16, fp8, 16, 512, 64, 64, 2, 64)  # not CUDA
+    assert not serves((10, 0), bf16, fp8, 16, 512, 64, 64, 2, 64)
+    assert not serves(sm90, bf16, bf16, 16, 512, 64, 64, 2, 64)  # a bf16 cache
+    assert not serves(sm90, bf16, fp8, 32, 512, 64, 64, 2, 64)  # > 16 rows
+    assert not serves(sm90, bf16, fp8, 16, 256, 64, 64, 2, 64)  # L != 512
+    assert not serves(sm90, bf16, fp8, 16, 512, 128, 64, 2, 64)  # R != 64
+    assert not serves(sm90, bf16, fp8, 16, 512, 64, 32, 2, 64)  # 32-key tiles
+    assert not serves(sm90, bf16, fp8, 16, 512, 64, 64, 2, 32)  # half-tile pages
+    assert not serves(sm90, bf16, fp8, 16, 512, 64, 64, 1, 64)  # no ring
+    assert not serves(sm90, bf16, fp8, 16, 512, 64, 64, 6, 64)  # > 227 KB
 
 
 def test_the_plan_takes_the_transposed_pass_only_where_asked_and_served(
@@ -227,17 +165,17 @@ def test_the_plan_takes_the_transposed_pass_only_where_asked_and_served(
 
     assert plan().kernel == GLUON_SM90_FP8_T
     assert describe(plan()).startswith(f"{GLUON_SM90_FP8_T} m16 n64 s2")
-    assert "fp8-" not in describe(plan())
-    assert describe(plan(config=replace(config, fp8_products="scores"))).endswith("fp8-scores")
-    assert describe(plan(config=replace(config, fp8_products="all"))).endswith("fp8-all")
     assert plan(block_size=128).kernel == GLUON_SM90_FP8_T
     assert plan(kv_cache_dtype=None).kernel == TRITON_SPLIT  # a bf16 cache
     assert plan(capability=(8, 0)).kernel == TRITON_SPLIT
     assert plan(num_heads=32).kernel == TRITON_SPLIT  # 32 rows
     assert plan(config=replace(config, fp8_transposed=False)).kernel == GLUON_SM90_FP8
+    # 32-key tiles: not this pass (the other FP8 pass, where asked with gluon_fp8, takes them)
+    assert plan(config=replace(config, block_n=32)).kernel == GLUON_SM90_FP8
     assert plan(config=replace(config, split_policy="balanced")).kernel == TRITON_SPLIT
     # As the default: one value in tuning.py, and only where the pages are whole tiles.
     shape = (16, 1, 512, 64, bf16, 64, 4096)
+    monkeypatch.setattr(tuning, "GLUON_FP8_TRANSPOSED_STAGES", None)
     assert not default_config(*shape, 64, fp8).fp8_transposed
     monkeypatch.setattr(tuning, "GLUON_FP8_TRANSPOSED_STAGES", 3)
     chosen = default_config(*shape, 64, fp8)

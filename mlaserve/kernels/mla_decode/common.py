@@ -108,13 +108,16 @@ def gluon_fp8_transposed_shared_memory_bytes(kv_lora_rank: int, rope_dim: int,
 
 def gluon_fp8_transposed_serves(capability: tuple[int, int] | None, dtype: torch.dtype,
                                 cache_dtype: torch.dtype, rows: int, kv_lora_rank: int,
-                                rope_dim: int, num_stages: int, block_size: int) -> bool:
+                                rope_dim: int, block_n: int, num_stages: int,
+                                block_size: int) -> bool:
     """Whether the transposed FP8 pass serves the shape: sm_90, 16-bit q over a
-    float8_e4m3fn cache, at most 16 query rows, L = 4 x 128, R = 64, pages of a multiple of
-    its 64-key tiles, 2 or more tiles in the ring, within the shared memory of a block."""
+    float8_e4m3fn cache, at most 16 query rows, L = 4 x 128, R = 64, its 64-key tiles
+    (block_n) and pages of a multiple of them, 2 or more tiles in the ring, within the shared
+    memory of a block."""
     return (capability == (9, 0) and dtype in _GLUON_DTYPES
             and cache_dtype == torch.float8_e4m3fn and rows <= GLUON_FP8_ROWS
             and kv_lora_rank == 4 * GLUON_FP8_CHUNK and rope_dim == 64
+            and block_n == GLUON_FP8_TRANSPOSED_TILE
             and block_size % GLUON_FP8_TRANSPOSED_TILE == 0 and num_stages >= 2
             and gluon_fp8_transposed_shared_memory_bytes(kv_lora_rank, rope_dim, num_stages)
             <= GLUON_SHARED_MEMORY_LIMIT)

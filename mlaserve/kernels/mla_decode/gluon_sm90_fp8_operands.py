@@ -1,9 +1,9 @@
 """Building blocks of the transposed FP8 decode pass (`gluon_sm90_fp8_transposed.py`, whose
 docstring has the design): the register layouts in which a thread's bytes of a key are
-contiguous, the axis orders that turn them into wgmma's A operands, the queries' e4m3
-rounding, and the two products of one tile, S^T = K Q^T and O^T += V^T P^T, in float16 or on
-FP8 tensor cores. Shapes: a ring slot [4 x 64 keys, 128] plus its rope part [64, R], Q^T
-chunks [16, 128] / [16, R] in shared memory, S^T [64 keys, 16], O^T [512, 16]."""
+contiguous, the axis orders that turn them into wgmma's A operands, and the two products of
+one tile, S^T = K Q^T and O^T += V^T P^T. Shapes: a ring slot [4 x 64 keys, 128] plus its
+rope part [64, R], Q^T chunks [16, 128] / [16, R] in shared memory, S^T [64 keys, 16], O^T
+[512, 16]."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -12,15 +12,6 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warp
 from mlaserve.kernels.mla_decode.common import GLUON_FP8_TRANSPOSED_TILE
 
 TILE = gl.constexpr(GLUON_FP8_TRANSPOSED_TILE)  # keys per tile: wgmma's M in S^T
-FP8_E4M3_MAX = gl.constexpr(448.0)  # the largest float8_e4m3fn value
-
-
-@gluon.constexpr_function
-def fp8_wgmma_layout(columns):
-    """Accumulator layout of one warpgroup's FP8 wgmma over 64 rows x `columns`: FP8's K step
-    is 32; the registers are those of `wgmma_layout(columns)`."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, columns, 32])
 
 
 @gluon.constexpr_function
@@ -36,17 +27,13 @@ def _scores_operand_load(width):
 
 
 @gluon.constexpr_function
-def _output_operand_load(keys, k_width):
-    """Registers of a tile's 4 latent chunks [4, keys, 128] as O^T's A operand reads them, for
-    k_width keys a register (2: float16, 4: FP8): thread (w, 4g + q) holds chunk w, columns
-    16g .. 16g + 15, and keys 8 k_width s + 4 k_width j + k_width q + i (i < k_width)."""
-    regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
-    regs += [[0, 1 << b, 0] for b in range(k_width.bit_length() - 1)]
-    regs += [[0, 4 * k_width, 0]]
-    regs += [[0, (8 * k_width) << b, 0] for b in range((keys // (8 * k_width)).bit_length() - 1)]
+def _output_operand_load(keys):
+    """Registers of a tile's 4 latent chunks [4, keys, 128] as O^T's A operand reads them:
+    thread (w, 4g + q) holds chunk w, columns 16g .. 16g + 15, and keys 16s + 8j + 2q + i."""
+    regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]]
+    regs += [[0, 16 << b, 0] for b in range((keys // 16).bit_length() - 1)]
     return gl.DistributedLinearLayout(
-        reg_bases=regs,
-        lane_bases=[[0, k_width, 0], [0, 2 * k_width, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+        reg_bases=regs, lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, keys, 128])
 
 
@@ -78,22 +65,6 @@ def output_in_column_order(out):
     out = gl.reshape(out, [8, 4, 2, 8, ROWS_O])  # [b, w, h, g, row]
     out = gl.permute(out, [4, 1, 3, 0, 2])  # [row, w, g, b, h]
     return gl.reshape(out, [ROWS_O, 512])
-
-
-@gluon.jit
-def store_fp8_queries(q_rows_ptr, q_mask, first_column, target, SCALE_LAYOUT: gl.constexpr):
-    """Round the queries' columns first_column .. + W (W: target's width) to e4m3 with a scale
-    per row, amax / 448 (1 for a row of zeros), into target [16, W]; returns the scales [16]
-    in SCALE_LAYOUT. Divisions rounded correctly, so the values are those of
-    `reference.fp8_query_round_trip`."""
-    W: gl.constexpr = target.type.shape[1]
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    cols = gl.expand_dims(first_column + gl.arange(0, W, layout=gl.SliceLayout(0, LOAD)), 0)
-    q = gl.load(q_rows_ptr + cols, mask=q_mask, other=0.0).to(gl.float32)  # [16, W]
-    amax = gl.max(gl.abs(q), axis=1)
-    scale = gl.where(amax > 0.0, gl.div_rn(amax, gl.full_like(amax, FP8_E4M3_MAX)), 1.0)
-    target.store(gl.div_rn(q, gl.expand_dims(scale, 1)).to(gl.float8e4nv))
-    return gl.convert_layout(scale, SCALE_LAYOUT)
 
 
 @gluon.jit
@@ -135,39 +106,10 @@ def key_scores(kv_smem, pe_smem, q_smem, q_pe_smem, stage, S_LAYOUT: gl.constexp
 
 
 @gluon.jit
-def key_scores_fp8(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, stage,
-                        S_LAYOUT: gl.constexpr):
-    """S^T [64 keys, 16] of ring slot `stage` with the queries in FP8: one FP8 wgmma per
-    piece (4 latent chunks and the rope part) on the tile as stored, each scaled by its
-    queries' scales [16] (`q_scales`, a tuple of 5) as the pieces are added."""
-    ROWS: gl.constexpr = q_smem.type.shape[1]
-    S8_LAYOUT: gl.constexpr = fp8_wgmma_layout(ROWS)
-    zeros = gl.zeros([TILE, ROWS], gl.float32, S8_LAYOUT)
-    slot = kv_smem.index(stage)  # [4 x 64, 128]
-    s_0 = warpgroup_mma(slot.slice(0, TILE), q_smem.index(0).permute((1, 0)), zeros,
-                        use_acc=False, is_async=True)
-    s_1 = warpgroup_mma(slot.slice(TILE, TILE), q_smem.index(1).permute((1, 0)), zeros,
-                        use_acc=False, is_async=True)
-    s_2 = warpgroup_mma(slot.slice(2 * TILE, TILE), q_smem.index(2).permute((1, 0)), zeros,
-                        use_acc=False, is_async=True)
-    s_3 = warpgroup_mma(slot.slice(3 * TILE, TILE), q_smem.index(3).permute((1, 0)), zeros,
-                        use_acc=False, is_async=True)
-    s_pe = warpgroup_mma(pe_smem.index(stage), q_pe_smem.permute((1, 0)), zeros, use_acc=False,
-                         is_async=True)
-    s_0, s_1, s_2, s_3, s_pe = warpgroup_mma_wait(0, deps=[s_0, s_1, s_2, s_3, s_pe])
-    scale_0, scale_1, scale_2, scale_3, scale_pe = q_scales
-    return (gl.convert_layout(s_0, S_LAYOUT) * gl.expand_dims(scale_0, 0)
-            + gl.convert_layout(s_1, S_LAYOUT) * gl.expand_dims(scale_1, 0)
-            + gl.convert_layout(s_2, S_LAYOUT) * gl.expand_dims(scale_2, 0)
-            + gl.convert_layout(s_3, S_LAYOUT) * gl.expand_dims(scale_3, 0)
-            + gl.convert_layout(s_pe, S_LAYOUT) * gl.expand_dims(scale_pe, 0))
-
-
-@gluon.jit
 def _value_operand(chunks, part, num_valid, A_LAYOUT: gl.constexpr, PARTIAL: gl.constexpr):
     """Keys 16 part .. 16 part + 15 of a tile's chunks [4, 64, 128] as O^T's A operand V^T
     [512, 16], float16; in a PARTIAL tile the keys >= num_valid are zeroed."""
-    LOAD: gl.constexpr = _output_operand_load(16, 2)
+    LOAD: gl.constexpr = _output_operand_load(16)
     v = chunks.slice(part * 16, 16, dim=1).load(LOAD).to(gl.float16)  # [4, 16, 128]
     if PARTIAL:
         keys = part * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LOAD)))
@@ -198,36 +140,4 @@ def add_values(kv_smem, p_smem, stage, acc, num_valid, PARTIAL: gl.constexpr):
         previous = warpgroup_mma_wait(1, deps=[previous])  # its registers are free after this
         previous = v
     acc, previous = warpgroup_mma_wait(0, deps=[acc, previous])
-    return acc
-
-
-@gluon.jit
-def add_values_fp8(kv_smem, p_smem, stage, acc, num_valid, PARTIAL: gl.constexpr):
-    """O^T += V^T P^T over ring slot `stage` on FP8 tensor cores (P^T rounded to e4m3), 32 keys
-    a product; the tile's bytes reach the operand layout by byte permutes only. In a PARTIAL
-    tile the keys >= num_valid are zeroed."""
-    C: gl.constexpr = kv_smem.type.shape[1] // TILE
-    LC: gl.constexpr = kv_smem.type.shape[2]
-    PART: gl.constexpr = 32  # keys: FP8 wgmma's K step
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
-                                                 k_width=4)
-    LOAD: gl.constexpr = _output_operand_load(PART, 4)
-    CHUNKS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
-                                                rank=3)
-    chunks = kv_smem.index(stage)._reinterpret(gl.float8e4nv, [C, TILE, LC],
-                                               CHUNKS)  # [4, 64, 128]
-    for part in gl.static_range(TILE // PART):
-        v = chunks.slice(part * PART, PART, dim=1).load(LOAD)  # [4, 32, 128] FP8
-        if PARTIAL:
-            keys = part * PART + gl.arange(0, PART, layout=gl.SliceLayout(
-                0, gl.SliceLayout(2, LOAD)))
-            keep = gl.expand_dims(gl.expand_dims(keys < num_valid, 0), 2)  # [1, 32, 1]
-            bits = v.to(gl.uint8, bitcast=True)
-            v = gl.where(keep, bits, gl.zeros_like(bits)).to(gl.float8e4nv, bitcast=True)
-        v = gl.convert_layout(_rows_for_output(v), A_LAYOUT)  # V^T [512, 32]
-        p_part = p_smem.slice(part * PART, PART, dim=1).permute((1, 0))  # P^T [32 keys, 16]
-        acc = warpgroup_mma(v, p_part, acc, is_async=True)
-        # The wait takes no 8-bit operand to keep alive: each product is waited on before the
-        # next operand is built.
-        acc = warpgroup_mma_wait(0, deps=[acc])
     return acc

@@ -42,18 +42,6 @@ The schedule, one program per (split, request), 5 warps:
   page tail may hold NaN, and P = 0 times NaN is NaN). The column sums of P are kept per
   element and added across the warps once, at the end.
 
-FP8 products (opt-in, `MLADecodeConfig.fp8_products`; both change the numerics):
-- "scores" (FP8_QUERIES): the queries are rounded to e4m3 in the prologue, a scale per row and
-  per 128-column group (the rope part one group), amax / 448, with correctly rounded divisions
-  (`reference.fp8_query_round_trip` gives the same values), and S^T runs on FP8 tensor cores
-  with both operands in shared memory, the tile as TMA stored it (one product per group,
-  scaled as the groups are added): no conversion for S^T, half the pass's.
-- "all" (FP8_VALUES as well): P^T is rounded to e4m3 (times 2^8, undone at the end) and O^T
-  runs on FP8 tensor cores too, its A operand the tile's bytes moved into place by byte
-  permutes, 32 keys a product: no conversions at all. P's rounding (up to 2^-4 of each weight)
-  puts an error on the output: 0.7-0.8% relative, 1 - cos 3-4e-4, in a torch emulation on
-  the decode tests' random batches (`testing.FP8_PROBABILITIES_TOLERANCE`).
-
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
 log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
 pass only where `common.gluon_fp8_transposed_serves` holds and the configuration asks
@@ -74,18 +62,13 @@ from mlaserve.kernels.mla_decode.gluon_sm90_fp8 import kv_descriptors
 from mlaserve.kernels.mla_decode.gluon_sm90_fp8_operands import (
     TILE,
     add_values,
-    add_values_fp8,
     columns_for_scores,
-    fp8_wgmma_layout,
     key_scores,
-    key_scores_fp8,
     output_in_column_order,
-    store_fp8_queries,
 )
 from mlaserve.kernels.mla_decode.gluon_sm90_tiles import wgmma_layout
 from mlaserve.kernels.mla_decode.splits import split_bounds
 
-P_SCALE = gl.constexpr(256.0)  # P (<= 1) times 2^8 before its e4m3 rounding
 NUM_WARPS = 4  # the compute warpgroup; the loader warp comes on top
 # Registers per thread at launch, for the 8 warps the compiler makes of 4 + 1: two programs fit
 # an SM's 64K registers; setmaxnreg then gives the compute warpgroup 232 and the loader 24.
@@ -117,7 +100,7 @@ def _loader_partition(kv_desc, pe_desc, kv_smem, pe_smem, kv_ready, kv_empty, bt
 
 
 @gluon.jit
-def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem, kv_ready, kv_empty, t,
+def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready, kv_empty, t,
                split_start, split_end, last_key, qk_scale, acc, m_i, l_cols,
                PARTIAL: gl.constexpr):
     """Tile t of the split: returns O^T [512, 16], the running column max [16] and the column
@@ -128,11 +111,7 @@ def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem, kv_ready, 
     stage = t % STAGES
     tile_start = split_start + t * TILE
     mbarrier.wait(kv_ready.index(stage), (t // STAGES) & 1)
-    if q_smem.type.element_ty == gl.float8e4nv:
-        scores = key_scores_fp8(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, stage,
-                                     S_LAYOUT)
-    else:
-        scores = key_scores(kv_smem, pe_smem, q_smem, q_pe_smem, stage, S_LAYOUT)
+    scores = key_scores(kv_smem, pe_smem, q_smem, q_pe_smem, stage, S_LAYOUT)
     pos = gl.expand_dims(tile_start + gl.arange(0, TILE, layout=KEY_S), 1)  # [64, 1]
     visible = (pos < split_end) & (pos <= gl.expand_dims(last_key, 0))  # [64, 16]
     scores = gl.where(visible, scores * qk_scale, float("-inf"))
@@ -141,18 +120,11 @@ def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem, kv_ready, 
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(scores - gl.expand_dims(m_safe, 0))  # [64, 16]
     l_cols = l_cols * gl.expand_dims(alpha, 0) + p
-    fp8_values: gl.constexpr = p_smem.type.element_ty == gl.float8e4nv
-    if fp8_values:  # P^T [16, 64] in e4m3, times 2^8 (P <= 1): exact, undone at the end
-        p_smem.store(gl.permute((p * P_SCALE).to(gl.float8e4nv), [1, 0]))
-    else:
-        p_smem.store(gl.permute(p.to(gl.float16), [1, 0]))  # P^T [16, 64], keys contiguous
+    p_smem.store(gl.permute(p.to(gl.float16), [1, 0]))  # P^T [16, 64], keys contiguous
     fence_async_shared()
     gl.thread_barrier()  # P^T is whole before wgmma reads it
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, acc.type.layout)), 0)
-    if fp8_values:
-        acc = add_values_fp8(kv_smem, p_smem, stage, acc, split_end - tile_start, PARTIAL)
-    else:
-        acc = add_values(kv_smem, p_smem, stage, acc, split_end - tile_start, PARTIAL)
+    acc = acc * gl.expand_dims(alpha, 0)
+    acc = add_values(kv_smem, p_smem, stage, acc, split_end - tile_start, PARTIAL)
     mbarrier.arrive(kv_empty.index(stage))
     return acc, m_new, l_cols
 
@@ -169,7 +141,6 @@ def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_re
     R: gl.constexpr = q_pe_smem.type.shape[1]
     L: gl.constexpr = C * LC
     S_LAYOUT: gl.constexpr = wgmma_layout(ROWS)  # [64 keys or latent rows, 16 query rows]
-    S8_LAYOUT: gl.constexpr = fp8_wgmma_layout(ROWS)  # the same registers, FP8's K step
     ROW_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     OUT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
@@ -179,51 +150,36 @@ def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_re
     q_offs = gl.expand_dims((req * q_len + q_rows // num_heads).to(gl.int64) * stride_q_token
                             + (q_rows % num_heads) * stride_q_head, 1)  # [ROWS, 1]
     q_mask = gl.expand_dims(q_rows < num_rows, 1)
-    if q_smem.type.element_ty == gl.float8e4nv:  # FP8 queries, columns in order
-        q_scales = (store_fp8_queries(q_ptr + q_offs, q_mask, 0, q_smem.index(0), ROW_S),
-                    store_fp8_queries(q_ptr + q_offs, q_mask, LC, q_smem.index(1), ROW_S),
-                    store_fp8_queries(q_ptr + q_offs, q_mask, 2 * LC, q_smem.index(2), ROW_S),
-                    store_fp8_queries(q_ptr + q_offs, q_mask, 3 * LC, q_smem.index(3), ROW_S),
-                    store_fp8_queries(q_ptr + q_offs, q_mask, L, q_pe_smem, ROW_S))
-    else:  # float16 queries, columns in S^T's order
-        for c in gl.static_range(C):
-            cols = gl.expand_dims(c * LC + gl.arange(0, LC, layout=gl.SliceLayout(0, Q_LOAD)),
-                                  0)
-            q_chunk = gl.load(q_ptr + q_offs + cols, mask=q_mask, other=0.0).to(gl.float16)
-            q_smem.index(c).store(columns_for_scores(q_chunk))
-        cols_pe = gl.expand_dims(L + gl.arange(0, R, layout=gl.SliceLayout(0, Q_LOAD)), 0)
-        q_pe = gl.load(q_ptr + q_offs + cols_pe, mask=q_mask, other=0.0).to(gl.float16)
-        q_pe_smem.store(columns_for_scores(q_pe))
-        one = gl.full([ROWS], 1.0, gl.float32, ROW_S)
-        q_scales = (one, one, one, one, one)  # unused
+    for c in gl.static_range(C):
+        cols = gl.expand_dims(c * LC + gl.arange(0, LC, layout=gl.SliceLayout(0, Q_LOAD)), 0)
+        q_chunk = gl.load(q_ptr + q_offs + cols, mask=q_mask, other=0.0).to(gl.float16)
+        q_smem.index(c).store(columns_for_scores(q_chunk))
+    cols_pe = gl.expand_dims(L + gl.arange(0, R, layout=gl.SliceLayout(0, Q_LOAD)), 0)
+    q_pe = gl.load(q_ptr + q_offs + cols_pe, mask=q_mask, other=0.0).to(gl.float16)
+    q_pe_smem.store(columns_for_scores(q_pe))
     fence_async_shared()
     gl.thread_barrier()  # Q^T is whole before wgmma reads it
 
     rows = gl.arange(0, ROWS, layout=ROW_S)
     last_key = seq_len - q_len + rows // num_heads  # token t sees keys up to its position
-    fp8_values: gl.constexpr = p_smem.type.element_ty == gl.float8e4nv
-    O_LAYOUT: gl.constexpr = S8_LAYOUT if fp8_values else S_LAYOUT
-    acc = gl.zeros([L, ROWS], gl.float32, O_LAYOUT)  # O^T
+    acc = gl.zeros([L, ROWS], gl.float32, S_LAYOUT)  # O^T
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
     l_cols = gl.zeros([TILE, ROWS], gl.float32, S_LAYOUT)
     num_whole = gl.maximum(split_end - split_start, 0) // TILE
     for t in range(num_whole):
-        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem,
-                                      kv_ready, kv_empty, t, split_start, split_end, last_key,
-                                      qk_scale, acc, m_i, l_cols, False)
+        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready,
+                                      kv_empty, t, split_start, split_end, last_key, qk_scale,
+                                      acc, m_i, l_cols, False)
     if num_whole < num_tiles:  # the split's partial last tile
-        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, q_scales, p_smem,
-                                      kv_ready, kv_empty, num_whole, split_start, split_end,
-                                      last_key, qk_scale, acc, m_i, l_cols, True)
+        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready,
+                                      kv_empty, num_whole, split_start, split_end, last_key,
+                                      qk_scale, acc, m_i, l_cols, True)
 
     l_i = gl.sum(l_cols, axis=0)  # [ROWS]
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
     gl.store(lse_ptr + out_base + rows, lse, mask=rows < num_rows)
-    inv = 1.0 / l_safe
-    if fp8_values:
-        inv = inv / P_SCALE
-    out = acc * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, O_LAYOUT)), 0)
+    out = acc * gl.expand_dims(1.0 / l_safe, 0)
     out = gl.convert_layout(output_in_column_order(out), OUT)  # [ROWS, L]
     rows_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT))
     out_ok = rows_o < num_rows
@@ -255,8 +211,6 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
-    FP8_QUERIES: gl.constexpr,  # queries rounded to e4m3, S^T on FP8 tensor cores
-    FP8_VALUES: gl.constexpr,  # P rounded to e4m3, O^T on FP8 tensor cores
 ):
     LC: gl.constexpr = kv_desc.block_type.shape[1]
     R: gl.constexpr = pe_desc.block_type.shape[1]
@@ -274,14 +228,12 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     kv_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, C * TILE, LC],
                                         kv_desc.layout)
     pe_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, TILE, R], pe_desc.layout)
-    q_dtype: gl.constexpr = gl.float8e4nv if FP8_QUERIES else gl.float16
     q_smem = gl.allocate_shared_memory(
-        q_dtype, [C, ROWS, LC], gl.NVMMASharedLayout.get_default_for([ROWS, LC], q_dtype))
+        gl.float16, [C, ROWS, LC], gl.NVMMASharedLayout.get_default_for([ROWS, LC], gl.float16))
     q_pe_smem = gl.allocate_shared_memory(
-        q_dtype, [ROWS, R], gl.NVMMASharedLayout.get_default_for([ROWS, R], q_dtype))
-    p_dtype: gl.constexpr = gl.float8e4nv if FP8_VALUES else gl.float16
+        gl.float16, [ROWS, R], gl.NVMMASharedLayout.get_default_for([ROWS, R], gl.float16))
     p_smem = gl.allocate_shared_memory(
-        p_dtype, [ROWS, TILE], gl.NVMMASharedLayout.get_default_for([ROWS, TILE], p_dtype))
+        gl.float16, [ROWS, TILE], gl.NVMMASharedLayout.get_default_for([ROWS, TILE], gl.float16))
     BARRIERS: gl.constexpr = mbarrier.MBarrierLayout()
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS)
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS)
@@ -313,7 +265,6 @@ def launch_split_pass(
     num_splits: int,
     min_split_len: int,
     num_stages: int,
-    fp8_products: str = "none",
 ) -> None:
     """Stage 1 of `mla_decode_triton` where the plan names this pass (`GLUON_SM90_FP8_T`).
 
@@ -324,9 +275,7 @@ def launch_split_pass(
         partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
             (flat): the partials, or with num_splits == 1 the final o (q's dtype) and lse.
         qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of 64;
-            num_stages: FP8 tiles in the shared ring. fp8_products: which products run on
-            FP8 tensor cores (`plan.FP8_PRODUCTS`): "none"; "scores" (q rounded to e4m3 as
-            `reference.fp8_query_round_trip` rounds it); "all" (P rounded to e4m3 too).
+            num_stages: FP8 tiles in the shared ring.
     """
     num_heads = q.shape[1]
     block_size = kv_cache.shape[1]
@@ -336,8 +285,7 @@ def launch_split_pass(
         q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
         num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),
         ROWS=GLUON_FP8_ROWS, BLOCK_SIZE=block_size, NUM_STAGES=num_stages,
-        DIRECT_OUTPUT=num_splits == 1, FP8_QUERIES=fp8_products != "none",
-        FP8_VALUES=fp8_products == "all", num_warps=NUM_WARPS,
+        DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS,
         maxnreg=LAUNCH_REGISTERS)
 
 

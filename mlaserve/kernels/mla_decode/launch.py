@@ -157,8 +157,7 @@ def mla_decode_triton(
 
         gluon_sm90_fp8_transposed.launch_split_pass(
             q, kv_cache, block_table, seq_lens, partial_o, partial_lse, qk_scale, kv_lora_rank,
-            q_len, num_splits, plan.config.min_split_len, plan.config.num_stages,
-            plan.config.fp8_products)
+            q_len, num_splits, plan.config.min_split_len, plan.config.num_stages)
     else:
         triton_split.launch_split(plan, q, kv_cache, block_table, seq_lens, partial_o,
                                   partial_lse, qk_scale, kv_lora_rank, q_len)

@@ -27,8 +27,6 @@ from mlaserve.kernels.mla_decode.common import (
 )
 
 SPLIT_POLICIES = ("waves", "fill", "balanced")
-# What the transposed FP8 pass runs on FP8 tensor cores (`MLADecodeConfig.fp8_products`).
-FP8_PRODUCTS = ("none", "scores", "all")
 
 
 @dataclass(frozen=True)
@@ -74,14 +72,7 @@ class MLADecodeConfig:
         fp8_transposed: with gluon_fp8, run instead the Gluon kernel of
             `gluon_sm90_fp8_transposed.py` (both products transposed so that the query rows
             are wgmma's N, each FP8 tile converted in registers; 64-key tiles, so pages of a
-            multiple of 64 tokens), num_stages FP8 tiles in its ring; block_n must be 64.
-        fp8_products: with fp8_transposed, the products that run on FP8 tensor cores
-            (`FP8_PRODUCTS`): "none"; "scores", the queries rounded to e4m3 (a scale per row
-            and 128-column group: `reference.fp8_query_round_trip`) and S^T computed on the
-            tiles as stored (half the pass's conversions); "all", P rounded to e4m3 too and
-            O^T on FP8 as well (no conversions; up to 2^-4 of each weight, held to
-            `testing.FP8_PROBABILITIES_TOLERANCE`). Either changes the numerics: never chosen
-            by `default_config`.
+            multiple of 64 tokens), num_stages FP8 tiles in its ring; only with block_n 64.
         latent_chunks: the Triton split pass holds the latent (L columns of q, of each KV
             tile and of the accumulator) as this many column chunks, each its own dot, so no
             operand of a whole [block_n, L] tile has to live in registers at once; a power of
@@ -105,7 +96,6 @@ class MLADecodeConfig:
     latent_chunks: int = 1
     gluon_fp8: bool = False
     fp8_transposed: bool = False
-    fp8_products: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -124,15 +114,6 @@ class MLADecodeConfig:
         if self.latent_chunks < 1 or self.latent_chunks & (self.latent_chunks - 1):
             raise ValueError(
                 f"latent_chunks must be a power of two, got {self.latent_chunks}")
-        if self.fp8_products not in FP8_PRODUCTS:
-            raise ValueError(f"fp8_products must be one of {FP8_PRODUCTS}, "
-                             f"got {self.fp8_products!r}")
-        if self.fp8_products != "none" and not self.fp8_transposed:
-            raise ValueError("fp8_products is a mode of the transposed FP8 pass: set "
-                             "fp8_transposed=True (and gluon_fp8=True) too")
-        if self.fp8_transposed and self.block_n != GLUON_FP8_TRANSPOSED_TILE:
-            raise ValueError(f"fp8_transposed reads tiles of {GLUON_FP8_TRANSPOSED_TILE} keys: "
-                             f"set block_n={GLUON_FP8_TRANSPOSED_TILE}, not {self.block_n}")
 
 
 @dataclass(frozen=True)
@@ -392,10 +373,11 @@ def plan_mla_decode(
         config.num_stages, block_size)
     if gluon and not fp8_cache and not balance_splits:  # neither is in the Gluon pass
         kernel = GLUON_SM90
-    elif config.gluon_fp8 and config.fp8_transposed and not balance_splits:
-        if gluon_fp8_transposed_serves(capability, dtype, cache_dtype, rows, kv_lora_rank,
-                                       qk_rope_head_dim, config.num_stages, block_size):
-            kernel = GLUON_SM90_FP8_T
+    elif config.gluon_fp8 and config.fp8_transposed and not balance_splits and (
+            gluon_fp8_transposed_serves(capability, dtype, cache_dtype, rows, kv_lora_rank,
+                                        qk_rope_head_dim, config.block_n, config.num_stages,
+                                        block_size)):
+        kernel = GLUON_SM90_FP8_T
     elif config.gluon_fp8 and not balance_splits and gluon_fp8_serves(
             capability, dtype, cache_dtype, rows, kv_lora_rank, qk_rope_head_dim,
             config.block_n, config.num_stages, block_size):
@@ -479,9 +461,7 @@ def describe(plan: MLADecodePlan) -> str:
         balance = f" keys/{plan.balance_splits}" if plan.balance_splits else ""
         parts.append(f"({c.split_policy}{balance} {c.programs_per_sm:g}/SM, "
                      f"min {c.min_split_len}, {c.partial_dtype} partials)")
-    fp8_products = c.fp8_products != "none" and plan.kernel == GLUON_SM90_FP8_T
     flags = [name for name, on in (("tma", plan.tma_loads), ("pdl", plan.programmatic_launch),
-                                   ("fp16-dots", plan.fp16_dots and plan.kernel == TRITON_SPLIT),
-                                   (f"fp8-{c.fp8_products}", fp8_products))
+                                   ("fp16-dots", plan.fp16_dots and plan.kernel == TRITON_SPLIT))
              if on]
     return " ".join(parts + flags)
