@@ -15,8 +15,9 @@ GLUON_MIN_PAGE = 32  # tokens per page the Gluon pass needs (one tile within a p
 # The FP8 Gluon pass (`gluon_sm90_fp8.py`) over an FP8 cache under 16-row programs:
 # (block_n, num_stages), or None to read FP8 caches with the Triton split pass (TRITON_TILES).
 GLUON_FP8_TILE: tuple[int, int] | None = (32, 2)
-# The transposed FP8 pass (`gluon_sm90_fp8_transposed.py`, 64-key tiles): its ring depth, or
-# None while it is not the default (it has not been timed on the H200 yet).
+# The transposed FP8 pass (`gluon_sm90_fp8_transposed.py`, 64-key tiles), the FP8-cache default
+# where pages hold whole tiles: its ring depth (3 was slower: one program an SM), or None to
+# fall back to GLUON_FP8_TILE's pass.
 GLUON_FP8_TRANSPOSED_STAGES: int | None = 2
 
 # float32 inputs (tests under the interpreter, FMA dots on a GPU): 16-row groups, the widest
