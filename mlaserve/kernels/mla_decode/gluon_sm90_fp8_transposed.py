@@ -29,7 +29,8 @@ thread (`scripts/kernel_resources.py` reads the SASS; the layouts and orders are
   chunk w, 16 bytes per key. Keys stay in order (P^T is written in that order); the output
   is put back in column order as it is stored.
 
-The schedule, one program per (split, request), 5 warps:
+The schedule, one program per (split, request): a compute warpgroup and a loader warp (the
+compiler launches 8 warps; setmaxnreg gives them 232 and 24 registers of 128 at launch):
 - A loader warp copies each KV tile [64, 4 x 128] and [64, R] by TMA into a ring of
   NUM_STAGES buffers guarded by ready / empty mbarriers (one page id per tile: pages of a
   multiple of 64 tokens).
@@ -45,7 +46,8 @@ The schedule, one program per (split, request), 5 warps:
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
 log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
 pass only where `common.gluon_fp8_transposed_serves` holds and the configuration asks
-(`gluon_fp8` with `fp8_transposed`).
+(`gluon_fp8` with `fp8_transposed`), which it does by default for FP8 caches under 16-row
+programs (`tuning.GLUON_FP8_TRANSPOSED_STAGES`).
 """
 
 import torch
