@@ -63,8 +63,8 @@ WEIGHT_ONLY_MAX_SPLITS = 4
 WEIGHT_ONLY_MIN_SPLIT_BLOCKS = 14
 # Whether the weight-only product multiplies W x^T (the converted weight tile the left operand,
 # which Hopper's wgmma can read from registers) rather than x W^T (the converted tile stored to
-# shared memory first). x W^T is the one measured (benchmarks/fp8/weight_only.log); the sweep
-# of scripts/fp8_weight_only_check.py times both (`--swap-ab 0,1`).
+# shared memory first). W x^T won no 1- or 16-row cell of the H100 sweep
+# (benchmarks/fp8/h100/weight_only.log, scripts/fp8_weight_only_check.py --swap-ab 0,1).
 WEIGHT_ONLY_SWAP_AB = False
 
 
