@@ -81,6 +81,16 @@ def gluon_fp8_shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int
             + 2 * GLUON_FP8_ROWS * block_n + barriers + 64)
 
 
+def _fp8_pass_problem(capability: tuple[int, int] | None, dtype: torch.dtype,
+                      cache_dtype: torch.dtype, rows: int, kv_lora_rank: int,
+                      rope_dim: int) -> bool:
+    """The problem both FP8 Gluon passes solve: sm_90, 16-bit q over a float8_e4m3fn cache,
+    at most 16 query rows, L = 4 x 128, R = 64."""
+    return (capability == (9, 0) and dtype in _GLUON_DTYPES
+            and cache_dtype == torch.float8_e4m3fn and rows <= GLUON_FP8_ROWS
+            and kv_lora_rank == 4 * GLUON_FP8_CHUNK and rope_dim == 64)
+
+
 def gluon_fp8_serves(capability: tuple[int, int] | None, dtype: torch.dtype,
                      cache_dtype: torch.dtype, rows: int, kv_lora_rank: int, rope_dim: int,
                      block_n: int, num_stages: int, block_size: int) -> bool:
@@ -88,9 +98,7 @@ def gluon_fp8_serves(capability: tuple[int, int] | None, dtype: torch.dtype,
     cache, at most 16 query rows, L = 4 x 128, R = 64, tiles of 32 or 64 tokens within a page
     (the score layout spans 32 columns over the 4 warps: a 16-token tile would repeat half
     of every warp's work), 2 or more tiles in the ring, within the shared memory of a block."""
-    return (capability == (9, 0) and dtype in _GLUON_DTYPES
-            and cache_dtype == torch.float8_e4m3fn and rows <= GLUON_FP8_ROWS
-            and kv_lora_rank == 4 * GLUON_FP8_CHUNK and rope_dim == 64
+    return (_fp8_pass_problem(capability, dtype, cache_dtype, rows, kv_lora_rank, rope_dim)
             and block_n in (32, 64) and block_n <= block_size and num_stages >= 2
             and gluon_fp8_shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages)
             <= GLUON_SHARED_MEMORY_LIMIT)
@@ -114,9 +122,7 @@ def gluon_fp8_transposed_serves(capability: tuple[int, int] | None, dtype: torch
     float8_e4m3fn cache, at most 16 query rows, L = 4 x 128, R = 64, its 64-key tiles
     (block_n) and pages of a multiple of them, 2 or more tiles in the ring, within the shared
     memory of a block."""
-    return (capability == (9, 0) and dtype in _GLUON_DTYPES
-            and cache_dtype == torch.float8_e4m3fn and rows <= GLUON_FP8_ROWS
-            and kv_lora_rank == 4 * GLUON_FP8_CHUNK and rope_dim == 64
+    return (_fp8_pass_problem(capability, dtype, cache_dtype, rows, kv_lora_rank, rope_dim)
             and block_n == GLUON_FP8_TRANSPOSED_TILE
             and block_size % GLUON_FP8_TRANSPOSED_TILE == 0 and num_stages >= 2
             and gluon_fp8_transposed_shared_memory_bytes(kv_lora_rank, rope_dim, num_stages)
