@@ -220,14 +220,15 @@ def _fp8_weight_only_matmul_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, y_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """y [numel] = the sum over the splits of partial [SPLITS, numel] (float32), in y's
-    dtype."""
+def _sum_splits_kernel(partial_ptr, y_ptr, numel, split_stride, SPLITS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """y [numel] = the sum over the splits of partial [SPLITS, split_stride] (float32, the
+    first numel of each split's elements), in y's dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for split in tl.static_range(SPLITS):
-        acc += tl.load(partial_ptr + split * numel + offs, mask=mask, other=0.0)
+        acc += tl.load(partial_ptr + split * split_stride + offs, mask=mask, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -318,10 +319,17 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor,
         SPLIT_K=k_splits > 1, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages)
     if k_splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](
-            out, y, y.numel(), SPLITS=k_splits, BLOCK=block)
+        sum_splits(out, y)
     return y
+
+
+def sum_splits(partial: torch.Tensor, y: torch.Tensor) -> None:
+    """y [M, N] (contiguous) = the sum of partial [splits, rows >= M, N] (float32, contiguous)
+    over its first axis, its first M rows, in y's dtype: the second launch of a product whose
+    K was split."""
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](
+        partial, y, y.numel(), partial[0].numel(), SPLITS=partial.shape[0], BLOCK=block)
 
 
 @functools.cache
@@ -453,4 +461,4 @@ def block_fp8_reference(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch
 __all__ = ["GLUON_MAX_OUT_FEATURES", "GLUON_MIN_ROWS", "WEIGHT_ONLY_MAX_ROWS",
            "block_fp8_linear", "block_fp8_matmul", "block_fp8_reference", "block_fp8_w8a8",
            "check_operands", "fp8_weight_only_matmul", "linear_product_path", "product_path",
-           "scaled_mm_block_fp8", "weight_only_tiles"]
+           "scaled_mm_block_fp8", "sum_splits", "weight_only_tiles"]

@@ -35,6 +35,12 @@ takes two rounds for little more than one's work: V3's fused q_a + kv_a product 
 where that shortens the rounds enough to pay for their smaller products (264 tiles: two rounds,
 each 0.8 of a wide round's time on the H200).
 
+A product of few tiles leaves most SMs idle however the tiles are cut: V3's q_a + kv_a at 64
+tokens is 33 narrow tiles on 132 SMs, each 56 K blocks deep. There K is split
+(`choose_k_splits`): the grid's work units are (tile, run of K blocks), each unit's float32 sum
+goes to its own slab of a partial buffer [splits, rows rounded up to 128, N] (the rounding keeps
+a tile's rows past M inside its own slab), and a second launch adds the slabs in y's dtype.
+
 TMA zero-fills rows, columns and K past the operands, so any M, N and K work within TMA's
 alignment (K a multiple of 16, N of 8; `gluon_gemm_serves`). Needs Triton's Gluon (Triton >=
 3.6) and an sm_90 GPU.
@@ -56,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.fp8_blocks import FP8_DTYPE
-from mlaserve.kernels.fp8_gemm import check_operands, is_sm90, sm_count
+from mlaserve.kernels.fp8_gemm import check_operands, is_sm90, sm_count, sum_splits
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
 
 BLOCK_M = 128  # two warpgroups of 64 rows
@@ -67,6 +73,9 @@ SCALE_ROWS = gl.constexpr(128)  # the weight's scale blocks are 128 x 128
 # (scripts/fp8_gemm_sm90_check.py, both widths on V3's shapes: 0.73-0.83, not 0.5): a 64-wide
 # wgmma reads as many x bytes as a 128-wide one for half the work, and a tile has fixed costs
 NARROW_ROUND_COST = 0.8
+# K is split only where the tiles fill at most half the SMs, and into runs of at least this many
+# K blocks (a unit's fixed costs, and the partial sums' traffic, against its products)
+MIN_SPLIT_BLOCKS = 4
 NUM_WARPS = 4  # the default partition: the first compute warpgroup
 DEFAULT_STAGES = 5  # 5 x 32 KB ring + 32 KB output staging: one CTA per SM
 DEFAULT_GROUP_M = 8
@@ -92,6 +101,18 @@ def choose_block_n(rows: int, out_features: int, num_sms: int) -> int:
     return 64 if rounds(64) * NARROW_ROUND_COST < rounds(128) else 128
 
 
+def choose_k_splits(rows: int, out_features: int, in_features: int, block_n: int,
+                    num_sms: int) -> int:
+    """Into how many runs of K blocks the product is split: 1 where its tiles (128 x block_n)
+    fill more than half the SMs, else as many as fill the SMs with one unit each, at most one
+    per `MIN_SPLIT_BLOCKS` K blocks (V3's q_a + kv_a, K = 7168, narrow tiles: 4 at 64 tokens,
+    2 at 256)."""
+    tiles = -(-rows // BLOCK_M) * -(-out_features // block_n)
+    if 2 * tiles > num_sms:
+        return 1
+    return max(1, min(num_sms // tiles, -(-in_features // BLOCK_K) // MIN_SPLIT_BLOCKS))
+
+
 def gluon_gemm_serves(rows: int, out_features: int, in_features: int) -> bool:
     """Whether `block_fp8_matmul_sm90` takes x [rows, K] @ W [N, K]^T on an sm_90 GPU: TMA's
     16-byte rows (K a multiple of 16, N of 8 for a 16-bit y) and at least one row."""
@@ -111,19 +132,37 @@ def _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M: gl.constexpr,
 
 
 @gluon.jit
+def _unit_work(unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
+               GROUP_M: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr):
+    """Work unit `unit` (0 .. tiles x splits - 1): its tile's first row and column, its split
+    and its K blocks [first_block, end_block). Consecutive units take neighbouring tiles of
+    one split."""
+    num_tiles = num_tiles_m * num_tiles_n
+    split = unit // num_tiles
+    off_m, off_n = _tile_origin(unit % num_tiles, num_tiles_m, num_tiles_n, GROUP_M, TILE_M,
+                                TILE_N)
+    first_block = split * blocks_per_split
+    end_block = gl.minimum(first_block + blocks_per_split, num_k_blocks)
+    return off_m, off_n, split, first_block, end_block
+
+
+@gluon.jit
 def _loader_partition(x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m, num_tiles_n,
-                      num_k_blocks, GROUP_M: gl.constexpr):
+                      num_k_blocks, k_splits, blocks_per_split, GROUP_M: gl.constexpr):
     """1 warp: the TMA copies of x [128, 128] and W [BLOCK_N, 128] of every K block of this
-    CTA's tiles (the i-th block overall -> buffer i % NUM_STAGES)."""
+    CTA's work units (the i-th block overall -> buffer i % NUM_STAGES)."""
     STAGES: gl.constexpr = x_smem.type.shape[0]
     TILE_M: gl.constexpr = x_smem.type.shape[1]
     TILE_N: gl.constexpr = w_smem.type.shape[1]
     TILE_K: gl.constexpr = x_smem.type.shape[2]
     block_bytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     count = 0
-    for tile in range(gl.program_id(0), num_tiles_m * num_tiles_n, gl.num_programs(0)):
-        off_m, off_n = _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M, TILE_M, TILE_N)
-        for k_block in range(num_k_blocks):
+    num_units = num_tiles_m * num_tiles_n * k_splits
+    for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
+        off_m, off_n, split, first_block, end_block = _unit_work(
+            unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M, TILE_M,
+            TILE_N)
+        for k_block in range(first_block, end_block):
             stage = count % STAGES
             # A fresh barrier counts as having completed the phase before phase 0: parity 1
             # passes.
@@ -169,10 +208,11 @@ def _add_scaled(acc, block, scale, empty, count):
 
 @gluon.jit
 def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                       w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, stride_xs_m,
-                       stride_xs_k, stride_ws_n, HALF: gl.constexpr, GROUP_M: gl.constexpr,
-                       K_UNROLL: gl.constexpr):
-    """One compute warpgroup: rows HALF * 64 .. HALF * 64 + 63 of each of the CTA's tiles."""
+                       w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, k_splits,
+                       blocks_per_split, split_rows, stride_xs_m, stride_xs_k, stride_ws_n,
+                       HALF: gl.constexpr, GROUP_M: gl.constexpr, K_UNROLL: gl.constexpr):
+    """One compute warpgroup: rows HALF * 64 .. HALF * 64 + 63 of each of the CTA's work
+    units, stored at row split * split_rows + the row of y."""
     TILE_M: gl.constexpr = x_smem.type.shape[1]
     TILE_N: gl.constexpr = w_smem.type.shape[1]
     ROWS: gl.constexpr = TILE_M // 2
@@ -182,8 +222,11 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
     zeros = gl.zeros([ROWS, TILE_N], gl.float32, ACC)
     staging = out_smem.index(HALF)  # [64, BLOCK_N] of y's dtype
     count = 0
-    for tile in range(gl.program_id(0), num_tiles_m * num_tiles_n, gl.num_programs(0)):
-        off_m, off_n = _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M, TILE_M, TILE_N)
+    num_units = num_tiles_m * num_tiles_n * k_splits
+    for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
+        off_m, off_n, split, first_block, end_block = _unit_work(
+            unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M, TILE_M,
+            TILE_N)
         rows = off_m + HALF * ROWS + gl.arange(0, ROWS, layout=ROW)
         row_ok = rows < M
         x_scale_row = x_scale_ptr + rows * stride_xs_m  # [64] pointers
@@ -193,9 +236,9 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
         # before block i is waited for and scaled, so the scaling runs under a product. A
         # group starts with nothing in flight: an accumulator still in flight across a loop
         # iteration would be copied at the back edge, and ptxas then serialises every wgmma.
-        num_groups = num_k_blocks // K_UNROLL
+        num_groups = (end_block - first_block) // K_UNROLL
         for group in range(num_groups):
-            first = group * K_UNROLL
+            first = first_block + group * K_UNROLL
             token_prev = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
             scale_prev = _block_scales(x_scale_row, w_scale_row, first, stride_xs_k, row_ok)
             for i in gl.static_range(1, K_UNROLL):
@@ -210,7 +253,7 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
             acc = _add_scaled(acc, warpgroup_mma_wait(0, deps=[token_prev]), scale_prev, empty,
                               count + K_UNROLL - 1)
             count += K_UNROLL
-        for k_block in range(num_groups * K_UNROLL, num_k_blocks):  # the rest, one by one
+        for k_block in range(first_block + num_groups * K_UNROLL, end_block):  # one by one
             token = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
             scale = _block_scales(x_scale_row, w_scale_row, k_block, stride_xs_k, row_ok)
             acc = _add_scaled(acc, warpgroup_mma_wait(0, deps=[token]), scale, empty, count)
@@ -220,7 +263,8 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
         staging.store(acc.to(y_desc.dtype))
         fence_async_shared()
         gl.thread_barrier()
-        tma.async_copy_shared_to_global(y_desc, [off_m + HALF * ROWS, off_n], staging)
+        tma.async_copy_shared_to_global(
+            y_desc, [split * split_rows + off_m + HALF * ROWS, off_n], staging)
     tma.store_wait(0)
 
 
@@ -228,10 +272,14 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
 def _block_fp8_matmul_kernel_sm90(
     x_desc,  # x_q [M, K] float8_e4m3fn: box [128, 128]
     w_desc,  # W [N, K] float8_e4m3fn: box [BLOCK_N, 128]
-    y_desc,  # y [M, N] 16-bit: box [64, BLOCK_N]
+    y_desc,  # y [M, N] 16-bit, or the partial sums [k_splits * split_rows, N] float32: box
+    # [64, BLOCK_N]
     x_scale_ptr,  # [M, ceil(K / 128)] float32, any strides
     w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32, unit column stride
     M, N, K,
+    k_splits,  # runs of K blocks (1: none)
+    blocks_per_split,  # K blocks per run
+    split_rows,  # rows of y_desc between two runs' slabs (0 unless split)
     stride_xs_m, stride_xs_k, stride_ws_n,
     NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -261,13 +309,15 @@ def _block_fp8_matmul_kernel_sm90(
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
         (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
-                              stride_xs_m, stride_xs_k, stride_ws_n, TOP, GROUP_M, K_UNROLL)),
+                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, k_splits,
+                              blocks_per_split, split_rows, stride_xs_m, stride_xs_k,
+                              stride_ws_n, TOP, GROUP_M, K_UNROLL)),
         (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
-                              stride_xs_m, stride_xs_k, stride_ws_n, BOTTOM, GROUP_M, K_UNROLL)),
+                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, k_splits,
+                              blocks_per_split, split_rows, stride_xs_m, stride_xs_k,
+                              stride_ws_n, BOTTOM, GROUP_M, K_UNROLL)),
         (_loader_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m,
-                             num_tiles_n, num_k_blocks, GROUP_M)),
+                             num_tiles_n, num_k_blocks, k_splits, blocks_per_split, GROUP_M)),
     ], [4, 1], [232, 40])  # the second warpgroup and the loader warp: warps, registers
 
 
@@ -275,7 +325,7 @@ def _block_fp8_matmul_kernel_sm90(
 def operand_layouts(out_dtype: torch.dtype, block_n: int = 128
                     ) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
     """The shared layouts of the FP8 operand boxes, x [128, 128] and W [block_n, 128], and of
-    the output box [64, block_n]."""
+    the output box [64, block_n] (of y's dtype, or float32 partial sums)."""
     x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], gl.float8e4nv)
     out = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, block_n], _GL_DTYPES[out_dtype])
@@ -287,7 +337,8 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
                           num_stages: int = DEFAULT_STAGES,
                           group_m: int = DEFAULT_GROUP_M,
                           k_unroll: int = DEFAULT_K_UNROLL,
-                          block_n: int | None = None) -> torch.Tensor:
+                          block_n: int | None = None,
+                          k_splits: int | None = None) -> torch.Tensor:
     """y [M, N] = dequant(x_q, x_scales) @ dequant(weight, weight_scale_inv)^T, the product of
     `fp8_gemm.block_fp8_matmul`, by the warp-specialised sm_90 kernel (where
     `gluon_gemm_serves` holds).
@@ -301,7 +352,8 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
         num_stages: K blocks in the shared ring; group_m: row tiles per weight-sharing group;
             k_unroll: K blocks per chain of overlapped products (1: each product waited
             for before it is scaled); block_n: the tile width, 128 or 64 (default:
-            `choose_block_n`).
+            `choose_block_n`); k_splits: K split into this many runs of K blocks, their
+            float32 sums added by a second launch (default: `choose_k_splits`).
     """
     rows, cols = x_q.shape
     out_features = weight.shape[0]
@@ -315,29 +367,48 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
         raise ValueError(f"out_dtype must be bfloat16 or float16, not {out_dtype}")
     if block_n is not None and block_n not in BLOCK_NS:
         raise ValueError(f"block_n must be one of {BLOCK_NS}, not {block_n}")
+    if k_splits is not None and k_splits < 1:
+        raise ValueError(f"k_splits must be 1 or more, not {k_splits}")
     if not is_sm90(x_q.device):
         raise ValueError(f"the Gluon GEMM runs on sm_90 GPUs only, not on {x_q.device}")
+    num_sms = sm_count(x_q.device)
     if block_n is None:
-        block_n = choose_block_n(rows, out_features, sm_count(x_q.device))
-    if (num_stages < 2
-            or shared_memory_bytes(num_stages, out_dtype, block_n) > GLUON_SHARED_MEMORY_LIMIT):
+        block_n = choose_block_n(rows, out_features, num_sms)
+    if k_splits is None:
+        k_splits = choose_k_splits(rows, out_features, cols, block_n, num_sms)
+    num_k_blocks = triton.cdiv(cols, BLOCK_K)
+    blocks_per_split = triton.cdiv(num_k_blocks, k_splits)
+    k_splits = triton.cdiv(num_k_blocks, blocks_per_split)  # none of them empty
+    staged_dtype = out_dtype if k_splits == 1 else torch.float32
+    if (num_stages < 2 or shared_memory_bytes(num_stages, staged_dtype, block_n)
+            > GLUON_SHARED_MEMORY_LIMIT):
         raise ValueError(f"num_stages must be 2 or more (two K blocks in flight) and fit "
-                         f"sm_90's shared memory, not {num_stages}")
+                         f"sm_90's shared memory with {staged_dtype} output tiles, not "
+                         f"{num_stages}")
     if k_unroll < 1:
         raise ValueError(f"k_unroll must be 1 or more, not {k_unroll}")
     x_q, weight = x_q.contiguous(), weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
     y = torch.empty(rows, out_features, dtype=out_dtype, device=x_q.device)
-    x_layout, w_layout, out_layout = operand_layouts(out_dtype, block_n)
+    split_rows = 0 if k_splits == 1 else triton.cdiv(rows, BLOCK_M) * BLOCK_M
+    # the partial sums [splits, rows rounded up to a tile, N]: a tile's rows past M stay in
+    # its own split's slab
+    out = y if k_splits == 1 else torch.empty(k_splits, split_rows, out_features,
+                                              dtype=torch.float32, device=x_q.device)
+    x_layout, w_layout, out_layout = operand_layouts(staged_dtype, block_n)
     x_desc = TensorDescriptor.from_tensor(x_q, [BLOCK_M, BLOCK_K], x_layout)
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], w_layout)
-    y_desc = TensorDescriptor.from_tensor(y, [BLOCK_M // 2, block_n], out_layout)
-    num_tiles = triton.cdiv(rows, BLOCK_M) * triton.cdiv(out_features, block_n)
-    grid = (min(num_tiles, sm_count(x_q.device)),)
+    y_desc = TensorDescriptor.from_tensor(out.view(-1, out_features), [BLOCK_M // 2, block_n],
+                                          out_layout)  # [splits * split_rows or M, N]
+    num_units = triton.cdiv(rows, BLOCK_M) * triton.cdiv(out_features, block_n) * k_splits
+    grid = (min(num_units, num_sms),)
     _block_fp8_matmul_kernel_sm90[grid](
         x_desc, w_desc, y_desc, x_scales, weight_scale_inv, rows, out_features, cols,
+        k_splits, blocks_per_split, split_rows,
         x_scales.stride(0), x_scales.stride(1), weight_scale_inv.stride(0),
         NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll, num_warps=NUM_WARPS)
+    if k_splits > 1:
+        sum_splits(out, y)
     return y
 
 
@@ -346,14 +417,14 @@ def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = 
                      block_n: int = 128):
     """The kernel compiled for sm_90 without a GPU (Triton's bundled ptxas), with the argument
     specialisation of a launch from `block_fp8_w8a8` (x's scales M-major: stride_xs_m = 1,
-    which Triton makes a constant; M, and so stride_xs_k, of any divisibility): Triton's
-    CompiledKernel (asm["ptx"], asm["cubin"], metadata.shared), for resource checks in CPU
-    tests."""
+    which Triton makes a constant; M, and so stride_xs_k, of any divisibility; out_dtype
+    float32 for the partial sums of a split K): Triton's CompiledKernel (asm["ptx"],
+    asm["cubin"], metadata.shared), for resource checks in CPU tests."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = _block_fp8_matmul_kernel_sm90
-    out_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out_dtype]
+    out_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
     x_layout, w_layout, out_layout = operand_layouts(out_dtype, block_n)
     constexprs = dict(stride_xs_m=1, NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll)
     signature = {
@@ -361,6 +432,7 @@ def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = 
         "w_desc": f"tensordesc<fp8e4nv[{block_n}, {BLOCK_K}],{w_layout!r}>",
         "y_desc": f"tensordesc<{out_name}[{BLOCK_M // 2}, {block_n}],{out_layout!r}>",
         "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+        "k_splits": "i32", "blocks_per_split": "i32", "split_rows": "i32",
         "stride_xs_k": "i32", "stride_ws_n": "i32",
     } | {name: "constexpr" for name in constexprs}
     aligned = ["x_scale_ptr", "w_scale_ptr", "N", "K", "stride_ws_n"]
@@ -369,5 +441,5 @@ def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = 
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
 
 
-__all__ = ["block_fp8_matmul_sm90", "choose_block_n", "compile_for_sm90", "gluon_gemm_serves",
-           "shared_memory_bytes"]
+__all__ = ["block_fp8_matmul_sm90", "choose_block_n", "choose_k_splits", "compile_for_sm90",
+           "gluon_gemm_serves", "shared_memory_bytes"]

@@ -20,6 +20,7 @@ from mlaserve.kernels.fp8_gemm import (  # noqa: E402
 from mlaserve.kernels.fp8_gemm_sm90 import (  # noqa: E402
     block_fp8_matmul_sm90,
     choose_block_n,
+    choose_k_splits,
     gluon_gemm_serves,
     shared_memory_bytes,
 )
@@ -29,14 +30,19 @@ from tests.kernels.sm90_compile import compile_sm90  # noqa: E402
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.parametrize("num_stages,k_unroll,block_n", [(4, 1, 128), (5, 4, 128), (6, 2, 128),
-                                                        (7, 4, 64)])
-def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int, block_n: int) -> None:
+@pytest.mark.parametrize("num_stages,k_unroll,block_n,out_dtype", [
+    (4, 1, 128, "bfloat16"), (5, 4, 128, "bfloat16"), (6, 2, 128, "bfloat16"),
+    (7, 4, 64, "bfloat16"),
+    (5, 2, 128, "float32"),  # the partial sums of a split K, the default ring
+])
+def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int, block_n: int,
+                                          out_dtype: str) -> None:
     result = compile_sm90("compile_for_sm90", module="mlaserve.kernels.fp8_gemm_sm90",
-                          num_stages=num_stages, k_unroll=k_unroll, block_n=block_n)
+                          num_stages=num_stages, k_unroll=k_unroll, block_n=block_n,
+                          out_dtype=out_dtype)
     assert result["stack"] == 0  # no register spills
-    assert result["shared"] <= shared_memory_bytes(num_stages, torch.bfloat16, block_n)
-    assert shared_memory_bytes(num_stages, torch.bfloat16, block_n) <= GLUON_SHARED_MEMORY_LIMIT
+    shared = shared_memory_bytes(num_stages, getattr(torch, out_dtype), block_n)
+    assert result["shared"] <= shared <= GLUON_SHARED_MEMORY_LIMIT
     # ptxas keeps the products asynchronous (it serialises every wgmma, with a note, when
     # registers run short or accumulators in flight are copied)
     assert "serialized" not in result["ptxas_notes"]
@@ -90,6 +96,19 @@ def test_narrow_tiles_where_wide_ones_leave_the_last_round_mostly_empty() -> Non
     assert choose_block_n(1, 256, 132) == 64  # one round either way: narrow tiles, more SMs
 
 
+def test_k_split_only_where_the_tiles_leave_most_sms_idle() -> None:
+    # V3's fused q_a + kv_a (K 7168: 56 K blocks) in narrow tiles: 33 at 64 tokens fill 132
+    # SMs in 4 runs of 14 K blocks; 66 at 256 in 2; 264 at 1024 need none
+    assert choose_k_splits(64, 2112, 7168, 64, 132) == 4
+    assert choose_k_splits(256, 2112, 7168, 64, 132) == 2
+    assert choose_k_splits(1024, 2112, 7168, 64, 132) == 1
+    assert choose_k_splits(64, 2112, 7168, 128, 132) == 7  # 17 wide tiles, 8 K blocks a run
+    assert choose_k_splits(64, 4096, 7168, 64, 132) == 2  # a routed expert's gate_up
+    assert choose_k_splits(64, 4096, 7168, 64, 100) == 1  # its 64 tiles fill most of 100 SMs
+    assert choose_k_splits(64, 2112, 512, 64, 132) == 1  # 4 K blocks: too few to split
+    assert choose_k_splits(1, 128, 1024, 128, 132) == 2  # one tile: runs of 4 of its 8 blocks
+
+
 def test_refuses_what_it_cannot_run() -> None:
     weight, scale_inv = quantize_block_fp8(torch.randn(256, 256))
     x_q, x_scales = quantize_activations(torch.randn(4, 256))
@@ -101,6 +120,8 @@ def test_refuses_what_it_cannot_run() -> None:
         block_fp8_matmul_sm90(x_q.float(), x_scales, weight, scale_inv, torch.bfloat16)
     with pytest.raises(ValueError, match="block_n must be one of"):
         block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, torch.bfloat16, block_n=96)
+    with pytest.raises(ValueError, match="k_splits must be 1 or more"):
+        block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, torch.bfloat16, k_splits=0)
     with pytest.raises(ValueError, match="x_scales must be float32"):
         block_fp8_matmul_sm90(x_q, x_scales[:, :1], weight, scale_inv, torch.bfloat16)
     with pytest.raises(ValueError, match="columns"):
@@ -123,7 +144,8 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     (1, 128, 128),
     (37, 520, 320),  # partial row, column and K tiles
     (129, 256, 512),  # one row into a second row tile
-    (300, 2112, 7168),  # V3's fused q_a + kv_a: 56 K blocks, a half column tile
+    (64, 2112, 7168),  # V3's fused q_a + kv_a at 64 tokens: K split in 4 by default
+    (300, 2112, 7168),  # V3's fused q_a + kv_a: 56 K blocks, a half column tile; K split in 2
     (1024, 2112, 7168),  # the same at 1024 tokens: narrow tiles by default
     (1024, 4096, 1536),  # 256 tiles: the persistent loop, two tiles and more per CTA
 ])
@@ -139,11 +161,15 @@ def test_matches_the_dequantized_product(rows: int, out_features: int, in_featur
     got = block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype)
     assert got.shape == (rows, out_features) and got.dtype == out_dtype
     _assert_matches(got, want)
-    for stages, group_m, k_unroll, block_n in ((2, 1, 1, 128), (6, 16, 2, 128), (2, 1, 1, 64),
-                                               (7, 8, 4, 64)):
+    # K split in runs that leave a last short one (3 of 56 blocks: 19, 19, 18) or one K block
+    # each (more runs than blocks), with the persistent loop taking several units per CTA
+    for stages, group_m, k_unroll, block_n, k_splits in (
+            (2, 1, 1, 128, 1), (6, 16, 2, 128, 1), (2, 1, 1, 64, 1), (7, 8, 4, 64, 1),
+            (5, 8, 2, 128, 3), (4, 8, 4, 64, 64)):
         _assert_matches(block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype,
                                               num_stages=stages, group_m=group_m,
-                                              k_unroll=k_unroll, block_n=block_n), want)
+                                              k_unroll=k_unroll, block_n=block_n,
+                                              k_splits=k_splits), want)
     wrong = x_scales.clone()
     wrong[:, -1] *= 2  # the bound catches one K block scaled wrong
     with pytest.raises(AssertionError, match="beyond the bound"):
