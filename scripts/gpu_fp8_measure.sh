@@ -23,7 +23,7 @@
 #   gemm-gluon   the Gluon sm_90 w8a8 GEMM against bf16 and cuBLASLt at 256-8192 tokens, its
 #                stages and K chains swept (scripts/fp8_gemm_sm90_check.py)
 #   gemm-split   the Gluon GEMM's GPU tests, then its tile widths and runs of K blocks swept at
-#                64-1024 tokens (where `choose_k_splits` splits K)
+#                32-1024 tokens (where `choose_k_splits` splits K)
 #   weight-only  the weight-only product against bf16 and w8a8 at 1, 16 and 64 tokens, with its
 #                configuration sweep (both operand orders)
 #   gemm         `mlaserve bench gemm` on V3's shapes, RUNS processes
@@ -122,7 +122,7 @@ case $stage in
       tests/kernels/test_fp8_gemm_sm90.py > "$out/gpu_tests_gemm_sm90.log" 2>&1
     rc=$?; echo "gemm_sm90 tests rc=$rc"; tail -3 "$out/gpu_tests_gemm_sm90.log"
     [ "$rc" = 0 ] || exit 1
-    timeout 300 python3 scripts/fp8_gemm_sm90_check.py --tokens 64,256,1024 --stages 5 \
+    timeout 300 python3 scripts/fp8_gemm_sm90_check.py --tokens 32,64,256,1024 --stages 5 \
       --k-unroll 2 --block-n 64,128 --k-splits 1,2,4,7 --out "$out/gemm_split.json" \
       > "$out/gemm_split.log" 2>&1
     cat "$out/gemm_split.log" ;;
