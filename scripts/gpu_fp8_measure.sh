@@ -30,10 +30,12 @@
 #   moe          the fused MoE at V3's expert shapes, FP8 beside bf16 weights, each with its
 #                tiles as they are and transposed (swap_ab) (weight GB/s at 1-1024 tokens:
 #                what decode steps of an FP8 V3 spend most of their time on)
-#   serve        the V3 config with 8 layers, FP8 dummy weights, served with a bf16 and an FP8
-#                cache (scripts/gpu_serve_bench.sh, RUNS server processes each; RUNS defaults
-#                to 1 here, as three would pass 10 minutes: repeat the stage into other dirs)
-# env: RUNS=3, VARIANT (a --sweep spec, default none)
+#   serve        the V3 config with LAYERS layers, FP8 dummy weights, served with a bf16 and an
+#                FP8 cache (scripts/gpu_serve_bench.sh, RUNS server processes each; RUNS
+#                defaults to 1 here, as three would pass 10 minutes: repeat the stage into
+#                other dirs)
+# env: RUNS=3, VARIANT (a --sweep spec, default none), LAYERS=8 (what an H200's memory holds
+#      with room for the cache; 6 on an H100: each MoE layer's experts are 11.3 GB in FP8)
 # The device returns a few files per call, so each stage writes logs (and a few JSON files),
 # not the kernel benchmark's plot folders.
 set -uo pipefail
@@ -150,7 +152,7 @@ case $stage in
     for cache in auto fp8; do
       CONFIG=benchmarks/configs/deepseek-v3.json PROMPTS=256 CONC=128 OUT_LEN=256 \
         SINGLE_PROMPTS=4 SINGLE_OUT=128 BENCH_TIMEOUT=240 \
-        SERVE_ARGS="--hf-overrides {\"num_hidden_layers\":8} --kv-cache-dtype $cache \
+        SERVE_ARGS="--hf-overrides {\"num_hidden_layers\":${LAYERS:-8}} --kv-cache-dtype $cache \
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
     done ;;
