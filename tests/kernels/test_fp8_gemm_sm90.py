@@ -144,8 +144,8 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     (1, 128, 128),
     (37, 520, 320),  # partial row, column and K tiles
     (129, 256, 512),  # one row into a second row tile
-    (64, 2112, 7168),  # V3's fused q_a + kv_a at 64 tokens: K split in 4 by default
-    (300, 2112, 7168),  # V3's fused q_a + kv_a: 56 K blocks, a half column tile; K split in 2
+    (64, 2112, 7168),  # V3's fused q_a + kv_a at 64 tokens (`choose_k_splits`: 4 runs)
+    (300, 2112, 7168),  # V3's fused q_a + kv_a: 56 K blocks, a half column tile
     (1024, 2112, 7168),  # the same at 1024 tokens: narrow tiles by default
     (1024, 4096, 1536),  # 256 tiles: the persistent loop, two tiles and more per CTA
 ])
@@ -161,11 +161,13 @@ def test_matches_the_dequantized_product(rows: int, out_features: int, in_featur
     got = block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype)
     assert got.shape == (rows, out_features) and got.dtype == out_dtype
     _assert_matches(got, want)
-    # K split in runs that leave a last short one (3 of 56 blocks: 19, 19, 18) or one K block
-    # each (more runs than blocks), with the persistent loop taking several units per CTA
+    # K split as `choose_k_splits` would, in runs that leave a last short one (3 of 56 blocks:
+    # 19, 19, 18) or one K block each (more runs than blocks), with the persistent loop taking
+    # several units per CTA
+    chosen_splits = choose_k_splits(rows, out_features, in_features, 64, 132)
     for stages, group_m, k_unroll, block_n, k_splits in (
             (2, 1, 1, 128, 1), (6, 16, 2, 128, 1), (2, 1, 1, 64, 1), (7, 8, 4, 64, 1),
-            (5, 8, 2, 128, 3), (4, 8, 4, 64, 64)):
+            (5, 8, 2, 64, chosen_splits), (5, 8, 2, 128, 3), (4, 8, 4, 64, 64)):
         _assert_matches(block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype,
                                               num_stages=stages, group_m=group_m,
                                               k_unroll=k_unroll, block_n=block_n,
