@@ -327,6 +327,7 @@ def sum_splits(partial: torch.Tensor, y: torch.Tensor) -> None:
     """y [M, N] (contiguous) = the sum of partial [splits, rows >= M, N] (float32, contiguous)
     over its first axis, its first M rows, in y's dtype: the second launch of a product whose
     K was split."""
+    prepare_launch(partial)
     block = 1024
     _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](
         partial, y, y.numel(), partial[0].numel(), SPLITS=partial.shape[0], BLOCK=block)

@@ -11,6 +11,7 @@ from mlaserve.kernels.fp8_gemm import (
     block_fp8_linear,
     block_fp8_matmul,
     block_fp8_reference,
+    sum_splits,
 )
 from mlaserve.kernels.testing import relative_error
 
@@ -64,6 +65,16 @@ def test_linear_keeps_leading_dims_and_dtype() -> None:
     assert y.shape == (2, 3, 128) and y.dtype == x.dtype
     exact = x @ (weight.float() * scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)).T
     assert (y - exact).norm() / exact.norm() < 0.1  # activation quantization error only
+
+
+def test_split_sums_add_the_first_rows_of_each_slab() -> None:
+    """A split product's second launch: slabs of 8 rows (a tile's rows rounded up) for a y of
+    6; the rows past y in each slab are left out, whatever they hold."""
+    partial = torch.randn(3, 8, 40, device=DEVICE)
+    partial[:, 6:] = float("nan")
+    y = torch.empty(6, 40, device=DEVICE, dtype=torch.float16)
+    sum_splits(partial, y)
+    torch.testing.assert_close(y.float(), partial[:, :6].sum(0), rtol=1e-3, atol=1e-3)
 
 
 def test_refuses_mismatched_scales() -> None:
