@@ -153,7 +153,7 @@ def _unit_work(unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
 
 @gluon.jit
 def _loader_partition(x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m, num_tiles_n,
-                      num_k_blocks, k_splits, blocks_per_split, GROUP_M: gl.constexpr):
+                      num_k_blocks, blocks_per_split, GROUP_M: gl.constexpr):
     """1 warp: the TMA copies of x [128, 128] and W [BLOCK_N, 128] of every K block of this
     CTA's work units (the i-th block overall -> buffer i % NUM_STAGES)."""
     STAGES: gl.constexpr = x_smem.type.shape[0]
@@ -162,7 +162,7 @@ def _loader_partition(x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m,
     TILE_K: gl.constexpr = x_smem.type.shape[2]
     block_bytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     count = 0
-    num_units = num_tiles_m * num_tiles_n * k_splits
+    num_units = num_tiles_m * num_tiles_n * gl.cdiv(num_k_blocks, blocks_per_split)
     for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
         off_m, off_n, split, first_block, end_block = _unit_work(
             unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M, TILE_M,
@@ -213,11 +213,12 @@ def _add_scaled(acc, block, scale, empty, count):
 
 @gluon.jit
 def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                       w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, k_splits,
-                       blocks_per_split, split_rows, stride_xs_m, stride_xs_k, stride_ws_n,
-                       HALF: gl.constexpr, GROUP_M: gl.constexpr, K_UNROLL: gl.constexpr):
+                       w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
+                       stride_xs_m, stride_xs_k, stride_ws_n, HALF: gl.constexpr,
+                       GROUP_M: gl.constexpr, K_UNROLL: gl.constexpr):
     """One compute warpgroup: rows HALF * 64 .. HALF * 64 + 63 of each of the CTA's work
-    units, stored at row split * split_rows + the row of y."""
+    units, stored at row split * (M rounded up to a tile) + the row of y (split 0 unless K
+    is split)."""
     TILE_M: gl.constexpr = x_smem.type.shape[1]
     TILE_N: gl.constexpr = w_smem.type.shape[1]
     ROWS: gl.constexpr = TILE_M // 2
@@ -227,7 +228,8 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
     zeros = gl.zeros([ROWS, TILE_N], gl.float32, ACC)
     staging = out_smem.index(HALF)  # [64, BLOCK_N] of y's dtype
     count = 0
-    num_units = num_tiles_m * num_tiles_n * k_splits
+    split_rows = num_tiles_m * TILE_M  # rows of a run's slab of partial sums
+    num_units = num_tiles_m * num_tiles_n * gl.cdiv(num_k_blocks, blocks_per_split)
     for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
         off_m, off_n, split, first_block, end_block = _unit_work(
             unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M, TILE_M,
@@ -277,14 +279,12 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
 def _block_fp8_matmul_kernel_sm90(
     x_desc,  # x_q [M, K] float8_e4m3fn: box [128, 128]
     w_desc,  # W [N, K] float8_e4m3fn: box [BLOCK_N, 128]
-    y_desc,  # y [M, N] 16-bit, or the partial sums [k_splits * split_rows, N] float32: box
-    # [64, BLOCK_N]
+    y_desc,  # y [M, N] 16-bit, or with K split the partial sums [runs * M rounded up to 128,
+    # N] float32: box [64, BLOCK_N]
     x_scale_ptr,  # [M, ceil(K / 128)] float32, any strides
     w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32, unit column stride
     M, N, K,
-    k_splits,  # runs of K blocks (1: none)
-    blocks_per_split,  # K blocks per run
-    split_rows,  # rows of y_desc between two runs' slabs (0 unless split)
+    blocks_per_split,  # K blocks per run (all of them: K not split)
     stride_xs_m, stride_xs_k, stride_ws_n,
     NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -314,15 +314,15 @@ def _block_fp8_matmul_kernel_sm90(
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
         (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, k_splits,
-                              blocks_per_split, split_rows, stride_xs_m, stride_xs_k,
-                              stride_ws_n, TOP, GROUP_M, K_UNROLL)),
+                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
+                              blocks_per_split, stride_xs_m, stride_xs_k, stride_ws_n, TOP,
+                              GROUP_M, K_UNROLL)),
         (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, k_splits,
-                              blocks_per_split, split_rows, stride_xs_m, stride_xs_k,
-                              stride_ws_n, BOTTOM, GROUP_M, K_UNROLL)),
+                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
+                              blocks_per_split, stride_xs_m, stride_xs_k, stride_ws_n, BOTTOM,
+                              GROUP_M, K_UNROLL)),
         (_loader_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m,
-                             num_tiles_n, num_k_blocks, k_splits, blocks_per_split, GROUP_M)),
+                             num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M)),
     ], [4, 1], [232, 40])  # the second warpgroup and the loader warp: warps, registers
 
 
@@ -397,22 +397,21 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
     x_q, weight = x_q.contiguous(), weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
     y = torch.empty(rows, out_features, dtype=out_dtype, device=x_q.device)
-    split_rows = 0 if k_splits == 1 else triton.cdiv(rows, BLOCK_M) * BLOCK_M
+    num_tiles_m = triton.cdiv(rows, BLOCK_M)
     # the partial sums [splits, rows rounded up to a tile, N]: a tile's rows past M stay in
     # its own split's slab
-    out = y if k_splits == 1 else torch.empty(k_splits, split_rows, out_features,
+    out = y if k_splits == 1 else torch.empty(k_splits, num_tiles_m * BLOCK_M, out_features,
                                               dtype=torch.float32, device=x_q.device)
     x_layout, w_layout, out_layout = operand_layouts(staged_dtype, block_n)
     x_desc = TensorDescriptor.from_tensor(x_q, [BLOCK_M, BLOCK_K], x_layout)
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], w_layout)
     y_desc = TensorDescriptor.from_tensor(out.view(-1, out_features), [BLOCK_M // 2, block_n],
-                                          out_layout)  # [splits * split_rows or M, N]
-    num_units = triton.cdiv(rows, BLOCK_M) * triton.cdiv(out_features, block_n) * k_splits
+                                          out_layout)  # [splits * slab rows, or M, N]
+    num_units = num_tiles_m * triton.cdiv(out_features, block_n) * k_splits
     grid = (min(num_units, num_sms),)
     _block_fp8_matmul_kernel_sm90[grid](
         x_desc, w_desc, y_desc, x_scales, weight_scale_inv, rows, out_features, cols,
-        k_splits, blocks_per_split, split_rows,
-        x_scales.stride(0), x_scales.stride(1), weight_scale_inv.stride(0),
+        blocks_per_split, x_scales.stride(0), x_scales.stride(1), weight_scale_inv.stride(0),
         NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll, num_warps=NUM_WARPS)
     if k_splits > 1:
         sum_splits(out, y)
@@ -439,7 +438,7 @@ def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = 
         "w_desc": f"tensordesc<fp8e4nv[{block_n}, {BLOCK_K}],{w_layout!r}>",
         "y_desc": f"tensordesc<{out_name}[{BLOCK_M // 2}, {block_n}],{out_layout!r}>",
         "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-        "k_splits": "i32", "blocks_per_split": "i32", "split_rows": "i32",
+        "blocks_per_split": "i32",
         "stride_xs_k": "i32", "stride_ws_n": "i32",
     } | {name: "constexpr" for name in constexprs}
     aligned = ["x_scale_ptr", "w_scale_ptr", "N", "K", "stride_ws_n"]
