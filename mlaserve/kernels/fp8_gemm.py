@@ -356,6 +356,8 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, 
       the shape: K a multiple of 512 (it wants the K blocks of the scales in fours) and N a
       multiple of 16. On the H200 it is the faster w8a8 product on most DeepSeek-V3
       projections (`mlaserve bench gemm`, `scripts/fp8_gemm_sm90_check.py`);
+    - "gluon" again on sm_90 for the shapes cuBLASLt refuses (V2-Lite's dense down_proj, K =
+      10944), at any row count past the weight-only product's;
     - "triton": else (the CPU included), `block_fp8_matmul` on x quantized per token group.
     """
     if not is_cuda:
@@ -363,18 +365,21 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, 
     if 0 < rows <= WEIGHT_ONLY_MAX_ROWS and (
             out_features * in_features <= WEIGHT_ONLY_MAX_WEIGHT_BYTES):
         return "weight-only"
-    if sm90 and 0 < GLUON_MIN_ROWS <= rows and out_features <= GLUON_MAX_OUT_FEATURES:
+    gluon_serves = False
+    if sm90:
         from mlaserve.kernels.fp8_gemm_sm90 import (  # imports gluon
             choose_block_n,
             gluon_gemm_serves,
         )
 
-        if (gluon_gemm_serves(rows, out_features, in_features)
+        gluon_serves = gluon_gemm_serves(rows, out_features, in_features)
+        if (gluon_serves and 0 < GLUON_MIN_ROWS <= rows
+                and out_features <= GLUON_MAX_OUT_FEATURES
                 and choose_block_n(rows, out_features, num_sms) == 64):
             return "gluon"
     if in_features % 512 == 0 and out_features % 16 == 0:
         return "cublas"
-    return "triton"
+    return "gluon" if gluon_serves else "triton"
 
 
 def linear_product_path(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor) -> str:

@@ -62,7 +62,8 @@ def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int, block_
 def test_product_path_takes_the_gluon_kernel_for_narrow_products(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the Gluon kernel's 64-wide tiles fill the SMs and cuBLASLt's do not: V3's fused
-    q_a + kv_a (N 2112) from 64 to 1024 tokens, a routed expert's gate_up (N 4096) to 256."""
+    q_a + kv_a (N 2112) from 64 to 1024 tokens, a routed expert's gate_up (N 4096) to 256;
+    and wherever cuBLASLt refuses the shape."""
     v3_fused_qkv_a, v3_expert_gate_up, v3_gate_up = (2112, 7168), (4096, 7168), (36864, 7168)
     for rows in (64, 256, 1024):
         assert product_path(True, rows, *v3_fused_qkv_a, sm90=True) == "gluon"
@@ -76,6 +77,14 @@ def test_product_path_takes_the_gluon_kernel_for_narrow_products(
     # on a GPU of fewer SMs, 136 wide tiles fill the rounds better
     assert product_path(True, 1024, *v3_fused_qkv_a, sm90=True, num_sms=68) == "cublas"
     assert product_path(True, 1024, 1000, 300, sm90=True) == "triton"  # K not a multiple of 16
+    # shapes cuBLASLt refuses (K not a multiple of 512) take it at any row count on sm_90:
+    # V2-Lite's dense down_proj, and a V2-Lite expert's down_proj outside the fused MoE
+    v2_lite_down, v2_lite_expert_down = (2048, 10944), (2048, 1408)
+    for rows in (17, 64, 1024, 8192):
+        assert product_path(True, rows, *v2_lite_down, sm90=True) == "gluon"
+        assert product_path(True, rows, *v2_lite_down, sm90=False) == "triton"
+    assert product_path(True, 16, *v2_lite_down, sm90=True) == "weight-only"
+    assert product_path(True, 1024, *v2_lite_expert_down, sm90=True) == "gluon"
     assert product_path(False, 1024, *v3_fused_qkv_a, sm90=True) == "triton"
     monkeypatch.setattr(fp8_gemm, "GLUON_MIN_ROWS", 0)
     assert product_path(True, 1024, *v3_fused_qkv_a, sm90=True) == "cublas"
