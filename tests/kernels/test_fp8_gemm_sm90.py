@@ -197,3 +197,11 @@ def test_linear_runs_it_when_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
     x_q, x_scales = quantize_activations(x.view(200, 1536))
     assert y.shape == (2, 100, 1024) and y.dtype == torch.bfloat16
     _assert_matches(y.view(200, 1024), block_fp8_reference(x_q, x_scales, weight, scale_inv))
+    # a shape cuBLASLt refuses (11 K blocks, as a V2-Lite expert's down_proj) at a row count
+    # below GLUON_MIN_ROWS
+    x = torch.randn(40, 1408, device="cuda", dtype=torch.bfloat16)
+    weight, scale_inv = quantize_block_fp8(torch.randn(2048, 1408, device="cuda") * 0.05)
+    assert fp8_gemm.linear_product_path(x, weight) == "gluon"
+    x_q, x_scales = quantize_activations(x)
+    _assert_matches(block_fp8_linear(x, weight, scale_inv),
+                    block_fp8_reference(x_q, x_scales, weight, scale_inv))
