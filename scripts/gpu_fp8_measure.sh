@@ -26,7 +26,7 @@
 #                32-1024 tokens (where `choose_k_splits` splits K)
 #   weight-only  the weight-only product against bf16 and w8a8 at 1, 16 and 64 tokens, with its
 #                configuration sweep (both operand orders)
-#   gemm         `mlaserve bench gemm` on V3's shapes, RUNS processes
+#   gemm         `mlaserve bench gemm` on V3's shapes (MODELS: a comma list), RUNS processes
 #   moe          the fused MoE at V3's expert shapes, FP8 beside bf16 weights, each with its
 #                tiles as they are and transposed (swap_ab) (weight GB/s at 1-1024 tokens:
 #                what decode steps of an FP8 V3 spend most of their time on)
@@ -143,7 +143,7 @@ case $stage in
     tail -12 "$out"/moe-*.log ;;
   gemm)
     for run in $(seq "$runs"); do
-      timeout 100 python3 -m mlaserve bench gemm --models deepseek-v3 \
+      timeout 150 python3 -m mlaserve bench gemm --models "${MODELS:-deepseek-v3}" \
         --tokens 1,16,64,256,1024,4096,8192 --out "$out/gemm-$run.json" \
         > "$out/gemm-$run.log" 2>&1
     done
