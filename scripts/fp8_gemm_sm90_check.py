@@ -17,8 +17,8 @@ status 1. Times are medians under CUDA-graph replay (`kernels.testing.graph_repl
 - `bf16`: x @ w_bf16.T (cuBLAS);
 - `cublas`: cuBLASLt's blockwise product alone (`scaled_mm_block_fp8`), where it takes the shape;
 - `gluon`: the Gluon product alone with its defaults (the tile width `choose_block_n` picks,
-  printed as `bn`, and the runs of K blocks `choose_k_splits` picks, `ks`, taken here whether
-  or not `SPLIT_K_BY_DEFAULT` is on), and `best`: the fastest swept configuration
+  printed as `bn`, and the runs of K blocks `choose_k_splits` picks, `ks`), and `best`: the
+  fastest swept configuration
   (num_stages, k_unroll, group_m, block_n, k_splits), named;
 - `w8a8 cublas` / `w8a8 gluon`: what a layer runs (`block_fp8_w8a8`): x's quantization plus
   the product; `quant`: the quantization alone (`quantize_activations`), with the bytes it

@@ -19,14 +19,17 @@ from mlaserve.config import ModelConfig
 from mlaserve.distributed import TensorParallelGroup, expert_parallel, parallel_state
 from mlaserve.kernels.fp8_blocks import (
     FP8_DTYPE,
+    FP8_MAX,
     QuantizedActivations,
     dequantize_block_fp8,
     quantize_block_fp8,
 )
+from mlaserve.model import loader
 from mlaserve.model.deepseek import DeepseekForCausalLM, MoE
 from mlaserve.model.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
 from mlaserve.model.fp8_linear import linear
 from mlaserve.model.loader import _cut, _cuts, build_model
+from mlaserve.model.parallel_linear import ShardSpec
 from tests.conftest import CHECKPOINTS, write_checkpoint
 
 PROMPTS = [[0, 5, 17, 42, 99, 3, 250, 7], [0, 200, 1, 13]]
@@ -178,6 +181,27 @@ def test_dummy_fp8_weights_are_fp8_and_the_model_runs(aligned_pair, quantization
     for request in out:
         assert len(request.token_ids) == 2
         assert all(math.isfinite(v) for pos in request.prompt_logprobs[1:] for v in pos.values())
+
+
+def test_dummy_tensors_drawn_in_slices_are_one_full_tensor_at_every_parallel_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dummy tensor of many slices: each rank's cut (the stacked [gate | up] halves split in
+    two) is the cut of the tensor one process draws, FP8 and float32 alike, and the slices
+    are not repeats of one another."""
+    monkeypatch.setattr(loader, "DUMMY_DRAW_ELEMENTS", 1000)
+    spec = ShardSpec(dim=1, pieces=2)
+    for dtype, bound in ((FP8_DTYPE, FP8_MAX), (torch.float32, 0.02)):
+        full = torch.empty(4, 256, 48, dtype=dtype)  # 49,152 elements: 50 slices
+        loader._draw_uniform(full, [], bound, torch.Generator().manual_seed(3))
+        for rank in range(2):
+            part = torch.empty(4, 128, 48, dtype=dtype)
+            loader._draw_uniform(part, [(spec, rank, 2)], bound,
+                                 torch.Generator().manual_seed(3))
+            want = spec.take(full, full.shape, rank, 2)
+            assert torch.equal(part.view(torch.uint8), want.contiguous().view(torch.uint8))
+        values = full.float().view(-1)  # [49152]
+        assert values.abs().max() <= bound and values.std() > 0.5 * bound  # uniform: 0.58
+        assert not torch.equal(values[:1000], values[1000:2000])
 
 
 def _moe_input(rank: int, hidden: int) -> torch.Tensor:

@@ -39,8 +39,7 @@ A product of few tiles leaves most SMs idle however the tiles are cut: V3's q_a 
 tokens is 33 narrow tiles on 132 SMs, each 56 K blocks deep. There K is split
 (`choose_k_splits`): the grid's work units are (tile, run of K blocks), each unit's float32 sum
 goes to its own slab of a partial buffer [splits, rows rounded up to 128, N] (the rounding keeps
-a tile's rows past M inside its own slab), and a second launch adds the slabs in y's dtype
-(by default only where `SPLIT_K_BY_DEFAULT` is on).
+a tile's rows past M inside its own slab), and a second launch adds the slabs in y's dtype.
 
 TMA zero-fills rows, columns and K past the operands, so any M, N and K work within TMA's
 alignment (K a multiple of 16, N of 8; `gluon_gemm_serves`). Needs Triton's Gluon (Triton >=
@@ -77,10 +76,6 @@ NARROW_ROUND_COST = 0.8
 # K is split only where the tiles fill at most half the SMs, and into runs of at least this many
 # K blocks (a unit's fixed costs, and the partial sums' traffic, against its products)
 MIN_SPLIT_BLOCKS = 4
-# Whether a launch that names no k_splits takes `choose_k_splits`' count, or 1. Off until the
-# split has run on a GPU (`scripts/gpu_fp8_measure.sh gemm-split`: its GPU tests, then the
-# sweep that checks `choose_k_splits`' counts); until then the split runs only when asked.
-SPLIT_K_BY_DEFAULT = False
 NUM_WARPS = 4  # the default partition: the first compute warpgroup
 DEFAULT_STAGES = 5  # 5 x 32 KB ring + 32 KB output staging: one CTA per SM
 DEFAULT_GROUP_M = 8
@@ -358,8 +353,7 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
             k_unroll: K blocks per chain of overlapped products (1: each product waited
             for before it is scaled); block_n: the tile width, 128 or 64 (default:
             `choose_block_n`); k_splits: K split into this many runs of K blocks, their
-            float32 sums added by a second launch (default: `choose_k_splits` where
-            `SPLIT_K_BY_DEFAULT`, else 1).
+            float32 sums added by a second launch (default: `choose_k_splits`).
     """
     rows, cols = x_q.shape
     out_features = weight.shape[0]
@@ -381,8 +375,7 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
     if block_n is None:
         block_n = choose_block_n(rows, out_features, num_sms)
     if k_splits is None:
-        k_splits = (choose_k_splits(rows, out_features, cols, block_n, num_sms)
-                    if SPLIT_K_BY_DEFAULT else 1)
+        k_splits = choose_k_splits(rows, out_features, cols, block_n, num_sms)
     num_k_blocks = triton.cdiv(cols, BLOCK_K)
     blocks_per_split = triton.cdiv(num_k_blocks, k_splits)
     k_splits = triton.cdiv(num_k_blocks, blocks_per_split)  # none of them empty

@@ -63,6 +63,7 @@ _EXPERT_STACKS = {"gate_up_proj": (("gate_proj", "up_proj"), "weight"),
                   "gate_up_scale_inv": (("gate_proj", "up_proj"), "weight" + SCALE_SUFFIX),
                   "down_scale_inv": (("down_proj",), "weight" + SCALE_SUFFIX)}
 DUMMY_WEIGHT_RANGE = 0.02  # dummy weights are uniform in [-0.02, 0.02]
+DUMMY_DRAW_ELEMENTS = 1 << 26  # a dummy tensor is drawn in slices of this many elements
 _FUSED_FP8_MESSAGE = ("FP8 weights in the fused-experts layout ({key}, 3-D) have no published "
                       "format: store the experts one by one (mlp.experts.N.gate_proj.weight ...) "
                       "as DeepSeek does, or dequantize the checkpoint "
@@ -323,15 +324,28 @@ def init_dummy_weights(model: DeepseekForCausalLM, seed: int) -> None:
             if name.endswith(SCALE_SUFFIX):
                 param.fill_(DUMMY_WEIGHT_RANGE / FP8_MAX)
                 continue
-            fp8 = param.dtype == FP8_DTYPE  # drawn in float32 (uniform_ has no FP8 kernel)
-            bound = FP8_MAX if fp8 else DUMMY_WEIGHT_RANGE
-            if name not in cuts and not fp8:
-                param.uniform_(-bound, bound, generator=generator)
-                continue
-            full_shape = _full_shape(param.shape, cuts.get(name, []))
-            full = param.new_empty(full_shape, dtype=torch.float32 if fp8 else param.dtype)
-            full.uniform_(-bound, bound, generator=generator)
-            param.copy_(_cut(full, full_shape, cuts.get(name, [])))
+            bound = FP8_MAX if param.dtype == FP8_DTYPE else DUMMY_WEIGHT_RANGE
+            _draw_uniform(param, cuts.get(name, []), bound, generator)
+
+
+def _draw_uniform(param: torch.Tensor, cuts: list[Cut], bound: float,
+                  generator: torch.Generator) -> None:
+    """Fill param with its cut of a full tensor uniform in [-bound, bound]. The full tensor is
+    drawn in slices of `DUMMY_DRAW_ELEMENTS` of its flat elements, each in float32 for an FP8
+    param (uniform_ has no FP8 kernel), into param itself where it is the full tensor: the
+    temporaries stay small however large the tensor (a V3 layer's stacked expert weights are
+    7.5 G elements, 30 GB in float32). The slices depend on the full tensor's size only, so
+    every parallel size draws the same full tensor."""
+    full_shape = _full_shape(param.shape, cuts)
+    full = param.new_empty(full_shape) if cuts else param
+    draw_dtype = torch.float32 if param.dtype == FP8_DTYPE else param.dtype
+    flat = full.view(-1)  # [numel], contiguous
+    for start in range(0, flat.numel(), DUMMY_DRAW_ELEMENTS):
+        piece = flat[start:start + DUMMY_DRAW_ELEMENTS]
+        drawn = torch.empty(piece.shape, dtype=draw_dtype, device=piece.device)
+        piece.copy_(drawn.uniform_(-bound, bound, generator=generator))
+    if cuts:
+        param.copy_(_cut(full, full_shape, cuts))
 
 
 def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.device,
