@@ -185,3 +185,9 @@ def test_the_plan_takes_the_transposed_pass_only_where_asked_and_served(
     assert not default_config(*shape, 64).fp8_transposed  # a bf16 cache
     assert plan_mla_decode(64, 4096, 16, 1, 512, 64, bf16, 132, 64, capability=(9, 0),
                            kv_cache_dtype=fp8).kernel == GLUON_SM90_FP8_T
+    # its splits count one program per SM: 2 at batch 64 (128 programs), 1 from 128 on
+    assert chosen.programs_per_sm == tuning.GLUON_FP8_TRANSPOSED_PROGRAMS_PER_SM == 1.0
+    for batch, splits in ((64, 2), (128, 1), (512, 1)):
+        chosen_plan = plan_mla_decode(batch, 4096, 16, 1, 512, 64, bf16, 132, 64,
+                                      capability=(9, 0), kv_cache_dtype=fp8)
+        assert chosen_plan.num_splits == splits, batch

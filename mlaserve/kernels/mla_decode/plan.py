@@ -259,6 +259,7 @@ def default_config(
                                    and (block_size is None or block_size >= fp8_tile[0]))
     if fp8_transposed:
         block_n, num_stages = GLUON_FP8_TRANSPOSED_TILE, transposed_stages
+        per_sm = tuning.GLUON_FP8_TRANSPOSED_PROGRAMS_PER_SM
     elif gluon_fp8:
         block_n, num_stages = fp8_tile
     min_split_len = tuning.MIN_SPLIT_LEN[(block_m, long_requests)]

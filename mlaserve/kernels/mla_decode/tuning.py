@@ -19,6 +19,10 @@ GLUON_FP8_TILE: tuple[int, int] | None = (32, 2)
 # where pages hold whole tiles: its ring depth (3 was slower: one program an SM), or None to
 # fall back to GLUON_FP8_TILE's pass.
 GLUON_FP8_TRANSPOSED_STAGES: int | None = 2
+# Its split count counts one program per SM, under either split policy: one program streams
+# an SM's share of the cache, so fewer splits save their partials and merge (H100, 16 heads x
+# kv 4096: 2 splits instead of 4 at batch 64, 1 instead of 2 at 128 and 512, 2-7% faster).
+GLUON_FP8_TRANSPOSED_PROGRAMS_PER_SM = 1.0
 
 # float32 inputs (tests under the interpreter, FMA dots on a GPU): 16-row groups, the widest
 # tile of FLOAT32_BLOCK_NS whose Q and two KV tiles fit FLOAT32_SMEM_BUDGET.
