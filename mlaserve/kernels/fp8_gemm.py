@@ -24,7 +24,7 @@ runs, so that more programs stream the weight at once). `product_path` picks one
 products for `block_fp8_linear`: "weight-only" on CUDA up to `WEIGHT_ONLY_MAX_ROWS` rows,
 "gluon" (the warp-specialised sm_90 kernel of `fp8_gemm_sm90`) on an sm_90 GPU for narrow
 products, else "cublas" (torch's blockwise scaled matmul) where cuBLASLt takes the shape, else
-"triton".
+"gluon" on sm_90 and "triton" elsewhere.
 """
 
 import functools
@@ -48,11 +48,12 @@ from mlaserve.kernels.interpreter import prepare_launch
 # rows, or on the 117-264 MB weights of o_proj and the dense MLP, cuBLASLt's w8a8 is faster.
 WEIGHT_ONLY_MAX_ROWS = 16
 WEIGHT_ONLY_MAX_WEIGHT_BYTES = 64 << 20
-# An sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`) on narrow products only: from
-# GLUON_MIN_ROWS rows, N at most GLUON_MAX_OUT_FEATURES, where it takes 64-wide tiles. On the
-# H200 (benchmarks/fp8/gemm/, products alone) that is V3's 2112-wide q_a + kv_a product at
-# 64-1024 tokens, 13-36% faster than cuBLASLt, and a routed expert's 4096-wide gate_up at
-# 64-256, 3-20% faster; of V3's other 37 cells cuBLASLt is faster on 33, at most 3% slower on 4.
+# An sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`) where cuBLASLt takes the shape
+# only on narrow products: from GLUON_MIN_ROWS rows, N at most GLUON_MAX_OUT_FEATURES, where
+# it takes 64-wide tiles. On the H200 (benchmarks/fp8/gemm/, products alone) that is V3's
+# 2112-wide q_a + kv_a product at 64-1024 tokens, 13-36% faster than cuBLASLt, and a routed
+# expert's 4096-wide gate_up at 64-256, 3-20% faster; of V3's other 37 cells cuBLASLt is
+# faster on 33, at most 3% slower on 4.
 GLUON_MIN_ROWS = 64
 GLUON_MAX_OUT_FEATURES = 4096
 H100_SMS = 132  # the SM count `product_path` assumes unless told (H100 / H200 SXM)
