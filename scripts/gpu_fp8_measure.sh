@@ -144,7 +144,7 @@ case $stage in
   gemm)
     for run in $(seq "$runs"); do
       timeout 150 python3 -m mlaserve bench gemm --models "${MODELS:-deepseek-v3}" \
-        --tokens 1,16,64,256,1024,4096,8192 --out "$out/gemm-$run.json" \
+        --tokens 1,16,32,64,256,1024,4096,8192 --out "$out/gemm-$run.json" \
         > "$out/gemm-$run.log" 2>&1
     done
     tail -12 "$out"/gemm-*.log ;;
