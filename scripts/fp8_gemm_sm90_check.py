@@ -18,8 +18,7 @@ status 1. Times are medians under CUDA-graph replay (`kernels.testing.graph_repl
 - `cublas`: cuBLASLt's blockwise product alone (`scaled_mm_block_fp8`), where it takes the shape;
 - `gluon`: the Gluon product alone with its defaults (the tile width `choose_block_n` picks,
   printed as `bn`, and the runs of K blocks `choose_k_splits` picks, `ks`), and `best`: the
-  fastest swept configuration
-  (num_stages, k_unroll, group_m, block_n, k_splits), named;
+  fastest swept configuration (num_stages, k_unroll, group_m, block_n, k_splits), named;
 - `w8a8 cublas` / `w8a8 gluon`: what a layer runs (`block_fp8_w8a8`): x's quantization plus
   the product; `quant`: the quantization alone (`quantize_activations`), with the bytes it
   moves per second (x read, x_q and its scales written).
@@ -145,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                         partial(product, **config), args.repeats)
                 failed |= rel_err > gate
                 bf16 = _time(partial(torch.matmul, x, w_bf16.T), args.repeats)
-                default_block_n = choose_block_n(m, n, sm_count(device))
-                default_k_splits = choose_k_splits(m, n, k, default_block_n, sm_count(device))
-                gluon = _time(partial(product, k_splits=default_k_splits), args.repeats)
+                gluon = _time(product, args.repeats)  # default_block_n, default_k_splits
                 try:
                     cublas = _time(partial(scaled_mm_block_fp8, x_q, x_scales, w_fp8, w_scales,
                                            torch.bfloat16), args.repeats)
@@ -162,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 best_config = min(swept, key=swept.get, default=None)
                 best = swept[best_config] if best_config else math.nan
                 tflops = 2 * m * n * k / gluon / 1e12
+                default_block_n = choose_block_n(m, n, sm_count(device))
+                default_k_splits = choose_k_splits(m, n, k, default_block_n, sm_count(device))
                 rows.append(dict(
                     model=model, projection=proj.name, out_features=n, in_features=k, tokens=m,
                     bf16_us=bf16 * 1e6, cublas_us=cublas * 1e6, gluon_us=gluon * 1e6,
