@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mlaserve.kernels.mla_decode.common import GLUON_SM90
+from mlaserve.kernels.mla_decode.common import GLUON_SM90, SplitPassIO
 from mlaserve.kernels.mla_decode.plan import plan_mla_decode
 from mlaserve.kernels.testing import poisoned_paged_batch
 
@@ -88,9 +88,9 @@ def traced_pass(folder: Path):
         ("num_tiles, LEFT,", "num_tiles, trace, LEFT,"),
         ("num_tiles, RIGHT,", "num_tiles, trace, RIGHT,"),
         ("split_start, num_tiles, BLOCK_SIZE)),", "split_start, num_tiles, trace, BLOCK_SIZE)),"),
-        ("    num_stages: int,\n) -> None:",
-         "    num_stages: int,\n    trace: torch.Tensor | None = None,\n) -> None:"),
-        ("block_table.stride(0), BLOCK_SIZE=", "block_table.stride(0), trace, BLOCK_SIZE="),
+        ("io: SplitPassIO) -> None:",
+         "io: SplitPassIO,\n                      trace: torch.Tensor | None = None) -> None:"),
+        ("io.block_table.stride(0),\n", "io.block_table.stride(0), trace,\n"),
     ])
     (folder / "traced_sm90_tiles.py").write_text(tiles)
     (folder / "traced_sm90.py").write_text(main)
@@ -113,7 +113,7 @@ def trace_cell(traced, heads: int, batch: int, kv_len: int, q_len: int, num_sms:
                                          torch.bfloat16, 0, device=torch.device("cuda"))
     plan = plan_mla_decode(batch, kv_len, heads, q_len, 512, 64, torch.bfloat16, num_sms, 64,
                            capability=(9, 0))
-    config, splits, rows = plan.config, plan.num_splits, q_len * heads
+    splits, rows = plan.num_splits, q_len * heads
     if plan.kernel != GLUON_SM90:
         raise SystemExit(f"{heads}x{batch}x{kv_len}x{q_len} does not run the Gluon pass")
     if splits == 1:
@@ -123,11 +123,9 @@ def trace_cell(traced, heads: int, batch: int, kv_len: int, q_len: int, num_sms:
     lse = torch.empty(batch * splits * rows, dtype=torch.float32, device="cuda")
     trace = torch.zeros(batch * splits * plan.num_head_groups * SLOTS, dtype=torch.int64,
                         device="cuda")
-    min_split_len = -(-config.min_split_len // config.block_n) * config.block_n
+    io = SplitPassIO(q, kv, bt, sl, o, lse, math.log2(math.e) / math.sqrt(576), 512, q_len)
     for _ in range(3):  # the last call's stamps are kept
-        traced.launch_split_pass(q, kv, bt, sl, o, lse, math.log2(math.e) / math.sqrt(576),
-                                 512, q_len, splits, min_split_len, config.block_n,
-                                 config.num_stages, trace=trace)
+        traced.launch_split_pass(plan, io, trace=trace)
     torch.cuda.synchronize()
     return trace.view(-1, SLOTS).cpu().numpy(), plan
 

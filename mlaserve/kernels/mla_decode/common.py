@@ -13,10 +13,12 @@ than a short one and one grid (one CUDA graph) serves uniform and ragged batches
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
-# Names of the split-pass kernels a plan can choose (`MLADecodePlan.kernel`).
+# Names of the split-pass kernels a plan can choose (`MLADecodePlan.kernel`), each also the name
+# of the module here whose `launch_split_pass(plan, SplitPassIO)` launches it.
 TRITON_SPLIT = "triton_split"  # `triton_split._mla_decode_split_kernel`, any CUDA GPU or CPU
 GLUON_SM90 = "gluon_sm90"  # `gluon_sm90._mla_decode_split_kernel_sm90`, sm_90 only
 # `gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8`, sm_90 and an FP8 cache only
@@ -129,6 +131,32 @@ def gluon_fp8_transposed_serves(capability: tuple[int, int] | None, dtype: torch
             <= GLUON_SHARED_MEMORY_LIMIT)
 
 
+@dataclass(frozen=True)
+class SplitPassIO:
+    """What a split pass reads and writes, as `launch.mla_decode_triton` checked and allocated
+    it; every pass's `launch_split_pass(plan, io)` takes it.
+
+    q: [B * q_len, H, L + R] absorbed queries `[q_latent | q_pe]`, the last dim contiguous
+    (16-bit for the Gluon passes; contiguous and 16-byte aligned for `GLUON_SM90`, which reads
+    it by TMA). kv_cache: [num_blocks, block_size, L + R] in q's dtype or float8_e4m3fn, the last
+    dim contiguous, its pages back to back where the pass loads tiles by TMA. block_table:
+    [B, max_blocks] int32, row-contiguous. seq_lens: [B] int32. partial_o, partial_lse:
+    [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H] (flat): the partials, or with
+    one split the final o (q's dtype) and lse. qk_scale: softmax_scale * log2(e).
+    kv_lora_rank: L. q_len: new tokens per request.
+    """
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    partial_o: torch.Tensor
+    partial_lse: torch.Tensor
+    qk_scale: float
+    kv_lora_rank: int
+    q_len: int
+
+
 @functools.cache
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) compute capability of a CUDA device; None off CUDA."""
@@ -139,7 +167,8 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
 
 __all__ = ["GLUON_BLOCK_M", "GLUON_FP8_CHUNK", "GLUON_FP8_ROWS", "GLUON_FP8_TRANSPOSED_TILE",
            "GLUON_SHARED_MEMORY_LIMIT", "GLUON_SM90", "GLUON_SM90_FP8", "GLUON_SM90_FP8_T",
-           "KERNELS", "LOG2E", "MAX_MERGE_CHUNK", "TRITON_SPLIT", "device_capability",
+           "KERNELS", "LOG2E", "MAX_MERGE_CHUNK", "SplitPassIO", "TRITON_SPLIT",
+           "device_capability",
            "gluon_fp8_serves", "gluon_fp8_shared_memory_bytes", "gluon_fp8_transposed_serves",
            "gluon_fp8_transposed_shared_memory_bytes", "gluon_serves",
            "gluon_shared_memory_bytes", "next_pow2", "whole_tiles"]

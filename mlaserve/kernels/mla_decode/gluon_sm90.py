@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mlaserve.kernels.mla_decode.common import GLUON_BLOCK_M
+from mlaserve.kernels.mla_decode.common import GLUON_BLOCK_M, SplitPassIO
 from mlaserve.kernels.mla_decode.gluon_sm90_tiles import (
     exp_scores,
     issue_scores,
@@ -67,6 +67,7 @@ from mlaserve.kernels.mla_decode.gluon_sm90_tiles import (
     wgmma_layout,
     zero_tail,
 )
+from mlaserve.kernels.mla_decode.plan import MLADecodePlan
 from mlaserve.kernels.mla_decode.splits import split_bounds
 
 BLOCK_M = GLUON_BLOCK_M  # query rows per program
@@ -334,31 +335,12 @@ def stores_by_tma(kv_lora_rank: int, block_n: int, num_stages: int, num_rows: in
     return num_rows % BLOCK_M == 0 and ring_bytes >= BLOCK_M * kv_lora_rank * output_dtype.itemsize
 
 
-def launch_split_pass(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    partial_o: torch.Tensor,
-    partial_lse: torch.Tensor,
-    qk_scale: float,
-    kv_lora_rank: int,
-    q_len: int,
-    num_splits: int,
-    min_split_len: int,
-    block_n: int,
-    num_stages: int,
-) -> None:
-    """Stage 1 of `mla_decode_triton` where the plan names this pass (`common.gluon_serves`).
-
-    Args:
-        q: [B * q_len, H, L + R] contiguous; kv_cache [num_blocks, block_size, L + R] with its
-            pages back to back; block_table [B, max_blocks] int32; seq_lens [B] int32.
-        partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
-            (flat): float32 partials, or with num_splits == 1 the final o (q's dtype) and lse.
-        qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of
-            block_n, the KV tokens per tile; num_stages: KV tiles in the shared ring.
-    """
+def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
+    """Stage 1 of `mla_decode_triton` where the plan names this pass (`common.gluon_serves`):
+    `plan.config`'s tiles of block_n KV tokens (min_split_len a multiple of them), num_stages
+    of them in the shared ring; q read by TMA, so contiguous (`SplitPassIO` has the shapes)."""
+    q, kv_cache, partial_o, kv_lora_rank = io.q, io.kv_cache, io.partial_o, io.kv_lora_rank
+    config, num_splits = plan.config, plan.num_splits
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     rope_dim = head_dim - kv_lora_rank
@@ -366,10 +348,10 @@ def launch_split_pass(
     kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
     descs = [TensorDescriptor.from_tensor(tensor, [rows, width],
                                           _shared_layout(q.dtype, rows, width))
-             for tensor, rows in ((q_rows, BLOCK_M), (kv_rows, block_n))
+             for tensor, rows in ((q_rows, BLOCK_M), (kv_rows, config.block_n))
              for width in (kv_lora_rank, rope_dim)]
-    batch = block_table.shape[0]
-    num_rows = q_len * num_heads
+    batch = io.block_table.shape[0]
+    num_rows = io.q_len * num_heads
     out_rows = partial_o.reshape(-1)[:batch * num_splits * num_rows * kv_lora_rank].view(
         batch * num_splits * num_rows, kv_lora_rank)  # [B * num_splits * q_len * H, L]
     o_desc = TensorDescriptor.from_tensor(
@@ -377,10 +359,11 @@ def launch_split_pass(
         _shared_layout(partial_o.dtype, BLOCK_M, kv_lora_rank // 2))
     grid = (triton.cdiv(num_rows, BLOCK_M), num_splits, batch)
     _mla_decode_split_kernel_sm90[grid](
-        *descs, block_table, seq_lens, o_desc, partial_o, partial_lse, qk_scale, q_len,
-        num_heads, num_splits, min_split_len, block_table.stride(0), BLOCK_SIZE=block_size,
-        NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1,
-        TMA_STORE=stores_by_tma(kv_lora_rank, block_n, num_stages, num_rows, partial_o.dtype),
+        *descs, io.block_table, io.seq_lens, o_desc, partial_o, io.partial_lse, io.qk_scale,
+        io.q_len, num_heads, num_splits, config.min_split_len, io.block_table.stride(0),
+        BLOCK_SIZE=block_size, NUM_STAGES=config.num_stages, DIRECT_OUTPUT=num_splits == 1,
+        TMA_STORE=stores_by_tma(kv_lora_rank, config.block_n, config.num_stages, num_rows,
+                                partial_o.dtype),
         num_warps=NUM_WARPS)
 
 

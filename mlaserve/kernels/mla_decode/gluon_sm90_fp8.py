@@ -47,8 +47,9 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mlaserve.kernels.mla_decode.common import GLUON_FP8_CHUNK, GLUON_FP8_ROWS
+from mlaserve.kernels.mla_decode.common import GLUON_FP8_CHUNK, GLUON_FP8_ROWS, SplitPassIO
 from mlaserve.kernels.mla_decode.gluon_sm90_tiles import masked_scores, rescale_and_exp
+from mlaserve.kernels.mla_decode.plan import MLADecodePlan
 from mlaserve.kernels.mla_decode.splits import split_bounds
 
 ROWS = gl.constexpr(GLUON_FP8_ROWS)  # query rows per program
@@ -293,42 +294,18 @@ def kv_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int
             TensorDescriptor.from_tensor(kv_rows, [block_n, rope_dim], rope_layout))
 
 
-def launch_split_pass(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    partial_o: torch.Tensor,
-    partial_lse: torch.Tensor,
-    qk_scale: float,
-    kv_lora_rank: int,
-    q_len: int,
-    num_splits: int,
-    min_split_len: int,
-    block_n: int,
-    num_stages: int,
-) -> None:
+def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
     """Stage 1 of `mla_decode_triton` where the plan names this pass
-    (`common.gluon_fp8_serves`).
-
-    Args:
-        q: [B * q_len, H, L + R] 16-bit, the last dim contiguous; kv_cache [num_blocks,
-            block_size, L + R] float8_e4m3fn with its pages back to back; block_table
-            [B, max_blocks] int32; seq_lens [B] int32.
-        partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
-            (flat): the partials, or with num_splits == 1 the final o (q's dtype) and lse.
-        qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of
-            block_n, the KV tokens per tile; num_stages: FP8 tiles in the shared ring.
-    """
-    num_heads = q.shape[1]
-    block_size = kv_cache.shape[1]
-    batch = block_table.shape[0]
-    kv_desc, pe_desc = kv_descriptors(kv_cache, kv_lora_rank, block_n)
-    _mla_decode_split_kernel_sm90_fp8[(1, num_splits, batch)](
-        q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
-        num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),
-        BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=num_splits == 1,
-        num_warps=NUM_WARPS)
+    (`common.gluon_fp8_serves`): 16-bit q (the last dim contiguous) over an FP8 cache with its
+    pages back to back, `plan.config`'s tiles of block_n KV tokens (min_split_len a multiple of
+    them), num_stages FP8 tiles in the shared ring (`SplitPassIO` has the shapes)."""
+    q, config, num_splits = io.q, plan.config, plan.num_splits
+    kv_desc, pe_desc = kv_descriptors(io.kv_cache, io.kv_lora_rank, config.block_n)
+    _mla_decode_split_kernel_sm90_fp8[(1, num_splits, io.block_table.shape[0])](
+        q, kv_desc, pe_desc, io.block_table, io.seq_lens, io.partial_o, io.partial_lse,
+        io.qk_scale, io.q_len, q.shape[1], num_splits, config.min_split_len, q.stride(0),
+        q.stride(1), io.block_table.stride(0), BLOCK_SIZE=io.kv_cache.shape[1],
+        NUM_STAGES=config.num_stages, DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS)
 
 
 __all__ = ["kv_descriptors", "kv_layouts", "launch_split_pass"]

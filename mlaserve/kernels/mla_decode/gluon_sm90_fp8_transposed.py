@@ -50,7 +50,6 @@ pass only where `common.gluon_fp8_transposed_serves` holds and the configuration
 programs (`tuning.GLUON_FP8_TRANSPOSED_STAGES`).
 """
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -59,7 +58,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     tma,
 )
 
-from mlaserve.kernels.mla_decode.common import GLUON_FP8_ROWS, GLUON_FP8_TRANSPOSED_TILE
+from mlaserve.kernels.mla_decode.common import (
+    GLUON_FP8_ROWS,
+    GLUON_FP8_TRANSPOSED_TILE,
+    SplitPassIO,
+)
 from mlaserve.kernels.mla_decode.gluon_sm90_fp8 import kv_descriptors
 from mlaserve.kernels.mla_decode.gluon_sm90_fp8_operands import (
     TILE,
@@ -69,6 +72,7 @@ from mlaserve.kernels.mla_decode.gluon_sm90_fp8_operands import (
     output_in_column_order,
 )
 from mlaserve.kernels.mla_decode.gluon_sm90_tiles import wgmma_layout
+from mlaserve.kernels.mla_decode.plan import MLADecodePlan
 from mlaserve.kernels.mla_decode.splits import split_bounds
 
 NUM_WARPS = 4  # the compute warpgroup; the loader warp comes on top
@@ -254,41 +258,19 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     ], [1], [24])  # the loader warp: warps, registers
 
 
-def launch_split_pass(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    partial_o: torch.Tensor,
-    partial_lse: torch.Tensor,
-    qk_scale: float,
-    kv_lora_rank: int,
-    q_len: int,
-    num_splits: int,
-    min_split_len: int,
-    num_stages: int,
-) -> None:
-    """Stage 1 of `mla_decode_triton` where the plan names this pass (`GLUON_SM90_FP8_T`).
-
-    Args:
-        q: [B * q_len, H, L + R] 16-bit, the last dim contiguous; kv_cache [num_blocks,
-            block_size, L + R] float8_e4m3fn with its pages back to back (block_size a
-            multiple of 64); block_table [B, max_blocks] int32; seq_lens [B] int32.
-        partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
-            (flat): the partials, or with num_splits == 1 the final o (q's dtype) and lse.
-        qk_scale: softmax_scale * log2(e). kv_lora_rank: L. min_split_len: a multiple of 64;
-            num_stages: FP8 tiles in the shared ring.
-    """
-    num_heads = q.shape[1]
-    block_size = kv_cache.shape[1]
-    batch = block_table.shape[0]
-    kv_desc, pe_desc = kv_descriptors(kv_cache, kv_lora_rank, GLUON_FP8_TRANSPOSED_TILE)
-    _mla_decode_split_kernel_sm90_fp8_transposed[(1, num_splits, batch)](
-        q, kv_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse, qk_scale, q_len,
-        num_heads, num_splits, min_split_len, q.stride(0), q.stride(1), block_table.stride(0),
-        ROWS=GLUON_FP8_ROWS, BLOCK_SIZE=block_size, NUM_STAGES=num_stages,
-        DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS,
-        maxnreg=LAUNCH_REGISTERS)
+def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
+    """Stage 1 of `mla_decode_triton` where the plan names this pass (`GLUON_SM90_FP8_T`):
+    16-bit q (the last dim contiguous) over an FP8 cache with its pages back to back (pages of a
+    multiple of 64 tokens), min_split_len a multiple of 64, `plan.config.num_stages` FP8 tiles
+    in the shared ring (`SplitPassIO` has the shapes)."""
+    q, config, num_splits = io.q, plan.config, plan.num_splits
+    kv_desc, pe_desc = kv_descriptors(io.kv_cache, io.kv_lora_rank, GLUON_FP8_TRANSPOSED_TILE)
+    _mla_decode_split_kernel_sm90_fp8_transposed[(1, num_splits, io.block_table.shape[0])](
+        q, kv_desc, pe_desc, io.block_table, io.seq_lens, io.partial_o, io.partial_lse,
+        io.qk_scale, io.q_len, q.shape[1], num_splits, config.min_split_len, q.stride(0),
+        q.stride(1), io.block_table.stride(0), ROWS=GLUON_FP8_ROWS,
+        BLOCK_SIZE=io.kv_cache.shape[1], NUM_STAGES=config.num_stages,
+        DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGISTERS)
 
 
 __all__ = ["launch_split_pass"]

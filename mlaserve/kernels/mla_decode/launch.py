@@ -6,14 +6,17 @@ and launches the split pass, then the merge kernel when there is more than one s
 synchronises with the device.
 """
 
+import importlib
+
 import torch
 
-from mlaserve.kernels.mla_decode import merge, triton_split
+from mlaserve.kernels.mla_decode import merge
 from mlaserve.kernels.mla_decode.common import (
     GLUON_SM90,
     GLUON_SM90_FP8,
     GLUON_SM90_FP8_T,
     LOG2E,
+    SplitPassIO,
 )
 from mlaserve.kernels.mla_decode.plan import MLADecodePlan, partial_dtype_of
 
@@ -137,30 +140,10 @@ def mla_decode_triton(
             raise ValueError(f"workspace too small: need {o_numel} {partial_dtype} partial "
                              f"outputs and {lse_numel} float32 LSEs, got {partial_o.numel()} and "
                              f"{partial_lse.numel()}")
-    qk_scale = softmax_scale * LOG2E
-    if plan.kernel == GLUON_SM90:
-        from mlaserve.kernels.mla_decode import gluon_sm90  # Gluon: imported only when planned
-
-        gluon_sm90.launch_split_pass(q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
-                                     qk_scale, kv_lora_rank, q_len, num_splits,
-                                     plan.config.min_split_len, plan.config.block_n,
-                                     plan.config.num_stages)
-    elif plan.kernel == GLUON_SM90_FP8:
-        from mlaserve.kernels.mla_decode import gluon_sm90_fp8  # Gluon: imported when planned
-
-        gluon_sm90_fp8.launch_split_pass(q, kv_cache, block_table, seq_lens, partial_o,
-                                         partial_lse, qk_scale, kv_lora_rank, q_len, num_splits,
-                                         plan.config.min_split_len, plan.config.block_n,
-                                         plan.config.num_stages)
-    elif plan.kernel == GLUON_SM90_FP8_T:
-        from mlaserve.kernels.mla_decode import gluon_sm90_fp8_transposed  # imported when planned
-
-        gluon_sm90_fp8_transposed.launch_split_pass(
-            q, kv_cache, block_table, seq_lens, partial_o, partial_lse, qk_scale, kv_lora_rank,
-            q_len, num_splits, plan.config.min_split_len, plan.config.num_stages)
-    else:
-        triton_split.launch_split(plan, q, kv_cache, block_table, seq_lens, partial_o,
-                                  partial_lse, qk_scale, kv_lora_rank, q_len)
+    io = SplitPassIO(q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
+                     softmax_scale * LOG2E, kv_lora_rank, q_len)
+    # each pass is the module of its name, imported when planned (the Gluon ones need Gluon)
+    importlib.import_module(f"{__package__}.{plan.kernel}").launch_split_pass(plan, io)
     if num_splits > 1:
         merge.launch_merge(plan, partial_o, partial_lse, o, lse, batch, rows, kv_lora_rank)
     return o, lse

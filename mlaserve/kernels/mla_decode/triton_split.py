@@ -45,7 +45,7 @@ Kernel design:
   speed is not measured yet, so no plan picks it by default.
 
 The plan (`plan.py`) fixes every choice; `launch.py` checks the inputs and calls
-`launch_split` here (and `merge.launch_merge` after it) as the plan says.
+`launch_split_pass` here (and `merge.launch_merge` after it) as the plan says.
 """
 
 import torch
@@ -54,6 +54,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mlaserve.kernels.mla_decode.common import SplitPassIO
 from mlaserve.kernels.mla_decode.plan import MLADecodePlan
 from mlaserve.kernels.mla_decode.splits import split_bounds
 
@@ -353,51 +354,33 @@ def kv_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int,
     return nope, pe
 
 
-def launch_split(
-    plan: MLADecodePlan,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    partial_o: torch.Tensor,
-    partial_lse: torch.Tensor,
-    qk_scale: float,
-    kv_lora_rank: int,
-    q_len: int,
-) -> None:
-    """Stage 1 (`_mla_decode_split_kernel`) with the plan's configuration.
-
-    Args:
-        q: [B * q_len, H, L + R], the last dim contiguous; kv_cache [num_blocks, block_size,
-            L + R], the last dim contiguous (pages back to back where `plan.tma_loads`);
-            block_table [B, max_blocks] int32 (row-contiguous); seq_lens [B] int32.
-        partial_o, partial_lse: [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H]
-            (flat): the partials, or with one split the final o (q's dtype) and lse.
-        qk_scale: softmax_scale * log2(e).
-    """
+def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
+    """Stage 1 (`_mla_decode_split_kernel`) with the plan's configuration: any CUDA GPU, or
+    the CPU under the interpreter; the cache's pages back to back where `plan.tma_loads`
+    (`SplitPassIO` has the shapes)."""
+    q, kv_cache, kv_lora_rank = io.q, io.kv_cache, io.kv_lora_rank
     config, num_splits = plan.config, plan.num_splits
-    num_tokens, num_heads, head_dim = q.shape
-    batch = block_table.shape[0]
-    direct = num_splits == 1
+    num_heads, head_dim = q.shape[1:]
+    batch = io.block_table.shape[0]
     nope_desc = pe_desc = None
     if plan.tma_loads:
         nope_desc, pe_desc = kv_descriptors(kv_cache, kv_lora_rank, config.block_n,
                                             config.latent_chunks)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _mla_decode_split_kernel[(plan.num_head_groups, num_splits, batch)](
-        q, kv_cache, nope_desc, pe_desc, block_table, seq_lens, partial_o, partial_lse,
-        qk_scale, q_len, num_heads, num_splits, config.min_split_len, batch,
-        max(plan.balance_splits, 1), q.stride(0), q.stride(1), kv_cache.stride(0),
-        kv_cache.stride(1), block_table.stride(0), KV_LORA_RANK=kv_lora_rank,
+        q, kv_cache, nope_desc, pe_desc, io.block_table, io.seq_lens, io.partial_o,
+        io.partial_lse, io.qk_scale, io.q_len, num_heads, num_splits, config.min_split_len,
+        batch, max(plan.balance_splits, 1), q.stride(0), q.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), io.block_table.stride(0), KV_LORA_RANK=kv_lora_rank,
         ROPE_DIM=head_dim - kv_lora_rank,
         BLOCK_SIZE=kv_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, PAGE_CHUNK=plan.page_chunk,
-        DOT_PRECISION=precision, DIRECT_OUTPUT=direct, USE_PDL=plan.programmatic_launch,
-        USE_TMA=plan.tma_loads, FP16_DOTS=plan.fp16_dots, BALANCED=plan.balance_splits > 0,
-        LATENT_CHUNKS=config.latent_chunks,
+        DOT_PRECISION=precision, DIRECT_OUTPUT=num_splits == 1,
+        USE_PDL=plan.programmatic_launch, USE_TMA=plan.tma_loads, FP16_DOTS=plan.fp16_dots,
+        BALANCED=plan.balance_splits > 0, LATENT_CHUNKS=config.latent_chunks,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
 
-__all__ = ["kv_descriptors", "launch_split"]
+__all__ = ["kv_descriptors", "launch_split_pass"]
