@@ -168,7 +168,6 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
 __all__ = ["GLUON_BLOCK_M", "GLUON_FP8_CHUNK", "GLUON_FP8_ROWS", "GLUON_FP8_TRANSPOSED_TILE",
            "GLUON_SHARED_MEMORY_LIMIT", "GLUON_SM90", "GLUON_SM90_FP8", "GLUON_SM90_FP8_T",
            "KERNELS", "LOG2E", "MAX_MERGE_CHUNK", "SplitPassIO", "TRITON_SPLIT",
-           "device_capability",
-           "gluon_fp8_serves", "gluon_fp8_shared_memory_bytes", "gluon_fp8_transposed_serves",
-           "gluon_fp8_transposed_shared_memory_bytes", "gluon_serves",
-           "gluon_shared_memory_bytes", "next_pow2", "whole_tiles"]
+           "device_capability", "gluon_fp8_serves", "gluon_fp8_shared_memory_bytes",
+           "gluon_fp8_transposed_serves", "gluon_fp8_transposed_shared_memory_bytes",
+           "gluon_serves", "gluon_shared_memory_bytes", "next_pow2", "whole_tiles"]
