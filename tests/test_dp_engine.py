@@ -24,7 +24,7 @@ from mlaserve import LLM, SamplingParams
 from mlaserve.engine.data_parallel import LoadBalancer
 from tests.conftest import DEMO_TOKENIZER
 from tests.server_util import child_pids, engine_core_pids
-from tests.test_server_lifecycle import serve, stream_in_background, wait_gone
+from tests.test_server_lifecycle import serve, stop, stream_in_background, wait_gone
 from tests.test_server_lm_eval import check_loglikelihoods
 
 TEST_TIMEOUT_S = 240
@@ -107,8 +107,7 @@ def test_serve_dp2_expert_parallel_equals_one_process_and_dies_cleanly(tmp_path)
             assert result["lines"][-1] == b"data: [DONE]"
         assert wait_gone(everything) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)
 
 
 def test_serve_tp2_by_dp2_expert_parallel_equals_one_process(checkpoint_dir):
@@ -127,5 +126,4 @@ def test_serve_tp2_by_dp2_expert_parallel_equals_one_process(checkpoint_dir):
         assert proc.wait(60) == 0
         assert wait_gone(cores + workers) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)

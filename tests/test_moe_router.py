@@ -19,7 +19,11 @@ pytest.importorskip("triton")
 from mlaserve.kernels import fused_router  # noqa: E402
 from mlaserve.kernels.fused import force_fused_kernels  # noqa: E402
 from mlaserve.kernels.fused_router import select_experts_triton  # noqa: E402
-from mlaserve.kernels.moe import select_experts, select_experts_torch  # noqa: E402
+from mlaserve.kernels.moe import (  # noqa: E402
+    ExpertChoice,
+    select_experts,
+    select_experts_torch,
+)
 
 ON_GPU = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(
@@ -43,10 +47,11 @@ class Routing(NamedTuple):
     use_grouped_topk: bool
     has_bias: bool
 
-    def args(self, bias: torch.Tensor | None) -> tuple:
+    def args(self, bias: torch.Tensor | None) -> tuple[ExpertChoice, torch.Tensor | None]:
         """The positional arguments of `select_experts` after the logits."""
-        return (self.top_k, self.scoring_func, self.n_group, self.topk_group, self.norm_topk_prob,
-                self.routed_scaling_factor, self.use_grouped_topk, bias)
+        return ExpertChoice(self.top_k, self.scoring_func, self.n_group, self.topk_group,
+                            self.norm_topk_prob, self.routed_scaling_factor,
+                            self.use_grouped_topk), bias
 
 
 ROUTINGS = {

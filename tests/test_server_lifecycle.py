@@ -72,6 +72,25 @@ def serve(*extra: str, torchrun: int = 0) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left of a `serve` subprocess and every process under it: a failed
+    test must not leave ranks or engine cores running (torchrun puts each rank in a process
+    group of its own and, killed with SIGKILL, does not pass the signal on)."""
+    if proc.poll() is not None:
+        return  # exited (and reaped: its pid may be another process's now)
+    tree, pending = [], [proc.pid]
+    while pending:  # the descendants, found while their parents still live
+        children = child_pids(pending.pop())
+        tree += children
+        pending += children
+    for pid in [proc.pid, *tree]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it has exited
+    proc.wait(30)
+
+
 def stream_in_background(url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
     """POST a streamed completion on a thread; its SSE lines land in result["lines"]."""
     result = {}
@@ -112,8 +131,7 @@ def test_graceful_shutdown_finishes_in_flight_and_exits_0():
         assert b'"finish_reason":"length"' in text_lines[-1]  # finished, not cut
         assert wait_gone(children) == []  # the engine core (and any helper) exited too
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)
 
 
 def test_killing_the_engine_process_fails_requests_and_stops_the_server():
@@ -131,8 +149,7 @@ def test_killing_the_engine_process_fails_requests_and_stops_the_server():
         assert error_events and b"exited with code -9" in error_events[0]
         assert result["lines"][-1] == b"data: [DONE]"
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)
 
 
 def test_the_engine_process_exits_when_the_server_is_killed():
@@ -144,8 +161,7 @@ def test_the_engine_process_exits_when_the_server_is_killed():
         proc.wait(10)
         assert wait_gone(core_pids) == []  # it noticed its parent die; no orphan is left
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)
 
 
 def test_a_model_load_error_stops_the_server_with_exit_code_2():
@@ -156,5 +172,4 @@ def test_a_model_load_error_stops_the_server_with_exit_code_2():
         assert "the model failed to load" in output
         assert "FlashAttention MLA is not bundled" in output
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)

@@ -26,7 +26,7 @@ from mlaserve import LLM, SamplingParams
 from mlaserve.engine.request import StructuredOutputs
 from mlaserve.engine.worker import ParallelEngineError
 from tests.server_util import child_pids, engine_core_pids
-from tests.test_server_lifecycle import serve, stream_in_background, wait_gone
+from tests.test_server_lifecycle import serve, stop, stream_in_background, wait_gone
 from tests.test_server_lm_eval import check_loglikelihoods
 
 TEST_TIMEOUT_S = 180
@@ -176,8 +176,7 @@ def test_serve_tp2_under_torchrun_streams_the_one_process_completion_and_stops_c
         assert proc.wait(60) == 0
         assert wait_gone([rank0, core_pid, worker_pid]) == []  # the worker exited with the core
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)
 
 
 def test_serve_tp2_stops_with_a_clear_error_when_a_worker_is_killed():
@@ -198,5 +197,4 @@ def test_serve_tp2_stops_with_a_clear_error_when_a_worker_is_killed():
         assert result["lines"][-1] == b"data: [DONE]"
         assert wait_gone([core_pid, worker_pid]) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.interpreter import prepare_launch
+from mlaserve.kernels.moe import ExpertChoice
 
 # larger than any expert or group index: "no lane" in the min-index reductions
 _NO_INDEX = tl.constexpr(1 << 30)
@@ -131,13 +132,7 @@ def _select_experts_kernel(
 
 def select_experts_triton(
     router_logits: torch.Tensor,
-    top_k: int,
-    scoring_func: str,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-    use_grouped_topk: bool,
+    choice: ExpertChoice,
     e_score_correction_bias: torch.Tensor | None = None,
     num_shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,13 +140,7 @@ def select_experts_triton(
 
     Args:
         router_logits: [T, E] float32 (any row stride, unit column stride).
-        top_k: experts per token, K <= E.
-        scoring_func: "softmax" or "sigmoid".
-        n_group, topk_group: with use_grouped_topk and n_group > 1, the choice is restricted to
-            the best `topk_group` of `n_group` equal groups of experts (E % n_group == 0).
-        norm_topk_prob: renormalise the K weights to sum to 1 (when K > 1).
-        routed_scaling_factor: multiplies the weights.
-        use_grouped_topk: group-limited routing (else greedy over all E experts).
+        choice: the routing rule (top_k, groups, scoring, weights).
         e_score_correction_bias: [E] added to the scores for the choice only (V3), or None.
         num_shared_experts: S always-chosen experts appended after the K picks, with ids
             E .. E + S - 1 and weight 1.0.
@@ -163,12 +152,11 @@ def select_experts_triton(
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError(f"router_logits: expected [T, E] with unit column stride, got shape "
                          f"{tuple(router_logits.shape)} strides {router_logits.stride()}")
-    if scoring_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"unknown scoring function {scoring_func!r}")
     num_tokens, num_experts = router_logits.shape
+    top_k, n_group, topk_group = choice.top_k, choice.n_group, choice.topk_group
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k {top_k} must be in [1, {num_experts}]")
-    grouped = use_grouped_topk and n_group > 1
+    grouped = choice.use_grouped_topk and n_group > 1
     num_groups = n_group if grouped else 1
     if num_experts % num_groups:
         raise ValueError(f"{num_experts} experts do not split into {num_groups} groups")
@@ -195,12 +183,12 @@ def select_experts_triton(
     bias = router_logits if e_score_correction_bias is None else e_score_correction_bias
     _select_experts_kernel[(num_tokens,)](
         router_logits, bias, topk_weights, topk_ids,
-        router_logits.stride(0), float(routed_scaling_factor),
+        router_logits.stride(0), float(choice.routed_scaling_factor),
         NUM_GROUPS=num_groups, GROUP_SIZE=group_size, GROUPS_PAD=groups_pad,
         GROUP_SIZE_PAD=group_size_pad, TOPK_GROUP=topk_group if grouped else 1, TOP_K=top_k,
-        TOP_K_PAD=triton.next_power_of_2(top_k), SOFTMAX=scoring_func == "softmax",
+        TOP_K_PAD=triton.next_power_of_2(top_k), SOFTMAX=choice.scoring_func == "softmax",
         HAS_BIAS=e_score_correction_bias is not None, GROUPED=grouped,
-        NORMALIZE=norm_topk_prob and top_k > 1, NUM_SHARED=num_shared_experts,
+        NORMALIZE=choice.norm_topk_prob and top_k > 1, NUM_SHARED=num_shared_experts,
         SHARED_PAD=triton.next_power_of_2(max(num_shared_experts, 1)),
         num_warps=1 if groups_pad * group_size_pad <= 256 else 4)
     return topk_weights, topk_ids

@@ -16,6 +16,7 @@ the other implementations dequantize them to float32 (weight-only).
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,15 +31,29 @@ from mlaserve.kernels.fp8_blocks import (
 from mlaserve.kernels.fused import use_fused_kernels
 
 
+@dataclass(frozen=True)
+class ExpertChoice:
+    """DeepSeek's routing rule (the module docstring states it), in the HF config's names."""
+
+    top_k: int  # experts per token (num_experts_per_tok), K <= E
+    scoring_func: str  # "softmax" (V2) or "sigmoid" (V3)
+    # with use_grouped_topk and n_group > 1, the choice is restricted to the best topk_group
+    # of n_group equal groups of experts (E % n_group == 0)
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool  # renormalise the K weights to sum to 1 (when K > 1)
+    routed_scaling_factor: float  # multiplies the weights
+    use_grouped_topk: bool  # group-limited routing (topk_method other than "greedy")
+
+    def __post_init__(self) -> None:
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown scoring function {self.scoring_func!r} (softmax or "
+                             "sigmoid)")
+
+
 def select_experts(
     router_logits: torch.Tensor,
-    top_k: int,
-    scoring_func: str,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-    use_grouped_topk: bool,
+    choice: ExpertChoice,
     e_score_correction_bias: torch.Tensor | None = None,
     num_shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,13 +61,14 @@ def select_experts(
 
     Args:
         router_logits: [T, E] float32.
-        use_grouped_topk: restrict the choice to the best `topk_group` groups.
+        choice: the routing rule.
+        e_score_correction_bias: [E] added to the scores for the choice only (V3), or None.
         num_shared_experts: S shared experts folded into the expert stacks after the E routed
             ones: every token also takes experts E .. E + S - 1, with weight 1.0.
 
     Returns:
-        topk_weights [T, top_k + S] float32 and topk_ids [T, top_k + S] int64: the routed picks
-        in descending order of the choice score, then the shared experts.
+        topk_weights [T, K + S] float32 and topk_ids [T, K + S] int64: the K routed picks in
+        descending order of the choice score, then the shared experts.
     """
     if use_fused_kernels(router_logits):
         from mlaserve.kernels.fused_router import select_experts_triton  # imports triton
@@ -60,32 +76,25 @@ def select_experts(
         select = select_experts_triton
     else:
         select = select_experts_torch
-    return select(router_logits, top_k, scoring_func, n_group, topk_group, norm_topk_prob,
-                  routed_scaling_factor, use_grouped_topk, e_score_correction_bias,
-                  num_shared_experts)
+    return select(router_logits, choice, e_score_correction_bias, num_shared_experts)
 
 
 def select_experts_torch(
     router_logits: torch.Tensor,
-    top_k: int,
-    scoring_func: str,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-    use_grouped_topk: bool,
+    choice: ExpertChoice,
     e_score_correction_bias: torch.Tensor | None = None,
     num_shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_experts` in torch ops (about eight launches): the CPU path and the semantics."""
     num_tokens, num_experts = router_logits.shape
-    if scoring_func == "softmax":
+    top_k, n_group, topk_group = choice.top_k, choice.n_group, choice.topk_group
+    if choice.scoring_func == "softmax":
         scores = router_logits.softmax(dim=-1)
     else:
         scores = router_logits.sigmoid()
-    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
-    if use_grouped_topk and n_group > 1:
-        grouped = choice.view(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
+    ranked = scores if e_score_correction_bias is None else scores + e_score_correction_bias
+    if choice.use_grouped_topk and n_group > 1:
+        grouped = ranked.view(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
         if e_score_correction_bias is None:
             group_scores = grouped.max(dim=-1).values  # [T, G]
         else:
@@ -95,12 +104,12 @@ def select_experts_torch(
         group_mask.scatter_(1, group_idx, True)
         expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
         fill = 0.0 if e_score_correction_bias is None else float("-inf")
-        choice = choice.masked_fill(~expert_mask, fill)
-    topk_ids = choice.topk(top_k, dim=-1).indices
+        ranked = ranked.masked_fill(~expert_mask, fill)
+    topk_ids = ranked.topk(top_k, dim=-1).indices
     topk_weights = scores.gather(1, topk_ids)
-    if norm_topk_prob and top_k > 1:
+    if choice.norm_topk_prob and top_k > 1:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    topk_weights = topk_weights * routed_scaling_factor
+    topk_weights = topk_weights * choice.routed_scaling_factor
     if num_shared_experts:
         shared = torch.arange(num_experts, num_experts + num_shared_experts,
                               device=topk_ids.device).expand(num_tokens, -1)  # [T, S]

@@ -32,7 +32,7 @@ from mlaserve.kernels.fp8_blocks import (
     QuantizedActivations,
     scale_shape,
 )
-from mlaserve.kernels.moe import fused_experts, select_experts
+from mlaserve.kernels.moe import ExpertChoice, fused_experts, select_experts
 from mlaserve.model.expert_parallel import expert_parallel_moe
 from mlaserve.model.fp8_linear import keep_linear_fp8
 from mlaserve.model.layers import (
@@ -165,6 +165,10 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.choice = ExpertChoice(
+            config.num_experts_per_tok, config.scoring_func, config.n_group, config.topk_group,
+            config.norm_topk_prob, config.routed_scaling_factor,
+            use_grouped_topk=config.topk_method != "greedy")
         num_experts = config.n_routed_experts
         self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size))
         if config.scoring_func == "sigmoid":
@@ -182,14 +186,8 @@ class Router(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_weights [T, K + S] float32, topk_ids [T, K + S] int64 (the routed
         choice, then the S shared experts folded in after the routed ones)."""
-        c = self.config
         logits = F.linear(x.float(), self.weight_fp32)  # [T, E]
-        bias = self.bias_fp32
-        return select_experts(
-            logits, c.num_experts_per_tok, c.scoring_func, c.n_group, c.topk_group,
-            c.norm_topk_prob, c.routed_scaling_factor,
-            use_grouped_topk=c.topk_method != "greedy", e_score_correction_bias=bias,
-            num_shared_experts=num_shared_experts)
+        return select_experts(logits, self.choice, self.bias_fp32, num_shared_experts)
 
 
 class RoutedExperts(nn.Module):
@@ -353,7 +351,7 @@ class MoE(nn.Module):
     def join_expert_parallel(self) -> None:
         """This rank has no tokens; serve the other ranks' pairs for this rank's experts."""
         num_local, _, hidden = self.experts.gate_up_proj.shape
-        top_k = self.gate.config.num_experts_per_tok
+        top_k = self.gate.choice.top_k
         x = self.gate.weight.new_empty(0, hidden)  # [0, D] in the model dtype
         ids = torch.empty(0, top_k, dtype=torch.int64, device=x.device)  # [0, K]
         weights = torch.empty(0, top_k, dtype=torch.float32, device=x.device)  # [0, K]
