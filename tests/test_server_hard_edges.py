@@ -12,11 +12,14 @@ import threading
 import time
 
 import aiohttp
+import msgspec
 import pytest
 import requests
 
 from mlaserve.engine.args import DEMO_MODEL_DIR
 from mlaserve.server.api import ServerOptions
+from mlaserve.server.formatting import sse, usage
+from mlaserve.server.protocol_stream import ChatStreamChoice, chunk_head
 from tests.server_util import RunningServer
 
 openai = pytest.importorskip("openai")  # test-only; absent on a bare GPU machine
@@ -70,6 +73,18 @@ SURROGATE_BODIES = [
 @pytest.mark.parametrize("path,body,param", SURROGATE_BODIES)
 def test_lone_surrogates_are_a_400_naming_the_field(server, path, body, param):
     assert_error(post(server, path, body), 400, param)
+
+
+def test_a_streamed_chunk_with_a_lone_surrogate_is_escaped_json() -> None:
+    """Text msgspec refuses to encode (a lone surrogate, which no request can bring in but a
+    chunk must survive) goes out as JSON with the escape, the chunk's fields in their order."""
+    head = chunk_head("chatcmpl-1", "chat.completion.chunk", 7, "demo")
+    event = sse(msgspec.structs.replace(head, choices=[ChatStreamChoice(
+        0, {"content": "a \ud800"}, None, None)], usage=usage(3, 1)))
+    assert event == (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,'
+                     b'"model":"demo","choices":[{"index":0,"delta":{"content":"a \\ud800"},'
+                     b'"logprobs":null,"finish_reason":null}],"usage":{"prompt_tokens":3,'
+                     b'"completion_tokens":1,"total_tokens":4}}\n\n')
 
 
 def test_invalid_utf8_bytes_are_a_400(server):

@@ -106,18 +106,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def sse(payload: dict[str, Any] | str) -> bytes:
+def sse(payload: msgspec.Struct | dict[str, Any] | str) -> bytes:
     """One server-sent event: `data: <compact JSON>` and a blank line, as UTF-8.
 
-    msgspec encodes a chunk several times faster than json (every streamed token is one chunk);
-    text it refuses (a lone surrogate) goes through json, which escapes it.
+    msgspec encodes a chunk (`protocol_stream`) several times faster than json (every streamed
+    token is one chunk); text it refuses (a lone surrogate) goes through json, which escapes it.
     """
     if isinstance(payload, str):
         return f"data: {payload}\n\n".encode()
     try:
         body = _encoder.encode(payload)
     except (TypeError, UnicodeEncodeError, msgspec.EncodeError):
-        body = json.dumps(payload, separators=(",", ":")).encode()
+        body = json.dumps(msgspec.to_builtins(payload), separators=(",", ":")).encode()
     return b"data: " + body + b"\n\n"
 
 

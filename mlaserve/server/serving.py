@@ -8,6 +8,7 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import Response
+from msgspec.structs import replace
 
 from mlaserve.engine.core_client import EngineError
 from mlaserve.engine.request import RequestOutput
@@ -23,6 +24,7 @@ from mlaserve.server.protocol_completions import (
     CompletionResponse,
     CompletionResponseChoice,
 )
+from mlaserve.server.protocol_stream import CompletionStreamChoice, chunk_head
 from mlaserve.server.serving_base import (
     APIError,
     EventStreamResponse,
@@ -145,8 +147,7 @@ class Serving(TemplateServing):
             usage=usage(n_prompt, n_out)))
 
     async def _stream_completions(self, req, prepared, streams, response_id, created, model):
-        head = {"id": response_id, "object": "text_completion", "created": created,
-                "model": model}
+        head = chunk_head(response_id, "text_completion", created, model)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
         n_prompt = prompt_token_count(prepared)
@@ -175,12 +176,10 @@ class Serving(TemplateServing):
                 sent_tokens[index] += len(out.token_ids)
                 num_generated += len(out.token_ids)
                 finish_reason = out.finish_reason or finish_reason
-                chunk = {**head, "choices": [{
-                    "index": index, "text": delta, "logprobs": logprobs,
-                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]}
-                if continuous:
-                    chunk["usage"] = usage(n_prompt, num_generated)
-                yield sse(chunk)
+                choice = CompletionStreamChoice(index, delta, logprobs, out.finish_reason,
+                                                out.stop_reason)
+                yield sse(replace(head, choices=[choice],
+                                  usage=usage(n_prompt, num_generated) if continuous else None))
             end = self.stream_end(head, finish_reason, include_usage, n_prompt, num_generated)
             if end is not None:
                 yield end

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -32,6 +33,7 @@ from mlaserve.engine.core_client import AsyncEngineClient, EngineError
 from mlaserve.engine.request import RequestOutput, SamplingParams, StructuredOutputs
 from mlaserve.server.formatting import TokenText, error_body, sse, usage
 from mlaserve.server.protocol import ResponseModel, SamplingFields
+from mlaserve.server.protocol_stream import StreamChunk
 from mlaserve.server.structured import StructuredOutputError, request_constraint
 
 logger = logging.getLogger(__name__)
@@ -276,7 +278,7 @@ class ServingBase:
                                   "ServiceUnavailableError", 503))
         return None
 
-    def stream_end(self, head: dict, finish_reason: str | None, include_usage: bool,
+    def stream_end(self, head: StreamChunk, finish_reason: str | None, include_usage: bool,
                    n_prompt: int, num_generated: int) -> bytes | None:
         """The event after a stream's last chunk: the shutdown error of a stream cut short, else
         the usage chunk when asked for, else nothing (`[DONE]` follows either way)."""
@@ -284,7 +286,7 @@ class ServingBase:
         if cut is not None:
             return cut
         if include_usage:
-            return sse({**head, "choices": [], "usage": usage(n_prompt, num_generated)})
+            return sse(msgspec.structs.replace(head, usage=usage(n_prompt, num_generated)))
         return None
 
     # ---- sampling (completions and chat) ------------------------------------------------

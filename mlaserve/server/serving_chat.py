@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from msgspec.structs import replace
 
 from mlaserve.engine.core_client import EngineError
 from mlaserve.engine.request import RequestOutput, StructuredOutputs
@@ -27,6 +28,7 @@ from mlaserve.server.protocol_chat import (
     ChatLogProbs,
     ChatResponseMessage,
 )
+from mlaserve.server.protocol_stream import ChatStreamChoice, chunk_head
 from mlaserve.server.reasoning import ReasoningParser, get_reasoning_parser
 from mlaserve.server.serving import Serving
 from mlaserve.server.serving_base import (
@@ -177,8 +179,7 @@ class ChatServing:
 
     async def _stream_chat(self, req, prepared, parser, streams, response_id, created, model):
         s = self.serving
-        head = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                "model": model}
+        head = chunk_head(response_id, "chat.completion.chunk", created, model)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
         n_prompt = prompt_token_count(prepared)
@@ -186,9 +187,8 @@ class ChatServing:
         plain = parser.tool_mode == "none" and not parser.splits_reasoning
         readers: list[ChatOutputStream] = [parser.stream() for _ in prepared]
         for index in range(len(prepared)):
-            yield sse({**head, "choices": [{
-                "index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}]})
+            yield sse(replace(head, choices=[ChatStreamChoice(
+                index, {"role": "assistant", "content": ""}, None, None)]))
         num_generated = 0
         last_finish = None
         try:
@@ -210,11 +210,9 @@ class ChatServing:
                     message = {"content": ""}
                 if not message and finish is None and not (logprobs and logprobs["content"]):
                     continue  # the parsers hold this text back until it is settled
-                chunk = {**head, "choices": [{"index": index, "delta": message,
-                                              "logprobs": logprobs, "finish_reason": finish}]}
-                if continuous:
-                    chunk["usage"] = usage(n_prompt, num_generated)
-                yield sse(chunk)
+                choice = ChatStreamChoice(index, message, logprobs, finish)
+                yield sse(replace(head, choices=[choice],
+                                  usage=usage(n_prompt, num_generated) if continuous else None))
             end = s.stream_end(head, last_finish, include_usage, n_prompt, num_generated)
             if end is not None:
                 yield end
