@@ -6,7 +6,9 @@ and launches the split pass, then the merge kernel when there is more than one s
 synchronises with the device.
 """
 
+import functools
 import importlib
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +23,13 @@ from mlaserve.kernels.mla_decode.common import (
 from mlaserve.kernels.mla_decode.plan import MLADecodePlan, partial_dtype_of
 
 _GLUON_PASSES = (GLUON_SM90, GLUON_SM90_FP8, GLUON_SM90_FP8_T)
+
+
+@functools.cache
+def _split_pass(kernel: str) -> Callable[[MLADecodePlan, SplitPassIO], None]:
+    """The launcher of the pass named `kernel`: `launch_split_pass` of the module of that name,
+    imported the first time a plan names it (the Gluon passes need Gluon)."""
+    return importlib.import_module(f"{__package__}.{kernel}").launch_split_pass
 
 
 def _check_pow2(name: str, value: int, minimum: int) -> None:
@@ -142,8 +151,7 @@ def mla_decode_triton(
                              f"{partial_lse.numel()}")
     io = SplitPassIO(q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
                      softmax_scale * LOG2E, kv_lora_rank, q_len)
-    # each pass is the module of its name, imported when planned (the Gluon ones need Gluon)
-    importlib.import_module(f"{__package__}.{plan.kernel}").launch_split_pass(plan, io)
+    _split_pass(plan.kernel)(plan, io)
     if num_splits > 1:
         merge.launch_merge(plan, partial_o, partial_lse, o, lse, batch, rows, kv_lora_rank)
     return o, lse
