@@ -133,8 +133,8 @@ def gluon_fp8_transposed_serves(capability: tuple[int, int] | None, dtype: torch
 
 class SplitPassIO(NamedTuple):
     """What a split pass reads and writes, as `launch.mla_decode_triton` checked and allocated
-    it; every pass's `launch_split_pass(plan, io)` takes it (a NamedTuple: built once a layer,
-    at a quarter of a frozen dataclass's cost).
+    it; every pass's `launch_split_pass(plan, io)` takes it (a NamedTuple: it is built once a
+    layer, and is cheaper to build than a frozen dataclass).
 
     q: [B * q_len, H, L + R] absorbed queries `[q_latent | q_pe]`, the last dim contiguous
     (16-bit for the Gluon passes; contiguous and 16-byte aligned for `GLUON_SM90`, which reads
