@@ -15,6 +15,9 @@
 #                cache with the Triton variants (one process each)
 #   decode       the same cells, bf16 and FP8 caches, the plan's choice (plus VARIANT where
 #                set), in RUNS processes
+#   decode-wide  128 heads (V3 on one GPU) x batch 1/32/128 x kv 1280/4096, bf16 and FP8
+#                caches, the plan's choice, in RUNS processes, after the GPU tests of that
+#                plan (more than 16 query rows: no FP8 Gluon pass)
 #   decode-transposed
 #                the transposed FP8 pass (gluon_sm90_fp8_transposed): its GPU tests in a
 #                process of their own under a timeout, then, if they pass, the same cells in
@@ -100,6 +103,20 @@ case $stage in
       done
     done
     grep -hE "^\s*triton" "$out"/decode-*.log ;;
+  decode-wide)
+    wide="--heads 128 --batch-sizes 1,32,128 --kv-lens 1280,4096 --block-sizes 64 --backends triton"
+    timeout 90 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
+      tests/kernels/test_mla_decode_fp8.py -k wide_rows > "$out/gpu_tests_wide.log" 2>&1
+    rc=$?; echo "wide-rows tests rc=$rc"; tail -2 "$out/gpu_tests_wide.log"
+    [ "$rc" = 0 ] || exit 1
+    for run in $(seq "$runs"); do
+      for cache in auto fp8; do
+        # shellcheck disable=SC2086
+        timeout 90 python3 -m mlaserve bench kernel $wide --kv-cache-dtype "$cache" \
+          > "$out/decode-wide-$cache-$run.log" 2>&1
+      done
+    done
+    grep -hE "^ +128 +[0-9]+ " "$out"/decode-wide-*.log ;;
   decode-transposed)
     timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
       tests/kernels/test_mla_decode_fp8.py -k gluon_fp8_transposed_pass \
@@ -156,5 +173,5 @@ case $stage in
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
     done ;;
-  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, decode-transposed, gemm-gluon, gemm-split, weight-only, gemm, moe, serve)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, decode-wide, decode-transposed, gemm-gluon, gemm-split, weight-only, gemm, moe, serve)" >&2; exit 2 ;;
 esac

@@ -17,6 +17,7 @@ graph's plan: it launches only kernels that capture compiled.
 """
 
 import dataclasses
+import logging
 import os
 from types import ModuleType
 
@@ -24,7 +25,7 @@ import torch
 
 from mlaserve.attention.base import BackendCapabilities, MLABackend, MLAShape
 from mlaserve.kernels.interpreter import patch_triton_interpreter
-from mlaserve.kernels.mla_decode.common import device_capability
+from mlaserve.kernels.mla_decode.common import GLUON_FP8_ROWS, device_capability
 from mlaserve.kernels.mla_decode.plan import (
     MLADecodeConfig,
     MLADecodePlan,
@@ -32,6 +33,8 @@ from mlaserve.kernels.mla_decode.plan import (
     describe,
     plan_mla_decode,
 )
+
+logger = logging.getLogger(__name__)
 
 # SM count assumed on CPU, where the kernel only runs in Triton's interpreter (tests).
 _CPU_NUM_SMS = 4
@@ -83,6 +86,15 @@ class TritonMLABackend(MLABackend):
         else:
             self.num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
         self.capability = device_capability(shape.device)
+        if (shape.device.type == "cuda" and shape.cache_dtype.itemsize == 1
+                and shape.num_heads > GLUON_FP8_ROWS):
+            logger.warning(
+                "decode over the FP8 cache with %d heads per rank runs the Triton split pass "
+                "(the FP8 Gluon passes take at most %d query rows), which is slower than "
+                "decode over a %s cache at this width (benchmarks/fp8/README.md); the FP8 "
+                "cache still holds twice the tokens. For speed, use --kv-cache-dtype auto, or "
+                "tensor parallelism that leaves at most %d heads per rank",
+                shape.num_heads, GLUON_FP8_ROWS, shape.dtype, GLUON_FP8_ROWS)
         # A launch configuration to use instead of the per-shape default; field changes applied
         # to the configuration of each plan; a forced split count (`bench kernel --sweep`).
         self.config: MLADecodeConfig | None = None

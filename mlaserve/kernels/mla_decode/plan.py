@@ -184,7 +184,8 @@ def default_config(
     - More than 16 query rows with 16-bit data, L = 512, 64 <= R <= 256 and pages of 32 or more
       tokens: the Gluon sm_90 pass's configuration (`tuning.GLUON_SM90_CONFIG`); the plan runs
       the Triton kernel with the same tile where the Gluon pass cannot (off sm_90). Rows are
-      padded to 64.
+      padded to 64. Over an FP8 cache with pages of 64 or more tokens, the Triton pass's
+      configuration for it instead (`tuning.FP8_CACHE_WIDE_ROWS_CONFIG`).
     - Otherwise query rows per program (block_m): all rows up to 64; at >= 64 heads small
       batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
     - KV tile and pipelining depth per regime (`tuning.TRITON_TILES`): pages under 32 tokens
@@ -214,8 +215,12 @@ def default_config(
         return MLADecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2,
                                min_split_len=max(2 * block_n, tuning.FLOAT32_MIN_SPLIT_LEN),
                                merge_block_rows=merge_block_rows)
+    fp8_cache = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
     if (rows > 16 and kv_lora_rank == 512 and 64 <= qk_rope_head_dim <= 256
             and (block_size is None or block_size >= tuning.GLUON_MIN_PAGE)):
+        wide = tuning.FP8_CACHE_WIDE_ROWS_CONFIG
+        if fp8_cache and (block_size is None or block_size >= wide["block_n"]):
+            return MLADecodeConfig(**wide, merge_block_rows=merge_block_rows)
         return MLADecodeConfig(**tuning.GLUON_SM90_CONFIG, merge_block_rows=merge_block_rows)
     block_m = min(max(16, next_pow2(rows)), 64)
     wide_heads, small_batch = tuning.SMALL_BATCH_WIDE_HEADS
@@ -249,8 +254,7 @@ def default_config(
         policy, per_sm = "fill", tuning.FILL_PROGRAMS_PER_SM
         if regime == "gathered_pages":
             block_n, num_stages = tuning.TRITON_TILES["gathered_pages_fill"]
-    fp8_cache_16_rows = (kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
-                         and block_m == 16)
+    fp8_cache_16_rows = fp8_cache and block_m == 16
     transposed_stages = tuning.GLUON_FP8_TRANSPOSED_STAGES
     fp8_transposed = (fp8_cache_16_rows and transposed_stages is not None
                       and (block_size is None or block_size % GLUON_FP8_TRANSPOSED_TILE == 0))
