@@ -8,7 +8,7 @@ from mlaserve import LLM, SamplingParams
 from mlaserve.attention.base import MLAShape
 from mlaserve.attention.flashinfer_backend import FlashInferMLABackend
 from mlaserve.attention.torch_backend import TorchMLABackend
-from mlaserve.attention.triton_backend import TritonMLABackend
+from mlaserve.attention.triton_backend import TritonMLABackend, slow_fp8_cache_warning
 from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import ModelConfig
 from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs, kv_blocks_for_memory
@@ -30,6 +30,21 @@ def test_names_and_errors() -> None:
     assert not any("latent cache" in r for r in TritonMLABackend.supports(shape))
     assert "cannot read a float8_e4m3fn latent cache (use the triton or torch backend, or " \
         "--kv-cache-dtype auto)" in FlashInferMLABackend.supports(shape)
+
+
+def test_warns_where_the_fp8_cache_decodes_slower() -> None:
+    # more than 16 heads a rank (V3 under TP < 8) has no FP8 Gluon pass: the user is told,
+    # with what to change; 16 heads, or a 16-bit cache, is not warned about
+    def shape(num_heads: int, kv_cache_dtype: torch.dtype | None) -> MLAShape:
+        return MLAShape(num_heads=num_heads, kv_lora_rank=512, qk_rope_head_dim=64,
+                        block_size=64, dtype=torch.bfloat16, device=torch.device("cpu"),
+                        kv_cache_dtype=kv_cache_dtype)
+
+    warning = slow_fp8_cache_warning(shape(128, FP8))
+    assert warning is not None and "128 heads per rank" in warning
+    assert "--kv-cache-dtype auto" in warning and "at most 16 heads per rank" in warning
+    assert slow_fp8_cache_warning(shape(16, FP8)) is None
+    assert slow_fp8_cache_warning(shape(128, None)) is None
 
 
 def test_saturates_instead_of_overflowing() -> None:

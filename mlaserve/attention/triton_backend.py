@@ -44,6 +44,19 @@ def _is_pow2(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
+def slow_fp8_cache_warning(shape: MLAShape) -> str | None:
+    """What to tell a user whose FP8 cache decodes slower than a 16-bit one would: more than
+    `GLUON_FP8_ROWS` heads a rank, which no FP8 Gluon pass takes (None otherwise)."""
+    if shape.cache_dtype.itemsize != 1 or shape.num_heads <= GLUON_FP8_ROWS:
+        return None
+    return (f"decode over the FP8 cache with {shape.num_heads} heads per rank runs the Triton "
+            f"split pass (the FP8 Gluon passes take at most {GLUON_FP8_ROWS} query rows), which "
+            f"is slower than decode over a {shape.dtype} cache at this width "
+            "(benchmarks/fp8/README.md); the FP8 cache still holds twice the tokens. For "
+            "speed, use --kv-cache-dtype auto, or tensor parallelism that leaves at most "
+            f"{GLUON_FP8_ROWS} heads per rank")
+
+
 class TritonMLABackend(MLABackend):
     """Split-KV decode (each KV tile read once for up to 64 query rows, LSE merge) through the
     kernel its plan names: the Triton split pass, or the Gluon pass on sm_90."""
@@ -86,15 +99,9 @@ class TritonMLABackend(MLABackend):
         else:
             self.num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
         self.capability = device_capability(shape.device)
-        if (shape.device.type == "cuda" and shape.cache_dtype.itemsize == 1
-                and shape.num_heads > GLUON_FP8_ROWS):
-            logger.warning(
-                "decode over the FP8 cache with %d heads per rank runs the Triton split pass "
-                "(the FP8 Gluon passes take at most %d query rows), which is slower than "
-                "decode over a %s cache at this width (benchmarks/fp8/README.md); the FP8 "
-                "cache still holds twice the tokens. For speed, use --kv-cache-dtype auto, or "
-                "tensor parallelism that leaves at most %d heads per rank",
-                shape.num_heads, GLUON_FP8_ROWS, shape.dtype, GLUON_FP8_ROWS)
+        warning = slow_fp8_cache_warning(shape)
+        if warning and shape.device.type == "cuda":
+            logger.warning(warning)
         # A launch configuration to use instead of the per-shape default; field changes applied
         # to the configuration of each plan; a forced split count (`bench kernel --sweep`).
         self.config: MLADecodeConfig | None = None
