@@ -49,9 +49,10 @@ def slow_fp8_cache_warning(shape: MLAShape) -> str | None:
     `GLUON_FP8_ROWS` heads a rank, which no FP8 Gluon pass takes (None otherwise)."""
     if shape.cache_dtype.itemsize != 1 or shape.num_heads <= GLUON_FP8_ROWS:
         return None
+    cache = str(shape.dtype).removeprefix("torch.")
     return (f"decode over the FP8 cache with {shape.num_heads} heads per rank runs the Triton "
             f"split pass (the FP8 Gluon passes take at most {GLUON_FP8_ROWS} query rows), which "
-            f"is slower than decode over a {shape.dtype} cache at this width "
+            f"is slower than decode over a {cache} cache at this width "
             "(benchmarks/fp8/README.md); the FP8 cache still holds twice the tokens. For "
             "speed, use --kv-cache-dtype auto, or tensor parallelism that leaves at most "
             f"{GLUON_FP8_ROWS} heads per rank")
