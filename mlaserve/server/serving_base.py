@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from msgspec.structs import replace
 
 from mlaserve.engine.core_client import AsyncEngineClient, EngineError
 from mlaserve.engine.request import RequestOutput, SamplingParams, StructuredOutputs
@@ -286,7 +286,7 @@ class ServingBase:
         if cut is not None:
             return cut
         if include_usage:
-            return sse(msgspec.structs.replace(head, usage=usage(n_prompt, num_generated)))
+            return sse(replace(head, usage=usage(n_prompt, num_generated)))
         return None
 
     # ---- sampling (completions and chat) ------------------------------------------------

@@ -13,7 +13,7 @@ GLUON_SM90_CONFIG = dict(block_m=64, block_n=32, num_warps=8, num_stages=4, prog
 GLUON_MIN_PAGE = 32  # tokens per page the Gluon pass needs (one tile within a page)
 # The same shapes over an FP8 cache, which the 16-bit Gluon pass cannot read: the Triton split
 # pass, 64-row programs, 64-token tiles by TMA, 2 stages, where pages hold such a tile (the
-# best of a sweep at 128 heads x batch 32 and 128; benchmarks/fp8/README.md).
+# best of a sweep on an H100 at 128 heads x batch 32 and 128; benchmarks/fp8/README.md).
 FP8_CACHE_WIDE_ROWS_CONFIG = dict(GLUON_SM90_CONFIG, block_n=64, num_stages=2,
                                   warp_specialized=False)
 
