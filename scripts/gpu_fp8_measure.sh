@@ -33,11 +33,12 @@
 #   moe          the fused MoE at V3's expert shapes, FP8 beside bf16 weights, each with its
 #                tiles as they are and transposed (swap_ab) (weight GB/s at 1-1024 tokens:
 #                what decode steps of an FP8 V3 spend most of their time on)
-#   serve        the V3 config with LAYERS layers, FP8 dummy weights, served with a bf16 and an
-#                FP8 cache (scripts/gpu_serve_bench.sh, RUNS server processes each; RUNS
-#                defaults to 1 here, as three would pass 10 minutes: repeat the stage into
-#                other dirs)
-# env: RUNS=3, VARIANT (a --sweep spec, default none), LAYERS=8 (what an H200's memory holds
+#   serve        the V3 config with LAYERS layers, FP8 dummy weights, served with each cache of
+#                CACHES (default "auto fp8": bf16 and FP8; scripts/gpu_serve_bench.sh, RUNS
+#                server processes each, 128 warm-up requests before the timed run; RUNS
+#                defaults to 1 here, as three of both caches may pass 10 minutes: repeat the
+#                stage into other dirs)
+# env: RUNS=3, VARIANT (a --sweep spec, default none), CACHES (serve), LAYERS=8 (what an H200's memory holds
 #      with room for the cache; 6 on an H100: each MoE layer's experts are 11.3 GB in FP8)
 # The device returns a few files per call, so each stage writes logs (and a few JSON files),
 # not the kernel benchmark's plot folders.
@@ -166,9 +167,9 @@ case $stage in
     done
     tail -12 "$out"/gemm-*.log ;;
   serve)
-    for cache in auto fp8; do
+    for cache in ${CACHES:-auto fp8}; do
       CONFIG=benchmarks/configs/deepseek-v3.json PROMPTS=256 CONC=128 OUT_LEN=256 \
-        SINGLE_PROMPTS=4 SINGLE_OUT=128 BENCH_TIMEOUT=240 \
+        SINGLE_PROMPTS=4 SINGLE_OUT=128 BENCH_TIMEOUT=240 WARMUPS=128 \
         SERVE_ARGS="--hf-overrides {\"num_hidden_layers\":${LAYERS:-8}} --kv-cache-dtype $cache \
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
