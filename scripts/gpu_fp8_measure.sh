@@ -18,6 +18,11 @@
 #   decode-wide  128 heads (V3 on one GPU) x batch 1/32/128 x kv 1280/4096, bf16 and FP8
 #                caches, the plan's choice, in RUNS processes, after the GPU tests of that
 #                plan (more than 16 query rows: no FP8 Gluon pass)
+#   decode-wide-gluon
+#                the 64-row Gluon pass over an FP8 cache (FP8 tiles staged, converted by its
+#                converter warps): its GPU tests (and the 16-bit pass's) under a timeout, then,
+#                if they pass, the decode-wide cells with its ring depths swept beside the
+#                plan's choice, and the bf16 cache, in RUNS processes
 #   decode-transposed
 #                the transposed FP8 pass (gluon_sm90_fp8_transposed): its GPU tests in a
 #                process of their own under a timeout, then, if they pass, the same cells in
@@ -118,6 +123,22 @@ case $stage in
       done
     done
     grep -hE "^ +128 +[0-9]+ " "$out"/decode-wide-*.log ;;
+  decode-wide-gluon)
+    wide="--heads 128 --batch-sizes 1,32,128 --kv-lens 1280,4096 --block-sizes 64 --backends triton"
+    timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
+      tests/kernels/test_mla_decode_fp8.py -k "gluon_pass_over_an_fp8_cache or wide_rows" \
+      tests/kernels/test_mla_decode.py -k "sm90" > "$out/gpu_tests_wide_gluon.log" 2>&1
+    rc=$?; echo "wide Gluon tests rc=$rc"; tail -3 "$out/gpu_tests_wide_gluon.log"
+    [ "$rc" = 0 ] || exit 1
+    for run in $(seq "$runs"); do
+      # shellcheck disable=SC2086
+      timeout 150 python3 -m mlaserve bench kernel $wide --kv-cache-dtype fp8 --sweep \
+        "warp_specialized=1 block_n=32 num_stages=2,3 fp8_stages=1,2" \
+        > "$out/decode-wide-gluon-fp8-$run.log" 2>&1
+      # shellcheck disable=SC2086
+      timeout 90 python3 -m mlaserve bench kernel $wide > "$out/decode-wide-auto-$run.log" 2>&1
+    done
+    grep -hE "^ +128 +[0-9]+ " "$out"/decode-wide-*.log ;;
   decode-transposed)
     timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
       tests/kernels/test_mla_decode_fp8.py -k gluon_fp8_transposed_pass \
@@ -174,5 +195,5 @@ case $stage in
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
     done ;;
-  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, decode-wide, decode-transposed, gemm-gluon, gemm-split, weight-only, gemm, moe, serve)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, decode-wide, decode-wide-gluon, decode-transposed, gemm-gluon, gemm-split, weight-only, gemm, moe, serve)" >&2; exit 2 ;;
 esac

@@ -136,6 +136,37 @@ def test_wide_rows_over_an_fp8_cache(heads_and_q_len: tuple[int, int],
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("stages", [(3, 2), (3, 1), (2, 2)])
+@pytest.mark.parametrize("partial_dtype", ["float32", "input"])
+@pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 2), (16, 3)])
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_gluon_pass_over_an_fp8_cache(block_size: int, heads_and_q_len: tuple[int, int],
+                                      partial_dtype: str, stages: tuple[int, int],
+                                      dtype: torch.dtype) -> None:
+    # The 64-row Gluon pass over an FP8 cache: FP8 tiles staged by TMA, converted to q's dtype
+    # by the converter warps into the ring the seesaw warpgroups read (an odd ring too), 128
+    # rows (two whole groups, the output by TMA) and 32 / 48 rows (a padded group), one
+    # split and three, partials in float32 and in q's dtype, NaN in every page tail and in
+    # the workspace, a request with no keys; against the float32 reference of the same cache.
+    num_heads, q_len = heads_and_q_len
+    num_stages, fp8_stages = stages
+    lens = [1280, q_len, 0, 1000, 3 * 64 + 17, 2 * block_size, block_size + 1, 63 + q_len]
+    config = dataclasses.replace(
+        default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
+        num_stages=num_stages, fp8_stages=fp8_stages, partial_dtype=partial_dtype)
+    planned = plan_mla_decode(len(lens), 8192, num_heads, q_len, 512, 64, dtype, NUM_SMS,
+                              block_size, config=config, capability=CAPABILITY,
+                              kv_cache_dtype=torch.float8_e4m3fn)
+    if CAPABILITY == (9, 0):
+        assert planned.kernel == "gluon_sm90" and planned.fp8_staging == fp8_stages
+    for num_splits in (1, 3):
+        run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
+                      seed=num_heads + block_size, poison_workspace=True,
+                      kv_cache_dtype=torch.float8_e4m3fn)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("heads_and_q_len", [(16, 1), (8, 2), (5, 3)])
 @pytest.mark.parametrize("tiles", [(32, 3), (64, 2)])

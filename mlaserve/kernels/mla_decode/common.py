@@ -20,7 +20,9 @@ import torch
 # Names of the split-pass kernels a plan can choose (`MLADecodePlan.kernel`), each also the name
 # of the module here whose `launch_split_pass(plan, SplitPassIO)` launches it.
 TRITON_SPLIT = "triton_split"  # `triton_split._mla_decode_split_kernel`, any CUDA GPU or CPU
-GLUON_SM90 = "gluon_sm90"  # `gluon_sm90._mla_decode_split_kernel_sm90`, sm_90 only
+# `gluon_sm90._mla_decode_split_kernel_sm90`, sm_90 only, 64-row programs over a 16-bit cache
+# or (`MLADecodePlan.fp8_staging`) an FP8 one
+GLUON_SM90 = "gluon_sm90"
 # `gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8`, sm_90 and an FP8 cache only
 GLUON_SM90_FP8 = "gluon_sm90_fp8"
 # `gluon_sm90_fp8_transposed._mla_decode_split_kernel_sm90_fp8_transposed`: the same problem,
@@ -51,24 +53,29 @@ def whole_tiles(num_tokens: int, block_n: int) -> int:
 
 
 def gluon_shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int,
-                              num_stages: int) -> int:
+                              num_stages: int, fp8_stages: int = 0) -> int:
     """Shared memory of the Gluon pass: Q [64, L + R] plus num_stages KV tiles
-    [block_n, L + R] (16-bit), plus 8 KB for the row statistics, barriers and
-    layout-conversion scratch."""
-    return 2 * (kv_lora_rank + rope_dim) * (GLUON_BLOCK_M + num_stages * block_n) + 8192
+    [block_n, L + R] (16-bit), fp8_stages FP8 tiles of the same shape (over an FP8 cache),
+    plus 8 KB for the row statistics, barriers and layout-conversion scratch."""
+    head_dim = kv_lora_rank + rope_dim
+    return (2 * head_dim * (GLUON_BLOCK_M + num_stages * block_n)
+            + head_dim * fp8_stages * block_n + 8192)
 
 
 def gluon_serves(capability: tuple[int, int] | None, dtype: torch.dtype, kv_lora_rank: int,
                  rope_dim: int, block_m: int, block_n: int, num_stages: int,
-                 block_size: int) -> bool:
+                 block_size: int, fp8_stages: int = 0) -> bool:
     """Whether the Gluon pass serves the shape: sm_90, 16-bit data, L = 512 (two halves of 256
     columns), 64 <= R <= 256 (P [64, block_n] fits in a tile's rope buffer), 64-row programs,
-    32-token tiles within a page, an even ring of tiles (pairs) in shared memory."""
+    32-token tiles within a page, an even ring of tiles (pairs) in shared memory. Over an FP8
+    cache (fp8_stages > 0, the FP8 tiles staged before conversion) the ring may be odd: the
+    staging ring takes the room of a fourth tile."""
+    ring = num_stages >= 2 and (num_stages % 2 == 0 or fp8_stages > 0)
     return (capability == (9, 0) and dtype in _GLUON_DTYPES and kv_lora_rank == 512
             and 64 <= rope_dim <= 256 and block_m == GLUON_BLOCK_M and block_n == 32
-            and block_n <= block_size and num_stages >= 2 and num_stages % 2 == 0
-            and gluon_shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages)
-            <= GLUON_SHARED_MEMORY_LIMIT)
+            and block_n <= block_size and ring
+            and gluon_shared_memory_bytes(kv_lora_rank, rope_dim, block_n, num_stages,
+                                          fp8_stages) <= GLUON_SHARED_MEMORY_LIMIT)
 
 
 def gluon_fp8_shared_memory_bytes(kv_lora_rank: int, rope_dim: int, block_n: int,

@@ -37,6 +37,13 @@ cores idle during the softmax; here the work is laid out by hand, in three parti
   ring (free once both have passed the last tile) and stores it as one box, instead of
   storing straight from the wgmma layout (two adjacent columns per thread).
 
+Over an FP8 cache (FP8_STAGES > 0) the loader copies FP8 tiles into a staging ring of
+FP8_STAGES buffers, and a fourth partition, 2 converter warps, turns each into q's dtype in
+the ring above (`gluon_sm90_tiles.converter_partition`); the compute warpgroups are the same.
+Each tile is converted once, beside the products, instead of in each product's registers as
+the Triton pass does; Q [64, L + R] and 3 converted tiles of 32 tokens plus 2 FP8 ones fill
+the shared memory (`common.gluon_shared_memory_bytes`).
+
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
 log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
 pass only where `common.gluon_serves` holds.
@@ -58,6 +65,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.mla_decode.common import GLUON_BLOCK_M, SplitPassIO
 from mlaserve.kernels.mla_decode.gluon_sm90_tiles import (
+    CONVERT_WARPS,
+    converter_partition,
     exp_scores,
     issue_scores,
     loader_partition,
@@ -72,8 +81,17 @@ from mlaserve.kernels.mla_decode.splits import split_bounds
 
 BLOCK_M = GLUON_BLOCK_M  # query rows per program
 NUM_WARPS = 4  # per compute partition: one warpgroup
-_GL_OUTPUT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-                     torch.float32: gl.float32}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+              torch.float32: gl.float32, torch.float8_e4m3fn: gl.float8e4nv}
+# Registers a thread (setmaxnreg) of the second compute warpgroup and of the loader warp; the
+# first warpgroup gets the rest of the 64K. Over an FP8 cache the converter warps share the
+# loader's warpgroup (its registers are the larger of the two), and the second compute
+# warpgroup takes fewer, so that neither compute warpgroup spills (the compiled kernel's stack
+# is checked in tests/kernels/test_mla_decode_gluon_sm90.py).
+COMPUTE_REGISTERS = gl.constexpr(224)
+LOADER_REGISTERS = gl.constexpr(24)
+FP8_COMPUTE_REGISTERS = gl.constexpr(208)
+CONVERTER_REGISTERS = gl.constexpr(48)
 
 
 @gluon.jit
@@ -244,7 +262,7 @@ def _seesaw_partition(q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_sm
 def _mla_decode_split_kernel_sm90(
     q_nope_desc,  # q [B * q_len * H, L + R]: box [64, L] at column 0
     q_pe_desc,  # the same rows: box [64, R] at column L
-    kv_nope_desc,  # cache [num_blocks * BLOCK_SIZE, L + R]: box [BLOCK_N, L] at column 0
+    kv_nope_desc,  # cache [num_blocks * BLOCK_SIZE, L + R] (q's dtype or FP8): box [BLOCK_N, L]
     kv_pe_desc,  # the same rows: box [BLOCK_N, R] at column L
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
@@ -261,6 +279,7 @@ def _mla_decode_split_kernel_sm90(
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
     TMA_STORE: gl.constexpr,  # full 64-row groups store by TMA through the KV ring
+    FP8_STAGES: gl.constexpr,  # > 0: an FP8 cache, staged in this many FP8 tiles
 ):
     ROWS: gl.constexpr = q_nope_desc.block_type.shape[0]
     L: gl.constexpr = q_nope_desc.block_type.shape[1]
@@ -276,13 +295,14 @@ def _mla_decode_split_kernel_sm90(
     out_base = (req.to(gl.int64) * num_splits + split) * num_rows  # first output row
     bt_row = block_table_ptr + req.to(gl.int64) * stride_bt
 
-    dtype: gl.constexpr = kv_nope_desc.dtype
+    R: gl.constexpr = q_pe_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_nope_desc.dtype
     q_nope_smem = gl.allocate_shared_memory(dtype, q_nope_desc.block_type.shape,
                                             q_nope_desc.layout)
     q_pe_smem = gl.allocate_shared_memory(dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
-    kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE, L], kv_nope_desc.layout)
-    kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + kv_pe_desc.block_type.shape,
-                                           kv_pe_desc.layout)
+    # The tiles the products read, in q's dtype (Q's layouts: the same 128-byte swizzle)
+    kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE, L], q_nope_desc.layout)
+    kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE, R], q_pe_desc.layout)
     # Row statistics between the warpgroups: m_a, m_b, l_L, l_R.
     stats_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -295,7 +315,7 @@ def _mla_decode_split_kernel_sm90(
     sum_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     mbarrier.init(q_ready, count=1)
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_ready.index(i), count=1)  # the loader's copy or the converter
         mbarrier.init(kv_empty.index(i), count=2)  # both warpgroups release a tile
     for i in gl.static_range(2):
         mbarrier.init(max_ready.index(i), count=1)
@@ -305,26 +325,55 @@ def _mla_decode_split_kernel_sm90(
 
     LEFT: gl.constexpr = 0
     RIGHT: gl.constexpr = 1
-    gl.warp_specialize([
-        (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
-                             q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready, o_desc,
-                             o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows, group,
-                             out_base, seq_len, split_start, split_end, num_tiles, LEFT,
-                             DIRECT_OUTPUT, TMA_STORE)),
-        (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
-                             q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready, o_desc,
-                             o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows, group,
-                             out_base, seq_len, split_start, split_end, num_tiles, RIGHT,
-                             DIRECT_OUTPUT, TMA_STORE)),
-        (loader_partition, (q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem,
-                            q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty,
-                            bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
-    ], [4, 1], [224, 24])  # the second warpgroup and the loader warp: warps, registers
+    if FP8_STAGES == 0:
+        gl.warp_specialize([
+            (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                 q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready,
+                                 o_desc, o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows,
+                                 group, out_base, seq_len, split_start, split_end, num_tiles,
+                                 LEFT, DIRECT_OUTPUT, TMA_STORE)),
+            (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                 q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready,
+                                 o_desc, o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows,
+                                 group, out_base, seq_len, split_start, split_end, num_tiles,
+                                 RIGHT, DIRECT_OUTPUT, TMA_STORE)),
+            (loader_partition, (q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem,
+                                q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, kv_ready,
+                                kv_empty, bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
+        ], [4, 1], [COMPUTE_REGISTERS, LOADER_REGISTERS])
+    else:  # the loader fills the FP8 ring, the converter empties it into the ring above
+        fp8_nope_smem = gl.allocate_shared_memory(kv_nope_desc.dtype, [FP8_STAGES, TILE, L],
+                                                  kv_nope_desc.layout)
+        fp8_pe_smem = gl.allocate_shared_memory(kv_pe_desc.dtype, [FP8_STAGES, TILE, R],
+                                                kv_pe_desc.layout)
+        fp8_ready = gl.allocate_shared_memory(gl.int64, [FP8_STAGES, 1], bar_layout)
+        fp8_empty = gl.allocate_shared_memory(gl.int64, [FP8_STAGES, 1], bar_layout)
+        for i in gl.static_range(FP8_STAGES):
+            mbarrier.init(fp8_ready.index(i), count=1)
+            mbarrier.init(fp8_empty.index(i), count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                 q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready,
+                                 o_desc, o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows,
+                                 group, out_base, seq_len, split_start, split_end, num_tiles,
+                                 LEFT, DIRECT_OUTPUT, TMA_STORE)),
+            (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
+                                 q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready,
+                                 o_desc, o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows,
+                                 group, out_base, seq_len, split_start, split_end, num_tiles,
+                                 RIGHT, DIRECT_OUTPUT, TMA_STORE)),
+            (loader_partition, (q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem,
+                                q_pe_smem, fp8_nope_smem, fp8_pe_smem, q_ready, fp8_ready,
+                                fp8_empty, bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
+            (converter_partition, (fp8_nope_smem, fp8_pe_smem, kv_nope_smem, kv_pe_smem,
+                                   fp8_ready, fp8_empty, kv_ready, kv_empty, num_tiles)),
+        ], [4, 1, CONVERT_WARPS], [FP8_COMPUTE_REGISTERS, LOADER_REGISTERS, CONVERTER_REGISTERS])
 
 
 @functools.cache
 def _shared_layout(dtype: torch.dtype, rows: int, width: int) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, width], _GL_OUTPUT_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([rows, width], _GL_DTYPES[dtype])
 
 
 def stores_by_tma(kv_lora_rank: int, block_n: int, num_stages: int, num_rows: int,
@@ -338,7 +387,8 @@ def stores_by_tma(kv_lora_rank: int, block_n: int, num_stages: int, num_rows: in
 def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
     """Stage 1 of `mla_decode_triton` where the plan names this pass (`common.gluon_serves`):
     `plan.config`'s tiles of block_n KV tokens (min_split_len a multiple of them), num_stages
-    of them in the shared ring; q read by TMA, so contiguous (`SplitPassIO` has the shapes)."""
+    of them in the shared ring, and over an FP8 cache `plan.fp8_staging` FP8 tiles in the
+    staging ring; q read by TMA, so contiguous (`SplitPassIO` has the shapes)."""
     q, kv_cache, partial_o, kv_lora_rank = io.q, io.kv_cache, io.partial_o, io.kv_lora_rank
     config, num_splits = plan.config, plan.num_splits
     num_tokens, num_heads, head_dim = q.shape
@@ -347,7 +397,7 @@ def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
     q_rows = q.view(num_tokens * num_heads, head_dim)  # [B * q_len * H, L + R]
     kv_rows = kv_cache.view(num_blocks * block_size, head_dim)  # [num_blocks * block_size, L + R]
     descs = [TensorDescriptor.from_tensor(tensor, [rows, width],
-                                          _shared_layout(q.dtype, rows, width))
+                                          _shared_layout(tensor.dtype, rows, width))
              for tensor, rows in ((q_rows, BLOCK_M), (kv_rows, config.block_n))
              for width in (kv_lora_rank, rope_dim)]
     batch = io.block_table.shape[0]
@@ -364,7 +414,7 @@ def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
         BLOCK_SIZE=block_size, NUM_STAGES=config.num_stages, DIRECT_OUTPUT=num_splits == 1,
         TMA_STORE=stores_by_tma(kv_lora_rank, config.block_n, config.num_stages, num_rows,
                                 partial_o.dtype),
-        num_warps=NUM_WARPS)
+        FP8_STAGES=plan.fp8_staging, num_warps=NUM_WARPS)
 
 
 __all__ = ["launch_split_pass", "stores_by_tma"]

@@ -18,18 +18,21 @@ from mlaserve.kernels.mla_decode.gluon_sm90 import (
     _shared_layout,
 )
 
+_TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}
+
 
 @functools.cache
 def _signature(dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, block_n: int,
-               direct_output: bool) -> dict:
-    type_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+               direct_output: bool, fp8_cache: bool) -> dict:
+    type_name = _TYPE_NAMES[dtype]
+    cache_dtype = torch.float8_e4m3fn if fp8_cache else dtype
     signature = {}
-    for name, rows, width in (("q_nope_desc", BLOCK_M, kv_lora_rank),
-                              ("q_pe_desc", BLOCK_M, rope_dim),
-                              ("kv_nope_desc", block_n, kv_lora_rank),
-                              ("kv_pe_desc", block_n, rope_dim)):
-        layout = _shared_layout(dtype, rows, width)
-        signature[name] = f"tensordesc<{type_name}[{rows}, {width}],{layout!r}>"
+    for name, rows, width, element in (("q_nope_desc", BLOCK_M, kv_lora_rank, dtype),
+                                       ("q_pe_desc", BLOCK_M, rope_dim, dtype),
+                                       ("kv_nope_desc", block_n, kv_lora_rank, cache_dtype),
+                                       ("kv_pe_desc", block_n, rope_dim, cache_dtype)):
+        layout = _shared_layout(element, rows, width)
+        signature[name] = f"tensordesc<{_TYPE_NAMES[element]}[{rows}, {width}],{layout!r}>"
     output_type = type_name if direct_output else "fp32"
     output_layout = _shared_layout(dtype if direct_output else torch.float32, BLOCK_M,
                                    kv_lora_rank // 2)
@@ -50,13 +53,16 @@ def compile_for_sm90(
     block_size: int = 64,
     direct_output: bool = False,
     tma_store: bool = True,
+    fp8_stages: int = 0,
 ):
-    """The split pass compiled for sm_90; returns Triton's CompiledKernel (asm["ptx"],
-    asm["cubin"], metadata.shared)."""
+    """The split pass compiled for sm_90 (over an FP8 cache staged in fp8_stages tiles where
+    that is > 0); returns Triton's CompiledKernel (asm["ptx"], asm["cubin"],
+    metadata.shared)."""
     kernel = _mla_decode_split_kernel_sm90
     constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output,
-                      TMA_STORE=tma_store)
-    signature = dict(_signature(dtype, kv_lora_rank, rope_dim, block_n, direct_output))
+                      TMA_STORE=tma_store, FP8_STAGES=fp8_stages)
+    signature = dict(_signature(dtype, kv_lora_rank, rope_dim, block_n, direct_output,
+                                fp8_stages > 0))
     signature |= {name: "constexpr" for name in constexprs}
     aligned = ["block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_bt"]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -78,7 +84,7 @@ def compile_fp8_for_sm90(
     the partials in float32 (or the final output in dtype); returns Triton's CompiledKernel."""
     from mlaserve.kernels.mla_decode import gluon_sm90_fp8, gluon_sm90_fp8_transposed
 
-    type_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    type_name = _TYPE_NAMES[dtype]
     constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output)
     options = {"num_warps": gluon_sm90_fp8.NUM_WARPS}
     kernel = gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8

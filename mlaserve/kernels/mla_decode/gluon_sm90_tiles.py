@@ -1,8 +1,8 @@
 """Gluon building blocks of the seesaw split pass (`gluon_sm90.py`, whose docstring has
-the schedule): the TMA loader partition, the S product, masking, the online-softmax step, the
-zeroing of a partial last tile, the P tiles shared through the rope buffers, and the output
-store by TMA. Shapes: Q [64, L] / [64, R], KV tiles [BLOCK_N, L] / [BLOCK_N, R], S and P
-[64, BLOCK_N], one warpgroup's O [64, L / 2]."""
+the schedule): the TMA loader partition, the FP8 converter partition, the S product, masking,
+the online-softmax step, the zeroing of a partial last tile, the P tiles shared through the
+rope buffers, and the output store by TMA. Shapes: Q [64, L] / [64, R], KV tiles [BLOCK_N, L]
+/ [BLOCK_N, R], S and P [64, BLOCK_N], one warpgroup's O [64, L / 2]."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -39,6 +39,46 @@ def loader_partition(q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_sm
                                         kv_nope_smem.index(stage))
         tma.async_copy_global_to_shared(kv_pe_desc, [cache_row, L], ready,
                                         kv_pe_smem.index(stage))
+
+
+CONVERT_WARPS = gl.constexpr(2)
+
+
+@gluon.jit
+def converter_partition(fp8_nope_smem, fp8_pe_smem, kv_nope_smem, kv_pe_smem, fp8_ready,
+                        fp8_empty, kv_ready, kv_empty, num_tiles):
+    """2 warps, over an FP8 cache: each FP8 tile [BLOCK_N, L] / [BLOCK_N, R] of the staging
+    ring (tile j in buffer j % FP8_STAGES, filled by the loader) converted to q's dtype into
+    the ring the compute warpgroups read (buffer j % STAGES), [16, 128] pieces at a time
+    (16 FP8 bytes a thread). e4m3 values convert exactly; NaN stays NaN (the compute side
+    zeroes a partial last tile's rows as it does over a 16-bit cache)."""
+    FP8_STAGES: gl.constexpr = fp8_nope_smem.type.shape[0]
+    STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
+    TILE: gl.constexpr = kv_nope_smem.type.shape[1]
+    L: gl.constexpr = kv_nope_smem.type.shape[2]
+    R: gl.constexpr = kv_pe_smem.type.shape[2]
+    dtype: gl.constexpr = kv_nope_smem.type.element_ty
+    ROWS: gl.constexpr = 16  # a piece: [16, 128], 16 FP8 bytes a thread
+    PIECE: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [CONVERT_WARPS, 1], [1, 0])
+    ROPE: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // R, R // 16], [CONVERT_WARPS, 1],
+                                          [1, 0])
+    for j in range(num_tiles):
+        fp8_stage = j % FP8_STAGES
+        stage = j % STAGES
+        mbarrier.wait(fp8_ready.index(fp8_stage), (j // FP8_STAGES) & 1)
+        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        source = fp8_nope_smem.index(fp8_stage)
+        target = kv_nope_smem.index(stage)
+        for r in gl.static_range(TILE // ROWS):
+            for c in gl.static_range(L // 128):
+                piece = source.slice(r * ROWS, ROWS, dim=0).slice(c * 128, 128, dim=1)
+                target.slice(r * ROWS, ROWS, dim=0).slice(c * 128, 128, dim=1).store(
+                    piece.load(PIECE).to(dtype))
+        kv_pe_smem.index(stage).store(fp8_pe_smem.index(fp8_stage).load(ROPE).to(dtype))
+        fence_async_shared()  # the copies reach the products' (async) proxy
+        gl.thread_barrier()
+        mbarrier.arrive(fp8_empty.index(fp8_stage))
+        mbarrier.arrive(kv_ready.index(stage))
 
 
 @gluon.jit

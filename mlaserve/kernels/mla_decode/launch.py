@@ -105,10 +105,10 @@ def mla_decode_triton(
     if kv_cache.shape[2] != head_dim or kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match q "
                          f"{tuple(q.shape)} {q.dtype} (the cache is in q's dtype or FP8)")
-    if kv_cache.dtype != q.dtype and plan.kernel == GLUON_SM90:
+    if kv_cache.dtype != q.dtype and plan.kernel == GLUON_SM90 and not plan.fp8_staging:
         raise ValueError("an FP8 cache needs a plan made with kv_cache_dtype=float8_e4m3fn "
-                         "(no 16-bit Gluon pass)")
-    fp8_pass = plan.kernel in (GLUON_SM90_FP8, GLUON_SM90_FP8_T)
+                         "(this plan's Gluon pass reads a 16-bit cache)")
+    fp8_pass = plan.kernel in (GLUON_SM90_FP8, GLUON_SM90_FP8_T) or plan.fp8_staging > 0
     if fp8_pass and kv_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"the plan's {plan.kernel} pass reads an FP8 cache, got "
                          f"{kv_cache.dtype}: plan with kv_cache_dtype={kv_cache.dtype}")

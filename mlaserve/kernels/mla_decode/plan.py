@@ -61,7 +61,12 @@ class MLADecodeConfig:
         warp_specialized: on sm_90 with L = 512, R >= 64, 16-bit data, 64-row programs and
             32-token tiles within a page in an even ring (num_stages), run the split pass as the
             warp-specialised Gluon kernel of `gluon_sm90.py` (a TMA loader warp, two compute
-            warpgroups in the seesaw schedule); num_warps does not apply.
+            warpgroups in the seesaw schedule); num_warps does not apply. Over an FP8 cache
+            only where fp8_stages > 0.
+        fp8_stages: with warp_specialized over an FP8 cache, the FP8 tiles of the Gluon
+            kernel's staging ring, which its converter warps turn into the 16-bit ring
+            (num_stages, which may then be odd) the compute warpgroups read; 0: FP8 caches
+            go to the Triton split pass.
         partial_dtype: element type of the split pass's partial outputs: "float32", or
             "input" (q's dtype when 16-bit).
         gluon_fp8: on sm_90 with a 16-bit q over an FP8 cache, at most 16 query rows,
@@ -96,6 +101,7 @@ class MLADecodeConfig:
     latent_chunks: int = 1
     gluon_fp8: bool = False
     fp8_transposed: bool = False
+    fp8_stages: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -114,6 +120,8 @@ class MLADecodeConfig:
         if self.latent_chunks < 1 or self.latent_chunks & (self.latent_chunks - 1):
             raise ValueError(
                 f"latent_chunks must be a power of two, got {self.latent_chunks}")
+        if self.fp8_stages < 0:
+            raise ValueError(f"fp8_stages must be >= 0, got {self.fp8_stages}")
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,8 @@ class MLADecodePlan:
             pass does the same.
         merge_block_rows, merge_block_l, merge_split_chunk: the merge kernel's tile
             (`merge_tile`).
+        fp8_staging: `GLUON_SM90` over an FP8 cache: the FP8 tiles of its staging ring
+            (`config.fp8_stages`); 0 over a 16-bit cache and for every other kernel.
 
     Every compile-time parameter of the launch comes from here, so two launches with equal plans
     run one compiled kernel: an eager step planned like a captured CUDA graph compiles nothing.
@@ -165,6 +175,7 @@ class MLADecodePlan:
     merge_split_chunk: int
     fp16_dots: bool = False
     balance_splits: int = 0
+    fp8_staging: int = 0
 
 
 def default_config(
@@ -373,10 +384,11 @@ def plan_mla_decode(
     merge_rows, merge_l, merge_chunk = merge_tile(config, batch_size, rows, num_splits,
                                                   kv_lora_rank)
     kernel = TRITON_SPLIT
+    fp8_staging = config.fp8_stages if fp8_cache else 0
     gluon = config.warp_specialized and gluon_serves(
         capability, dtype, kv_lora_rank, qk_rope_head_dim, config.block_m, config.block_n,
-        config.num_stages, block_size)
-    if gluon and not fp8_cache and not balance_splits:  # neither is in the Gluon pass
+        config.num_stages, block_size, fp8_staging)
+    if gluon and (fp8_staging or not fp8_cache) and not balance_splits:  # no balanced splits
         kernel = GLUON_SM90
     elif config.gluon_fp8 and config.fp8_transposed and not balance_splits and (
             gluon_fp8_transposed_serves(capability, dtype, cache_dtype, rows, kv_lora_rank,
@@ -399,7 +411,8 @@ def plan_mla_decode(
                          merge_block_rows=merge_rows, merge_block_l=merge_l,
                          merge_split_chunk=merge_chunk,
                          fp16_dots=fp8_cache and dtype == torch.bfloat16,
-                         balance_splits=balance_splits)
+                         balance_splits=balance_splits,
+                         fp8_staging=fp8_staging if kernel == GLUON_SM90 else 0)
 
 
 def partial_dtype_of(config: MLADecodeConfig, dtype: torch.dtype) -> torch.dtype:
@@ -459,7 +472,10 @@ def describe(plan: MLADecodePlan) -> str:
     parts = [plan.kernel, f"m{c.block_m} n{c.block_n}"]
     if plan.kernel == TRITON_SPLIT:
         parts.append(f"w{c.num_warps}")
-    parts += [f"s{c.num_stages}", f"splits {plan.num_splits}"]
+    parts.append(f"s{c.num_stages}")
+    if plan.fp8_staging:
+        parts.append(f"fp8-s{plan.fp8_staging}")
+    parts.append(f"splits {plan.num_splits}")
     if c.latent_chunks > 1 and plan.kernel == TRITON_SPLIT:
         parts.append(f"latent/{c.latent_chunks}")
     if plan.num_splits > 1:
