@@ -21,7 +21,7 @@
 #   decode-wide-gluon
 #                the 64-row Gluon pass over an FP8 cache (FP8 tiles staged, converted by its
 #                converter warps): its GPU tests (and the 16-bit pass's) under a timeout, then,
-#                if they pass, the decode-wide cells with its ring depths swept beside the
+#                if they pass, the decode-wide cells with its FP8 ring depths beside the
 #                plan's choice, and the bf16 cache, in RUNS processes
 #   decode-transposed
 #                the transposed FP8 pass (gluon_sm90_fp8_transposed): its GPU tests in a
@@ -133,7 +133,7 @@ case $stage in
     for run in $(seq "$runs"); do
       # shellcheck disable=SC2086
       timeout 150 python3 -m mlaserve bench kernel $wide --kv-cache-dtype fp8 --sweep \
-        "warp_specialized=1 block_n=32 num_stages=2,3 fp8_stages=1,2" \
+        "warp_specialized=1 block_n=32 num_stages=3 fp8_stages=1,2" \
         > "$out/decode-wide-gluon-fp8-$run.log" 2>&1
       # shellcheck disable=SC2086
       timeout 90 python3 -m mlaserve bench kernel $wide > "$out/decode-wide-auto-$run.log" 2>&1
