@@ -37,12 +37,14 @@ cores idle during the softmax; here the work is laid out by hand, in three parti
   ring (free once both have passed the last tile) and stores it as one box, instead of
   storing straight from the wgmma layout (two adjacent columns per thread).
 
-Over an FP8 cache (FP8_STAGES > 0) the loader copies FP8 tiles into a staging ring of
-FP8_STAGES buffers, and a fourth partition, 2 converter warps, turns each into q's dtype in
-the ring above (`gluon_sm90_tiles.converter_partition`); the compute warpgroups are the same.
-Each tile is converted once, beside the products, instead of in each product's registers as
-the Triton pass does; Q [64, L + R] and 3 converted tiles of 32 tokens plus 2 FP8 ones fill
-the shared memory (`common.gluon_shared_memory_bytes`).
+Over an FP8 cache (FP8_STAGES > 0) a partition of 4 converter warps takes the loader's
+place (`gluon_sm90_tiles.converter_partition`): it copies Q and FP8 tiles by TMA, the tiles
+into a staging ring of FP8_STAGES buffers, makes Q float16 in place and converts each FP8
+tile once into the ring above, in float16 (one conversion instruction per two values;
+bfloat16 would take three per value on the SM's slow conversion units); the compute
+warpgroups are the same, on float16 operands. Q [64, L + R] and 3 converted tiles of 32
+tokens plus 2 FP8 ones fill the shared memory (`common.gluon_shared_memory_bytes`). Rounding
+a bfloat16 q to float16 is what the other FP8 passes do (`MLADecodePlan.fp16_dots`).
 
 Scores are computed in base 2 (qk_scale = softmax_scale * log2(e)); lse is returned in natural
 log. Needs triton.experimental.gluon (Triton >= 3.6) and an sm_90 GPU; the plan chooses this
@@ -84,10 +86,9 @@ NUM_WARPS = 4  # per compute partition: one warpgroup
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               torch.float32: gl.float32, torch.float8_e4m3fn: gl.float8e4nv}
 # Registers a thread (setmaxnreg) of the second compute warpgroup and of the loader warp; the
-# first warpgroup gets the rest of the 64K. Over an FP8 cache the converter warps share the
-# loader's warpgroup (its registers are the larger of the two), and the second compute
-# warpgroup takes fewer, so that neither compute warpgroup spills (the compiled kernel's stack
-# is checked in tests/kernels/test_mla_decode_gluon_sm90.py).
+# first warpgroup gets the rest of the 64K. Over an FP8 cache the converter warps replace the
+# loader and the second compute warpgroup takes fewer, so that neither compute warpgroup
+# spills (the compiled kernel's stack is checked in tests/kernels/test_mla_decode_gluon_sm90.py).
 COMPUTE_REGISTERS = gl.constexpr(224)
 LOADER_REGISTERS = gl.constexpr(24)
 FP8_COMPUTE_REGISTERS = gl.constexpr(208)
@@ -300,9 +301,15 @@ def _mla_decode_split_kernel_sm90(
     q_nope_smem = gl.allocate_shared_memory(dtype, q_nope_desc.block_type.shape,
                                             q_nope_desc.layout)
     q_pe_smem = gl.allocate_shared_memory(dtype, q_pe_desc.block_type.shape, q_pe_desc.layout)
-    # The tiles the products read, in q's dtype (Q's layouts: the same 128-byte swizzle)
-    kv_nope_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE, L], q_nope_desc.layout)
-    kv_pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE, R], q_pe_desc.layout)
+    # The tiles the products read, in q's dtype, float16 over an FP8 cache (Q's layouts: the
+    # same 128-byte swizzle)
+    if FP8_STAGES == 0:
+        ring_dtype: gl.constexpr = dtype
+    else:
+        ring_dtype: gl.constexpr = gl.float16
+    kv_nope_smem = gl.allocate_shared_memory(ring_dtype, [NUM_STAGES, TILE, L],
+                                             q_nope_desc.layout)
+    kv_pe_smem = gl.allocate_shared_memory(ring_dtype, [NUM_STAGES, TILE, R], q_pe_desc.layout)
     # Row statistics between the warpgroups: m_a, m_b, l_L, l_R.
     stats_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -341,34 +348,37 @@ def _mla_decode_split_kernel_sm90(
                                 q_pe_smem, kv_nope_smem, kv_pe_smem, q_ready, kv_ready,
                                 kv_empty, bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
         ], [4, 1], [COMPUTE_REGISTERS, LOADER_REGISTERS])
-    else:  # the loader fills the FP8 ring, the converter empties it into the ring above
+    else:  # the converter warps fill the FP8 ring and empty it into the ring above
         fp8_nope_smem = gl.allocate_shared_memory(kv_nope_desc.dtype, [FP8_STAGES, TILE, L],
                                                   kv_nope_desc.layout)
         fp8_pe_smem = gl.allocate_shared_memory(kv_pe_desc.dtype, [FP8_STAGES, TILE, R],
                                                 kv_pe_desc.layout)
         fp8_ready = gl.allocate_shared_memory(gl.int64, [FP8_STAGES, 1], bar_layout)
-        fp8_empty = gl.allocate_shared_memory(gl.int64, [FP8_STAGES, 1], bar_layout)
+        # Q as the products see it, once the converter has made it float16
+        q_nope_view = q_nope_smem._reinterpret(gl.float16, [ROWS, L], q_nope_desc.layout)
+        q_pe_view = q_pe_smem._reinterpret(gl.float16, [ROWS, R], q_pe_desc.layout)
+        q_converted = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        mbarrier.init(q_converted, count=1)
         for i in gl.static_range(FP8_STAGES):
             mbarrier.init(fp8_ready.index(i), count=1)
-            mbarrier.init(fp8_empty.index(i), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
-                                 q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready,
+            (_seesaw_partition, (q_nope_view, q_pe_view, kv_nope_smem, kv_pe_smem, stats_smem,
+                                 q_converted, kv_ready, kv_empty, max_ready, p_ready, sum_ready,
                                  o_desc, o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows,
                                  group, out_base, seq_len, split_start, split_end, num_tiles,
                                  LEFT, DIRECT_OUTPUT, TMA_STORE)),
-            (_seesaw_partition, (q_nope_smem, q_pe_smem, kv_nope_smem, kv_pe_smem, stats_smem,
-                                 q_ready, kv_ready, kv_empty, max_ready, p_ready, sum_ready,
+            (_seesaw_partition, (q_nope_view, q_pe_view, kv_nope_smem, kv_pe_smem, stats_smem,
+                                 q_converted, kv_ready, kv_empty, max_ready, p_ready, sum_ready,
                                  o_desc, o_ptr, lse_ptr, qk_scale, q_len, num_heads, num_rows,
                                  group, out_base, seq_len, split_start, split_end, num_tiles,
                                  RIGHT, DIRECT_OUTPUT, TMA_STORE)),
-            (loader_partition, (q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem,
-                                q_pe_smem, fp8_nope_smem, fp8_pe_smem, q_ready, fp8_ready,
-                                fp8_empty, bt_row, q_row, split_start, num_tiles, BLOCK_SIZE)),
-            (converter_partition, (fp8_nope_smem, fp8_pe_smem, kv_nope_smem, kv_pe_smem,
-                                   fp8_ready, fp8_empty, kv_ready, kv_empty, num_tiles)),
-        ], [4, 1, CONVERT_WARPS], [FP8_COMPUTE_REGISTERS, LOADER_REGISTERS, CONVERTER_REGISTERS])
+            (converter_partition, (q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc,
+                                   q_nope_smem, q_pe_smem, fp8_nope_smem, fp8_pe_smem,
+                                   kv_nope_smem, kv_pe_smem, q_ready, q_converted, fp8_ready,
+                                   kv_ready, kv_empty, bt_row, q_row, split_start, num_tiles,
+                                   BLOCK_SIZE)),
+        ], [4, CONVERT_WARPS], [FP8_COMPUTE_REGISTERS, CONVERTER_REGISTERS])
 
 
 @functools.cache

@@ -15,53 +15,100 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
+def _copy_q(q_nope_desc, q_pe_desc, q_nope_smem, q_pe_smem, q_ready, q_row):
+    """TMA copies of the program's Q rows [64, L] and [64, R], completing q_ready."""
+    L: gl.constexpr = q_nope_desc.block_type.shape[1]
+    mbarrier.expect(q_ready, q_nope_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_nope_desc, [q_row, 0], q_ready, q_nope_smem)
+    tma.async_copy_global_to_shared(q_pe_desc, [q_row, L], q_ready, q_pe_smem)
+
+
+@gluon.jit
+def _copy_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, kv_ready, bt_row,
+               split_start, j, BLOCK_SIZE: gl.constexpr):
+    """TMA copies of the split's KV tile j [BLOCK_N, L] / [BLOCK_N, R] (inside one page) into
+    buffer j % STAGES of the ring, completing its ready barrier."""
+    STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
+    TILE: gl.constexpr = kv_nope_smem.type.shape[1]
+    L: gl.constexpr = kv_nope_smem.type.shape[2]
+    tile_bytes: gl.constexpr = kv_nope_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes
+    stage = j % STAGES
+    start = split_start + j * TILE
+    page = gl.load(bt_row + start // BLOCK_SIZE)
+    cache_row = page * BLOCK_SIZE + start % BLOCK_SIZE
+    ready = kv_ready.index(stage)
+    mbarrier.expect(ready, tile_bytes)
+    tma.async_copy_global_to_shared(kv_nope_desc, [cache_row, 0], ready, kv_nope_smem.index(stage))
+    tma.async_copy_global_to_shared(kv_pe_desc, [cache_row, L], ready, kv_pe_smem.index(stage))
+
+
+@gluon.jit
 def loader_partition(q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem, q_pe_smem,
                      kv_nope_smem, kv_pe_smem, q_ready, kv_ready, kv_empty, bt_row, q_row,
                      split_start, num_tiles, BLOCK_SIZE: gl.constexpr):
     """1 warp: TMA copies of Q once and of each KV tile into the ring (tile j -> buffer j % S)."""
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
-    TILE: gl.constexpr = kv_nope_smem.type.shape[1]
-    L: gl.constexpr = kv_nope_smem.type.shape[2]
-    mbarrier.expect(q_ready, q_nope_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_nope_desc, [q_row, 0], q_ready, q_nope_smem)
-    tma.async_copy_global_to_shared(q_pe_desc, [q_row, L], q_ready, q_pe_smem)
-    tile_bytes: gl.constexpr = kv_nope_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes
+    _copy_q(q_nope_desc, q_pe_desc, q_nope_smem, q_pe_smem, q_ready, q_row)
     for j in range(num_tiles):
-        stage = j % STAGES
-        start = split_start + j * TILE
-        page = gl.load(bt_row + start // BLOCK_SIZE)
-        cache_row = page * BLOCK_SIZE + start % BLOCK_SIZE
         # A fresh barrier counts as having completed the phase before phase 0: parity 1 passes.
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        ready = kv_ready.index(stage)
-        mbarrier.expect(ready, tile_bytes)
-        tma.async_copy_global_to_shared(kv_nope_desc, [cache_row, 0], ready,
-                                        kv_nope_smem.index(stage))
-        tma.async_copy_global_to_shared(kv_pe_desc, [cache_row, L], ready,
-                                        kv_pe_smem.index(stage))
+        mbarrier.wait(kv_empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+        _copy_tile(kv_nope_desc, kv_pe_desc, kv_nope_smem, kv_pe_smem, kv_ready, bt_row,
+                   split_start, j, BLOCK_SIZE)
 
 
-CONVERT_WARPS = gl.constexpr(2)
+CONVERT_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def converter_partition(fp8_nope_smem, fp8_pe_smem, kv_nope_smem, kv_pe_smem, fp8_ready,
-                        fp8_empty, kv_ready, kv_empty, num_tiles):
-    """2 warps, over an FP8 cache: each FP8 tile [BLOCK_N, L] / [BLOCK_N, R] of the staging
-    ring (tile j in buffer j % FP8_STAGES, filled by the loader) converted to q's dtype into
-    the ring the compute warpgroups read (buffer j % STAGES), [16, 128] pieces at a time
-    (16 FP8 bytes a thread). e4m3 values convert exactly; NaN stays NaN (the compute side
-    zeroes a partial last tile's rows as it does over a 16-bit cache)."""
+def _q_to_float16(q_smem):
+    """Q [64, W] 16-bit in shared memory, made float16 in place, [16, W] rows at a time (each
+    thread writes back the elements it read)."""
+    ROWS: gl.constexpr = q_smem.type.shape[0]
+    WIDTH: gl.constexpr = q_smem.type.shape[1]
+    PIECE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CONVERT_WARPS, 1], [1, 0])
+    COLUMNS: gl.constexpr = min(128, WIDTH)
+    as_float16 = q_smem._reinterpret(gl.float16, [ROWS, WIDTH], q_smem.type.layout)
+    for r in gl.static_range(ROWS // 16):
+        for c in gl.static_range(WIDTH // COLUMNS):
+            piece = q_smem.slice(r * 16, 16, dim=0).slice(c * COLUMNS, COLUMNS, dim=1)
+            values = piece.load(PIECE).to(gl.float16)
+            as_float16.slice(r * 16, 16, dim=0).slice(c * COLUMNS, COLUMNS, dim=1).store(values)
+
+
+@gluon.jit
+def converter_partition(q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope_smem,
+                        q_pe_smem, fp8_nope_smem, fp8_pe_smem, kv_nope_smem, kv_pe_smem, q_ready,
+                        q_converted, fp8_ready, kv_ready, kv_empty, bt_row, q_row, split_start,
+                        num_tiles, BLOCK_SIZE: gl.constexpr):
+    """4 warps, over an FP8 cache, in place of the loader warp. TMA copies of Q and of the
+    first FP8_STAGES FP8 tiles; Q (a bfloat16 q) made float16 in place, then q_converted says
+    so; then each FP8 tile [BLOCK_N, L] / [BLOCK_N, R] of the staging ring (tile j in buffer
+    j % FP8_STAGES) is converted to float16 into the ring the compute warpgroups read (buffer
+    j % STAGES), [16, 128] pieces at a time (16 FP8 bytes a thread, one instruction per two
+    values: bfloat16 would take two more of the SM's slow conversions a value), and its
+    buffer refilled with tile j + FP8_STAGES. e4m3 values convert exactly; NaN stays NaN (the
+    compute side zeroes a partial last tile's rows as over a 16-bit cache)."""
     FP8_STAGES: gl.constexpr = fp8_nope_smem.type.shape[0]
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
     TILE: gl.constexpr = kv_nope_smem.type.shape[1]
     L: gl.constexpr = kv_nope_smem.type.shape[2]
     R: gl.constexpr = kv_pe_smem.type.shape[2]
-    dtype: gl.constexpr = kv_nope_smem.type.element_ty
-    ROWS: gl.constexpr = 16  # a piece: [16, 128], 16 FP8 bytes a thread
+    ROWS: gl.constexpr = 16  # a piece: [16, 128]
     PIECE: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [CONVERT_WARPS, 1], [1, 0])
     ROPE: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // R, R // 16], [CONVERT_WARPS, 1],
                                           [1, 0])
+    _copy_q(q_nope_desc, q_pe_desc, q_nope_smem, q_pe_smem, q_ready, q_row)
+    for j in gl.static_range(FP8_STAGES):
+        if j < num_tiles:
+            _copy_tile(kv_nope_desc, kv_pe_desc, fp8_nope_smem, fp8_pe_smem, fp8_ready, bt_row,
+                       split_start, j, BLOCK_SIZE)
+    mbarrier.wait(q_ready, 0)
+    if q_nope_smem.type.element_ty != gl.float16:
+        _q_to_float16(q_nope_smem)
+        _q_to_float16(q_pe_smem)
+        fence_async_shared()
+        gl.thread_barrier()
+    mbarrier.arrive(q_converted)
     for j in range(num_tiles):
         fp8_stage = j % FP8_STAGES
         stage = j % STAGES
@@ -73,12 +120,14 @@ def converter_partition(fp8_nope_smem, fp8_pe_smem, kv_nope_smem, kv_pe_smem, fp
             for c in gl.static_range(L // 128):
                 piece = source.slice(r * ROWS, ROWS, dim=0).slice(c * 128, 128, dim=1)
                 target.slice(r * ROWS, ROWS, dim=0).slice(c * 128, 128, dim=1).store(
-                    piece.load(PIECE).to(dtype))
-        kv_pe_smem.index(stage).store(fp8_pe_smem.index(fp8_stage).load(ROPE).to(dtype))
-        fence_async_shared()  # the copies reach the products' (async) proxy
-        gl.thread_barrier()
-        mbarrier.arrive(fp8_empty.index(fp8_stage))
+                    piece.load(PIECE).to(gl.float16))
+        kv_pe_smem.index(stage).store(fp8_pe_smem.index(fp8_stage).load(ROPE).to(gl.float16))
+        fence_async_shared()  # the copies reach the products' (async) proxy, and the reads
+        gl.thread_barrier()   # of the FP8 buffer come before its refill
         mbarrier.arrive(kv_ready.index(stage))
+        if j + FP8_STAGES < num_tiles:
+            _copy_tile(kv_nope_desc, kv_pe_desc, fp8_nope_smem, fp8_pe_smem, fp8_ready, bt_row,
+                       split_start, j + FP8_STAGES, BLOCK_SIZE)
 
 
 @gluon.jit
