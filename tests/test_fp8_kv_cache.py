@@ -33,8 +33,9 @@ def test_names_and_errors() -> None:
 
 
 def test_warns_where_the_fp8_cache_decodes_slower() -> None:
-    # more than 16 heads a rank (V3 under TP < 8) has no FP8 Gluon pass: the user is told,
-    # with what to change; 16 heads, or a 16-bit cache, is not warned about
+    # more than 16 heads a rank (V3 under TP < 8) converts each FP8 tile before 16-bit
+    # products, slower than a 16-bit cache: the user is told, with what to change; 16 heads,
+    # or a 16-bit cache, is not warned about
     def shape(num_heads: int, kv_cache_dtype: torch.dtype | None) -> MLAShape:
         return MLAShape(num_heads=num_heads, kv_lora_rank=512, qk_rope_head_dim=64,
                         block_size=64, dtype=torch.bfloat16, device=torch.device("cpu"),

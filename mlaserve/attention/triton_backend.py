@@ -46,16 +46,17 @@ def _is_pow2(value: int) -> bool:
 
 def slow_fp8_cache_warning(shape: MLAShape) -> str | None:
     """What to tell a user whose FP8 cache decodes slower than a 16-bit one would: more than
-    `GLUON_FP8_ROWS` heads a rank, which no FP8 Gluon pass takes (None otherwise)."""
+    `GLUON_FP8_ROWS` heads a rank, where the decode converts each FP8 tile before 16-bit
+    products instead of reading half the bytes straight into them (None otherwise)."""
     if shape.cache_dtype.itemsize != 1 or shape.num_heads <= GLUON_FP8_ROWS:
         return None
     cache = str(shape.dtype).removeprefix("torch.")
-    return (f"decode over the FP8 cache with {shape.num_heads} heads per rank runs the Triton "
-            f"split pass (the FP8 Gluon passes take at most {GLUON_FP8_ROWS} query rows), which "
-            f"is slower than decode over a {cache} cache at this width "
-            "(benchmarks/fp8/README.md); the FP8 cache still holds twice the tokens. For "
-            "speed, use --kv-cache-dtype auto, or tensor parallelism that leaves at most "
-            f"{GLUON_FP8_ROWS} heads per rank")
+    return (f"decode over the FP8 cache with {shape.num_heads} heads per rank converts each "
+            "FP8 tile to 16 bits before its products (the transposed FP8 pass takes at most "
+            f"{GLUON_FP8_ROWS} query rows), which is slower than decode over a {cache} cache "
+            "at this width (benchmarks/fp8/README.md); the FP8 cache still holds twice the "
+            "tokens. For speed, use --kv-cache-dtype auto, or tensor parallelism that leaves "
+            f"at most {GLUON_FP8_ROWS} heads per rank")
 
 
 class TritonMLABackend(MLABackend):

@@ -98,24 +98,29 @@ def test_fp8_cache_tma_loads(q_len: int, block_n: int, latent_chunks: int,
                   kv_cache_dtype=torch.float8_e4m3fn)
 
 
-def test_wide_rows_over_an_fp8_cache_take_the_triton_configuration_made_for_them() -> None:
+def test_wide_rows_over_an_fp8_cache_take_the_gluon_pass_with_staged_fp8_tiles() -> None:
     """More than 16 query rows over an FP8 cache (128 heads, or 16 heads x q_len 2) with
-    pages that hold 64-token tiles: 64-row Triton programs with 64-token tiles, 2 stages, by
-    TMA on sm_90, never the 16-bit Gluon pass (it cannot read FP8); 32-token pages keep the
-    Gluon pass's tile, run by Triton."""
-    from mlaserve.kernels.mla_decode.common import TRITON_SPLIT
+    pages of 32 or more tokens: the 64-row Gluon pass with 2 FP8 tiles staged and 3 converted
+    tiles in its ring on sm_90 (float16 products for a bfloat16 q); elsewhere the Triton pass
+    with the same tile."""
+    from mlaserve.kernels.mla_decode.common import GLUON_SM90, TRITON_SPLIT
 
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     for heads, q_len in ((128, 1), (16, 2)):
-        config = default_config(heads, q_len, 512, 64, bf16, 32, 1280, 64, fp8)
-        assert (config.block_m, config.block_n, config.num_stages) == (64, 64, 2)
-        assert not config.warp_specialized and not config.gluon_fp8
-        plan = plan_mla_decode(32, 1280, heads, q_len, 512, 64, bf16, 132, 64,
-                               capability=(9, 0), kv_cache_dtype=fp8)
-        assert plan.kernel == TRITON_SPLIT and plan.tma_loads and plan.fp16_dots
-    assert default_config(128, 1, 512, 64, bf16, 32, 1280, 64).warp_specialized  # bf16 cache
-    small_pages = default_config(128, 1, 512, 64, bf16, 32, 1280, 32, fp8)
-    assert (small_pages.block_n, small_pages.num_stages) == (32, 4)
+        for block_size in (32, 64):
+            config = default_config(heads, q_len, 512, 64, bf16, 32, 1280, block_size, fp8)
+            assert (config.block_m, config.block_n, config.num_stages) == (64, 32, 3)
+            assert config.warp_specialized and config.fp8_stages == 2 and not config.gluon_fp8
+            plan = plan_mla_decode(32, 1280, heads, q_len, 512, 64, bf16, 132, block_size,
+                                   capability=(9, 0), kv_cache_dtype=fp8)
+            assert plan.kernel == GLUON_SM90 and plan.fp8_staging == 2 and plan.fp16_dots
+        elsewhere = plan_mla_decode(32, 1280, heads, q_len, 512, 64, bf16, 132, 64,
+                                    capability=(10, 0), kv_cache_dtype=fp8)
+        assert elsewhere.kernel == TRITON_SPLIT and elsewhere.fp8_staging == 0
+    bf16_cache = default_config(128, 1, 512, 64, bf16, 32, 1280, 64)
+    assert bf16_cache.warp_specialized and bf16_cache.fp8_stages == 0
+    assert plan_mla_decode(32, 1280, 128, 1, 512, 64, bf16, 132, 64,
+                           capability=(9, 0)).fp8_staging == 0
 
 
 @gpu_only
@@ -123,9 +128,9 @@ def test_wide_rows_over_an_fp8_cache_take_the_triton_configuration_made_for_them
 @pytest.mark.parametrize("heads_and_q_len", [(128, 1), (16, 2)])
 def test_wide_rows_over_an_fp8_cache(heads_and_q_len: tuple[int, int],
                                      dtype: torch.dtype) -> None:
-    # The planned configuration for more than 16 rows over an FP8 cache (64-row programs,
-    # 64-token tiles by TMA), with one split and several, against the reference of the same
-    # cache; NaN in every page tail.
+    # The planned configuration for more than 16 rows over an FP8 cache (the 64-row Gluon
+    # pass with FP8 tiles staged on sm_90), with one split and several, against the reference
+    # of the same cache; NaN in every page tail.
     heads, q_len = heads_and_q_len
     lens = [1280, q_len, 1000, 3 * 64 + 17, 65]
     run_and_check(lens, heads, 512, 64, 64, q_len, dtype, seed=heads + q_len,

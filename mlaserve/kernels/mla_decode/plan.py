@@ -195,8 +195,8 @@ def default_config(
     - More than 16 query rows with 16-bit data, L = 512, 64 <= R <= 256 and pages of 32 or more
       tokens: the Gluon sm_90 pass's configuration (`tuning.GLUON_SM90_CONFIG`); the plan runs
       the Triton kernel with the same tile where the Gluon pass cannot (off sm_90). Rows are
-      padded to 64. Over an FP8 cache with pages of 64 or more tokens, the Triton pass's
-      configuration for it instead (`tuning.FP8_CACHE_WIDE_ROWS_CONFIG`).
+      padded to 64. Over an FP8 cache, the same pass with FP8 tiles staged and a ring of
+      converted tiles instead (`tuning.FP8_CACHE_WIDE_ROWS_CONFIG`).
     - Otherwise query rows per program (block_m): all rows up to 64; at >= 64 heads small
       batches (< 8 requests) use 32-row groups instead, for more programs on the SMs.
     - KV tile and pipelining depth per regime (`tuning.TRITON_TILES`): pages under 32 tokens
@@ -229,10 +229,8 @@ def default_config(
     fp8_cache = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
     if (rows > 16 and kv_lora_rank == 512 and 64 <= qk_rope_head_dim <= 256
             and (block_size is None or block_size >= tuning.GLUON_MIN_PAGE)):
-        wide = tuning.FP8_CACHE_WIDE_ROWS_CONFIG
-        if fp8_cache and (block_size is None or block_size >= wide["block_n"]):
-            return MLADecodeConfig(**wide, merge_block_rows=merge_block_rows)
-        return MLADecodeConfig(**tuning.GLUON_SM90_CONFIG, merge_block_rows=merge_block_rows)
+        wide = tuning.FP8_CACHE_WIDE_ROWS_CONFIG if fp8_cache else tuning.GLUON_SM90_CONFIG
+        return MLADecodeConfig(**wide, merge_block_rows=merge_block_rows)
     block_m = min(max(16, next_pow2(rows)), 64)
     wide_heads, small_batch = tuning.SMALL_BATCH_WIDE_HEADS
     if (block_m == 64 and num_heads >= wide_heads and batch_size is not None
