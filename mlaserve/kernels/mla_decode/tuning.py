@@ -12,7 +12,7 @@ GLUON_SM90_CONFIG = dict(block_m=64, block_n=32, num_warps=8, num_stages=4, prog
                          warp_specialized=True)
 GLUON_MIN_PAGE = 32  # tokens per page the Gluon pass needs (one tile within a page)
 # The same shapes over an FP8 cache: the Gluon pass with 2 FP8 tiles staged and converted into
-# a ring of 3 (float16) tiles, what fits beside Q (faster than 1 staged tile, and 2-2.4x the
+# a ring of 3 (float16) tiles, what fits beside Q (faster than 1 staged tile, and 1.4-2.4x the
 # Triton pass's best configuration, on an H100 at 128 heads; benchmarks/fp8/README.md).
 FP8_CACHE_WIDE_ROWS_CONFIG = dict(GLUON_SM90_CONFIG, num_stages=3, fp8_stages=2)
 
