@@ -17,7 +17,7 @@
 #                set), in RUNS processes
 #   decode-wide  128 heads (V3 on one GPU) x batch 1/32/128 x kv 1280/4096, bf16 and FP8
 #                caches, the plan's choice, in RUNS processes, after the GPU tests of that
-#                plan (more than 16 query rows: no FP8 Gluon pass)
+#                plan (more than 16 query rows: the 64-row Gluon pass with FP8 tiles staged)
 #   decode-wide-gluon
 #                the 64-row Gluon pass over an FP8 cache (FP8 tiles staged, converted by its
 #                converter warps): its GPU tests (and the 16-bit pass's) under a timeout, then,

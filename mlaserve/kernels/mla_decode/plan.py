@@ -151,7 +151,7 @@ class MLADecodePlan:
             float32); benchmarks/mla-decode-history.md ("FP8 caches") has the timings. The
             FP8 values convert exactly; q is rounded to float16, whose range (+-65504) is
             narrower than bfloat16's: a larger query element would overflow. The FP8 Gluon
-            pass does the same.
+            passes do the same.
         merge_block_rows, merge_block_l, merge_split_chunk: the merge kernel's tile
             (`merge_tile`).
         fp8_staging: `GLUON_SM90` over an FP8 cache: the FP8 tiles of its staging ring
@@ -342,7 +342,8 @@ def plan_mla_decode(
         kv_cache_dtype: the cache's dtype (None: q's); torch.float8_e4m3fn is an FP8
             cache, read by the Triton split pass (by TMA where the config asks; converted
             to q's dtype, float16 for a bfloat16 q: `fp16_dots`) or, where the config asks
-            (`gluon_fp8`), by the FP8 Gluon pass; never the 16-bit Gluon pass.
+            (`gluon_fp8`), by the FP8 Gluon pass, or (`fp8_stages` with `warp_specialized`)
+            by the 64-row Gluon pass with its FP8 tiles staged and converted.
 
     Returns:
         The plan to pass to `mla_decode_triton`.
