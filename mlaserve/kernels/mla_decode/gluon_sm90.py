@@ -41,7 +41,7 @@ Over an FP8 cache (FP8_STAGES > 0) a partition of 4 converter warps takes the lo
 place (`gluon_sm90_tiles.converter_partition`): it copies Q and FP8 tiles by TMA, the tiles
 into a staging ring of FP8_STAGES buffers, makes Q float16 in place and converts each FP8
 tile once into the ring above, in float16 (one conversion instruction per two values;
-bfloat16 would take three per value on the SM's slow conversion units); the compute
+bfloat16 would take three per two values on the SM's slow conversion units); the compute
 warpgroups are the same, on float16 operands. Q [64, L + R] and 3 converted tiles of 32
 tokens plus 2 FP8 ones fill the shared memory (`common.gluon_shared_memory_bytes`). Rounding
 a bfloat16 q to float16 is what the other FP8 passes do (`MLADecodePlan.fp16_dots`).

@@ -85,7 +85,7 @@ def converter_partition(q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope
     so; then each FP8 tile [BLOCK_N, L] / [BLOCK_N, R] of the staging ring (tile j in buffer
     j % FP8_STAGES) is converted to float16 into the ring the compute warpgroups read (buffer
     j % STAGES), [16, 128] pieces at a time (16 FP8 bytes a thread, one instruction per two
-    values: bfloat16 would take two more of the SM's slow conversions a value), and its
+    values: bfloat16 would take two more per two values, float16 to bfloat16), and its
     buffer refilled with tile j + FP8_STAGES. e4m3 values convert exactly; NaN stays NaN (the
     compute side zeroes a partial last tile's rows as over a 16-bit cache)."""
     FP8_STAGES: gl.constexpr = fp8_nope_smem.type.shape[0]
