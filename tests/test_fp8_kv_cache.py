@@ -1,6 +1,8 @@
 """The FP8 latent cache (`--kv-cache-dtype fp8`): float8_e4m3fn rows with scale 1, read by the
 torch and triton backends and the expanded prefill (CPU, float32 compute)."""
 
+import logging
+
 import pytest
 import torch
 
@@ -46,6 +48,16 @@ def test_warns_where_the_fp8_cache_decodes_slower() -> None:
     assert "--kv-cache-dtype auto" in warning and "at most 16 heads per rank" in warning
     assert slow_fp8_cache_warning(shape(16, FP8)) is None
     assert slow_fp8_cache_warning(shape(128, None)) is None
+
+
+def test_the_warning_is_logged_once_a_process(caplog: pytest.LogCaptureFixture) -> None:
+    # a kernel sweep builds a backend per variant and cell; the warning comes once
+    from mlaserve.attention import triton_backend
+
+    with caplog.at_level(logging.WARNING, logger=triton_backend.logger.name):
+        for _ in range(3):
+            triton_backend._warn_once("an FP8 warning for this test only")
+    assert [r.message for r in caplog.records].count("an FP8 warning for this test only") == 1
 
 
 def test_saturates_instead_of_overflowing() -> None:

@@ -17,6 +17,7 @@ graph's plan: it launches only kernels that capture compiled.
 """
 
 import dataclasses
+import functools
 import logging
 import os
 from types import ModuleType
@@ -35,6 +36,9 @@ from mlaserve.kernels.mla_decode.plan import (
 )
 
 logger = logging.getLogger(__name__)
+# Each distinct warning once a process: a model builds its backend once, a kernel sweep once
+# per variant and cell.
+_warn_once = functools.cache(logger.warning)
 
 # SM count assumed on CPU, where the kernel only runs in Triton's interpreter (tests).
 _CPU_NUM_SMS = 4
@@ -103,7 +107,7 @@ class TritonMLABackend(MLABackend):
         self.capability = device_capability(shape.device)
         warning = slow_fp8_cache_warning(shape)
         if warning and shape.device.type == "cuda":
-            logger.warning(warning)
+            _warn_once(warning)
         # A launch configuration to use instead of the per-shape default; field changes applied
         # to the configuration of each plan; a forced split count (`bench kernel --sweep`).
         self.config: MLADecodeConfig | None = None
