@@ -15,14 +15,10 @@
 #                cache with the Triton variants (one process each)
 #   decode       the same cells, bf16 and FP8 caches, the plan's choice (plus VARIANT where
 #                set), in RUNS processes
-#   decode-wide  128 heads (V3 on one GPU) x batch 1/32/128 x kv 1280/4096, bf16 and FP8
-#                caches, the plan's choice, in RUNS processes, after the GPU tests of that
-#                plan (more than 16 query rows: the 64-row Gluon pass with FP8 tiles staged)
-#   decode-wide-gluon
-#                the 64-row Gluon pass over an FP8 cache (FP8 tiles staged, converted by its
-#                converter warps): its GPU tests (and the 16-bit pass's) under a timeout, then,
-#                if they pass, the decode-wide cells with its FP8 ring depths beside the
-#                plan's choice, and the bf16 cache, in RUNS processes
+#   decode-wide  128 heads (V3 on one GPU) x batch 1/32/128 x kv 1280/4096: the GPU tests of
+#                the 64-row Gluon pass over FP8 and 16-bit caches under a timeout, then, if
+#                they pass, the bf16 and FP8 caches with the plan's choice (plus VARIANT over
+#                the FP8 cache where set, e.g. "fp8_stages=1") in RUNS processes
 #   decode-transposed
 #                the transposed FP8 pass (gluon_sm90_fp8_transposed): its GPU tests in a
 #                process of their own under a timeout, then, if they pass, the same cells in
@@ -111,30 +107,15 @@ case $stage in
     grep -hE "^\s*triton" "$out"/decode-*.log ;;
   decode-wide)
     wide="--heads 128 --batch-sizes 1,32,128 --kv-lens 1280,4096 --block-sizes 64 --backends triton"
-    timeout 90 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
-      tests/kernels/test_mla_decode_fp8.py -k wide_rows > "$out/gpu_tests_wide.log" 2>&1
-    rc=$?; echo "wide-rows tests rc=$rc"; tail -2 "$out/gpu_tests_wide.log"
-    [ "$rc" = 0 ] || exit 1
-    for run in $(seq "$runs"); do
-      for cache in auto fp8; do
-        # shellcheck disable=SC2086
-        timeout 90 python3 -m mlaserve bench kernel $wide --kv-cache-dtype "$cache" \
-          > "$out/decode-wide-$cache-$run.log" 2>&1
-      done
-    done
-    grep -hE "^ +128 +[0-9]+ " "$out"/decode-wide-*.log ;;
-  decode-wide-gluon)
-    wide="--heads 128 --batch-sizes 1,32,128 --kv-lens 1280,4096 --block-sizes 64 --backends triton"
     timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 \
       tests/kernels/test_mla_decode_fp8.py -k "gluon_pass_over_an_fp8_cache or wide_rows" \
-      tests/kernels/test_mla_decode.py -k "sm90" > "$out/gpu_tests_wide_gluon.log" 2>&1
-    rc=$?; echo "wide Gluon tests rc=$rc"; tail -3 "$out/gpu_tests_wide_gluon.log"
+      tests/kernels/test_mla_decode.py -k "sm90" > "$out/gpu_tests_wide.log" 2>&1
+    rc=$?; echo "wide-row tests rc=$rc"; tail -3 "$out/gpu_tests_wide.log"
     [ "$rc" = 0 ] || exit 1
     for run in $(seq "$runs"); do
       # shellcheck disable=SC2086
-      timeout 150 python3 -m mlaserve bench kernel $wide --kv-cache-dtype fp8 --sweep \
-        "warp_specialized=1 block_n=32 num_stages=3 fp8_stages=1,2" \
-        > "$out/decode-wide-gluon-fp8-$run.log" 2>&1
+      timeout 150 python3 -m mlaserve bench kernel $wide --kv-cache-dtype fp8 \
+        ${variant:+--sweep "$variant"} > "$out/decode-wide-fp8-$run.log" 2>&1
       # shellcheck disable=SC2086
       timeout 90 python3 -m mlaserve bench kernel $wide > "$out/decode-wide-auto-$run.log" 2>&1
     done
@@ -195,5 +176,5 @@ case $stage in
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
     done ;;
-  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, decode-wide, decode-wide-gluon, decode-transposed, gemm-gluon, gemm-split, weight-only, gemm, moe, serve)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, decode-wide, decode-transposed, gemm-gluon, gemm-split, weight-only, gemm, moe, serve)" >&2; exit 2 ;;
 esac

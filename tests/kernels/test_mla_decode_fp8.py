@@ -148,7 +148,7 @@ def test_wide_rows_over_an_fp8_cache(heads_and_q_len: tuple[int, int],
 def test_gluon_pass_over_an_fp8_cache(block_size: int, heads_and_q_len: tuple[int, int],
                                       partial_dtype: str, stages: tuple[int, int],
                                       dtype: torch.dtype) -> None:
-    # The 64-row Gluon pass over an FP8 cache: FP8 tiles staged by TMA, converted to q's dtype
+    # The 64-row Gluon pass over an FP8 cache: FP8 tiles staged by TMA, converted to float16
     # by the converter warps into the ring the seesaw warpgroups read (an odd ring too), 128
     # rows (two whole groups, the output by TMA) and 32 / 48 rows (a padded group), one
     # split and three, partials in float32 and in q's dtype, NaN in every page tail and in
