@@ -4,8 +4,9 @@
 # throughput workload and then one user at a time.
 # Usage (repository root, wheels in .whl/): scripts/gpu_serve_bench.sh OUT_DIR [BACKENDS] [RUNS]
 #   env: PROMPTS=512 IN=1024 OUT_LEN=1024 CONC=256 SINGLE_PROMPTS=16 SINGLE_OUT=256
-#        WARMUPS=0 (requests sent before the timed throughput run, CONC at a time: a fresh
-#        machine's first server compiles its kernels during them instead of during the run)
+#        WARMUPS=0 (prompts of an untimed run of the throughput workload, other random
+#        prompts, before the timed one: a fresh machine's first server compiles its kernels
+#        for the batch shapes the workload reaches during it instead of during the timed run)
 #        SERVE_ARGS="--block-size 32 --max-num-seqs 256" BENCH_TIMEOUT=600
 #        CONFIG=benchmarks/configs/deepseek-v2-lite.json
 #   (SERVE_ARGS is split on spaces: write JSON without them, '{"num_hidden_layers":8}')
@@ -24,12 +25,11 @@ config=${CONFIG:-benchmarks/configs/deepseek-v2-lite.json}
 model=/tmp/$(basename "$config" .json)-dummy
 scripts/make_bench_model_dir.sh "$config" "$model"
 
-client() {  # label input_len output_len num_prompts concurrency [warmups]
+client() {  # label input_len output_len num_prompts concurrency [extra bench serve args]
   timeout "$bench_timeout" python3 -m mlaserve bench serve --backend openai \
     --base-url http://127.0.0.1:8000 --model "$model" --dataset-name random \
     --random-input-len "$2" --random-output-len "$3" --num-prompts "$4" \
-    --max-concurrency "$5" --num-warmups "${6:-0}" --ignore-eos --save-result \
-    --result-dir "$out" --label "$1" 2>&1
+    --max-concurrency "$5" --ignore-eos --label "$1" "${@:6}" 2>&1
 }
 
 for backend in $backends; do
@@ -47,10 +47,13 @@ for backend in $backends; do
     done
     echo "== $backend run $run: server up after $((SECONDS - started)) s"
     grep -E "attention backend|CUDA graph|KV cache" "$log" | cut -c1-200
-    client "mlaserve-$backend-c$conc" "$in_len" "$out_len" "$prompts" "$conc" "$warmups" \
-      | tee "$out/bench-$backend-c$conc-$run.txt"
-    client "mlaserve-$backend-c1" "$in_len" "$single_out" "$single_prompts" 1 \
-      | tee "$out/bench-$backend-c1-$run.txt"
+    if [ "$warmups" -gt 0 ]; then
+      client warmup "$in_len" "$out_len" "$warmups" "$conc" --seed 1 | tail -3
+    fi
+    client "mlaserve-$backend-c$conc" "$in_len" "$out_len" "$prompts" "$conc" --save-result \
+      --result-dir "$out" | tee "$out/bench-$backend-c$conc-$run.txt"
+    client "mlaserve-$backend-c1" "$in_len" "$single_out" "$single_prompts" 1 --save-result \
+      --result-dir "$out" | tee "$out/bench-$backend-c1-$run.txt"
     curl -s localhost:8000/metrics | grep -E "^vllm:(num_preemptions|prefix_cache_hits)" \
       >> "$out/bench-$backend-c$conc-$run.txt"
     kill -TERM $server; wait $server
