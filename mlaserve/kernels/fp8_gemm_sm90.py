@@ -474,10 +474,11 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
                                               dtype=torch.float32, device=x_q.device)
     stream_k_tiles = choose_stream_k_tiles(rows, out_features, block_n, num_sms, k_splits,
                                            stream_k)
-    buffers = _stream_k_buffers(x_q.device, num_sms) if stream_k_tiles else None
-    if buffers is None:
+    buffers = _stream_k_buffers(x_q.device, num_sms)
+    if buffers is None:  # in a CUDA graph's capture before any launch made them: not read
         stream_k_tiles = 0
-        buffers = (y, y)  # not read
+        buffers = (torch.empty(1, device=x_q.device), torch.empty(1, dtype=torch.int32,
+                                                                  device=x_q.device))
     x_layout, w_layout, out_layout = operand_layouts(staged_dtype, block_n)
     x_desc = TensorDescriptor.from_tensor(x_q, [BLOCK_M, BLOCK_K], x_layout)
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], w_layout)
