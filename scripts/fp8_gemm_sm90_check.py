@@ -5,7 +5,7 @@ kernel's defaults can be set from one run.
 
 Usage (sm_90 GPU): python3 scripts/fp8_gemm_sm90_check.py [--models deepseek-v3]
     [--tokens 256,1024,4096,8192] [--stages 4,5,6] [--k-unroll 1,2,4] [--group-m 8]
-    [--block-n 128,64] [--k-splits 1] [--stream-k 0,1] [--repeats 10]
+    [--block-n 128,64] [--k-splits 1] [--repeats 10]
     [--out FILE.json]
 
 Per projection (`bench.gemm.projections`: the GEMMs as the model runs them) and token count M:
@@ -17,9 +17,8 @@ status 1. Times are medians under CUDA-graph replay (`kernels.testing.graph_repl
 - `bf16`: x @ w_bf16.T (cuBLAS);
 - `cublas`: cuBLASLt's blockwise product alone (`scaled_mm_block_fp8`), where it takes the shape;
 - `gluon`: the Gluon product alone with its defaults (the tile width `choose_block_n` picks,
-  printed as `bn`, the runs of K blocks `choose_k_splits` picks, `ks`, and the tiles
-  `choose_stream_k_tiles` shares, `sk`), and `best`: the fastest swept configuration
-  (num_stages, k_unroll, group_m, block_n, k_splits, stream_k), named;
+  printed as `bn`, and the runs of K blocks `choose_k_splits` picks, `ks`), and `best`: the
+  fastest swept configuration (num_stages, k_unroll, group_m, block_n, k_splits), named;
 - `w8a8 cublas` / `w8a8 gluon`: what a layer runs (`block_fp8_w8a8`): x's quantization plus
   the product; `quant`: the quantization alone (`quantize_activations`), with the bytes it
   moves per second (x read, x_q and its scales written).
@@ -52,14 +51,13 @@ from mlaserve.kernels.fp8_gemm import (
     scaled_mm_block_fp8,
     sm_count,
 )
-from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90
-from mlaserve.kernels.fp8_gemm_sm90_plan import (
+from mlaserve.kernels.fp8_gemm_sm90 import (
     DEFAULT_GROUP_M,
     DEFAULT_K_UNROLL,
     DEFAULT_STAGES,
+    block_fp8_matmul_sm90,
     choose_block_n,
     choose_k_splits,
-    choose_stream_k_tiles,
     gluon_gemm_serves,
     shared_memory_bytes,
 )
@@ -83,9 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--k-splits", type=positive_int_list, default="1",
                         help="swept runs of K blocks (the default, `choose_k_splits`, is timed "
                              "as `gluon`)")
-    parser.add_argument("--stream-k", type=lambda text: [int(v) for v in text.split(",")],
-                        default="1",
-                        help="swept stream_k (0: off, 1: where the plan shares a last round)")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     return parser.parse_args(argv)
@@ -105,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     gate = FP8_MMA_REL_ERR + BF16_ROUNDING
     sweep = list(itertools.product(args.stages, args.k_unroll, args.group_m, args.block_n,
-                                   args.k_splits, args.stream_k))
+                                   args.k_splits))
     print(f"{torch.cuda.get_device_name(device)}; defaults: num_stages {DEFAULT_STAGES}, "
           f"k_unroll {DEFAULT_K_UNROLL}, group_m {DEFAULT_GROUP_M}")
     print(f"{'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>8} {'cublas':>8} "
-          f"{'gluon':>8} {'bn':>3} {'ks':>2} {'sk':>3} {'best':>8} {'(st,ku,gm,bn,ks,sk)':>19}  "
+          f"{'gluon':>8} {'bn':>3} {'ks':>2} {'best':>8} {'(st,ku,gm,bn,ks)':>17}  "
           f"{'TFLOP/s':>7}  "
           f"{'x cublas':>8} {'x gluon':>7} {'x best':>6}  {'w8a8 cublas':>11} {'w8a8 gluon':>10} "
           f"{'quant':>7} {'GB/s':>5}  rel err",
@@ -134,18 +129,18 @@ def main(argv: list[str] | None = None) -> int:
                                   torch.bfloat16)
                 rel_err = relative_error(product(), want)
                 swept = {}
-                for stages, k_unroll, group_m, block_n, k_splits, stream_k in sweep:
+                for stages, k_unroll, group_m, block_n, k_splits in sweep:
                     staged = torch.bfloat16 if k_splits == 1 else torch.float32
                     if shared_memory_bytes(stages, staged, block_n) > SHARED_LIMIT:
                         continue
                     config = dict(num_stages=stages, k_unroll=k_unroll, group_m=group_m,
-                                  block_n=block_n, k_splits=k_splits, stream_k=bool(stream_k))
+                                  block_n=block_n, k_splits=k_splits)
                     err = relative_error(product(**config), want)
                     if err > gate:
                         print(f"  FAIL {proj.name} M={m} {config}: rel err {err:.1e}")
                         failed = True
                         continue
-                    swept[(stages, k_unroll, group_m, block_n, k_splits, stream_k)] = _time(
+                    swept[(stages, k_unroll, group_m, block_n, k_splits)] = _time(
                         partial(product, **config), args.repeats)
                 failed |= rel_err > gate
                 bf16 = _time(partial(torch.matmul, x, w_bf16.T), args.repeats)
@@ -166,21 +161,18 @@ def main(argv: list[str] | None = None) -> int:
                 tflops = 2 * m * n * k / gluon / 1e12
                 default_block_n = choose_block_n(m, n, sm_count(device))
                 default_k_splits = choose_k_splits(m, n, k, default_block_n, sm_count(device))
-                default_stream_k = choose_stream_k_tiles(m, n, default_block_n, sm_count(device),
-                                                         default_k_splits)
                 rows.append(dict(
                     model=model, projection=proj.name, out_features=n, in_features=k, tokens=m,
                     bf16_us=bf16 * 1e6, cublas_us=cublas * 1e6, gluon_us=gluon * 1e6,
                     best_us=best * 1e6, best_config=best_config, gluon_tflops=tflops,
                     default_block_n=default_block_n, default_k_splits=default_k_splits,
-                    default_stream_k_tiles=default_stream_k,
                     w8a8_cublas_us=w8a8_cublas * 1e6, w8a8_gluon_us=w8a8_gluon * 1e6,
                     quant_us=quant * 1e6, rel_err=rel_err,
                     sweep_us={",".join(map(str, key)): t * 1e6 for key, t in swept.items()}))
                 best_text = ",".join(map(str, best_config)) if best_config else "-"
                 print(f"{proj.name:20} {n:6} {k:6} {m:5}  {bf16 * 1e6:8.1f} {cublas * 1e6:8.1f} "
                       f"{gluon * 1e6:8.1f} {default_block_n:3} {default_k_splits:2} "
-                      f"{default_stream_k:3} {best * 1e6:8.1f} {best_text:>19}  {tflops:7.0f}  "
+                      f"{best * 1e6:8.1f} {best_text:>17}  {tflops:7.0f}  "
                       f"{bf16 / cublas:8.2f} {bf16 / gluon:7.2f} {bf16 / best:6.2f}  "
                       f"{w8a8_cublas * 1e6:11.1f} {w8a8_gluon * 1e6:10.1f} {quant * 1e6:7.1f} "
                       f"{quant_bytes / quant / 1e9:5.0f}  {rel_err:.1e}"

@@ -28,9 +28,6 @@
 #                stages and K chains swept (scripts/fp8_gemm_sm90_check.py)
 #   gemm-split   the Gluon GEMM's GPU tests, then its tile widths and runs of K blocks swept at
 #                32-1024 tokens (where `choose_k_splits` splits K)
-#   gemm-stream-k
-#                the Gluon GEMM's GPU tests, then at 1024-8192 tokens its tile widths with
-#                stream-K on and off, beside bf16 and cuBLASLt
 #   weight-only  the weight-only product against bf16 and w8a8 at 1, 16 and 64 tokens, with its
 #                configuration sweep (both operand orders)
 #   gemm         `mlaserve bench gemm` on V3's shapes (MODELS: a comma list), RUNS processes
@@ -151,15 +148,6 @@ case $stage in
       --k-unroll 2 --block-n 64,128 --k-splits 1,2,4,7 --out "$out/gemm_split.json" \
       > "$out/gemm_split.log" 2>&1
     cat "$out/gemm_split.log" ;;
-  gemm-stream-k)
-    timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-      tests/kernels/test_fp8_gemm_sm90.py > "$out/gpu_tests_gemm_sm90.log" 2>&1
-    rc=$?; echo "gemm_sm90 tests rc=$rc"; tail -3 "$out/gpu_tests_gemm_sm90.log"
-    [ "$rc" = 0 ] || exit 1
-    timeout 300 python3 scripts/fp8_gemm_sm90_check.py --tokens 1024,4096,8192 --stages 5 \
-      --k-unroll 2 --block-n 128,64 --stream-k 0,1 --repeats 5 --out "$out/gemm_stream_k.json" \
-      > "$out/gemm_stream_k.log" 2>&1
-    cat "$out/gemm_stream_k.log" ;;
   weight-only)
     timeout 540 python3 scripts/fp8_weight_only_check.py --tokens 1,16,64 --block-n 32,64,128 \
       --k-splits 1,2,4 --k-blocks 1 --stages 4 --warps 4 --swap-ab 0,1 \
@@ -188,5 +176,5 @@ case $stage in
 --block-size 64 --max-num-seqs 256" \
         scripts/gpu_serve_bench.sh "$out/serve-$cache" triton "${RUNS:-1}"
     done ;;
-  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, decode-wide, decode-transposed, gemm-gluon, gemm-split, gemm-stream-k, weight-only, gemm, moe, serve)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (tests, tests-gemm, decode-sweep, decode, decode-wide, decode-transposed, gemm-gluon, gemm-split, weight-only, gemm, moe, serve)" >&2; exit 2 ;;
 esac

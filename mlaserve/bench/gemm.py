@@ -126,8 +126,7 @@ def run(args: argparse.Namespace) -> int:
         product_path,
         scaled_mm_block_fp8,
     )
-    from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90
-    from mlaserve.kernels.fp8_gemm_sm90_plan import gluon_gemm_serves
+    from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90, gluon_gemm_serves
     from mlaserve.kernels.testing import l2_cold_copies, relative_error
 
     tokens = [int(t) for t in args.tokens.split(",")]

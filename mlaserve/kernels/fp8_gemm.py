@@ -40,7 +40,6 @@ from mlaserve.kernels.fp8_blocks import (
     QuantizedActivations,
     dequantize_block_fp8,
 )
-from mlaserve.kernels.fp8_gemm_sm90_plan import gluon_balances_better, gluon_gemm_serves
 from mlaserve.kernels.interpreter import prepare_launch
 
 # Up to this many rows (tokens) a CUDA `block_fp8_linear` runs the weight-only product, for
@@ -351,9 +350,9 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, 
       at most `WEIGHT_ONLY_MAX_WEIGHT_BYTES`, `fp8_weight_only_matmul` (there the product is
       bound by reading the weight, and x's quantization would be a launch of its own);
     - "gluon": on sm_90 for narrow products (`GLUON_MIN_ROWS` rows or more, N at most
-      `GLUON_MAX_OUT_FEATURES`) whose work the Gluon product cuts better than whole 128-wide
-      tiles would (`fp8_gemm_sm90_plan.gluon_balances_better`) where TMA takes the shape
-      (`gluon_gemm_serves`), the warp-specialised Gluon product;
+      `GLUON_MAX_OUT_FEATURES`, and `fp8_gemm_sm90.choose_block_n` taking 64-wide tiles) where
+      TMA takes the shape (`fp8_gemm_sm90.gluon_gemm_serves`), the warp-specialised Gluon
+      product;
     - "cublas": on CUDA past that, torch's blockwise scaled matmul (cuBLASLt) where it takes
       the shape: K a multiple of 512 (it wants the K blocks of the scales in fours) and N a
       multiple of 16. On the H200 it is the faster w8a8 product on most DeepSeek-V3
@@ -369,10 +368,15 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, 
         return "weight-only"
     gluon_serves = False
     if sm90:
+        from mlaserve.kernels.fp8_gemm_sm90 import (  # imports gluon
+            choose_block_n,
+            gluon_gemm_serves,
+        )
+
         gluon_serves = gluon_gemm_serves(rows, out_features, in_features)
         if (gluon_serves and 0 < GLUON_MIN_ROWS <= rows
                 and out_features <= GLUON_MAX_OUT_FEATURES
-                and gluon_balances_better(rows, out_features, num_sms)):
+                and choose_block_n(rows, out_features, num_sms) == 64):
             return "gluon"
     if in_features % 512 == 0 and out_features % 16 == 0:
         return "cublas"

@@ -28,12 +28,18 @@ DeepGEMM, three partitions share each CTA:
 
 Tiles are 128 x BLOCK_N, BLOCK_N 128 or 64 (a divisor of the weight's 128-row scale blocks: one
 weight scale per tile and K block), visited by a persistent grid of one CTA per SM in groups of
-GROUP_M row tiles that share the weight tiles through L2. How a product is cut into work so
-that the rounds keep the SMs busy (the width, stream-K, K split into runs) is decided in
-`fp8_gemm_sm90_plan`. Stream-K tiles come first: each CTA takes an even share of their K
-blocks, then whole work units (a tile, or with K split a tile's run of K blocks, whose float32
-sum goes to its own slab of [splits, rows rounded up to 128, N], added in y's dtype by a
-second launch).
+GROUP_M row tiles that share the weight tiles through L2. The CTAs finish after as many rounds
+("waves") as the busiest one has tiles, so a shape with a few more 128-wide tiles than SMs
+takes two rounds for little more than one's work: V3's fused q_a + kv_a product (N = 2112) at
+1024 tokens is 136 tiles on 132 SMs. `choose_block_n` takes 64-wide tiles, half the work each,
+where that shortens the rounds enough to pay for their smaller products (264 tiles: two rounds,
+each 0.8 of a wide round's time on the H200).
+
+A product of few tiles leaves most SMs idle however the tiles are cut: V3's q_a + kv_a at 64
+tokens is 33 narrow tiles on 132 SMs, each 56 K blocks deep. There K is split
+(`choose_k_splits`): the grid's work units are (tile, run of K blocks), each unit's float32 sum
+goes to its own slab of a partial buffer [splits, rows rounded up to 128, N] (the rounding keeps
+a tile's rows past M inside its own slab), and a second launch adds the slabs in y's dtype.
 
 TMA zero-fills rows, columns and K past the operands, so any M, N and K work within TMA's
 alignment (K a multiple of 16, N of 8; `gluon_gemm_serves`). Needs Triton's Gluon (Triton >=
@@ -57,25 +63,60 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.fp8_blocks import FP8_DTYPE
 from mlaserve.kernels.fp8_gemm import check_operands, is_sm90, sm_count, sum_splits
-from mlaserve.kernels.fp8_gemm_sm90_plan import (
-    BLOCK_K,
-    BLOCK_M,
-    BLOCK_NS,
-    DEFAULT_GROUP_M,
-    DEFAULT_K_UNROLL,
-    DEFAULT_STAGES,
-    STREAM_K,
-    choose_block_n,
-    choose_k_splits,
-    choose_stream_k_tiles,
-    gluon_gemm_serves,
-    shared_memory_bytes,
-)
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
 
+BLOCK_M = 128  # two warpgroups of 64 rows
+BLOCK_NS = (128, 64)  # within one weight scale row per tile
+BLOCK_K = 128  # one scale column per K block
 SCALE_ROWS = gl.constexpr(128)  # the weight's scale blocks are 128 x 128
+# The time of a round of 64-wide tiles against a round of 128-wide ones, measured on the H200
+# (scripts/fp8_gemm_sm90_check.py, both widths on V3's shapes: 0.73-0.83, not 0.5): a 64-wide
+# wgmma reads as many x bytes as a 128-wide one for half the work, and a tile has fixed costs
+NARROW_ROUND_COST = 0.8
+# K is split only where the tiles fill at most half the SMs, and into runs of at least this many
+# K blocks (a unit's fixed costs, and the partial sums' traffic, against its products)
+MIN_SPLIT_BLOCKS = 4
 NUM_WARPS = 4  # the default partition: the first compute warpgroup
+DEFAULT_STAGES = 5  # 5 x 32 KB ring + 32 KB output staging: one CTA per SM
+DEFAULT_GROUP_M = 8
+DEFAULT_K_UNROLL = 2  # chains of 2 beat 4 on 11 of V3's 14 cells (benchmarks/fp8/gemm_sm90.log)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+def shared_memory_bytes(num_stages: int, out_dtype: torch.dtype, block_n: int = 128) -> int:
+    """The shared memory a CTA takes (an upper bound): the ring of FP8 x and W tiles, the
+    output staging [2, 64, block_n] and the barriers."""
+    ring = num_stages * (BLOCK_M + block_n) * BLOCK_K
+    return ring + BLOCK_M * block_n * out_dtype.itemsize + 1024
+
+
+def choose_block_n(rows: int, out_features: int, num_sms: int) -> int:
+    """128, or 64 where 128-wide tiles leave the last round of the persistent grid mostly
+    empty: a width's estimated time is its rounds (ceil(tiles / SMs)) times the time of one
+    of its rounds (1 at 128, NARROW_ROUND_COST at 64)."""
+    def rounds(block_n: int) -> int:
+        tiles = -(-rows // BLOCK_M) * -(-out_features // block_n)
+        return -(-tiles // num_sms)
+
+    return 64 if rounds(64) * NARROW_ROUND_COST < rounds(128) else 128
+
+
+def choose_k_splits(rows: int, out_features: int, in_features: int, block_n: int,
+                    num_sms: int) -> int:
+    """Into how many runs of K blocks the product is split: 1 where its tiles (128 x block_n)
+    fill more than half the SMs, else as many as fill the SMs with one unit each, at most one
+    per `MIN_SPLIT_BLOCKS` K blocks (V3's q_a + kv_a, K = 7168, narrow tiles: 4 at 64 tokens,
+    2 at 256)."""
+    tiles = -(-rows // BLOCK_M) * -(-out_features // block_n)
+    if 2 * tiles > num_sms:
+        return 1
+    return max(1, min(num_sms // tiles, -(-in_features // BLOCK_K) // MIN_SPLIT_BLOCKS))
+
+
+def gluon_gemm_serves(rows: int, out_features: int, in_features: int) -> bool:
+    """Whether `block_fp8_matmul_sm90` takes x [rows, K] @ W [N, K]^T on an sm_90 GPU: TMA's
+    16-byte rows (K a multiple of 16, N of 8 for a 16-bit y) and at least one row."""
+    return rows > 0 and in_features > 0 and in_features % 16 == 0 and out_features % 8 == 0
 
 
 @gluon.jit
@@ -91,89 +132,47 @@ def _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M: gl.constexpr,
 
 
 @gluon.jit
-def _stream_k_share(num_k_blocks, stream_k_tiles):
-    """This CTA's even share [start, end) of the stream-K tiles' K blocks, numbered tile by
-    tile (tile t's block k is t * num_k_blocks + k)."""
-    total = stream_k_tiles * num_k_blocks
-    return (gl.program_id(0) * total // gl.num_programs(0),
-            (gl.program_id(0) + 1) * total // gl.num_programs(0))
-
-
-@gluon.jit
-def _next_work(block, end, unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
-               stream_k_tiles, GROUP_M: gl.constexpr, TILE_M: gl.constexpr,
-               TILE_N: gl.constexpr):
-    """The CTA's next work: while block < end, the stream-K segment from K block `block` of
-    its share to the end of the share or of block's tile; then work unit `unit` (0 .. (tiles
-    - stream_k_tiles) x splits - 1, of the tiles after the stream-K ones; consecutive units
-    take neighbouring tiles of one split). Returns the tile, its first row and column, the
-    split and the K blocks [first_block, end_block)."""
-    if block < end:
-        tile = block // num_k_blocks
-        first_block = block - tile * num_k_blocks
-        end_block = gl.minimum(num_k_blocks, first_block + end - block)
-        split = 0
-    else:
-        num_tiles = num_tiles_m * num_tiles_n - stream_k_tiles
-        split = unit // num_tiles
-        tile = stream_k_tiles + unit % num_tiles
-        first_block = split * blocks_per_split
-        end_block = gl.minimum(first_block + blocks_per_split, num_k_blocks)
-    off_m, off_n = _tile_origin(tile, num_tiles_m, num_tiles_n, GROUP_M, TILE_M, TILE_N)
-    return tile, off_m, off_n, split, first_block, end_block
-
-
-@gluon.jit
-def _advance(block, end, unit, first_block, end_block):
-    """Past the work `_next_work` gave: the share's next block, or the CTA's next unit."""
-    if block < end:
-        block += end_block - first_block
-    else:
-        unit += gl.num_programs(0)
-    return block, unit
+def _unit_work(unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
+               GROUP_M: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr):
+    """Work unit `unit` (0 .. tiles x splits - 1): its tile's first row and column, its split
+    and its K blocks [first_block, end_block). Consecutive units take neighbouring tiles of
+    one split."""
+    num_tiles = num_tiles_m * num_tiles_n
+    split = unit // num_tiles
+    off_m, off_n = _tile_origin(unit % num_tiles, num_tiles_m, num_tiles_n, GROUP_M, TILE_M,
+                                TILE_N)
+    first_block = split * blocks_per_split
+    end_block = gl.minimum(first_block + blocks_per_split, num_k_blocks)
+    return off_m, off_n, split, first_block, end_block
 
 
 @gluon.jit
 def _loader_partition(x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m, num_tiles_n,
-                      num_k_blocks, blocks_per_split, stream_k_tiles, GROUP_M: gl.constexpr):
+                      num_k_blocks, blocks_per_split, GROUP_M: gl.constexpr):
     """1 warp: the TMA copies of x [128, 128] and W [BLOCK_N, 128] of every K block of this
-    CTA's stream-K segments and work units (the i-th block overall -> buffer i % NUM_STAGES)."""
+    CTA's work units (the i-th block overall -> buffer i % NUM_STAGES)."""
+    STAGES: gl.constexpr = x_smem.type.shape[0]
     TILE_M: gl.constexpr = x_smem.type.shape[1]
     TILE_N: gl.constexpr = w_smem.type.shape[1]
-    count = 0
-    block, end = _stream_k_share(num_k_blocks, stream_k_tiles)
-    unit = gl.program_id(0)
-    num_units = ((num_tiles_m * num_tiles_n - stream_k_tiles)
-                 * gl.cdiv(num_k_blocks, blocks_per_split))
-    while (block < end) | (unit < num_units):
-        _, off_m, off_n, _, first_block, end_block = _next_work(
-            block, end, unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
-            stream_k_tiles, GROUP_M, TILE_M, TILE_N)
-        count = _load_blocks(x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n,
-                             first_block, end_block, count)
-        block, unit = _advance(block, end, unit, first_block, end_block)
-
-
-@gluon.jit
-def _load_blocks(x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, first_block,
-                 end_block, count):
-    """The TMA copies of K blocks [first_block, end_block) of the tile at (off_m, off_n); the
-    CTA's count-th block overall goes to buffer count % NUM_STAGES. Returns the new count."""
-    STAGES: gl.constexpr = x_smem.type.shape[0]
     TILE_K: gl.constexpr = x_smem.type.shape[2]
     block_bytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
-    for k_block in range(first_block, end_block):
-        stage = count % STAGES
-        # A fresh barrier counts as having completed the phase before phase 0: parity 1
-        # passes.
-        mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(stage), block_bytes)
-        tma.async_copy_global_to_shared(x_desc, [off_m, k_block * TILE_K],
-                                        ready.index(stage), x_smem.index(stage))
-        tma.async_copy_global_to_shared(w_desc, [off_n, k_block * TILE_K],
-                                        ready.index(stage), w_smem.index(stage))
-        count += 1
-    return count
+    count = 0
+    num_units = num_tiles_m * num_tiles_n * gl.cdiv(num_k_blocks, blocks_per_split)
+    for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
+        off_m, off_n, split, first_block, end_block = _unit_work(
+            unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M, TILE_M,
+            TILE_N)
+        for k_block in range(first_block, end_block):
+            stage = count % STAGES
+            # A fresh barrier counts as having completed the phase before phase 0: parity 1
+            # passes.
+            mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), block_bytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, k_block * TILE_K],
+                                            ready.index(stage), x_smem.index(stage))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k_block * TILE_K],
+                                            ready.index(stage), w_smem.index(stage))
+            count += 1
 
 
 @gluon.jit
@@ -208,117 +207,66 @@ def _add_scaled(acc, block, scale, empty, count):
 
 
 @gluon.jit
-def _accumulate(x_smem, w_smem, ready, empty, count, first_block, end_block, x_scale_row,
-                w_scale_row, stride_xs_k, row_ok, HALF: gl.constexpr, K_UNROLL: gl.constexpr):
-    """This warpgroup's sum over K blocks [first_block, end_block) of its 64 rows of a tile,
-    the CTA's count-th block overall first: ([64, BLOCK_N] float32, the new count). K blocks
-    go in groups of K_UNROLL, each group a chain: block i + 1's product is issued before block
-    i is waited for and scaled, so the scaling runs under a product. A group starts with
-    nothing in flight: an accumulator still in flight across a loop iteration would be copied
-    at the back edge, and ptxas then serialises every wgmma."""
-    TILE_N: gl.constexpr = w_smem.type.shape[1]
-    ROWS: gl.constexpr = x_smem.type.shape[1] // 2
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, TILE_N, 32])
-    zeros = gl.zeros([ROWS, TILE_N], gl.float32, ACC)
-    acc = zeros
-    num_groups = (end_block - first_block) // K_UNROLL
-    for group in range(num_groups):
-        first = first_block + group * K_UNROLL
-        token_prev = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
-        scale_prev = _block_scales(x_scale_row, w_scale_row, first, stride_xs_k, row_ok)
-        for i in gl.static_range(1, K_UNROLL):
-            token = _issue_block(x_smem, w_smem, ready, count + i, zeros, HALF)
-            scale = _block_scales(x_scale_row, w_scale_row, first + i, stride_xs_k, row_ok)
-            # acc passes through the wait: the previous block's scaling is done by then,
-            # under this block's product, and not left for the end of the chain
-            block, acc = warpgroup_mma_wait(1, deps=[token_prev, acc])
-            acc = _add_scaled(acc, block, scale_prev, empty, count + i - 1)
-            token_prev = token
-            scale_prev = scale
-        acc = _add_scaled(acc, warpgroup_mma_wait(0, deps=[token_prev]), scale_prev, empty,
-                          count + K_UNROLL - 1)
-        count += K_UNROLL
-    for k_block in range(first_block + num_groups * K_UNROLL, end_block):  # one by one
-        token = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
-        scale = _block_scales(x_scale_row, w_scale_row, k_block, stride_xs_k, row_ok)
-        acc = _add_scaled(acc, warpgroup_mma_wait(0, deps=[token]), scale, empty, count)
-        count += 1
-    return acc, count
-
-
-@gluon.jit
-def _store_rows(acc, staging, y_desc, row, column):
-    """Store acc [64, BLOCK_N] at y[row:, column:] (y's dtype) by TMA through the warpgroup's
-    staging buffer, once the previous store has read it."""
-    tma.store_wait(0)
-    gl.thread_barrier()
-    staging.store(acc.to(y_desc.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(y_desc, [row, column], staging)
-
-
-@gluon.jit
-def _partial_offsets(tile, HALF: gl.constexpr, ROWS: gl.constexpr, TILE_N: gl.constexpr,
-                     layout: gl.constexpr):
-    """[64, BLOCK_N]: this warpgroup's rows of tile `tile` in partial sums [tiles, 128, N]."""
-    rows = (tile * 2 + HALF) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    columns = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, layout))
-    return gl.expand_dims(rows, 1) * TILE_N + gl.expand_dims(columns, 0)
-
-
-@gluon.jit
 def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                       w_scale_ptr, partial_ptr, flag_ptr, M, num_tiles_m, num_tiles_n,
-                       num_k_blocks, blocks_per_split, stream_k_tiles, stride_xs_m,
-                       stride_xs_k, stride_ws_n, HALF: gl.constexpr, GROUP_M: gl.constexpr,
-                       K_UNROLL: gl.constexpr):
-    """One compute warpgroup: rows HALF * 64 .. HALF * 64 + 63 of each of the CTA's stream-K
-    segments and work units, stored at row split * (M rounded up to a tile) + the row of y
-    (split 0 unless K is split).
-
-    A stream-K tile lies in at most two CTAs' shares (each share is a tile or more deep): the
-    CTA of its last K blocks, which takes them first in its share, writes their sum to the
-    tile's slab of partial_ptr and raises the tile's flag (release); the CTA of its first
-    blocks, last in its share, waits for the flag (acquire), adds the slab, lowers the flag
-    for the next launch and stores the tile."""
+                       w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
+                       stride_xs_m, stride_xs_k, stride_ws_n, HALF: gl.constexpr,
+                       GROUP_M: gl.constexpr, K_UNROLL: gl.constexpr):
+    """One compute warpgroup: rows HALF * 64 .. HALF * 64 + 63 of each of the CTA's work
+    units, stored at row split * (M rounded up to a tile) + the row of y (split 0 unless K
+    is split)."""
     TILE_M: gl.constexpr = x_smem.type.shape[1]
     TILE_N: gl.constexpr = w_smem.type.shape[1]
     ROWS: gl.constexpr = TILE_M // 2
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, TILE_N, 32])
     ROW: gl.constexpr = gl.SliceLayout(1, ACC)
+    zeros = gl.zeros([ROWS, TILE_N], gl.float32, ACC)
     staging = out_smem.index(HALF)  # [64, BLOCK_N] of y's dtype
-    split_rows = num_tiles_m * TILE_M  # rows of a run's slab of partial sums
     count = 0
-    block, end = _stream_k_share(num_k_blocks, stream_k_tiles)
-    unit = gl.program_id(0)
-    num_units = ((num_tiles_m * num_tiles_n - stream_k_tiles)
-                 * gl.cdiv(num_k_blocks, blocks_per_split))
-    while (block < end) | (unit < num_units):
-        tile, off_m, off_n, split, first_block, end_block = _next_work(
-            block, end, unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
-            stream_k_tiles, GROUP_M, TILE_M, TILE_N)
+    split_rows = num_tiles_m * TILE_M  # rows of a run's slab of partial sums
+    num_units = num_tiles_m * num_tiles_n * gl.cdiv(num_k_blocks, blocks_per_split)
+    for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
+        off_m, off_n, split, first_block, end_block = _unit_work(
+            unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M, TILE_M,
+            TILE_N)
         rows = off_m + HALF * ROWS + gl.arange(0, ROWS, layout=ROW)
-        acc, count = _accumulate(
-            x_smem, w_smem, ready, empty, count, first_block, end_block,
-            x_scale_ptr + rows * stride_xs_m, w_scale_ptr + (off_n // SCALE_ROWS) * stride_ws_n,
-            stride_xs_k, rows < M, HALF, K_UNROLL)
-        flag = flag_ptr + tile * 2 + HALF
-        partial = partial_ptr + _partial_offsets(tile, HALF, ROWS, TILE_N, ACC)
-        if (block < end) & (first_block > 0):  # a stream-K tile's last blocks: hand over
-            gl.store(partial, acc)
-            gl.thread_barrier()
-            gl.atomic_xchg(flag, 1, sem="release", scope="gpu")
-        else:
-            if (block < end) & (end_block < num_k_blocks):  # its first: add the last ones
-                while gl.atomic_add(flag, 0, sem="acquire", scope="gpu") == 0:
-                    pass
-                acc += gl.load(partial, cache_modifier=".cg")
-                gl.atomic_xchg(flag, 0, sem="relaxed", scope="gpu")
-            _store_rows(acc, staging, y_desc, split * split_rows + off_m + HALF * ROWS, off_n)
-        block, unit = _advance(block, end, unit, first_block, end_block)
+        row_ok = rows < M
+        x_scale_row = x_scale_ptr + rows * stride_xs_m  # [64] pointers
+        w_scale_row = w_scale_ptr + (off_n // SCALE_ROWS) * stride_ws_n
+        acc = zeros
+        # K blocks in groups of K_UNROLL, each group a chain: block i + 1's product is issued
+        # before block i is waited for and scaled, so the scaling runs under a product. A
+        # group starts with nothing in flight: an accumulator still in flight across a loop
+        # iteration would be copied at the back edge, and ptxas then serialises every wgmma.
+        num_groups = (end_block - first_block) // K_UNROLL
+        for group in range(num_groups):
+            first = first_block + group * K_UNROLL
+            token_prev = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
+            scale_prev = _block_scales(x_scale_row, w_scale_row, first, stride_xs_k, row_ok)
+            for i in gl.static_range(1, K_UNROLL):
+                token = _issue_block(x_smem, w_smem, ready, count + i, zeros, HALF)
+                scale = _block_scales(x_scale_row, w_scale_row, first + i, stride_xs_k, row_ok)
+                # acc passes through the wait: the previous block's scaling is done by then,
+                # under this block's product, and not left for the end of the chain
+                block, acc = warpgroup_mma_wait(1, deps=[token_prev, acc])
+                acc = _add_scaled(acc, block, scale_prev, empty, count + i - 1)
+                token_prev = token
+                scale_prev = scale
+            acc = _add_scaled(acc, warpgroup_mma_wait(0, deps=[token_prev]), scale_prev, empty,
+                              count + K_UNROLL - 1)
+            count += K_UNROLL
+        for k_block in range(first_block + num_groups * K_UNROLL, end_block):  # one by one
+            token = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
+            scale = _block_scales(x_scale_row, w_scale_row, k_block, stride_xs_k, row_ok)
+            acc = _add_scaled(acc, warpgroup_mma_wait(0, deps=[token]), scale, empty, count)
+            count += 1
+        tma.store_wait(0)  # the previous tile's store has read the staging buffer
+        gl.thread_barrier()
+        staging.store(acc.to(y_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(
+            y_desc, [split * split_rows + off_m + HALF * ROWS, off_n], staging)
     tma.store_wait(0)
 
 
@@ -330,11 +278,8 @@ def _block_fp8_matmul_kernel_sm90(
     # N] float32: box [64, BLOCK_N]
     x_scale_ptr,  # [M, ceil(K / 128)] float32, any strides
     w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32, unit column stride
-    partial_ptr,  # the stream-K tiles' handed-over sums [stream_k_tiles, 128, BLOCK_N] float32
-    flag_ptr,  # their flags [stream_k_tiles, 2] int32, 0 at launch (and left so)
     M, N, K,
     blocks_per_split,  # K blocks per run (all of them: K not split)
-    stream_k_tiles,  # the first tiles, shared evenly by K blocks across the CTAs (0: none)
     stride_xs_m, stride_xs_k, stride_ws_n,
     NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -364,16 +309,15 @@ def _block_fp8_matmul_kernel_sm90(
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
         (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                              w_scale_ptr, partial_ptr, flag_ptr, M, num_tiles_m, num_tiles_n,
-                              num_k_blocks, blocks_per_split, stream_k_tiles, stride_xs_m,
-                              stride_xs_k, stride_ws_n, TOP, GROUP_M, K_UNROLL)),
+                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
+                              blocks_per_split, stride_xs_m, stride_xs_k, stride_ws_n, TOP,
+                              GROUP_M, K_UNROLL)),
         (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                              w_scale_ptr, partial_ptr, flag_ptr, M, num_tiles_m, num_tiles_n,
-                              num_k_blocks, blocks_per_split, stream_k_tiles, stride_xs_m,
-                              stride_xs_k, stride_ws_n, BOTTOM, GROUP_M, K_UNROLL)),
+                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
+                              blocks_per_split, stride_xs_m, stride_xs_k, stride_ws_n, BOTTOM,
+                              GROUP_M, K_UNROLL)),
         (_loader_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m,
-                             num_tiles_n, num_k_blocks, blocks_per_split, stream_k_tiles,
-                             GROUP_M)),
+                             num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M)),
     ], [4, 1], [232, 40])  # the second warpgroup and the loader warp: warps, registers
 
 
@@ -388,32 +332,13 @@ def operand_layouts(out_dtype: torch.dtype, block_n: int = 128
     return x_layout, w_layout, out
 
 
-def _stream_k_buffers(device: torch.device, num_sms: int
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The device's hand-over buffers of stream-K tiles, made at its first stream-K product
-    outside CUDA-graph capture (None inside one before that: the product then does without
-    stream-K): partial sums [2 * SMs, 128, 128] float32 (a product shares fewer than two
-    rounds' tiles) and their flags [2 * SMs, 2] int32, zero, which each product leaves zero.
-    One stream at a time uses them, as the engine runs its layers."""
-    buffers = _STREAM_K_BUFFERS.get(device)
-    if buffers is None and not torch.cuda.is_current_stream_capturing():
-        buffers = (torch.empty(2 * num_sms, BLOCK_M, 128, dtype=torch.float32, device=device),
-                   torch.zeros(2 * num_sms, 2, dtype=torch.int32, device=device))
-        _STREAM_K_BUFFERS[device] = buffers
-    return buffers
-
-
-_STREAM_K_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
                           weight_scale_inv: torch.Tensor, out_dtype: torch.dtype, *,
                           num_stages: int = DEFAULT_STAGES,
                           group_m: int = DEFAULT_GROUP_M,
                           k_unroll: int = DEFAULT_K_UNROLL,
                           block_n: int | None = None,
-                          k_splits: int | None = None,
-                          stream_k: bool = STREAM_K) -> torch.Tensor:
+                          k_splits: int | None = None) -> torch.Tensor:
     """y [M, N] = dequant(x_q, x_scales) @ dequant(weight, weight_scale_inv)^T, the product of
     `fp8_gemm.block_fp8_matmul`, by the warp-specialised sm_90 kernel (where
     `gluon_gemm_serves` holds).
@@ -428,9 +353,7 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
             k_unroll: K blocks per chain of overlapped products (1: each product waited
             for before it is scaled); block_n: the tile width, 128 or 64 (default:
             `choose_block_n`); k_splits: K split into this many runs of K blocks, their
-            float32 sums added by a second launch (default: `choose_k_splits`); stream_k:
-            whether the last round's tiles may be shared by K blocks
-            (`choose_stream_k_tiles`).
+            float32 sums added by a second launch (default: `choose_k_splits`).
     """
     rows, cols = x_q.shape
     out_features = weight.shape[0]
@@ -450,7 +373,7 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
         raise ValueError(f"the Gluon GEMM runs on sm_90 GPUs only, not on {x_q.device}")
     num_sms = sm_count(x_q.device)
     if block_n is None:
-        block_n = choose_block_n(rows, out_features, num_sms, stream_k)
+        block_n = choose_block_n(rows, out_features, num_sms)
     if k_splits is None:
         k_splits = choose_k_splits(rows, out_features, cols, block_n, num_sms)
     num_k_blocks = triton.cdiv(cols, BLOCK_K)
@@ -472,13 +395,6 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
     # its own split's slab
     out = y if k_splits == 1 else torch.empty(k_splits, num_tiles_m * BLOCK_M, out_features,
                                               dtype=torch.float32, device=x_q.device)
-    stream_k_tiles = choose_stream_k_tiles(rows, out_features, block_n, num_sms, k_splits,
-                                           stream_k)
-    buffers = _stream_k_buffers(x_q.device, num_sms)
-    if buffers is None:  # in a CUDA graph's capture before any launch made them: not read
-        stream_k_tiles = 0
-        buffers = (torch.empty(1, device=x_q.device), torch.empty(1, dtype=torch.int32,
-                                                                  device=x_q.device))
     x_layout, w_layout, out_layout = operand_layouts(staged_dtype, block_n)
     x_desc = TensorDescriptor.from_tensor(x_q, [BLOCK_M, BLOCK_K], x_layout)
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], w_layout)
@@ -487,13 +403,42 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
     num_units = num_tiles_m * triton.cdiv(out_features, block_n) * k_splits
     grid = (min(num_units, num_sms),)
     _block_fp8_matmul_kernel_sm90[grid](
-        x_desc, w_desc, y_desc, x_scales, weight_scale_inv, *buffers, rows, out_features,
-        cols, blocks_per_split, stream_k_tiles, x_scales.stride(0), x_scales.stride(1),
-        weight_scale_inv.stride(0), NUM_STAGES=num_stages, GROUP_M=group_m,
-        K_UNROLL=k_unroll, num_warps=NUM_WARPS)
+        x_desc, w_desc, y_desc, x_scales, weight_scale_inv, rows, out_features, cols,
+        blocks_per_split, x_scales.stride(0), x_scales.stride(1), weight_scale_inv.stride(0),
+        NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll, num_warps=NUM_WARPS)
     if k_splits > 1:
         sum_splits(out, y)
     return y
 
 
-__all__ = ["block_fp8_matmul_sm90", "operand_layouts"]
+def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = DEFAULT_STAGES,
+                     group_m: int = DEFAULT_GROUP_M, k_unroll: int = DEFAULT_K_UNROLL,
+                     block_n: int = 128):
+    """The kernel compiled for sm_90 without a GPU (Triton's bundled ptxas), with the argument
+    specialisation of a launch from `block_fp8_w8a8` (x's scales M-major: stride_xs_m = 1,
+    which Triton makes a constant; M, and so stride_xs_k, of any divisibility; out_dtype
+    float32 for the partial sums of a split K): Triton's CompiledKernel (asm["ptx"],
+    asm["cubin"], metadata.shared), for resource checks in CPU tests."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = _block_fp8_matmul_kernel_sm90
+    out_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
+    x_layout, w_layout, out_layout = operand_layouts(out_dtype, block_n)
+    constexprs = dict(stride_xs_m=1, NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll)
+    signature = {
+        "x_desc": f"tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}],{x_layout!r}>",
+        "w_desc": f"tensordesc<fp8e4nv[{block_n}, {BLOCK_K}],{w_layout!r}>",
+        "y_desc": f"tensordesc<{out_name}[{BLOCK_M // 2}, {block_n}],{out_layout!r}>",
+        "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+        "blocks_per_split": "i32",
+        "stride_xs_k": "i32", "stride_ws_n": "i32",
+    } | {name: "constexpr" for name in constexprs}
+    aligned = ["x_scale_ptr", "w_scale_ptr", "N", "K", "stride_ws_n"]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+
+
+__all__ = ["block_fp8_matmul_sm90", "choose_block_n", "choose_k_splits", "compile_for_sm90",
+           "gluon_gemm_serves", "shared_memory_bytes"]

@@ -1,5 +1,5 @@
 """Compile one of the Gluon kernels for sm_90 without a GPU (the split passes through
-`gluon_sm90_aot`, the FP8 GEMM through `fp8_gemm_sm90_aot`), in a fresh
+`gluon_sm90_aot`, the FP8 GEMM through `fp8_gemm_sm90.compile_for_sm90`), in a fresh
 interpreter: the CPU test session interprets Triton kernels (TRITON_INTERPRET=1 is read when
 triton and gluon decorate their functions)."""
 

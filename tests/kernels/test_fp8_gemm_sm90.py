@@ -17,11 +17,10 @@ from mlaserve.kernels.fp8_gemm import (  # noqa: E402
     block_fp8_reference,
     product_path,
 )
-from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90  # noqa: E402
-from mlaserve.kernels.fp8_gemm_sm90_plan import (  # noqa: E402
+from mlaserve.kernels.fp8_gemm_sm90 import (  # noqa: E402
+    block_fp8_matmul_sm90,
     choose_block_n,
     choose_k_splits,
-    choose_stream_k_tiles,
     gluon_gemm_serves,
     shared_memory_bytes,
 )
@@ -38,7 +37,7 @@ ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9
 ])
 def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int, block_n: int,
                                           out_dtype: str) -> None:
-    result = compile_sm90("compile_for_sm90", module="mlaserve.kernels.fp8_gemm_sm90_aot",
+    result = compile_sm90("compile_for_sm90", module="mlaserve.kernels.fp8_gemm_sm90",
                           num_stages=num_stages, k_unroll=k_unroll, block_n=block_n,
                           out_dtype=out_dtype)
     assert result["stack"] == 0  # no register spills
@@ -58,11 +57,6 @@ def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int, block_
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier") == 2  # x, W
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group") == 2  # y
     assert "setmaxnreg" in ptx  # warp-specialised register split
-    # per warpgroup, one stream-K hand-over: a release that raises the tile's flag, an acquire
-    # that reads it, and the flag lowered again
-    assert ptx.count("atom.global.gpu.release.exch.b32") == 2
-    assert ptx.count("ld.global.gpu.acquire.b32") == 2
-    assert ptx.count("atom.global.gpu.relaxed.exch.b32") == 2
 
 
 def test_product_path_takes_the_gluon_kernel_for_narrow_products(
@@ -73,13 +67,11 @@ def test_product_path_takes_the_gluon_kernel_for_narrow_products(
     v3_fused_qkv_a, v3_expert_gate_up, v3_gate_up = (2112, 7168), (4096, 7168), (36864, 7168)
     for rows in (64, 256, 1024):
         assert product_path(True, rows, *v3_fused_qkv_a, sm90=True) == "gluon"
-    # 544 tiles: 5 whole rounds against 4.12 shared by stream-K; 1088: 9 against 8.24
-    assert product_path(True, 4096, *v3_fused_qkv_a, sm90=True) == "gluon"
-    assert product_path(True, 8192, *v3_fused_qkv_a, sm90=True) == "cublas"
+    assert product_path(True, 4096, *v3_fused_qkv_a, sm90=True) == "cublas"  # 128-wide tiles
     assert product_path(True, 16, *v3_fused_qkv_a, sm90=True) == "weight-only"
     assert product_path(True, 17, *v3_fused_qkv_a, sm90=True) == "cublas"  # < GLUON_MIN_ROWS
     assert product_path(True, 256, *v3_expert_gate_up, sm90=True) == "gluon"
-    assert product_path(True, 1024, *v3_expert_gate_up, sm90=True) == "cublas"  # 256: 1.94
+    assert product_path(True, 1024, *v3_expert_gate_up, sm90=True) == "cublas"
     assert product_path(True, 1024, *v3_gate_up, sm90=True) == "cublas"  # wide
     assert product_path(True, 1024, *v3_fused_qkv_a, sm90=False) == "cublas"  # not sm_90
     # on a GPU of fewer SMs, 136 wide tiles fill the rounds better
@@ -102,61 +94,15 @@ def test_product_path_takes_the_gluon_kernel_for_narrow_products(
 def test_narrow_tiles_where_wide_ones_leave_the_last_round_mostly_empty() -> None:
     # V3's fused q_a + kv_a (N 2112) at 1024 tokens: 136 wide tiles on 132 SMs are two rounds
     # of nearly nothing in the second; 264 narrow ones are two rounds of half the work (on
-    # the H200: 39 us narrow against 47 wide) ...
-    assert choose_block_n(1024, 2112, 132, stream_k=False) == 64
-    # ... and stream-K shares the wide tiles' last round: 1.03 rounds against 2 x 0.8
-    assert choose_block_n(1024, 2112, 132) == 128
-    # 544 wide: 5 rounds (4.12 shared); 1056 narrow: 8, each 0.8 of a wide one
-    assert choose_block_n(4096, 2112, 132, stream_k=False) == 128
+    # the H200: 39 us narrow against 47 wide)
+    assert choose_block_n(1024, 2112, 132) == 64
+    # 544 wide: 5 rounds; 1056 narrow: 8, each 0.8 of a wide one (124 us wide against 150)
+    assert choose_block_n(4096, 2112, 132) == 128
     assert choose_block_n(8192, 2112, 132) == 128  # 1088 wide: 9 rounds; narrow: 16
     assert choose_block_n(1024, 7168, 132) == 128  # 448 wide: 4 rounds; 896 narrow: 7
     assert choose_block_n(4096, 36864, 132) == 128  # many rounds either way
     assert choose_block_n(1024, 4096, 132) == 128  # 256 wide: 2 full rounds; 512 narrow: 4
     assert choose_block_n(1, 256, 132) == 64  # one round either way: narrow tiles, more SMs
-    assert choose_block_n(64, 2112, 132) == 64  # 17 wide tiles or 33 narrow: one round
-
-
-def _stream_k_shares(tiles: int, k_blocks: int, num_sms: int) -> list[list[tuple[int, int]]]:
-    """Per stream-K tile, the (CTA, first K block) of each piece of it in the CTAs' even
-    shares of tiles x k_blocks blocks, as the kernel cuts them."""
-    pieces: list[list[tuple[int, int]]] = [[] for _ in range(tiles)]
-    for cta in range(num_sms):
-        block, end = cta * tiles * k_blocks // num_sms, (cta + 1) * tiles * k_blocks // num_sms
-        while block < end:
-            tile, first = divmod(block, k_blocks)
-            pieces[tile].append((cta, first))
-            block += min(k_blocks - first, end - block)
-    return pieces
-
-
-def test_stream_k_shares_the_last_round_and_one_more() -> None:
-    # V3's fused q_a + kv_a at 1024 tokens: all 136 tiles, 57.7 of their 56-deep K blocks a
-    # CTA; at 4096, 16 in the last round and 132 more
-    assert choose_stream_k_tiles(1024, 2112, 128, 132) == 136
-    assert choose_stream_k_tiles(4096, 2112, 128, 132) == 148
-    assert choose_stream_k_tiles(1024, 4096, 128, 132) == 256
-    assert choose_stream_k_tiles(1024, 2112, 128, 132, stream_k=False) == 0
-    assert choose_stream_k_tiles(1024, 4224, 128, 132) == 0  # 264 tiles: two whole rounds
-    assert choose_stream_k_tiles(512, 2112, 128, 132) == 0  # 68 tiles: one round
-    assert choose_stream_k_tiles(1024, 2112, 128, 132, k_splits=2) == 0
-    # each tile lies in one share or two CTAs' neighbouring shares: the earlier CTA takes its
-    # first K blocks last in its share (and adds the other's sum), the later one its last
-    # blocks first in its share (and hands their sum over), so no CTA waits before it hands
-    # over
-    for rows, out_features, k_blocks in ((1024, 2112, 56), (4096, 2112, 56), (2000, 2112, 4),
-                                         (1024, 4096, 12), (300, 65536, 2)):
-        tiles = choose_stream_k_tiles(rows, out_features, 128, 132)
-        assert tiles > 132
-        split = 0
-        for pieces in _stream_k_shares(tiles, k_blocks, 132):
-            if len(pieces) == 1:
-                assert pieces[0][1] == 0
-                continue
-            (first_cta, first_block), (last_cta, last_first_block) = pieces
-            assert len(pieces) == 2 and last_cta == first_cta + 1
-            assert first_block == 0 and 0 < last_first_block < k_blocks
-            split += 1
-        assert split > 0
 
 
 def test_k_split_only_where_the_tiles_leave_most_sms_idle() -> None:
@@ -209,9 +155,8 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     (129, 256, 512),  # one row into a second row tile
     (64, 2112, 7168),  # V3's fused q_a + kv_a at 64 tokens (`choose_k_splits`: 4 runs)
     (300, 2112, 7168),  # V3's fused q_a + kv_a: 56 K blocks, a half column tile
-    (1024, 2112, 7168),  # the same at 1024 tokens: 136 wide tiles, all shared by stream-K
-    (1024, 4096, 1536),  # 256 tiles: stream-K with 12 K blocks a tile
-    (2000, 2112, 512),  # 272 tiles: 140 stream-K tiles of 4 K blocks, then 132 whole ones
+    (1024, 2112, 7168),  # the same at 1024 tokens: narrow tiles by default
+    (1024, 4096, 1536),  # 256 tiles: the persistent loop, two tiles and more per CTA
 ])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_matches_the_dequantized_product(rows: int, out_features: int, in_features: int,
@@ -225,22 +170,17 @@ def test_matches_the_dequantized_product(rows: int, out_features: int, in_featur
     got = block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype)
     assert got.shape == (rows, out_features) and got.dtype == out_dtype
     _assert_matches(got, want)
-    # the same bits again: a stream-K tile's two sums are added in one order, and each launch
-    # leaves the hand-over flags as it found them
-    assert torch.equal(block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype), got)
     # K split as `choose_k_splits` would, in runs that leave a last short one (3 of 56 blocks:
     # 19, 19, 18) or one K block each (more runs than blocks), with the persistent loop taking
-    # several units per CTA; stream-K where the tiles fill more than one round unevenly (off
-    # in the last two)
+    # several units per CTA
     chosen_splits = choose_k_splits(rows, out_features, in_features, 64, 132)
-    for stages, group_m, k_unroll, block_n, k_splits, stream_k in (
-            (2, 1, 1, 128, 1, True), (6, 16, 2, 128, 1, True), (2, 1, 1, 64, 1, True),
-            (7, 8, 4, 64, 1, True), (5, 8, 2, 64, chosen_splits, True), (5, 8, 2, 128, 3, True),
-            (4, 8, 4, 64, 64, True), (5, 8, 2, 128, 1, False), (5, 8, 2, 64, 1, False)):
+    for stages, group_m, k_unroll, block_n, k_splits in (
+            (2, 1, 1, 128, 1), (6, 16, 2, 128, 1), (2, 1, 1, 64, 1), (7, 8, 4, 64, 1),
+            (5, 8, 2, 64, chosen_splits), (5, 8, 2, 128, 3), (4, 8, 4, 64, 64)):
         _assert_matches(block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype,
                                               num_stages=stages, group_m=group_m,
                                               k_unroll=k_unroll, block_n=block_n,
-                                              k_splits=k_splits, stream_k=stream_k), want)
+                                              k_splits=k_splits), want)
     wrong = x_scales.clone()
     wrong[:, -1] *= 2  # the bound catches one K block scaled wrong
     with pytest.raises(AssertionError, match="beyond the bound"):
