@@ -60,19 +60,26 @@ CONVERT_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def _q_to_float16(q_smem):
-    """Q [64, W] 16-bit in shared memory, made float16 in place, [16, W] rows at a time (each
-    thread writes back the elements it read)."""
-    ROWS: gl.constexpr = q_smem.type.shape[0]
-    WIDTH: gl.constexpr = q_smem.type.shape[1]
-    PIECE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CONVERT_WARPS, 1], [1, 0])
-    COLUMNS: gl.constexpr = min(128, WIDTH)
-    as_float16 = q_smem._reinterpret(gl.float16, [ROWS, WIDTH], q_smem.type.layout)
+def _to_float16(source, target, COLUMNS: gl.constexpr, layout: gl.constexpr):
+    """target [ROWS, W] float16 = source [ROWS, W] (FP8 or 16-bit) in shared memory, in
+    [16, COLUMNS] pieces read in `layout` (each thread writes the elements it read, so target
+    may be source's memory)."""
+    ROWS: gl.constexpr = source.type.shape[0]
+    WIDTH: gl.constexpr = source.type.shape[1]
     for r in gl.static_range(ROWS // 16):
         for c in gl.static_range(WIDTH // COLUMNS):
-            piece = q_smem.slice(r * 16, 16, dim=0).slice(c * COLUMNS, COLUMNS, dim=1)
-            values = piece.load(PIECE).to(gl.float16)
-            as_float16.slice(r * 16, 16, dim=0).slice(c * COLUMNS, COLUMNS, dim=1).store(values)
+            piece = source.slice(r * 16, 16, dim=0).slice(c * COLUMNS, COLUMNS, dim=1)
+            values = piece.load(layout).to(gl.float16)
+            target.slice(r * 16, 16, dim=0).slice(c * COLUMNS, COLUMNS, dim=1).store(values)
+
+
+@gluon.jit
+def _q_to_float16(q_smem):
+    """Q [64, W] 16-bit in shared memory, made float16 in place, [16, W] rows at a time."""
+    WIDTH: gl.constexpr = q_smem.type.shape[1]
+    PIECE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CONVERT_WARPS, 1], [1, 0])
+    as_float16 = q_smem._reinterpret(gl.float16, q_smem.type.shape, q_smem.type.layout)
+    _to_float16(q_smem, as_float16, min(128, WIDTH), PIECE)
 
 
 @gluon.jit
@@ -90,10 +97,7 @@ def converter_partition(q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope
     compute side zeroes a partial last tile's rows as over a 16-bit cache)."""
     FP8_STAGES: gl.constexpr = fp8_nope_smem.type.shape[0]
     STAGES: gl.constexpr = kv_nope_smem.type.shape[0]
-    TILE: gl.constexpr = kv_nope_smem.type.shape[1]
-    L: gl.constexpr = kv_nope_smem.type.shape[2]
     R: gl.constexpr = kv_pe_smem.type.shape[2]
-    ROWS: gl.constexpr = 16  # a piece: [16, 128]
     PIECE: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [CONVERT_WARPS, 1], [1, 0])
     ROPE: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // R, R // 16], [CONVERT_WARPS, 1],
                                           [1, 0])
@@ -114,13 +118,7 @@ def converter_partition(q_nope_desc, q_pe_desc, kv_nope_desc, kv_pe_desc, q_nope
         stage = j % STAGES
         mbarrier.wait(fp8_ready.index(fp8_stage), (j // FP8_STAGES) & 1)
         mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        source = fp8_nope_smem.index(fp8_stage)
-        target = kv_nope_smem.index(stage)
-        for r in gl.static_range(TILE // ROWS):
-            for c in gl.static_range(L // 128):
-                piece = source.slice(r * ROWS, ROWS, dim=0).slice(c * 128, 128, dim=1)
-                target.slice(r * ROWS, ROWS, dim=0).slice(c * 128, 128, dim=1).store(
-                    piece.load(PIECE).to(gl.float16))
+        _to_float16(fp8_nope_smem.index(fp8_stage), kv_nope_smem.index(stage), 128, PIECE)
         kv_pe_smem.index(stage).store(fp8_pe_smem.index(fp8_stage).load(ROPE).to(gl.float16))
         fence_async_shared()  # the copies reach the products' (async) proxy, and the reads
         gl.thread_barrier()   # of the FP8 buffer come before its refill
