@@ -26,6 +26,9 @@
 #                the bf16 cache's plan
 #   gemm-gluon   the Gluon sm_90 w8a8 GEMM against bf16 and cuBLASLt at 256-8192 tokens, its
 #                stages and K chains swept (scripts/fp8_gemm_sm90_check.py)
+#   gemm-profile the Gluon GEMM beside cuBLASLt's blockwise, cuBLAS's per-tensor FP8 and bf16
+#                products on SHAPES (scripts/fp8_gemm_profile.py), timed, then under Nsight
+#                Compute (its sections as text)
 #   gemm-split   the Gluon GEMM's GPU tests, then its tile widths and runs of K blocks swept at
 #                32-1024 tokens (where `choose_k_splits` splits K)
 #   weight-only  the weight-only product against bf16 and w8a8 at 1, 16 and 64 tokens, with its
@@ -139,6 +142,20 @@ case $stage in
     timeout 500 python3 scripts/fp8_gemm_sm90_check.py --out "$out/gemm_sm90.json" \
       > "$out/gemm_sm90.log" 2>&1
     cat "$out/gemm_sm90.log" ;;
+  gemm-profile)
+    shapes=${SHAPES:-o_proj:4096,q_a+kv_a_proj:1024}
+    timeout 150 python3 scripts/fp8_gemm_profile.py --shapes "$shapes" \
+      > "$out/gemm_profile.log" 2>&1
+    echo "timing rc=$?"; cat "$out/gemm_profile.log"
+    timeout 400 ncu --nvtx --nvtx-include "profile/" --clock-control none \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --section WarpStateStats --section SchedulerStats --section LaunchStats \
+      --section Occupancy --section InstructionStats \
+      python3 scripts/fp8_gemm_profile.py --shapes "$shapes" --repeats 1 \
+      > "$out/gemm_ncu.log" 2>&1
+    echo "ncu rc=$?"; grep -E "^  [a-zA-Z_]|Throughput|Pipe|Busy|Shared|Stall|Cycles|Registers" \
+      "$out/gemm_ncu.log" | head -150 ;;
   gemm-split)
     timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
       tests/kernels/test_fp8_gemm_sm90.py > "$out/gpu_tests_gemm_sm90.log" 2>&1
