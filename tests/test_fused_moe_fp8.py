@@ -135,8 +135,9 @@ def test_dispatch_runs_triton_and_the_bound_catches_a_dropped_block_or_pair() ->
 
 @needs_triton
 def test_activation_scales_are_read_in_either_layout(monkeypatch) -> None:
-    """CUDA's `quantize_activations` writes M-major scales [T, G] (strides (1, T)), the CPU's
-    row-major ones: the kernels read both by their strides, to the same output."""
+    """CUDA's `quantize_activations` writes M-major scales [T, G] (strides (1, T) for T a
+    multiple of 4), the CPU's row-major ones: the kernels read both by their strides, to the
+    same output."""
     inputs = make_fp8_inputs(5, 320, 256, 4, 2)
     want = fused_experts_triton(**inputs, config=SMALL_TILES, shared_experts=1)
 

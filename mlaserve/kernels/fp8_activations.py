@@ -89,7 +89,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         values [M, K] float8_e4m3fn and scales [M, ceil(K / 128)] float32 with
         x ~= values * scales[:, k // 128] (an all-zero group gets scale 1). On CUDA the scales
-        are M-major (strides (1, M)), the layout cuBLASLt's blockwise scaling reads.
+        are M-major (strides (1, M rounded up to 4)), the layout cuBLASLt's blockwise
+        scaling and the sm_90 GEMM's TMA read.
     """
     if x.device.type != "cuda":
         return quantize_block_fp8(x, ACTIVATION_BLOCK)

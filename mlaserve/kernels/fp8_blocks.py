@@ -102,7 +102,8 @@ class QuantizedActivations:
     """Activations x [M, K] of a w8a8 product, quantized per token and 128 columns.
 
     values: [M, K] float8_e4m3fn (float32, unrounded, off CUDA: `fp8_activations` says why);
-    scales: [M, ceil(K / 128)] float32, M-major on CUDA; x ~= values * scales[:, k // 128].
+    scales: [M, ceil(K / 128)] float32, M-major on CUDA (`empty_quantized`); x ~= values *
+        scales[:, k // 128].
     dtype: the dtype of the activations they stand for (the product's output dtype).
     """
 
@@ -143,10 +144,12 @@ class QuantizedActivations:
 def empty_quantized(rows: int, cols: int, dtype: torch.dtype, device: torch.device
                     ) -> QuantizedActivations:
     """Uninitialised `QuantizedActivations` of [rows, cols] activations in dtype, for a kernel
-    to fill: FP8 values on CUDA (float32 elsewhere) and M-major scales."""
+    to fill: FP8 values on CUDA (float32 elsewhere) and M-major scales, their column stride
+    rows rounded up to 4 (16 bytes: the sm_90 GEMM copies a K block's scales by TMA,
+    `fp8_gemm_sm90.tma_ready_scales`)."""
     num_groups = -(-cols // ACTIVATION_BLOCK[1])
     value_dtype = FP8_DTYPE if device.type == "cuda" else torch.float32
     values = torch.empty(rows, cols, dtype=value_dtype, device=device)
-    scales = torch.empty_strided((rows, num_groups), (1, max(rows, 1)), dtype=torch.float32,
-                                 device=device)
+    scales = torch.empty_strided((rows, num_groups), (1, -(-max(rows, 1) // 4) * 4),
+                                 dtype=torch.float32, device=device)
     return QuantizedActivations(values, scales, dtype)

@@ -7,9 +7,13 @@ accumulator, so each block is a fresh wgmma whose result is waited on at once, a
 instruction stream leaves the tensor cores idle during that scaling. Here, as in DeepSeek's
 DeepGEMM, three partitions share each CTA:
 
-- A 1-warp loader issues TMA copies of x [128, 128] and W [BLOCK_N, 128] for every K block of
-  the CTA's tiles into a ring of NUM_STAGES shared buffers guarded by ready / empty mbarriers. It
+- A 1-warp loader issues TMA copies of x [128, 128], W [BLOCK_N, 128] and x's scales of the
+  block (S_x[rows, k], 128 floats, from the scales' M-major layout) for every K block of the
+  CTA's tiles into a ring of NUM_STAGES shared buffers guarded by ready / empty mbarriers. It
   runs ahead across tile boundaries, so the next tile's first blocks load during the epilogue.
+  The compute warpgroups read the scales from shared memory: loaded from global memory under
+  the products instead, their latency stalled the warpgroups and the kernel took 1.15-1.24x
+  its time on V3's large products (benchmarks/NOTES.md).
 - Two compute warpgroups take the tile's rows 0-63 and 64-127. For each K block k, one
   wgmma [64, 128] x [128, BLOCK_N] in FP8 (the hardware adds the 128 products of a column in
   its reduced-precision accumulator, as cuBLASLt does), then in float32
@@ -80,14 +84,18 @@ NUM_WARPS = 4  # the default partition: the first compute warpgroup
 DEFAULT_STAGES = 5  # 5 x 32 KB ring + 32 KB output staging: one CTA per SM
 DEFAULT_GROUP_M = 8
 DEFAULT_K_UNROLL = 2  # chains of 2 beat 4 on 11 of V3's 14 cells (benchmarks/fp8/gemm_sm90.log)
+# x's scales of one K block, a box [1, 128] of the scales seen K-major ([G, M], M contiguous)
+SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
 def shared_memory_bytes(num_stages: int, out_dtype: torch.dtype, block_n: int = 128) -> int:
-    """The shared memory a CTA takes (an upper bound): the ring of FP8 x and W tiles, the
-    output staging [2, 64, block_n] and the barriers."""
-    ring = num_stages * (BLOCK_M + block_n) * BLOCK_K
-    return ring + BLOCK_M * block_n * out_dtype.itemsize + 1024
+    """The shared memory a CTA takes (an upper bound): the ring of FP8 x and W tiles with x's
+    float32 scales, the output staging [2, 64, block_n], and 512 bytes for the barriers and
+    the buffers' alignment (272 used by 5 stages: a float32-staged ring of 5 stages, as a split
+    K uses, then just fits)."""
+    ring = num_stages * ((BLOCK_M + block_n) * BLOCK_K + BLOCK_M * 4)
+    return ring + BLOCK_M * block_n * out_dtype.itemsize + 512
 
 
 def choose_block_n(rows: int, out_features: int, num_sms: int) -> int:
@@ -147,15 +155,17 @@ def _unit_work(unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
 
 
 @gluon.jit
-def _loader_partition(x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m, num_tiles_n,
-                      num_k_blocks, blocks_per_split, GROUP_M: gl.constexpr):
-    """1 warp: the TMA copies of x [128, 128] and W [BLOCK_N, 128] of every K block of this
-    CTA's work units (the i-th block overall -> buffer i % NUM_STAGES)."""
+def _loader_partition(x_desc, w_desc, scale_desc, x_smem, w_smem, scale_smem, ready, empty,
+                      num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
+                      GROUP_M: gl.constexpr):
+    """1 warp: the TMA copies of x [128, 128], W [BLOCK_N, 128] and x's scales [1, 128] of every
+    K block of this CTA's work units (the i-th block overall -> buffer i % NUM_STAGES)."""
     STAGES: gl.constexpr = x_smem.type.shape[0]
     TILE_M: gl.constexpr = x_smem.type.shape[1]
     TILE_N: gl.constexpr = w_smem.type.shape[1]
     TILE_K: gl.constexpr = x_smem.type.shape[2]
-    block_bytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    block_bytes: gl.constexpr = (x_desc.block_type.nbytes + w_desc.block_type.nbytes
+                                 + scale_desc.block_type.nbytes)
     count = 0
     num_units = num_tiles_m * num_tiles_n * gl.cdiv(num_k_blocks, blocks_per_split)
     for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
@@ -172,6 +182,8 @@ def _loader_partition(x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m,
                                             ready.index(stage), x_smem.index(stage))
             tma.async_copy_global_to_shared(w_desc, [off_n, k_block * TILE_K],
                                             ready.index(stage), w_smem.index(stage))
+            tma.async_copy_global_to_shared(scale_desc, [k_block, off_m],
+                                            ready.index(stage), scale_smem.index(stage))
             count += 1
 
 
@@ -190,10 +202,15 @@ def _issue_block(x_smem, w_smem, ready, count, zeros, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _block_scales(x_scale_row, w_scale_row, k_block, stride_xs_k, row_ok):
-    """S_x[rows, k] * S_w[n // 128, k]: [64] float32, the scale of K block k's product per row
-    (0 for rows past M)."""
-    x_scale = gl.load(x_scale_row + k_block * stride_xs_k, mask=row_ok, other=0.0)
+def _block_scales(scale_smem, w_scale_row, count, k_block, HALF: gl.constexpr,
+                  ROW: gl.constexpr):
+    """S_x[rows, k] * S_w[n // 128, k]: [64] float32 in layout ROW, the scale of the CTA's
+    count-th K block (K block k of the tile) per row of this warpgroup (0 for rows past M:
+    TMA zero-fills them). Its buffer must have landed (`_issue_block` waited for it)."""
+    STAGES: gl.constexpr = scale_smem.type.shape[0]
+    ROWS: gl.constexpr = scale_smem.type.shape[2] // 2
+    x_scale = scale_smem.index(count % STAGES).reshape([2 * ROWS]).slice(
+        HALF * ROWS, ROWS).load(ROW)  # [1, 128] -> [128] -> this warpgroup's [64]
     return x_scale * gl.load(w_scale_row + k_block)
 
 
@@ -207,10 +224,10 @@ def _add_scaled(acc, block, scale, empty, count):
 
 
 @gluon.jit
-def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                       w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
-                       stride_xs_m, stride_xs_k, stride_ws_n, HALF: gl.constexpr,
-                       GROUP_M: gl.constexpr, K_UNROLL: gl.constexpr):
+def _compute_partition(x_smem, w_smem, scale_smem, out_smem, ready, empty, y_desc,
+                       w_scale_ptr, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
+                       stride_ws_n, HALF: gl.constexpr, GROUP_M: gl.constexpr,
+                       K_UNROLL: gl.constexpr):
     """One compute warpgroup: rows HALF * 64 .. HALF * 64 + 63 of each of the CTA's work
     units, stored at row split * (M rounded up to a tile) + the row of y (split 0 unless K
     is split)."""
@@ -229,9 +246,6 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
         off_m, off_n, split, first_block, end_block = _unit_work(
             unit, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M, TILE_M,
             TILE_N)
-        rows = off_m + HALF * ROWS + gl.arange(0, ROWS, layout=ROW)
-        row_ok = rows < M
-        x_scale_row = x_scale_ptr + rows * stride_xs_m  # [64] pointers
         w_scale_row = w_scale_ptr + (off_n // SCALE_ROWS) * stride_ws_n
         acc = zeros
         # K blocks in groups of K_UNROLL, each group a chain: block i + 1's product is issued
@@ -242,10 +256,10 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
         for group in range(num_groups):
             first = first_block + group * K_UNROLL
             token_prev = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
-            scale_prev = _block_scales(x_scale_row, w_scale_row, first, stride_xs_k, row_ok)
+            scale_prev = _block_scales(scale_smem, w_scale_row, count, first, HALF, ROW)
             for i in gl.static_range(1, K_UNROLL):
                 token = _issue_block(x_smem, w_smem, ready, count + i, zeros, HALF)
-                scale = _block_scales(x_scale_row, w_scale_row, first + i, stride_xs_k, row_ok)
+                scale = _block_scales(scale_smem, w_scale_row, count + i, first + i, HALF, ROW)
                 # acc passes through the wait: the previous block's scaling is done by then,
                 # under this block's product, and not left for the end of the chain
                 block, acc = warpgroup_mma_wait(1, deps=[token_prev, acc])
@@ -257,7 +271,7 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
             count += K_UNROLL
         for k_block in range(first_block + num_groups * K_UNROLL, end_block):  # one by one
             token = _issue_block(x_smem, w_smem, ready, count, zeros, HALF)
-            scale = _block_scales(x_scale_row, w_scale_row, k_block, stride_xs_k, row_ok)
+            scale = _block_scales(scale_smem, w_scale_row, count, k_block, HALF, ROW)
             acc = _add_scaled(acc, warpgroup_mma_wait(0, deps=[token]), scale, empty, count)
             count += 1
         tma.store_wait(0)  # the previous tile's store has read the staging buffer
@@ -274,13 +288,14 @@ def _compute_partition(x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_p
 def _block_fp8_matmul_kernel_sm90(
     x_desc,  # x_q [M, K] float8_e4m3fn: box [128, 128]
     w_desc,  # W [N, K] float8_e4m3fn: box [BLOCK_N, 128]
+    scale_desc,  # x's scales seen K-major [ceil(K / 128), M] float32 (`tma_ready_scales`):
+    # box [1, 128]
     y_desc,  # y [M, N] 16-bit, or with K split the partial sums [runs * M rounded up to 128,
     # N] float32: box [64, BLOCK_N]
-    x_scale_ptr,  # [M, ceil(K / 128)] float32, any strides
     w_scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32, unit column stride
     M, N, K,
     blocks_per_split,  # K blocks per run (all of them: K not split)
-    stride_xs_m, stride_xs_k, stride_ws_n,
+    stride_ws_n,
     NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
     K_UNROLL: gl.constexpr,  # K blocks per chain of overlapped products (1: none)
@@ -295,6 +310,9 @@ def _block_fp8_matmul_kernel_sm90(
                                        x_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
+    scale_smem = gl.allocate_shared_memory(gl.float32,
+                                           [NUM_STAGES] + scale_desc.block_type.shape,
+                                           scale_desc.layout)
     out_smem = gl.allocate_shared_memory(y_desc.dtype, [2] + y_desc.block_type.shape,
                                          y_desc.layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -308,16 +326,15 @@ def _block_fp8_matmul_kernel_sm90(
     TOP: gl.constexpr = 0
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
-        (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
-                              blocks_per_split, stride_xs_m, stride_xs_k, stride_ws_n, TOP,
-                              GROUP_M, K_UNROLL)),
-        (_compute_partition, (x_smem, w_smem, out_smem, ready, empty, y_desc, x_scale_ptr,
-                              w_scale_ptr, M, num_tiles_m, num_tiles_n, num_k_blocks,
-                              blocks_per_split, stride_xs_m, stride_xs_k, stride_ws_n, BOTTOM,
-                              GROUP_M, K_UNROLL)),
-        (_loader_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, num_tiles_m,
-                             num_tiles_n, num_k_blocks, blocks_per_split, GROUP_M)),
+        (_compute_partition, (x_smem, w_smem, scale_smem, out_smem, ready, empty, y_desc,
+                              w_scale_ptr, num_tiles_m, num_tiles_n, num_k_blocks,
+                              blocks_per_split, stride_ws_n, TOP, GROUP_M, K_UNROLL)),
+        (_compute_partition, (x_smem, w_smem, scale_smem, out_smem, ready, empty, y_desc,
+                              w_scale_ptr, num_tiles_m, num_tiles_n, num_k_blocks,
+                              blocks_per_split, stride_ws_n, BOTTOM, GROUP_M, K_UNROLL)),
+        (_loader_partition, (x_desc, w_desc, scale_desc, x_smem, w_smem, scale_smem, ready,
+                             empty, num_tiles_m, num_tiles_n, num_k_blocks, blocks_per_split,
+                             GROUP_M)),
     ], [4, 1], [232, 40])  # the second warpgroup and the loader warp: warps, registers
 
 
@@ -330,6 +347,20 @@ def operand_layouts(out_dtype: torch.dtype, block_n: int = 128
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], gl.float8e4nv)
     out = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, block_n], _GL_DTYPES[out_dtype])
     return x_layout, w_layout, out
+
+
+def tma_ready_scales(x_scales: torch.Tensor) -> torch.Tensor:
+    """x's scales [M, G] float32 as the kernel's TMA reads them: M-major (unit row stride) with
+    a column stride of a multiple of 4 floats (16 bytes) and a 16-byte aligned start; copied
+    into such a layout (rows padded to 4 in the stride) where they are not (`empty_quantized`
+    leaves the stride M, so a copy where M is not a multiple of 4)."""
+    rows, groups = x_scales.shape
+    if (x_scales.stride(0) == 1 and x_scales.stride(1) % 4 == 0
+            and x_scales.stride(1) >= rows and x_scales.data_ptr() % 16 == 0):
+        return x_scales
+    padded_rows = -(-rows // 4) * 4
+    return torch.empty_strided((rows, groups), (1, padded_rows), dtype=torch.float32,
+                               device=x_scales.device).copy_(x_scales)
 
 
 def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
@@ -345,7 +376,7 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
 
     Args:
         x_q: [M, K] float8_e4m3fn, contiguous; x_scales [M, ceil(K / 128)] float32, any
-            strides (`quantize_activations` leaves them M-major).
+            strides (`quantize_activations` leaves them M-major; `tma_ready_scales`).
         weight: [N, K] float8_e4m3fn, contiguous; weight_scale_inv [ceil(N / 128),
             ceil(K / 128)] float32.
         out_dtype: bfloat16 or float16.
@@ -397,14 +428,16 @@ def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: tor
                                               dtype=torch.float32, device=x_q.device)
     x_layout, w_layout, out_layout = operand_layouts(staged_dtype, block_n)
     x_desc = TensorDescriptor.from_tensor(x_q, [BLOCK_M, BLOCK_K], x_layout)
+    scale_desc = TensorDescriptor.from_tensor(tma_ready_scales(x_scales).t(), [1, BLOCK_M],
+                                              SCALE_LAYOUT)  # [G, M] -> boxes [1, 128]
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], w_layout)
     y_desc = TensorDescriptor.from_tensor(out.view(-1, out_features), [BLOCK_M // 2, block_n],
                                           out_layout)  # [splits * slab rows, or M, N]
     num_units = num_tiles_m * triton.cdiv(out_features, block_n) * k_splits
     grid = (min(num_units, num_sms),)
     _block_fp8_matmul_kernel_sm90[grid](
-        x_desc, w_desc, y_desc, x_scales, weight_scale_inv, rows, out_features, cols,
-        blocks_per_split, x_scales.stride(0), x_scales.stride(1), weight_scale_inv.stride(0),
+        x_desc, w_desc, scale_desc, y_desc, weight_scale_inv, rows, out_features, cols,
+        blocks_per_split, weight_scale_inv.stride(0),
         NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll, num_warps=NUM_WARPS)
     if k_splits > 1:
         sum_splits(out, y)
@@ -415,8 +448,7 @@ def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = 
                      group_m: int = DEFAULT_GROUP_M, k_unroll: int = DEFAULT_K_UNROLL,
                      block_n: int = 128):
     """The kernel compiled for sm_90 without a GPU (Triton's bundled ptxas), with the argument
-    specialisation of a launch from `block_fp8_w8a8` (x's scales M-major: stride_xs_m = 1,
-    which Triton makes a constant; M, and so stride_xs_k, of any divisibility; out_dtype
+    specialisation of a launch from `block_fp8_w8a8` (M of any divisibility; out_dtype
     float32 for the partial sums of a split K): Triton's CompiledKernel (asm["ptx"],
     asm["cubin"], metadata.shared), for resource checks in CPU tests."""
     from triton.backends.compiler import GPUTarget
@@ -425,20 +457,20 @@ def compile_for_sm90(out_dtype: torch.dtype = torch.bfloat16, num_stages: int = 
     kernel = _block_fp8_matmul_kernel_sm90
     out_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
     x_layout, w_layout, out_layout = operand_layouts(out_dtype, block_n)
-    constexprs = dict(stride_xs_m=1, NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll)
+    constexprs = dict(NUM_STAGES=num_stages, GROUP_M=group_m, K_UNROLL=k_unroll)
     signature = {
         "x_desc": f"tensordesc<fp8e4nv[{BLOCK_M}, {BLOCK_K}],{x_layout!r}>",
         "w_desc": f"tensordesc<fp8e4nv[{block_n}, {BLOCK_K}],{w_layout!r}>",
+        "scale_desc": f"tensordesc<fp32[1, {BLOCK_M}],{SCALE_LAYOUT!r}>",
         "y_desc": f"tensordesc<{out_name}[{BLOCK_M // 2}, {block_n}],{out_layout!r}>",
-        "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-        "blocks_per_split": "i32",
-        "stride_xs_k": "i32", "stride_ws_n": "i32",
+        "w_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+        "blocks_per_split": "i32", "stride_ws_n": "i32",
     } | {name: "constexpr" for name in constexprs}
-    aligned = ["x_scale_ptr", "w_scale_ptr", "N", "K", "stride_ws_n"]
+    aligned = ["w_scale_ptr", "N", "K", "stride_ws_n"]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     return triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
 
 
 __all__ = ["block_fp8_matmul_sm90", "choose_block_n", "choose_k_splits", "compile_for_sm90",
-           "gluon_gemm_serves", "shared_memory_bytes"]
+           "gluon_gemm_serves", "shared_memory_bytes", "tma_ready_scales"]

@@ -23,6 +23,7 @@ from mlaserve.kernels.fp8_gemm_sm90 import (  # noqa: E402
     choose_k_splits,
     gluon_gemm_serves,
     shared_memory_bytes,
+    tma_ready_scales,
 )
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT  # noqa: E402
 from tests.kernels.sm90_compile import compile_sm90  # noqa: E402
@@ -31,7 +32,7 @@ ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9
 
 
 @pytest.mark.parametrize("num_stages,k_unroll,block_n,out_dtype", [
-    (4, 1, 128, "bfloat16"), (5, 4, 128, "bfloat16"), (6, 2, 128, "bfloat16"),
+    (4, 1, 128, "bfloat16"), (5, 4, 128, "bfloat16"), (3, 2, 128, "float16"),
     (7, 4, 64, "bfloat16"),
     (5, 2, 128, "float32"),  # the partial sums of a split K, the default ring
 ])
@@ -54,7 +55,9 @@ def test_compiles_for_sm90_without_spills(num_stages: int, k_unroll: int, block_
     assert ptx.count(wgmma) == 2 * 4 * (k_unroll + (k_unroll > 1))
     assert ptx.count("wgmma.mma_async") == ptx.count(wgmma)
     assert ("wgmma.wait_group.sync.aligned 1" in ptx) == (k_unroll > 1)  # two in flight
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier") == 2  # x, W
+    # x, W and x's scales by TMA; from global memory only the weight's scale of each block
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier") == 3
+    assert ptx.count("ld.global") == 2 * (k_unroll + (k_unroll > 1))
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group") == 2  # y
     assert "setmaxnreg" in ptx  # warp-specialised register split
 
@@ -118,6 +121,21 @@ def test_k_split_only_where_the_tiles_leave_most_sms_idle() -> None:
     assert choose_k_splits(1, 128, 1024, 128, 132) == 2  # one tile: runs of 4 of its 8 blocks
 
 
+@pytest.mark.parametrize("rows", [1, 37, 64])
+def test_scales_reach_tma_m_major_with_16_byte_columns(rows: int) -> None:
+    # the kernel copies x's scales of a K block [1, 128] by TMA from the scales seen K-major:
+    # unit row stride, a column stride of a multiple of 4 floats; scales already so pass as
+    # they are, others are copied (M-major of any M, as the producers write them, or K-major)
+    m_major = torch.empty_strided((rows, 3), (1, rows)).copy_(torch.randn(rows, 3))
+    for scales in (m_major, m_major.contiguous()):
+        ready = tma_ready_scales(scales)
+        assert ready.stride(0) == 1 and ready.stride(1) % 4 == 0
+        assert ready.data_ptr() % 16 == 0 and torch.equal(ready, scales)
+    padded = torch.empty_strided((rows, 3), (1, -(-rows // 4) * 4))
+    assert tma_ready_scales(padded) is padded
+    assert (tma_ready_scales(m_major) is m_major) == (rows % 4 == 0)
+
+
 def test_refuses_what_it_cannot_run() -> None:
     weight, scale_inv = quantize_block_fp8(torch.randn(256, 256))
     x_q, x_scales = quantize_activations(torch.randn(4, 256))
@@ -175,7 +193,7 @@ def test_matches_the_dequantized_product(rows: int, out_features: int, in_featur
     # several units per CTA
     chosen_splits = choose_k_splits(rows, out_features, in_features, 64, 132)
     for stages, group_m, k_unroll, block_n, k_splits in (
-            (2, 1, 1, 128, 1), (6, 16, 2, 128, 1), (2, 1, 1, 64, 1), (7, 8, 4, 64, 1),
+            (2, 1, 1, 128, 1), (4, 16, 2, 128, 1), (2, 1, 1, 64, 1), (7, 8, 4, 64, 1),
             (5, 8, 2, 64, chosen_splits), (5, 8, 2, 128, 3), (4, 8, 4, 64, 64)):
         _assert_matches(block_fp8_matmul_sm90(x_q, x_scales, weight, scale_inv, out_dtype,
                                               num_stages=stages, group_m=group_m,
