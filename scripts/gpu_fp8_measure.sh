@@ -42,7 +42,7 @@
 #                server processes each, 128 warm-up requests before the timed run; RUNS
 #                defaults to 1 here, as three of both caches may pass 10 minutes: repeat the
 #                stage into other dirs)
-# env: RUNS=3, VARIANT (a --sweep spec, default none), CACHES (serve), LAYERS=8 (what an H200's memory holds
+# env: RUNS=3, TOKENS (gemm: a comma list), VARIANT (a --sweep spec, default none), CACHES (serve), LAYERS=8 (what an H200's memory holds
 #      with room for the cache; 6 on an H100: each MoE layer's experts are 11.3 GB in FP8)
 # The device returns a few files per call, so each stage writes logs (and a few JSON files),
 # not the kernel benchmark's plot folders.
@@ -181,7 +181,7 @@ case $stage in
   gemm)
     for run in $(seq "$runs"); do
       timeout 150 python3 -m mlaserve bench gemm --models "${MODELS:-deepseek-v3}" \
-        --tokens 1,16,32,64,256,1024,4096,8192 --out "$out/gemm-$run.json" \
+        --tokens "${TOKENS:-1,16,32,64,256,1024,4096,8192}" --out "$out/gemm-$run.json" \
         > "$out/gemm-$run.log" 2>&1
     done
     tail -12 "$out"/gemm-*.log ;;
