@@ -81,7 +81,7 @@ NARROW_ROUND_COST = 0.8
 # K blocks (a unit's fixed costs, and the partial sums' traffic, against its products)
 MIN_SPLIT_BLOCKS = 4
 NUM_WARPS = 4  # the default partition: the first compute warpgroup
-DEFAULT_STAGES = 5  # 5 x 32 KB ring + 32 KB output staging: one CTA per SM
+DEFAULT_STAGES = 5  # 5 x 32.5 KB ring (tiles, x's scales) + 32 KB output staging: 1 CTA/SM
 DEFAULT_GROUP_M = 8
 DEFAULT_K_UNROLL = 2  # chains of 2 beat 4 on 11 of V3's 14 cells (benchmarks/fp8/gemm_sm90.log)
 # x's scales of one K block, a box [1, 128] of the scales seen K-major ([G, M], M contiguous)
@@ -352,8 +352,9 @@ def operand_layouts(out_dtype: torch.dtype, block_n: int = 128
 def tma_ready_scales(x_scales: torch.Tensor) -> torch.Tensor:
     """x's scales [M, G] float32 as the kernel's TMA reads them: M-major (unit row stride) with
     a column stride of a multiple of 4 floats (16 bytes) and a 16-byte aligned start; copied
-    into such a layout (rows padded to 4 in the stride) where they are not (`empty_quantized`
-    leaves the stride M, so a copy where M is not a multiple of 4)."""
+    into such a layout (rows padded to 4 in the stride) where they are not. The kernels that
+    quantize activations write them so (`empty_quantized`); cuBLASLt's padded copies and
+    K-major scales (the CPU's layout) are copied."""
     rows, groups = x_scales.shape
     if (x_scales.stride(0) == 1 and x_scales.stride(1) % 4 == 0
             and x_scales.stride(1) >= rows and x_scales.data_ptr() % 16 == 0):
