@@ -353,8 +353,8 @@ def tma_ready_scales(x_scales: torch.Tensor) -> torch.Tensor:
     """x's scales [M, G] float32 as the kernel's TMA reads them: M-major (unit row stride) with
     a column stride of a multiple of 4 floats (16 bytes) and a 16-byte aligned start; copied
     into such a layout (rows padded to 4 in the stride) where they are not. The kernels that
-    quantize activations write them so (`empty_quantized`); cuBLASLt's padded copies and
-    K-major scales (the CPU's layout) are copied."""
+    quantize activations write them so (`empty_quantized`); K-major scales (the CPU's layout)
+    or a view into other scales are copied."""
     rows, groups = x_scales.shape
     if (x_scales.stride(0) == 1 and x_scales.stride(1) % 4 == 0
             and x_scales.stride(1) >= rows and x_scales.data_ptr() % 16 == 0):
