@@ -42,8 +42,9 @@
 #                server processes each, 128 warm-up requests before the timed run; RUNS
 #                defaults to 1 here, as three of both caches may pass 10 minutes: repeat the
 #                stage into other dirs)
-# env: RUNS=3, TOKENS (gemm: a comma list), VARIANT (a --sweep spec, default none), CACHES (serve), LAYERS=8 (what an H200's memory holds
-#      with room for the cache; 6 on an H100: each MoE layer's experts are 11.3 GB in FP8)
+# env: RUNS=3, TOKENS (gemm: a comma list), VARIANT (a --sweep spec, default none), SHAPES
+#      (gemm-profile), CACHES (serve), LAYERS=8 (what an H200's memory holds with room for the
+#      cache; 6 on an H100: each MoE layer's experts are 11.3 GB in FP8)
 # The device returns a few files per call, so each stage writes logs (and a few JSON files),
 # not the kernel benchmark's plot folders.
 set -uo pipefail
