@@ -22,7 +22,7 @@ import torch
 
 from mlaserve.bench.gemm import BF16_ROUNDING, FP8_MMA_REL_ERR, load_config, projections, time_calls
 from mlaserve.kernels.fp8_activations import quantize_activations
-from mlaserve.kernels.fp8_blocks import FP8_DTYPE, quantize_block_fp8
+from mlaserve.kernels.fp8_blocks import quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import block_fp8_reference, scaled_mm_block_fp8
 from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90
 from mlaserve.kernels.testing import relative_error
@@ -44,14 +44,15 @@ def products(m: int, n: int, k: int, device: torch.device) -> dict:
     w_bf16 = weight.to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
     x_q, x_scales = quantize_activations(x)
-    one = torch.ones((), device=device)
-    x_tensor_q = (x.float() / (x.float().abs().amax() / 448)).to(FP8_DTYPE)
-    w_tensor_q = (w_bf16.float() / (w_bf16.float().abs().amax() / 448)).to(FP8_DTYPE)
+    # one scale per operand: a block as large as the tensor
+    x_tensor_q, x_tensor_scale = quantize_block_fp8(x, tuple(x.shape))
+    w_tensor_q, w_tensor_scale = quantize_block_fp8(weight, tuple(weight.shape))
     want = block_fp8_reference(x_q, x_scales, w_fp8, w_scales)
     gate = FP8_MMA_REL_ERR + BF16_ROUNDING
     calls = {
         "bf16": partial(torch.matmul, x, w_bf16.T),
-        "fp8-per-tensor": partial(torch._scaled_mm, x_tensor_q, w_tensor_q.t(), one, one,
+        "fp8-per-tensor": partial(torch._scaled_mm, x_tensor_q, w_tensor_q.t(),
+                                  x_tensor_scale.view(()), w_tensor_scale.view(()),
                                   out_dtype=torch.bfloat16),
         "cublas-blockwise": partial(scaled_mm_block_fp8, x_q, x_scales, w_fp8, w_scales,
                                     torch.bfloat16),
