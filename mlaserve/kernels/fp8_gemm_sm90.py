@@ -12,9 +12,8 @@ DeepGEMM, three partitions share each CTA:
   CTA's tiles into a ring of NUM_STAGES shared buffers guarded by ready / empty mbarriers. It
   runs ahead across tile boundaries, so the next tile's first blocks load during the epilogue.
   The compute warpgroups read the scales from shared memory: loaded from global memory under
-  the products instead, their latency stalled the warpgroups (the kernel took 1.06-1.24x
-  this one's time on V3's products at 1024-4096 tokens: benchmarks/fp8/h100/
-  gemm-parts-left-out.log).
+  the products instead, their latency stalled the warpgroups: the kernel took 1.06-1.24x
+  this one's time on V3's products at 1024-4096 tokens (benchmarks/fp8/README.md).
 - Two compute warpgroups take the tile's rows 0-63 and 64-127. For each K block k, one
   wgmma [64, 128] x [128, BLOCK_N] in FP8 (the hardware adds the 128 products of a column in
   its reduced-precision accumulator, as cuBLASLt does), then in float32
