@@ -208,10 +208,9 @@ def test_gluon_fp8_pass(partial_dtype: str, block_size: int, tiles: tuple[int, i
 @pytest.mark.parametrize("heads_and_q_len", [(16, 1), (8, 2), (5, 3)])
 @pytest.mark.parametrize("block_size,num_stages", [(64, 2), (128, 3)])
 @pytest.mark.parametrize("partial_dtype", ["float32", "input"])
-@pytest.mark.parametrize("warpgroups", [1, 2])
-def test_gluon_fp8_transposed_pass(warpgroups: int, partial_dtype: str, block_size: int,
-                                   num_stages: int, heads_and_q_len: tuple[int, int],
-                                   num_splits: int, dtype: torch.dtype) -> None:
+def test_gluon_fp8_transposed_pass(partial_dtype: str, block_size: int, num_stages: int,
+                                   heads_and_q_len: tuple[int, int], num_splits: int,
+                                   dtype: torch.dtype) -> None:
     # The transposed Gluon pass over an FP8 cache (`gluon_sm90_fp8_transposed.py`): 64-key
     # tiles by TMA from a loader warp, both products with the query rows as wgmma's N and the
     # FP8 tile converted in registers (a partial last tile's keys past the split zeroed
@@ -219,14 +218,12 @@ def test_gluon_fp8_transposed_pass(warpgroups: int, partial_dtype: str, block_si
     # q_len, causal), NaN in every page tail and unused page, a request with no keys, partials
     # in float32 and in q's dtype, and a NaN-filled workspace; against the float32 reference
     # of the same cache, to dtype's bounds (a column of O^T stored at another column's place,
-    # or a dropped key, fails them). With two compute warpgroups each takes every other tile
-    # and the first combines their states (a split of one tile, or of an odd count, leaves
-    # the second one's state empty or one tile short).
+    # or a dropped key, fails them).
     num_heads, q_len = heads_and_q_len
     lens = [4096, q_len, 1000, 0, 3 * 1024 + 17, 2 * block_size, block_size + 1, 63 + q_len]
     config = dataclasses.replace(
         default_config(num_heads, q_len, 512, 64, dtype, len(lens), 8192, block_size),
-        gluon_fp8=True, fp8_transposed=True, block_n=64, compute_warpgroups=warpgroups,
+        gluon_fp8=True, fp8_transposed=True, block_n=64,
         num_stages=num_stages, partial_dtype=partial_dtype)
     planned = plan_mla_decode(len(lens), 8192, num_heads, q_len, 512, 64, dtype, NUM_SMS,
                               block_size, config=config, capability=CAPABILITY,
@@ -234,6 +231,6 @@ def test_gluon_fp8_transposed_pass(warpgroups: int, partial_dtype: str, block_si
     if CAPABILITY == (9, 0):
         assert planned.kernel == "gluon_sm90_fp8_transposed"
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
-                  seed=block_size + num_heads + num_stages + warpgroups, poison_workspace=True,
+                  seed=block_size + num_heads + num_stages, poison_workspace=True,
                   kv_cache_dtype=torch.float8_e4m3fn)
 

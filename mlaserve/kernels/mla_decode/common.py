@@ -114,30 +114,27 @@ def gluon_fp8_serves(capability: tuple[int, int] | None, dtype: torch.dtype,
 
 
 def gluon_fp8_transposed_shared_memory_bytes(kv_lora_rank: int, rope_dim: int,
-                                             num_stages: int, warpgroups: int = 1) -> int:
+                                             num_stages: int) -> int:
     """Shared memory of the transposed FP8 pass: num_stages FP8 tiles [64, L + R], Q [16, L + R]
-    in float16, P^T [16, 64] in float16 per compute warpgroup, with two the second one's state
-    (O^T [L, 16], its column max and sums) in float32, and 8 KB for the barriers and the
+    in float16, P^T [16, 64] in float16, and 8 KB for the ready / empty barriers and the
     compiler's scratch (the column max across the warps, the output's change of layout)."""
     head_dim = kv_lora_rank + rope_dim
-    state = (kv_lora_rank + 2) * GLUON_FP8_ROWS * 4 if warpgroups > 1 else 0
     return (head_dim * (num_stages * GLUON_FP8_TRANSPOSED_TILE + 2 * GLUON_FP8_ROWS)
-            + warpgroups * 2 * GLUON_FP8_ROWS * GLUON_FP8_TRANSPOSED_TILE + state + 8192)
+            + 2 * GLUON_FP8_ROWS * GLUON_FP8_TRANSPOSED_TILE + 8192)
 
 
 def gluon_fp8_transposed_serves(capability: tuple[int, int] | None, dtype: torch.dtype,
                                 cache_dtype: torch.dtype, rows: int, kv_lora_rank: int,
                                 rope_dim: int, block_n: int, num_stages: int,
-                                block_size: int, warpgroups: int = 1) -> bool:
+                                block_size: int) -> bool:
     """Whether the transposed FP8 pass serves the shape: sm_90, 16-bit q over a
     float8_e4m3fn cache, at most 16 query rows, L = 4 x 128, R = 64, its 64-key tiles
     (block_n) and pages of a multiple of them, 2 or more tiles in the ring, within the shared
-    memory of a block with `warpgroups` compute warpgroups."""
+    memory of a block."""
     return (_fp8_pass_problem(capability, dtype, cache_dtype, rows, kv_lora_rank, rope_dim)
             and block_n == GLUON_FP8_TRANSPOSED_TILE
             and block_size % GLUON_FP8_TRANSPOSED_TILE == 0 and num_stages >= 2
-            and gluon_fp8_transposed_shared_memory_bytes(kv_lora_rank, rope_dim, num_stages,
-                                                         warpgroups)
+            and gluon_fp8_transposed_shared_memory_bytes(kv_lora_rank, rope_dim, num_stages)
             <= GLUON_SHARED_MEMORY_LIMIT)
 
 

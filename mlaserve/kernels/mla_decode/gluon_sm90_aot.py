@@ -78,11 +78,10 @@ def compile_fp8_for_sm90(
     block_size: int = 64,
     direct_output: bool = False,
     transposed: bool = False,
-    warpgroups: int = 1,
 ):
     """An FP8-cache pass compiled for sm_90 (`gluon_sm90_fp8`, or with `transposed`
-    `gluon_sm90_fp8_transposed`, whose tiles are 64 keys whatever block_n says, with
-    `warpgroups` compute warpgroups), q in dtype, the partials in float32 (or the final output in dtype); returns Triton's CompiledKernel."""
+    `gluon_sm90_fp8_transposed`, whose tiles are 64 keys whatever block_n says), q in dtype,
+    the partials in float32 (or the final output in dtype); returns Triton's CompiledKernel."""
     from mlaserve.kernels.mla_decode import gluon_sm90_fp8, gluon_sm90_fp8_transposed
 
     type_name = _TYPE_NAMES[dtype]
@@ -92,9 +91,9 @@ def compile_fp8_for_sm90(
     if transposed:
         kernel = gluon_sm90_fp8_transposed._mla_decode_split_kernel_sm90_fp8_transposed
         block_n = GLUON_FP8_TRANSPOSED_TILE
-        constexprs |= dict(ROWS=GLUON_FP8_ROWS, WARPGROUPS=warpgroups)
+        constexprs["ROWS"] = GLUON_FP8_ROWS
         options = {"num_warps": gluon_sm90_fp8_transposed.NUM_WARPS,
-                   **gluon_sm90_fp8_transposed.launch_options(warpgroups)}
+                   "maxnreg": gluon_sm90_fp8_transposed.LAUNCH_REGISTERS}
     chunk_layout, rope_layout = gluon_sm90_fp8.kv_layouts(block_n, rope_dim)
     signature = {
         "q_ptr": f"*{type_name}",

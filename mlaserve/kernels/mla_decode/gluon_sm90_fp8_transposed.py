@@ -75,16 +75,10 @@ from mlaserve.kernels.mla_decode.gluon_sm90_tiles import wgmma_layout
 from mlaserve.kernels.mla_decode.plan import MLADecodePlan
 from mlaserve.kernels.mla_decode.splits import split_bounds
 
-NUM_WARPS = 4  # the first compute warpgroup; the second and the loader warp come on top
-# Registers per thread at launch with one compute warpgroup, for the 8 warps the compiler makes
-# of 4 + 1: two programs fit an SM's 64K registers; setmaxnreg then gives the compute
-# warpgroup 232 and the loader 24. With two (12 warps), one program takes the SM.
+NUM_WARPS = 4  # the compute warpgroup; the loader warp comes on top
+# Registers per thread at launch, for the 8 warps the compiler makes of 4 + 1: two programs fit
+# an SM's 64K registers; setmaxnreg then gives the compute warpgroup 232 and the loader 24.
 LAUNCH_REGISTERS = 128
-
-
-def launch_options(warpgroups: int) -> dict:
-    """The compiler options of a launch with `warpgroups` compute warpgroups."""
-    return {"maxnreg": LAUNCH_REGISTERS} if warpgroups == 1 else {}
 
 
 @gluon.jit
@@ -142,17 +136,11 @@ def _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready, kv_empty, 
 
 
 @gluon.jit
-def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, state_acc,
-                       state_max, state_sum, kv_ready, kv_empty, handoff, o_ptr, lse_ptr, qk_scale, req, q_len,
-                       num_heads, num_rows, out_base, seq_len, split_start, split_end,
-                       num_tiles, stride_q_token, stride_q_head, WARPGROUP: gl.constexpr,
-                       DIRECT_OUTPUT: gl.constexpr):
-    """Compute warpgroup WARPGROUP of the program's WARPGROUPS (p_smem [WARPGROUPS, 16, 64]):
-    tiles WARPGROUP, WARPGROUP + WARPGROUPS, ... of the split. Warpgroup 0 puts Q into shared
-    memory (handoff[0] tells the other it is there), and writes the output and lse; with two,
-    the second leaves its O^T, column max and column sums in state_acc / state_max / state_sum
-    (handoff[1]) and the first combines them with its own, as the merge combines two splits."""
-    WARPGROUPS: gl.constexpr = p_smem.type.shape[0]
+def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready, kv_empty,
+                       o_ptr, lse_ptr, qk_scale, req, q_len, num_heads, num_rows, out_base,
+                       seq_len, split_start, split_end, num_tiles, stride_q_token,
+                       stride_q_head, DIRECT_OUTPUT: gl.constexpr):
+    """The compute warpgroup: Q into shared memory, the tiles, the output and lse."""
     C: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     LC: gl.constexpr = q_smem.type.shape[2]
@@ -161,29 +149,22 @@ def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, state
     S_LAYOUT: gl.constexpr = wgmma_layout(ROWS)  # [64 keys or latent rows, 16 query rows]
     ROW_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
 
-    if WARPGROUP == 0:
-        # Q rows r = t * H + h of this request, float16, columns in S^T's order.
-        q_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, Q_LOAD))
-        q_offs = gl.expand_dims((req * q_len + q_rows // num_heads).to(gl.int64)
-                                * stride_q_token + (q_rows % num_heads) * stride_q_head,
-                                1)  # [ROWS, 1]
-        q_mask = gl.expand_dims(q_rows < num_rows, 1)
-        for c in gl.static_range(C):
-            cols = gl.expand_dims(c * LC + gl.arange(0, LC, layout=gl.SliceLayout(0, Q_LOAD)),
-                                  0)
-            q_chunk = gl.load(q_ptr + q_offs + cols, mask=q_mask, other=0.0).to(gl.float16)
-            q_smem.index(c).store(columns_for_scores(q_chunk))
-        cols_pe = gl.expand_dims(L + gl.arange(0, R, layout=gl.SliceLayout(0, Q_LOAD)), 0)
-        q_pe = gl.load(q_ptr + q_offs + cols_pe, mask=q_mask, other=0.0).to(gl.float16)
-        q_pe_smem.store(columns_for_scores(q_pe))
-        fence_async_shared()
-        gl.thread_barrier()  # Q^T is whole before wgmma reads it
-        if WARPGROUPS > 1:
-            mbarrier.arrive(handoff.index(0))
-    else:
-        mbarrier.wait(handoff.index(0), 0)
-    p_tile = p_smem.index(WARPGROUP)  # [16, 64]
+    # Q rows r = t * H + h of this request, float16, columns in S^T's order.
+    q_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, Q_LOAD))
+    q_offs = gl.expand_dims((req * q_len + q_rows // num_heads).to(gl.int64) * stride_q_token
+                            + (q_rows % num_heads) * stride_q_head, 1)  # [ROWS, 1]
+    q_mask = gl.expand_dims(q_rows < num_rows, 1)
+    for c in gl.static_range(C):
+        cols = gl.expand_dims(c * LC + gl.arange(0, LC, layout=gl.SliceLayout(0, Q_LOAD)), 0)
+        q_chunk = gl.load(q_ptr + q_offs + cols, mask=q_mask, other=0.0).to(gl.float16)
+        q_smem.index(c).store(columns_for_scores(q_chunk))
+    cols_pe = gl.expand_dims(L + gl.arange(0, R, layout=gl.SliceLayout(0, Q_LOAD)), 0)
+    q_pe = gl.load(q_ptr + q_offs + cols_pe, mask=q_mask, other=0.0).to(gl.float16)
+    q_pe_smem.store(columns_for_scores(q_pe))
+    fence_async_shared()
+    gl.thread_barrier()  # Q^T is whole before wgmma reads it
 
     rows = gl.arange(0, ROWS, layout=ROW_S)
     last_key = seq_len - q_len + rows // num_heads  # token t sees keys up to its position
@@ -191,55 +172,16 @@ def _compute_partition(q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, state
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
     l_cols = gl.zeros([TILE, ROWS], gl.float32, S_LAYOUT)
     num_whole = gl.maximum(split_end - split_start, 0) // TILE
-    for t in range(WARPGROUP, num_whole, WARPGROUPS):
-        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_tile, kv_ready,
+    for t in range(num_whole):
+        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready,
                                       kv_empty, t, split_start, split_end, last_key, qk_scale,
                                       acc, m_i, l_cols, False)
-    # the split's partial last tile, if it has one and it is this warpgroup's
-    if (num_whole < num_tiles) & (num_whole % WARPGROUPS == WARPGROUP):
-        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_tile, kv_ready,
+    if num_whole < num_tiles:  # the split's partial last tile
+        acc, m_i, l_cols = _tile_step(kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready,
                                       kv_empty, num_whole, split_start, split_end, last_key,
                                       qk_scale, acc, m_i, l_cols, True)
+
     l_i = gl.sum(l_cols, axis=0)  # [ROWS]
-    if WARPGROUP == 1:  # hand the state over and stop
-        state_acc.store(acc)
-        state_max.store(m_i)
-        state_sum.store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(handoff.index(1))
-    else:
-        if WARPGROUPS > 1:
-            acc, m_i, l_i = _combine(acc, m_i, l_i, state_acc, state_max, state_sum, handoff)
-        _store_output(acc, m_i, l_i, o_ptr, lse_ptr, out_base, num_rows, DIRECT_OUTPUT)
-
-
-@gluon.jit
-def _combine(acc, m_i, l_i, state_acc, state_max, state_sum, handoff):
-    """This warpgroup's O^T [L, 16], column max and column sums [16] combined with those the
-    other warpgroup left in state_acc [L, 16], state_max and state_sum [16]: each scaled by
-    exp2(its max - the joint max)."""
-    ROW_S: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-    mbarrier.wait(handoff.index(1), 0)
-    other_acc = state_acc.load(acc.type.layout)
-    other_m = state_max.load(ROW_S)
-    other_l = state_sum.load(ROW_S)
-    m_new = gl.maximum(m_i, other_m)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # columns with no key in either
-    alpha = gl.exp2(m_i - m_safe)
-    other_alpha = gl.exp2(other_m - m_safe)
-    acc = acc * gl.expand_dims(alpha, 0) + other_acc * gl.expand_dims(other_alpha, 0)
-    return acc, m_new, l_i * alpha + other_l * other_alpha
-
-
-@gluon.jit
-def _store_output(acc, m_i, l_i, o_ptr, lse_ptr, out_base, num_rows,
-                  DIRECT_OUTPUT: gl.constexpr):
-    """The split's output O = (O^T / l)^T [16, L] in latent column order, and its lse."""
-    L: gl.constexpr = acc.type.shape[0]
-    ROWS: gl.constexpr = acc.type.shape[1]
-    ROW_S: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    rows = gl.arange(0, ROWS, layout=ROW_S)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # natural log; -inf where no key
     gl.store(lse_ptr + out_base + rows, lse, mask=rows < num_rows)
@@ -275,7 +217,6 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
-    WARPGROUPS: gl.constexpr,  # compute warpgroups, 1 or 2 (each takes every other tile)
 ):
     LC: gl.constexpr = kv_desc.block_type.shape[1]
     R: gl.constexpr = pe_desc.block_type.shape[1]
@@ -297,51 +238,24 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
         gl.float16, [C, ROWS, LC], gl.NVMMASharedLayout.get_default_for([ROWS, LC], gl.float16))
     q_pe_smem = gl.allocate_shared_memory(
         gl.float16, [ROWS, R], gl.NVMMASharedLayout.get_default_for([ROWS, R], gl.float16))
-    p_smem = gl.allocate_shared_memory(  # P^T [16, 64] per compute warpgroup
-        gl.float16, [WARPGROUPS, ROWS, TILE],
-        gl.NVMMASharedLayout.get_default_for([ROWS, TILE], gl.float16))
+    p_smem = gl.allocate_shared_memory(
+        gl.float16, [ROWS, TILE], gl.NVMMASharedLayout.get_default_for([ROWS, TILE], gl.float16))
     BARRIERS: gl.constexpr = mbarrier.MBarrierLayout()
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS)
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BARRIERS)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=1)
-    loader_args = (kv_desc, pe_desc, kv_smem, pe_smem, kv_ready, kv_empty, bt_row, split_start,
-                   num_tiles, BLOCK_SIZE)
-    if WARPGROUPS == 1:
-        fence_async_shared()
-        gl.warp_specialize([
-            (_compute_partition, (q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, p_smem,
-                                  p_smem, p_smem, kv_ready, kv_empty, kv_ready, o_ptr, lse_ptr,
-                                  qk_scale, req, q_len, num_heads, num_rows, out_base, seq_len,
-                                  split_start, split_end, num_tiles, stride_q_token,
-                                  stride_q_head, 0, DIRECT_OUTPUT)),
-            (_loader_partition, loader_args),
-        ], [1], [24])  # the loader warp: warps, registers
-    else:
-        # the second warpgroup's state: O^T [L, 16], its column max and sums [16], float32
-        state_acc = gl.allocate_shared_memory(gl.float32, [C * LC, ROWS],
-                                              gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        STATS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        state_max = gl.allocate_shared_memory(gl.float32, [ROWS], STATS)
-        state_sum = gl.allocate_shared_memory(gl.float32, [ROWS], STATS)
-        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], BARRIERS)  # Q in; state out
-        for i in gl.static_range(2):
-            mbarrier.init(handoff.index(i), count=1)
-        fence_async_shared()
-        gl.warp_specialize([
-            (_compute_partition, (q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, state_acc,
-                                  state_max, state_sum, kv_ready, kv_empty, handoff, o_ptr, lse_ptr,
-                                  qk_scale, req, q_len, num_heads, num_rows, out_base, seq_len,
-                                  split_start, split_end, num_tiles, stride_q_token,
-                                  stride_q_head, 0, DIRECT_OUTPUT)),
-            (_compute_partition, (q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, state_acc,
-                                  state_max, state_sum, kv_ready, kv_empty, handoff, o_ptr, lse_ptr,
-                                  qk_scale, req, q_len, num_heads, num_rows, out_base, seq_len,
-                                  split_start, split_end, num_tiles, stride_q_token,
-                                  stride_q_head, 1, DIRECT_OUTPUT)),
-            (_loader_partition, loader_args),
-        ], [4, 1], [232, 24])  # the second warpgroup and the loader warp: warps, registers
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_compute_partition, (q_ptr, kv_smem, pe_smem, q_smem, q_pe_smem, p_smem, kv_ready,
+                              kv_empty, o_ptr, lse_ptr, qk_scale, req, q_len, num_heads,
+                              num_rows, out_base, seq_len, split_start, split_end, num_tiles,
+                              stride_q_token, stride_q_head, DIRECT_OUTPUT)),
+        (_loader_partition, (kv_desc, pe_desc, kv_smem, pe_smem, kv_ready, kv_empty, bt_row,
+                             split_start, num_tiles, BLOCK_SIZE)),
+    ], [1], [24])  # the loader warp: warps, registers
 
 
 def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
@@ -356,8 +270,7 @@ def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
         io.qk_scale, io.q_len, q.shape[1], num_splits, config.min_split_len, q.stride(0),
         q.stride(1), io.block_table.stride(0), ROWS=GLUON_FP8_ROWS,
         BLOCK_SIZE=io.kv_cache.shape[1], NUM_STAGES=config.num_stages,
-        DIRECT_OUTPUT=num_splits == 1, WARPGROUPS=config.compute_warpgroups,
-        num_warps=NUM_WARPS, **launch_options(config.compute_warpgroups))
+        DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGISTERS)
 
 
-__all__ = ["launch_options", "launch_split_pass"]
+__all__ = ["launch_split_pass"]

@@ -78,9 +78,6 @@ class MLADecodeConfig:
             `gluon_sm90_fp8_transposed.py` (both products transposed so that the query rows
             are wgmma's N, each FP8 tile converted in registers; 64-key tiles, so pages of a
             multiple of 64 tokens), num_stages FP8 tiles in its ring; only with block_n 64.
-        compute_warpgroups: with fp8_transposed, the compute warpgroups of a program, 1 or 2;
-            two take every other tile of the split and combine their states at the end, so
-            one program a SM keeps two warpgroups' conversions and products in flight.
         latent_chunks: the Triton split pass holds the latent (L columns of q, of each KV
             tile and of the accumulator) as this many column chunks, each its own dot, so no
             operand of a whole [block_n, L] tile has to live in registers at once; a power of
@@ -105,7 +102,6 @@ class MLADecodeConfig:
     gluon_fp8: bool = False
     fp8_transposed: bool = False
     fp8_stages: int = 0
-    compute_warpgroups: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -126,8 +122,6 @@ class MLADecodeConfig:
                 f"latent_chunks must be a power of two, got {self.latent_chunks}")
         if self.fp8_stages < 0:
             raise ValueError(f"fp8_stages must be >= 0, got {self.fp8_stages}")
-        if self.compute_warpgroups not in (1, 2):
-            raise ValueError(f"compute_warpgroups must be 1 or 2, got {self.compute_warpgroups}")
 
 
 @dataclass(frozen=True)
@@ -398,7 +392,7 @@ def plan_mla_decode(
     elif config.gluon_fp8 and config.fp8_transposed and not balance_splits and (
             gluon_fp8_transposed_serves(capability, dtype, cache_dtype, rows, kv_lora_rank,
                                         qk_rope_head_dim, config.block_n, config.num_stages,
-                                        block_size, config.compute_warpgroups)):
+                                        block_size)):
         kernel = GLUON_SM90_FP8_T
     elif config.gluon_fp8 and not balance_splits and gluon_fp8_serves(
             capability, dtype, cache_dtype, rows, kv_lora_rank, qk_rope_head_dim,
@@ -478,8 +472,6 @@ def describe(plan: MLADecodePlan) -> str:
     if plan.kernel == TRITON_SPLIT:
         parts.append(f"w{c.num_warps}")
     parts.append(f"s{c.num_stages}")
-    if plan.kernel == GLUON_SM90_FP8_T and c.compute_warpgroups > 1:
-        parts.append(f"wg{c.compute_warpgroups}")
     if plan.fp8_staging:
         parts.append(f"fp8-s{plan.fp8_staging}")
     parts.append(f"splits {plan.num_splits}")
