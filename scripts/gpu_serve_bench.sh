@@ -23,7 +23,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/gpu-site:$PWD PYTHONUNBUFFERED=1
 config=${CONFIG:-benchmarks/configs/deepseek-v2-lite.json}
 model=/tmp/$(basename "$config" .json)-dummy
-scripts/make_bench_model_dir.sh "$config" "$model"
+python3 scripts/make_bench_model_dir.py "$config" "$model"
 
 client() {  # label input_len output_len num_prompts concurrency [extra bench serve args]
   timeout "$bench_timeout" python3 -m mlaserve bench serve --backend openai \
