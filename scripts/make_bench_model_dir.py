@@ -26,7 +26,8 @@ ROLES = ("<｜User｜>", "<｜Assistant｜>")
 
 def word_level_tokenizer(vocab_size: int, bos_id: int, eos_id: int) -> Tokenizer:
     """"t{i}" for every id below vocab_size but the special ones (BOS, EOS at the given ids,
-    ROLES at the lowest two others), split on whitespace; decoding joins words with spaces."""
+    ROLES at the lowest two others), split on whitespace; decoding joins words with spaces.
+    Words outside the vocabulary (any text but "t{i}" words) read as EOS."""
     specials = {bos_id: BOS, eos_id: EOS}
     free_ids = (i for i in range(vocab_size) if i not in specials)
     specials |= {next(free_ids): role for role in ROLES}

@@ -29,7 +29,7 @@ def test_the_tokenizer_spans_the_config_vocabulary(name: str, tmp_path: Path) ->
                                                                  config["eos_token_id"])
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     assert generation["eos_token_id"] == config["eos_token_id"]
-    # the chat roles are one token each, and every id decodes and re-encodes to itself
+    # the chat roles are one token each, and ids decode and re-encode to themselves
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "t7 t8"}],
                                          add_generation_prompt=True, tokenize=False)
     user, assistant = tokenizer.convert_tokens_to_ids(list(make_bench_model_dir.ROLES))
