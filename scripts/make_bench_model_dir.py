@@ -41,8 +41,11 @@ def word_level_tokenizer(vocab_size: int, bos_id: int, eos_id: int) -> Tokenizer
 def make_model_dir(config_path: Path, out_dir: Path) -> None:
     """config.json, generation_config.json and the tokenizer's files in out_dir."""
     config = json.loads(config_path.read_text())
-    vocab_size, bos_id, eos_id = (config[k] for k in ("vocab_size", "bos_token_id",
-                                                      "eos_token_id"))
+    keys = ("vocab_size", "bos_token_id", "eos_token_id", "max_position_embeddings")
+    if not all(isinstance(config.get(key), int) for key in keys):
+        raise ValueError(f"{config_path}: {', '.join(keys)} must each be one integer, as in "
+                         "the configs of benchmarks/configs/")
+    vocab_size, bos_id, eos_id = (config[key] for key in keys[:3])
     out_dir.mkdir(parents=True, exist_ok=True)
     # as save_pretrained writes it (the published configs have it): without it, transformers'
     # tokenizer loader takes the directory for a Mistral one and warns of its regex

@@ -50,3 +50,11 @@ def test_random_prompts_have_exact_lengths_and_no_shared_prefixes(tmp_path: Path
     first_blocks = {tuple(tokenizer.encode(r.prompt, add_special_tokens=False)[:64])
                     for r in requests}
     assert len(first_blocks) >= 380
+
+
+def test_a_config_without_single_token_ids_is_refused(tmp_path: Path) -> None:
+    config = json.loads((ROOT / "benchmarks/configs/deepseek-v3.json").read_text())
+    config["eos_token_id"] = [1, 2]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="eos_token_id.*must each be one integer"):
+        make_bench_model_dir.make_model_dir(tmp_path / "config.json", tmp_path / "out")
