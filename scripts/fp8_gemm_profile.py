@@ -23,7 +23,7 @@ import torch
 from mlaserve.bench.gemm import BF16_ROUNDING, FP8_MMA_REL_ERR, load_config, projections, time_calls
 from mlaserve.kernels.fp8_activations import quantize_activations
 from mlaserve.kernels.fp8_blocks import quantize_block_fp8
-from mlaserve.kernels.fp8_gemm import block_fp8_reference, scaled_mm_block_fp8
+from mlaserve.kernels.fp8_gemm import block_fp8_reference, is_sm90, scaled_mm_block_fp8
 from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90
 from mlaserve.kernels.testing import relative_error
 
@@ -67,10 +67,10 @@ def products(m: int, n: int, k: int, device: torch.device) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    device = torch.device("cuda")
+    if not torch.cuda.is_available() or not is_sm90(device):
         print("fp8_gemm_profile.py needs an sm_90 GPU", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
     shapes = {p.name: p for p in projections(load_config("deepseek-v3"))}
     print(f"{torch.cuda.get_device_name(device)}")
     for spec in args.shapes.split(","):

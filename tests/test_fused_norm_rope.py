@@ -26,7 +26,12 @@ from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk  # noqa:
 from mlaserve.attention.registry import create_backend  # noqa: E402
 from mlaserve.config import FP8_QUANTIZATION_CONFIG, ModelConfig, YarnScaling  # noqa: E402
 from mlaserve.kernels import fused_norm_rope  # noqa: E402
-from mlaserve.kernels.fp8_blocks import FP8_DTYPE, FP8_MAX, QuantizedActivations  # noqa: E402
+from mlaserve.kernels.fp8_blocks import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    QuantizedActivations,
+    scales_column_stride,
+)
 from mlaserve.kernels.fused import force_fused_kernels  # noqa: E402
 from mlaserve.kernels.fused_norm_rope import (  # noqa: E402
     fused_add_rms_norm,
@@ -102,7 +107,7 @@ def _assert_quantizes(quantized: QuantizedActivations, dense: torch.Tensor) -> N
     values = (padded / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).view(rows, -1)[:, :cols]
     assert quantized.dtype == dense.dtype and quantized.shape == (rows, cols)
     assert quantized.values.dtype == (FP8_DTYPE if ON_GPU else torch.float32)
-    assert quantized.scales.stride() == (1, -(-max(rows, 1) // 4) * 4)  # M-major, 16-byte columns
+    assert quantized.scales.stride() == (1, scales_column_stride(rows))  # M-major
     assert torch.equal(quantized.scales, scales)
     assert torch.equal(quantized.values.float(), values.to(quantized.values.dtype).float())
 

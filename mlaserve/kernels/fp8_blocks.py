@@ -141,15 +141,20 @@ class QuantizedActivations:
         return dequantize_block_fp8(self.values, self.scales, block_size=ACTIVATION_BLOCK)
 
 
+def scales_column_stride(rows: int) -> int:
+    """The column stride of M-major activation scales [rows, G]: rows rounded up to 4 floats
+    (16 bytes), what the sm_90 GEMM's TMA copy of a K block's scales needs."""
+    return -(-max(rows, 1) // 4) * 4
+
+
 def empty_quantized(rows: int, cols: int, dtype: torch.dtype, device: torch.device
                     ) -> QuantizedActivations:
     """Uninitialised `QuantizedActivations` of [rows, cols] activations in dtype, for a kernel
-    to fill: FP8 values on CUDA (float32 elsewhere) and M-major scales, their column stride
-    rows rounded up to 4 (16 bytes: the sm_90 GEMM copies a K block's scales by TMA,
-    `fp8_gemm_sm90.tma_ready_scales`)."""
+    to fill: FP8 values on CUDA (float32 elsewhere) and M-major scales with
+    `scales_column_stride` (`fp8_gemm_sm90.tma_ready_scales` takes them as they are)."""
     num_groups = -(-cols // ACTIVATION_BLOCK[1])
     value_dtype = FP8_DTYPE if device.type == "cuda" else torch.float32
     values = torch.empty(rows, cols, dtype=value_dtype, device=device)
-    scales = torch.empty_strided((rows, num_groups), (1, -(-max(rows, 1) // 4) * 4),
+    scales = torch.empty_strided((rows, num_groups), (1, scales_column_stride(rows)),
                                  dtype=torch.float32, device=device)
     return QuantizedActivations(values, scales, dtype)

@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mlaserve.kernels.fp8_blocks import FP8_DTYPE
+from mlaserve.kernels.fp8_blocks import FP8_DTYPE, scales_column_stride
 from mlaserve.kernels.fp8_gemm import check_operands, is_sm90, sm_count, sum_splits
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
 
@@ -359,9 +359,8 @@ def tma_ready_scales(x_scales: torch.Tensor) -> torch.Tensor:
     if (x_scales.stride(0) == 1 and x_scales.stride(1) % 4 == 0
             and x_scales.stride(1) >= rows and x_scales.data_ptr() % 16 == 0):
         return x_scales
-    padded_rows = -(-rows // 4) * 4
-    return torch.empty_strided((rows, groups), (1, padded_rows), dtype=torch.float32,
-                               device=x_scales.device).copy_(x_scales)
+    return torch.empty_strided((rows, groups), (1, scales_column_stride(rows)),
+                               dtype=torch.float32, device=x_scales.device).copy_(x_scales)
 
 
 def block_fp8_matmul_sm90(x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
