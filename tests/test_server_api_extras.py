@@ -6,6 +6,10 @@ import json
 import pytest
 import requests
 
+from mlaserve.server.protocol_responses import ResponseStreamEvent
+from mlaserve.server.protocol_stream import ResponseTextDelta
+from mlaserve.server.serving_responses import sse_event
+
 
 @pytest.fixture(scope="module")
 def server(demo_server):
@@ -165,6 +169,23 @@ def test_responses_whole_and_streamed_agree(server, client):
                   {"role": "user", "content": "Tell me"}])
     assert chat.choices[0].message.content == whole.output_text
     assert chat.usage.prompt_tokens == whole.usage.input_tokens
+
+
+@pytest.mark.parametrize("kind,extra", [("response.output_text.delta", {"logprobs": []}),
+                                        ("response.reasoning_text.delta", {})])
+@pytest.mark.parametrize("delta", ['a "b" é', "a \ud800"])
+def test_a_delta_event_is_the_pydantic_events_bytes(kind, extra, delta):
+    """The per-token deltas go out as msgspec structs (`ResponseTextDelta`): the bytes that the
+    pydantic `ResponseStreamEvent` of the other events gives; a lone surrogate, which pydantic
+    refuses to encode, escaped."""
+    fields = {"type": kind, "sequence_number": 5, "output_index": 1, "content_index": 0,
+              "item_id": "msg_1", "delta": delta, **extra}
+    event = sse_event(ResponseTextDelta(**fields))
+    head, _, data = event.partition(b"\ndata: ")
+    assert head == f"event: {kind}".encode() and data.endswith(b"}\n\n")
+    assert json.loads(data) == fields
+    if delta.isprintable():
+        assert event == sse_event(ResponseStreamEvent(**fields))
 
 
 def test_responses_input_messages_and_text_format(client):

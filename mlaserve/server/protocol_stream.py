@@ -1,4 +1,5 @@
-"""The streamed chunks of /v1/completions and /v1/chat/completions.
+"""The streamed chunks of /v1/completions and /v1/chat/completions, and the per-token events
+of /v1/responses.
 
 msgspec structs rather than the pydantic models of the whole responses (protocol*.py): a
 stream sends one chunk per token, and `formatting.sse` encodes a struct several times faster
@@ -44,9 +45,24 @@ class StreamChunk(msgspec.Struct, omit_defaults=True):
     usage: dict[str, int] | None = None
 
 
+class ResponseTextDelta(msgspec.Struct, omit_defaults=True):
+    """`response.output_text.delta` (with `logprobs`, always []) or
+    `response.reasoning_text.delta` (without): the event a streamed response sends per token.
+    Its other events are the pydantic models of `protocol_responses.ResponseStreamEvent`."""
+
+    type: str
+    sequence_number: int
+    output_index: int
+    content_index: int
+    item_id: str
+    delta: str
+    logprobs: list[Any] | None = None
+
+
 def chunk_head(response_id: str, kind: str, created: int, model: str) -> StreamChunk:
     """A stream's chunk with no choices: the others are copies of it (`msgspec.structs.replace`)."""
     return StreamChunk(id=response_id, object=kind, created=created, model=model, choices=[])
 
 
-__all__ = ["ChatStreamChoice", "CompletionStreamChoice", "StreamChunk", "chunk_head"]
+__all__ = ["ChatStreamChoice", "CompletionStreamChoice", "ResponseTextDelta", "StreamChunk",
+           "chunk_head"]

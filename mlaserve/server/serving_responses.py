@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from mlaserve.engine.core_client import EngineError
-from mlaserve.server.formatting import error_body
+from mlaserve.server.formatting import error_body, sse
 from mlaserve.server.protocol_chat import ChatCompletionRequest
 from mlaserve.server.protocol_responses import (
     IncompleteDetails,
@@ -37,6 +37,7 @@ from mlaserve.server.protocol_responses import (
     ResponseStreamEvent,
     ResponseUsage,
 )
+from mlaserve.server.protocol_stream import ResponseTextDelta
 from mlaserve.server.serving_base import APIError, EventStreamResponse, json_response
 from mlaserve.server.serving_chat import ChatServing
 
@@ -65,8 +66,10 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(body)
 
 
-def sse_event(event: ResponseStreamEvent) -> bytes:
+def sse_event(event: ResponseStreamEvent | ResponseTextDelta) -> bytes:
     """`event: <type>` and `data: <the event without its unset fields>`."""
+    if isinstance(event, ResponseTextDelta):
+        return f"event: {event.type}\n".encode() + sse(event)
     data = event.model_dump_json(exclude_none=True)
     return f"event: {event.type}\ndata: {data}\n\n".encode()
 
@@ -140,10 +143,11 @@ class ResponsesServing:
         sequence = 0
 
         def event(type_: str, **fields: Any) -> bytes:
+            """The next event's bytes; the deltas (one a token) as `ResponseTextDelta`."""
             nonlocal sequence
             sequence += 1
-            return sse_event(ResponseStreamEvent(type=type_, sequence_number=sequence - 1,
-                                                 **fields))
+            kind = ResponseTextDelta if type_.endswith("_text.delta") else ResponseStreamEvent
+            return sse_event(kind(type=type_, sequence_number=sequence - 1, **fields))
 
         reader = parser.stream()
         yield event("response.created", response=self.response(
