@@ -53,9 +53,8 @@ WEIGHT_ONLY_MAX_WEIGHT_BYTES = 64 << 20
 # it takes 64-wide tiles. On the H200 (benchmarks/fp8/gemm/, products alone) that is V3's
 # 2112-wide q_a + kv_a product at 64-1024 tokens, 13-36% faster than cuBLASLt, and a routed
 # expert's 4096-wide gate_up at 64-256, 3-20% faster; of V3's other 37 cells cuBLASLt is
-# faster on 33, at most 3% slower on 4. On the H100, with x's scales fed by TMA, cuBLASLt was
-# still faster in all three processes on 17 of V3's 23 wider cells at 64-4096 tokens, the Gluon
-# product on 2 (by 1-7%), 4 mixed (benchmarks/fp8/h100/gemm-scales-by-tma-*).
+# faster on 33, at most 3% slower on 4. The H100 runs keep cuBLASLt on the wider cells
+# (benchmarks/fp8/README.md).
 GLUON_MIN_ROWS = 64
 GLUON_MAX_OUT_FEATURES = 4096
 H100_SMS = 132  # the SM count `product_path` assumes unless told (H100 / H200 SXM)

@@ -142,11 +142,11 @@ class ResponsesServing:
         s = self.serving
         sequence = 0
 
-        def event(type_: str, **fields: Any) -> bytes:
-            """The next event's bytes; the deltas (one a token) as `ResponseTextDelta`."""
+        def event(type_: str, kind: type = ResponseStreamEvent, **fields: Any) -> bytes:
+            """The next event's bytes, the event a `kind` (the per-token deltas a
+            `ResponseTextDelta`)."""
             nonlocal sequence
             sequence += 1
-            kind = ResponseTextDelta if type_.endswith("_text.delta") else ResponseStreamEvent
             return sse_event(kind(type=type_, sequence_number=sequence - 1, **fields))
 
         reader = parser.stream()
@@ -186,8 +186,8 @@ class ResponsesServing:
             name = ("response.reasoning_text.delta" if kind == "reasoning"
                     else "response.output_text.delta")
             extra = {} if kind == "reasoning" else {"logprobs": []}
-            events.append(event(name, output_index=len(items) - 1, content_index=0,
-                                item_id=item.id, delta=piece, **extra))
+            events.append(event(name, ResponseTextDelta, output_index=len(items) - 1,
+                                content_index=0, item_id=item.id, delta=piece, **extra))
             return events
 
         def close_item(status: str) -> list[bytes]:
