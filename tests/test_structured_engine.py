@@ -151,15 +151,22 @@ def test_after_token_id_holds_the_constraint_back(llm):
     ("regex", "a(b", "parenthesis"),
     ("grammar", "root ::= undefined_rule", "undefined_rule"),
 ])
-def test_invalid_constraint_is_a_value_error_naming_it(llm, kind, value, fragment):
+def test_invalid_constraint_is_refused_naming_it(llm, kind, value, fragment):
+    """`LLMEngine.add_request` raises (a constraint compiles before it returns); the core itself
+    refuses the request at its next step, the output marked `rejected` (a server's 400)."""
     params = SamplingParams(structured_outputs=StructuredOutputs(**{kind: value}))
-    for add in (lambda: llm.engine.add_request("Hello", params),
-                lambda: llm.engine.core.add_request(
-                    EngineCoreRequest(f"bad-{kind}-{fragment}", [5, 6], params, 0))):
-        with pytest.raises(ValueError, match=f"structured_outputs.{kind}") as info:
-            add()
-        assert fragment in str(info.value)
+    with pytest.raises(ValueError, match=f"structured_outputs.{kind}") as info:
+        llm.engine.add_request("Hello", params)
+    assert fragment in str(info.value)
     assert not llm.engine.has_unfinished
+    core, request_id = llm.engine.core, f"bad-{kind}-{fragment}"
+    core.add_request(EngineCoreRequest(request_id, [5, 6], params, 0))
+    outputs = []
+    while core.has_unfinished:
+        outputs += core.step()
+    (refused,) = [o for o in outputs if o.request_id == request_id]
+    assert refused.rejected and refused.finish_reason == "abort" and not refused.new_token_ids
+    assert f"structured_outputs.{kind}" in refused.error and fragment in refused.error
 
 
 def test_after_token_id_outside_the_vocabulary(llm):
@@ -235,26 +242,26 @@ def test_bitmask_applies_to_every_sampling_path():
 
 
 def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm, monkeypatch):
-    from mlaserve.engine.engine import StepFailed
-
-    engine = llm.engine
+    """A compile that fails here (after its sandbox trial passed) refuses its request alone."""
+    core = llm.engine.core
 
     def broken(key):
         raise RuntimeError("no memory for the token mask cache")
 
-    monkeypatch.setattr(engine.core.structured, "_compile", broken)
-    engine.add_request("Hello", constrained(0, regex="never-compiled"), request_id="broken")
-    engine.add_request("Hello", SamplingParams(max_tokens=3, ignore_eos=True), request_id="ok")
-    errors, finished = {}, {}
-    while engine.has_unfinished:
-        try:
-            outputs = engine.step()
-        except StepFailed as exc:
-            errors.update(exc.errors)
-            outputs = exc.outputs
-        finished.update({o.request_id: o for o in outputs if o.finished})
-    assert list(errors) == ["broken"] and "token mask cache" in errors["broken"]
-    assert finished["ok"].finish_reason == "length" and len(finished["ok"].token_ids) == 3
+    monkeypatch.setattr(core.structured, "_compile", broken)
+    core.add_request(EngineCoreRequest("broken", [5, 6], constrained(0, regex="never-compiled"),
+                                       0))
+    core.add_request(EngineCoreRequest("ok", [5, 6], SamplingParams(max_tokens=3,
+                                                                    ignore_eos=True), 0))
+    outputs = []
+    while core.has_unfinished:
+        outputs += core.step()
+    (broken_out,) = [o for o in outputs if o.request_id == "broken"]
+    assert broken_out.rejected and "token mask cache" in broken_out.error
+    assert len([t for o in outputs if o.request_id == "ok" for t in o.new_token_ids]) == 3
+    with pytest.raises(ValueError, match="token mask cache"):
+        llm.engine.add_request("Hello", constrained(0, regex="never-compiled-2"))
+    assert not llm.engine.has_unfinished
 
 
 def test_extreme_noise_never_picks_a_masked_token(monkeypatch):

@@ -10,6 +10,7 @@ import torch
 from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import ModelConfig, parse_dtype
 from mlaserve.distributed.launch import ParallelLayout, torchrun_rank
+from mlaserve.engine.structured_config import StructuredOutputsConfig
 from mlaserve.option_values import QUANTIZATION_MODES
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
@@ -51,8 +52,16 @@ class EngineArgs:
     # sampling defaults of requests (`engine/generation_config.py`): auto | vllm | a directory
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    # structured outputs' limits, sandbox budgets and cache (a dict of its fields is taken too)
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs_config, dict):
+            object.__setattr__(self, "structured_outputs_config",
+                               StructuredOutputsConfig.from_dict(self.structured_outputs_config))
+        elif not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
+            raise ValueError("structured_outputs_config must be a StructuredOutputsConfig or a "
+                             "dict of its fields")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"unknown quantization '{self.quantization}'; use one of "
                              f"{', '.join(QUANTIZATION_MODES)}")

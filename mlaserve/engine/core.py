@@ -19,12 +19,14 @@ with the error, only when a step that carried it alone failed. A fault that does
 fails no request (they are retried, and finish as if nothing happened); a broken engine, whose
 every step fails, fails all of them.
 
-Structured outputs (structured.py): a constrained request's grammar compiles on a thread pool
-while the request waits in the queue (others pass it); each step the core fills the token masks
-of its constrained samplers on the host (`ScheduledBatch.grammar_bitmask`) for the runner to
-apply, and advances their matchers as the tokens land. A step with a constrained sampler is
-collected before the next launch (its next mask needs the token), as with penalties; a grammar
-that completes ends its request with "stop".
+Structured outputs (structured.py): a constrained request's grammar compiles (first in the
+grammar sandbox's processes, then on a compile thread here) while the request waits in the queue
+(others pass it); a constraint that fails there fails its request alone, as refused
+(`EngineCoreOutput.rejected`). Each step the core fills the token masks of its constrained
+samplers on the host (`ScheduledBatch.grammar_bitmask`) for the runner to apply, and advances
+their matchers as the tokens land. A step with a constrained sampler is collected before the
+next launch (its next mask needs the token), as with penalties; a grammar that completes ends
+its request with "stop".
 
 Tensor parallelism (`tensor_parallel_size` N > 1): this process is its replica's first rank. It
 spawns the replica's other ranks (`WorkerGroup`, worker.py) before loading its own shard, and
@@ -168,10 +170,11 @@ class EngineCore:
             max_model_len=max_model_len, vocab_size=self.config.vocab_size,
             kv_capacity_tokens=num_blocks * args.block_size,
             eos_token_ids=eos_token_ids(self.config, tokenizer),
-            attention_backend=self.runner.backend.name)
+            attention_backend=self.runner.backend.name,
+            structured_outputs=args.structured_outputs_config)
         self.structured = StructuredOutputManager(
             tokenizer, self.config.vocab_size, self.info.eos_token_ids,
-            pin_memory=self.device.type == "cuda")
+            args.structured_outputs_config, pin_memory=self.device.type == "cuda")
         self.scheduler.waits_for_grammar = self.structured.waits_for_grammar
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[ScheduledBatch, PendingStep] | None = None
@@ -192,6 +195,21 @@ class EngineCore:
             self.structured.add_request(state)  # compiles off the step loop
         self.requests[request.request_id] = state
         self.scheduler.add(state)
+
+    def wait_for_grammar(self, request_id: str) -> None:
+        """Block until the request's grammar is compiled (`LLMEngine`: an offline caller learns
+        of a bad constraint when it adds the request). ValueError, saying what to change, if
+        the constraint failed; the request is then dropped."""
+        structured = self.structured
+        while True:
+            structured.advance()
+            error = structured.take_failure(request_id)
+            if error is not None:
+                self.abort_requests([request_id])
+                raise ValueError(error)
+            if not structured.is_compiling(request_id):
+                return
+            structured.wait_for_grammars(GRAMMAR_WAIT_S)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished by the frontend, or their client left); frees their blocks."""
@@ -288,14 +306,17 @@ class EngineCore:
                    for r in batch.sampling_requests)
 
     def _fail_uncompiled(self) -> list[EngineCoreOutput]:
-        """Fail the requests whose grammar did not compile (its parse passed at the door)."""
+        """Move the grammar compiles on, and refuse the requests whose constraint failed there
+        (invalid, or past the sandbox's time or memory)."""
+        self.structured.advance()
         outputs = []
         for request_id, error in self.structured.take_failed():
             request = self.requests[request_id]
-            logger.error("request %s failed: %s", request_id, error)
+            logger.info("request %s refused: %s", request_id, error)
             request.finish_reason = "abort"
             self._finish(request)
-            outputs.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=error))
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=error,
+                                            rejected=True))
         return outputs
 
     def _land_in_flight(self, successor: tuple[ScheduledBatch, PendingStep] | None = None
@@ -435,8 +456,7 @@ class EngineCore:
         if result == AcceptResult.TERMINATED and request.finish_reason in (None, "length"):
             request.finish_reason, request.stop_reason = "stop", None
         elif result == AcceptResult.REJECTED:
-            error = (f"the structured output grammar rejected token {token}: no token was "
-                     "allowed (e.g. min_tokens banned the end of a complete output)")
+            error = f"the structured output grammar rejected token {token}"
             logger.error("request %s failed: %s", request.request_id, error)
             request.finish_reason = "abort"
             return error
@@ -460,8 +480,9 @@ class EngineCore:
             self.workers.check()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (if any) and leave their process groups; the core
-        cannot step afterwards. Idempotent."""
+        """Stop the grammar compiles and the tensor-parallel workers (if any), and leave their
+        process groups; the core cannot step afterwards. Idempotent."""
+        self.structured.shutdown()
         if self.runner.step_broadcast is not None:
             self.runner.step_broadcast.shutdown()
         elif self.workers is not None:  # a replica of one rank: leave the world's groups

@@ -86,6 +86,12 @@ class EngineDeadError(EngineError):
     """The engine process is gone: requests in flight fail with this and no new one is taken."""
 
 
+class RequestRejected(EngineError):
+    """The core refused the request itself (e.g. a structured-output constraint that does not
+    compile within the server's limits): a client error, with a message saying what to
+    change."""
+
+
 @dataclass
 class FinishedRequestStats:
     finish_reason: str
@@ -277,7 +283,13 @@ class AsyncEngineClient:
         """
         if self._dead is not None:
             raise self._dead
-        validate_prompt(prompt_token_ids, params, self.info)
+        if params.structured_outputs is None:
+            validate_prompt(prompt_token_ids, params, self.info)
+        else:  # checking a constraint's limits reads all its text: off the event loop
+            await self.loop.run_in_executor(None, validate_prompt, prompt_token_ids, params,
+                                            self.info)
+            if self._dead is not None:
+                raise self._dead
         self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         replica = self._balancer.choose()
@@ -392,7 +404,12 @@ class AsyncEngineClient:
                 self._balancer.release(stream.replica)
                 stats.finished.append(stream.finished(output.finish_reason, now))
             error = errors.get(output.request_id)
-            stream.queue.put_nowait(output if error is None else EngineError(error))
+            if error is not None:
+                failure = RequestRejected if output.request_id in processed.rejected \
+                    else EngineError
+                stream.queue.put_nowait(failure(error))
+            else:
+                stream.queue.put_nowait(output)
         if self._stats_recorder is not None:
             self._stats_recorder.record(stats)
 

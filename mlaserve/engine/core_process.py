@@ -32,6 +32,7 @@ their steps go on.
 """
 
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -111,6 +112,10 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     logging.basicConfig(level=log_level, format=f"%(levelname)s {prefix}%(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(parent_pid, "the engine core")
+    # started as a daemon (its parent's exit ends it), this process starts children of its own
+    # (tensor-parallel workers, grammar sandbox workers), which multiprocessing forbids a
+    # daemon; they are daemons, and exit with it
+    multiprocessing.current_process().daemon = False
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.setsockopt(zmq.RCVHWM, 0)
@@ -217,7 +222,8 @@ class CoreLoop:
                     self.core.add_request(message.request)
                 except ValueError as exc:
                     self.rejected.append(EngineCoreOutput(
-                        message.request.request_id, [], finish_reason="abort", error=str(exc)))
+                        message.request.request_id, [], finish_reason="abort", error=str(exc),
+                        rejected=True))
             elif isinstance(message, AbortRequests):
                 self.core.abort_requests(message.request_ids)
             elif isinstance(message, GetStats):
@@ -237,7 +243,8 @@ class CoreLoop:
             logger.error("dropped a message that does not decode: %s", exc)
             return
         self.rejected.append(EngineCoreOutput(request_id, [], finish_reason="abort",
-                                              error=f"the request does not decode: {exc}"))
+                                              error=f"the request does not decode: {exc}",
+                                              rejected=True))
 
     def send(self, message: CoreMessage) -> None:
         self.outbox.send(self.encoder.encode(message), copy=False)

@@ -72,7 +72,9 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue one request (a string, tokenized with special tokens, or literal token ids);
-        returns its id. ValueError, saying what to change, for a request that cannot run."""
+        returns its id. ValueError, saying what to change, for a request that cannot run (a
+        structured-output constraint is compiled before this returns, so an invalid one is
+        refused here)."""
         params = params or SamplingParams()
         text, token_ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (
             None, list(prompt))
@@ -82,6 +84,8 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, token_ids, params)
         try:
             self.core.add_request(EngineCoreRequest(request_id, token_ids, params, seed))
+            if params.structured_outputs is not None:
+                self.core.wait_for_grammar(request_id)  # an invalid constraint: ValueError
         except ValueError:
             self.output_processor.abort(request_id)
             raise

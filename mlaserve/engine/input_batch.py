@@ -129,5 +129,7 @@ class PersistentBatch:
             min_p=self.min_p[rows], seeds=self.seeds[rows], positions=positions,
             all_greedy=all(p.temperature == 0 for p in params),
             needs_filter=any(needs_filter(p) for p in params), penalties=penalties,
-            banned=banned_before_min_tokens(requests, self.device),
+            banned=banned_before_min_tokens(
+                requests, self.device,
+                grammar_bitmask.must_end if grammar_bitmask is not None else frozenset()),
             bias=logit_bias(requests, self.device), allowed=allowed)

@@ -10,6 +10,7 @@ import msgspec
 
 from mlaserve.engine.request import SamplingParams, is_int, shown
 from mlaserve.engine.structured import validate_structured_outputs
+from mlaserve.engine.structured_config import StructuredOutputsConfig
 
 Logprobs = list[dict[int, float]]
 
@@ -28,7 +29,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     `prompt_logprobs` arrive once, with the request's first output; `error` is set when a step
     that carried this request alone failed (the request is then finished with reason "abort";
-    see core.py on how a failed step's requests are re-run apart).
+    see core.py on how a failed step's requests are re-run apart), and when the core refused
+    the request: then `rejected` is set too (the request itself is at fault, e.g. a constraint
+    that does not compile; a server answers it as a client error, 400).
     """
 
     request_id: str
@@ -40,6 +43,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None
     queued_time: float | None = None  # with the first output: seconds waiting in the core
+    rejected: bool = False
 
     @property
     def finished(self) -> bool:
@@ -65,6 +69,7 @@ class EngineInfo(msgspec.Struct):
     kv_capacity_tokens: int  # num_blocks * block_size
     eos_token_ids: list[int]
     attention_backend: str
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()  # the limits
 
 
 def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineInfo) -> None:
@@ -73,8 +78,8 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineIn
     Checks the parameters (`SamplingParams.validate`) and everything that depends on the model:
     prompt, stop and logit_bias token ids inside the vocabulary, logprob counts no larger than
     it, the prompt plus `max_tokens` inside `max_model_len` and the KV cache, and a structured
-    outputs constraint that parses (a JSON schema, regex or grammar that xgrammar reads; see
-    structured.py: parsing needs no tokenizer, so the API process refuses a bad one at once).
+    outputs constraint within the server's limits (structured_config.py; nothing parses it
+    here: the grammar sandbox does, and refuses an invalid one as the request's error).
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -116,5 +121,6 @@ def validate_prompt(token_ids: list[int], params: SamplingParams, info: EngineIn
         raise ValueError(f"prompt + max_tokens = {total} tokens cannot fit the KV cache "
                          f"({info.kv_capacity_tokens} tokens); lower max_tokens or add KV "
                          "blocks")
-    if params.structured_outputs is not None:  # last: parsing costs more than the checks above
-        validate_structured_outputs(params.structured_outputs, vocab_size)
+    if params.structured_outputs is not None:  # last: it reads the constraint's whole text
+        validate_structured_outputs(params.structured_outputs, vocab_size,
+                                    info.structured_outputs)

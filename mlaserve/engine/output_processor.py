@@ -41,6 +41,7 @@ class ProcessedOutputs:
     outputs: list[RequestOutput]
     abort_in_core: list[str]  # finished here (stop string); the core must drop them
     errors: dict[str, str]  # request id -> why the step that carried it failed
+    rejected: set[str] = field(default_factory=set)  # of `errors`: the core refused them
 
 
 class OutputProcessor:
@@ -104,6 +105,8 @@ class OutputProcessor:
                     detokenizer.flush()
             if core.error is not None:
                 result.errors[core.request_id] = core.error
+                if core.rejected:
+                    result.rejected.add(core.request_id)
             state.token_ids.extend(new_ids)
             if state.logprobs is not None:
                 state.logprobs.extend(new_logprobs)

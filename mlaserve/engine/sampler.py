@@ -116,11 +116,17 @@ def needs_penalties(params: SamplingParams) -> bool:
                 or params.repetition_penalty != 1.0)
 
 
-def banned_before_min_tokens(requests: list[Request], device: torch.device
+def banned_before_min_tokens(requests: list[Request], device: torch.device,
+                             must_end: set[int] | frozenset[int] = frozenset()
                              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, ids) of EOS and stop ids that rows may not sample yet (min_tokens), or None."""
+    """(rows, ids) of EOS and stop ids that rows may not sample yet (min_tokens), or None.
+
+    must_end: id(request) of rows whose grammar allows nothing but its end; they are not banned
+    (the constraint ends the request before min_tokens; `GrammarBitmask.must_end`).
+    """
     lists = [list(r.eos_token_ids) + r.params.stop_token_ids
-             if r.num_output_tokens_total < r.params.min_tokens else [] for r in requests]
+             if r.num_output_tokens_total < r.params.min_tokens and id(r) not in must_end
+             else [] for r in requests]
     return _pairs(lists, device) if any(lists) else None
 
 

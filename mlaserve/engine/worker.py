@@ -173,23 +173,15 @@ class WorkerGroup:
         else:
             store = connect_store(store_port, layout.world_size, STORE_TIMEOUT)
         context = multiprocessing.get_context("spawn")
-        current = multiprocessing.current_process()
-        daemonic = current.daemon
-        # a daemonic process (the engine core) may not start children; its workers die with
-        # it anyway (parent watch), so the flag is lifted while they start
-        current.daemon = False
         processes = []
-        try:
-            for rank in range(first + 1, first + layout.tensor_parallel_size
-                              if torchrun is None else first + 1):
-                process = context.Process(
-                    target=run_worker, name=f"mlaserve-worker-{rank}", daemon=True,
-                    args=(args, rank, store.port, os.getpid(),
-                          logging.getLogger().getEffectiveLevel()))
-                process.start()
-                processes.append(process)
-        finally:
-            current.daemon = daemonic
+        for rank in range(first + 1, first + layout.tensor_parallel_size
+                          if torchrun is None else first + 1):
+            process = context.Process(
+                target=run_worker, name=f"mlaserve-worker-{rank}", daemon=True,
+                args=(args, rank, store.port, os.getpid(),
+                      logging.getLogger().getEffectiveLevel()))
+            process.start()
+            processes.append(process)
         group = cls(store, first, processes)
         try:
             group._wait_joined()

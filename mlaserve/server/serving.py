@@ -121,7 +121,7 @@ class Serving(TemplateServing):
             num_prompts, req.n, req.best_of, req.stream))
         try:
             prepared = await self.in_thread(self.prepare_completion, req)
-            streams = await self.start(prepared, admission)
+            streams = await self.start(prepared, admission, raw_request)
             created = int(time.time())
             response_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
             model = req.model or self.served_model_name

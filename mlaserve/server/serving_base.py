@@ -29,7 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from msgspec.structs import replace
 
-from mlaserve.engine.core_client import AsyncEngineClient, EngineError
+from mlaserve.engine.core_client import AsyncEngineClient, EngineError, RequestRejected
 from mlaserve.engine.request import RequestOutput, SamplingParams, StructuredOutputs
 from mlaserve.server.formatting import TokenText, error_body, sse, usage
 from mlaserve.server.protocol import ResponseModel, SamplingFields
@@ -224,8 +224,14 @@ class ServingBase:
             return min(room, self.options.default_sampling.get("max_tokens", room))
         return requested
 
-    async def start(self, prepared: list[Prepared], admission: Admission
-                    ) -> list[AsyncIterator[RequestOutput]]:
+    async def start(self, prepared: list[Prepared], admission: Admission,
+                    raw_request: Request | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Send the prepared requests to the engine; their output streams.
+
+        Constrained requests are answered only once their grammar has compiled (their first
+        output is awaited here), so a constraint the engine refuses is a 400 before any
+        response starts, and a client that leaves meanwhile cancels the compile.
+        """
         streams = []
         base = f"cmpl-{uuid.uuid4().hex}"
         try:
@@ -239,7 +245,49 @@ class ServingBase:
             if isinstance(exc, EngineError):
                 raise APIError(503, f"engine failure: {exc}") from None
             raise APIError(400, str(exc)) from None
+        if any(p.params.structured_outputs is not None for p in prepared):
+            streams = await self._after_first_output(streams, raw_request)
         return streams
+
+    async def _after_first_output(self, streams: list[AsyncIterator[RequestOutput]],
+                                  raw_request: Request | None
+                                  ) -> list[AsyncIterator[RequestOutput]]:
+        """Wait for each stream's first output (400 if the engine refused the request); the
+        streams again, each from its first output on."""
+        tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
+        try:
+            outputs = await self._unless_disconnected(asyncio.gather(*tasks), raw_request)
+        except BaseException as exc:
+            for task in tasks:  # a task cancelled in its stream aborts the engine request
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                with suppress(Exception):
+                    await stream.aclose()
+            if isinstance(exc, RequestRejected):
+                raise APIError(400, str(exc)) from None
+            if isinstance(exc, EngineError):
+                raise APIError(500, f"engine failure: {exc}") from None
+            raise
+        return [_from(first, stream) for first, stream in zip(outputs, streams, strict=True)]
+
+    @staticmethod
+    async def _unless_disconnected(work: asyncio.Future, raw_request: Request | None) -> Any:
+        """The result of `work`; if the client disconnects first, `work` is cancelled and the
+        request ends with one INFO line (the 400 that answers it reaches no one)."""
+        watcher = asyncio.ensure_future(wait_for_disconnect(raw_request))
+        try:
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+                with suppress(asyncio.CancelledError, EngineError):
+                    await work
+        if work not in done:
+            logger.info("a client disconnected before its answer; its request was aborted")
+            raise APIError(400, "Client disconnected")
+        return work.result()
 
     @staticmethod
     async def collect(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -252,19 +300,10 @@ class ServingBase:
                           raw_request: Request | None) -> list[RequestOutput]:
         """The final outputs; the requests are aborted if the client disconnects first."""
         gathered = asyncio.ensure_future(asyncio.gather(*(self.collect(s) for s in streams)))
-        watcher = asyncio.ensure_future(wait_for_disconnect(raw_request))
         try:
-            await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not gathered.done():
-                gathered.cancel()  # the streams' cleanup aborts the engine requests
-                with suppress(asyncio.CancelledError, EngineError):
-                    await gathered
-        if gathered.cancelled():
-            raise APIError(400, "Client disconnected")
-        try:
-            outputs = gathered.result()
+            outputs = await self._unless_disconnected(gathered, raw_request)
+        except RequestRejected as exc:
+            raise APIError(400, str(exc)) from None
         except EngineError as exc:
             raise APIError(500, f"engine failure: {exc}") from None
         if self.shutting_down and any(o.finish_reason == "abort" for o in outputs):
@@ -347,6 +386,18 @@ async def wait_for_disconnect(raw_request: Request | None) -> None:
         await asyncio.Event().wait()
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _from(first: RequestOutput, stream: AsyncIterator[RequestOutput]
+                ) -> AsyncIterator[RequestOutput]:
+    """`first`, then the rest of `stream` (closed with this iterator)."""
+    try:
+        yield first
+        if not first.finished:
+            async for output in stream:
+                yield output
+    finally:
+        await stream.aclose()
 
 
 def output_kind(stream: bool) -> str:

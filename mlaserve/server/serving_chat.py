@@ -135,7 +135,7 @@ class ChatServing:
         admission = s.admit(s.check_samples(1, req.n))
         try:
             prepared, parser = await s.in_thread(self.prepare_chat, req)
-            streams = await s.start(prepared, admission)
+            streams = await s.start(prepared, admission, raw_request)
             created = int(time.time())
             response_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
             model = req.model or s.served_model_name

@@ -102,7 +102,7 @@ class ResponsesServing:
         admission = s.admit(1)
         try:
             prepared, parser = await s.in_thread(self.chat.prepare_chat, chat_req)
-            (stream,) = await s.start(prepared, admission)
+            (stream,) = await s.start(prepared, admission, raw_request)
             created = int(time.time())
             response_id = f"resp_{uuid.uuid4().hex}"
             model = req.model or s.served_model_name
