@@ -66,9 +66,37 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "a directory with a generation_config.json")
     parser.add_argument("--override-generation-config", type=json_object, default=None,
                         help='JSON merged over those defaults, e.g. \'{"temperature": 0.6}\'')
+    add_structured_outputs_arguments(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted as vLLM takes it; changes nothing: mlaserve implements "
                              "the DeepSeek models itself and never runs a checkpoint's code")
+
+
+def add_structured_outputs_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's `--structured-outputs-config JSON`, and each field as
+    `--structured-outputs-config.FIELD VALUE` (which wins over the JSON)."""
+    from mlaserve.engine.structured_config import FIELD_HELP, StructuredOutputsConfig
+
+    defaults = StructuredOutputsConfig()
+    parser.add_argument("--structured-outputs-config", type=json_object, default=None,
+                        help="structured outputs: JSON of the fields below, e.g. "
+                             '\'{"compile_timeout_s": 30}\'')
+    for name, text in FIELD_HELP.items():
+        parser.add_argument(f"--structured-outputs-config.{name}", dest=f"so_config_{name}",
+                            default=None, metavar=name.split("_")[-1].upper(),
+                            help=f"{text} (default: {getattr(defaults, name)})")
+
+
+def _structured_outputs_config(args: argparse.Namespace) -> dict:
+    """The fields given by --structured-outputs-config and its dotted flags."""
+    from mlaserve.engine.structured_config import FIELD_HELP
+
+    values = dict(args.structured_outputs_config or {})
+    for name in FIELD_HELP:
+        value = getattr(args, f"so_config_{name}")
+        if value is not None:
+            values[name] = value
+    return values
 
 
 def _bytes(text: str) -> int:
@@ -102,7 +130,8 @@ def engine_args_from(args: argparse.Namespace):
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         generation_config=args.generation_config,
-        override_generation_config=args.override_generation_config)
+        override_generation_config=args.override_generation_config,
+        structured_outputs_config=_structured_outputs_config(args))
 
 
 def _torchrun_worker(engine_args) -> int | None:
@@ -149,7 +178,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from mlaserve.engine.args import check_parallel
     from mlaserve.server.api import ServerOptions, build_server, create_app
-    from mlaserve.server.formatting import load_chat_template
+    from mlaserve.server.chat_template_sandbox import load_chat_template
 
     engine_args = engine_args_from(args)
     check_parallel(engine_args)  # before the engine process is spawned
@@ -159,6 +188,9 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServerOptions(
         max_request_body_size=args.max_request_body_size,
         max_waiting_requests=args.max_waiting_requests,
+        max_request_share=args.max_request_share,
+        header_read_timeout_s=args.header_read_timeout,
+        body_read_timeout_s=args.body_read_timeout,
         chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
         chat_template_timeout_s=args.chat_template_timeout,
         stream_send_timeout_s=args.stream_send_timeout,
@@ -220,6 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="prompts admitted beyond --max-num-seqs; more get 503 with "
                             "Retry-After")
+    serve.add_argument("--max-request-share", type=float, default=0.5,
+                       help="the share of those admitted at once (--max-num-seqs + "
+                            "--max-waiting-requests) that one request may hold (prompts x n or "
+                            "best_of); more is a 400")
+    serve.add_argument("--header-read-timeout", type=float, default=30.0,
+                       help="seconds a request's headers may take to arrive (from the "
+                            "connection, or the last answer on it); then it is closed")
+    serve.add_argument("--body-read-timeout", type=float, default=60.0,
+                       help="seconds a request's whole body may take to arrive; then 408")
     serve.add_argument("--chat-template", default=None,
                        help="the chat template to use instead of the tokenizer's: a Jinja file's "
                             "path, or the template itself")

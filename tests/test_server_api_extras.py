@@ -254,7 +254,7 @@ CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %
 
 
 def test_load_chat_template_takes_a_file_or_the_template(tmp_path):
-    from mlaserve.server.formatting import load_chat_template
+    from mlaserve.server.chat_template_sandbox import load_chat_template
 
     path = tmp_path / "chat.jinja"
     path.write_text(CHAT_TEMPLATE)

@@ -4,6 +4,7 @@ max_tokens, a full queue, disconnects, stalled readers, shutdown, auth and what 
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -235,8 +236,10 @@ def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(server):
 def test_a_stream_whose_client_stops_reading_is_aborted():
     """64 samples of one streamed request with 20 logprobs each fill the socket buffers within
     a few steps once the client stops reading; the send then times out
-    (stream_send_timeout_s, 1 s here) and every sample is aborted long before its 1000 tokens."""
-    with RunningServer(options=OPTIONS, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+    (stream_send_timeout_s, 1 s here) and every sample is aborted long before its 1000 tokens.
+    (This server lets one request hold every place it admits.)"""
+    options = dataclasses.replace(OPTIONS, max_request_share=1.0)
+    with RunningServer(options=options, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
                        num_kv_blocks=64 * 64) as server:
         body = {"prompt": "x", "max_tokens": 1000, "n": 64, "ignore_eos": True,
                 "stream": True, "logprobs": 20}

@@ -22,22 +22,37 @@ import json
 import re
 
 import msgspec
-import numpy as np
 
 BACKENDS = ("auto", "xgrammar")
 
 
-class StructuredOutputsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The server's structured-outputs settings (`--structured-outputs-config`, as vLLM's)."""
+# what each field means (`--help` shows it beside `--structured-outputs-config.FIELD`)
+FIELD_HELP = {
+    "backend": "vLLM's field: the grammar library; xgrammar is the one here (auto picks it)",
+    "max_bytes": "largest constraint: a schema's, regex's or grammar's text, a choice list's "
+                 "JSON (bytes)",
+    "max_json_depth": "deepest nesting of brackets in a JSON schema's text",
+    "max_alternatives": "most alternatives: enum values plus anyOf/oneOf branches of a schema, "
+                        "choices of a list, or '|' of a regex or grammar",
+    "max_grammar_rules": "most rules ('::=') of an EBNF grammar",
+    "compile_timeout_s": "seconds a constraint's first compile may take (in the sandbox)",
+    "compile_memory_mb": "MiB a constraint's first compile may allocate (in the sandbox)",
+    "cache_mb": "MiB of compiled grammars kept for reuse (0: none)",
+}
 
-    backend: str = "auto"  # vLLM's field; xgrammar is the one backend ("auto" picks it)
-    max_bytes: int = 2**20  # a schema's, regex's or grammar's text; a choice list's JSON
-    max_json_depth: int = 64  # brackets nested in a JSON schema's text
-    max_alternatives: int = 10_000  # enum values + anyOf/oneOf branches, choices, or `|`
-    max_grammar_rules: int = 2_000  # rules (`::=`) of an EBNF grammar
-    compile_timeout_s: float = 60.0  # a first compile in the sandbox
-    compile_memory_mb: int = 2048  # what a sandboxed compile may allocate, in MiB
-    cache_mb: int = 512  # compiled grammars kept for reuse, in MiB
+
+class StructuredOutputsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The server's structured-outputs settings (`--structured-outputs-config`, as vLLM's;
+    `FIELD_HELP` says what each field means)."""
+
+    backend: str = "auto"
+    max_bytes: int = 2**20
+    max_json_depth: int = 64
+    max_alternatives: int = 10_000
+    max_grammar_rules: int = 2_000
+    compile_timeout_s: float = 60.0
+    compile_memory_mb: int = 2048
+    cache_mb: int = 512
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -68,10 +83,6 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields
                              f"{', '.join(cls.__struct_fields__)}") from None
 
 
-def field_names() -> tuple[str, ...]:
-    return StructuredOutputsConfig.__struct_fields__
-
-
 class ConstraintLimitError(ValueError):
     """A constraint over one of the server's limits; the message names the limit and its flag."""
 
@@ -86,18 +97,19 @@ def _over(what: str, limit_name: str, limit: int) -> ConstraintLimitError:
 # a JSON string literal, written so that the regex engine never backtracks over its characters
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]")
-_OPENING = np.frombuffer(b"[{", dtype=np.uint8)
 
 
 def json_depth(text: str) -> int:
     """How deeply the brackets of JSON text nest (0 for a scalar), without parsing it: strings
     are cut out, then the depth is the largest running sum of +1 per opening bracket and -1 per
     closing one (no recursion, linear in the text)."""
+    import numpy as np  # not at import: the command line's parser reads this module
+
     brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)).encode()
     if not brackets:
         return 0
     codes = np.frombuffer(brackets, dtype=np.uint8)
-    steps = np.where(np.isin(codes, _OPENING), 1, -1)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
     return int(np.cumsum(steps).max())
 
 

@@ -13,7 +13,6 @@ deadline are aborted, so each stream ends with an error event and `[DONE]`.
 """
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -27,7 +26,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlaserve import __version__
@@ -35,6 +34,12 @@ from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
 from mlaserve.engine.core_client import AsyncEngineClient, EngineDeadError
 from mlaserve.engine.generation_config import default_sampling
 from mlaserve.engine.messages import SchedulerStats
+from mlaserve.server.http_guards import (
+    APIKeyMiddleware,
+    RequestBodyMiddleware,
+    error_response,
+    header_timeout_protocol,
+)
 from mlaserve.server.metrics import ServerMetrics
 from mlaserve.server.protocol import ErrorResponse
 from mlaserve.server.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
@@ -77,7 +82,15 @@ class ServerOptions(ServingOptions):
     """The API server's options (`mlaserve serve` flags beyond the engine's)."""
 
     max_request_body_size: int | None = None  # bytes; None: 4 MiB + 192 B per context token
+    header_read_timeout_s: float = 30.0  # a request's headers, from connection or last answer
+    body_read_timeout_s: float = 60.0  # a request's whole body, from its first read
     stats_interval_s: float | None = 10.0  # the stats line's period while busy; None: none
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("header_read_timeout_s", "body_read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 @dataclass
@@ -133,82 +146,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not loc:
         return "the request body must be a JSON object (Content-Type: application/json)", "body"
     return f"{param or 'body'}: {first.get('msg')}", param
-
-
-def _error_response(status: int, message: str, param: str | None = None,
-                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return APIError(status, message, param, headers=headers).response()
-
-
-# Paths that need the API key when the server has one (besides everything under /v1).
-KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-
-
-class APIKeyMiddleware:
-    """Answer 401 to /v1 and tokenizer requests without `Authorization: Bearer <key>`.
-
-    A plain ASGI middleware: it looks at the headers once and then hands the connection on, so
-    streamed responses pass through untouched (Starlette's BaseHTTPMiddleware would re-wrap every
-    chunk of every stream). The key is compared in constant time.
-    """
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and (scope["path"].startswith("/v1")
-                                        or scope["path"] in KEYED_PATHS):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = _error_response(401, "invalid or missing API key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class RequestBodyTooLarge(StarletteHTTPException):
-    """Raised from `receive` once a body passes the limit; FastAPI re-raises HTTPExceptions met
-    while it reads a body, and the app's handler answers it as an OpenAI 413."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than {limit} bytes "
-                              "(--max-request-body-size)")
-
-
-class BodySizeLimitMiddleware:
-    """Answer 413 to a request whose body is over the limit without reading it: at once when
-    Content-Length says so, else as soon as the bytes received pass the limit.
-
-    A plain ASGI middleware (Starlette's RequestBodyLimitMiddleware answers text/plain and takes
-    a fixed limit; this one's default follows max_model_len, known once the model is loaded).
-    """
-
-    def __init__(self, app, limit: Callable[[], int]) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit = self.limit()
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            await _error_response(413, RequestBodyTooLarge(limit).detail)(scope, receive, send)
-            return
-        received = 0
-
-        async def limited_receive() -> dict:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise RequestBodyTooLarge(limit)
-            return message
-
-        await self.app(scope, limited_receive, send)
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -310,6 +247,8 @@ def create_app(engine_args: EngineArgs, served_model_name: str | Sequence[str] |
         loader.cancel()  # a load still running stops its engine process
         with suppress(asyncio.CancelledError):
             await loader
+        if state.serving is not None:
+            state.serving.close()
         if state.engine is not None:
             await state.engine.shutdown()
 
@@ -320,7 +259,7 @@ def create_app(engine_args: EngineArgs, served_model_name: str | Sequence[str] |
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return _error_response(400, message, param)
+        return error_response(400, message, param)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -329,14 +268,20 @@ def create_app(engine_args: EngineArgs, served_model_name: str | Sequence[str] |
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if exc.status_code != 400 else f"invalid request body: {exc.detail}"
-        return _error_response(exc.status_code, str(message), headers=exc.headers)
+        return error_response(exc.status_code, str(message), headers=exc.headers)
+
+    @app.exception_handler(RecursionError)
+    async def on_too_deep(request: Request, exc: RecursionError):
+        # input nested past Python's recursion limit, wherever it was read
+        return error_response(400, "the request nests too deeply to be read; flatten it")
 
     @app.exception_handler(Exception)
     async def on_unexpected_error(request: Request, exc: Exception):
         logger.exception("unexpected error answering %s", request.url.path)
-        return _error_response(500, f"internal error: {type(exc).__name__}")
+        return error_response(500, f"internal error: {type(exc).__name__}")
 
-    app.add_middleware(BodySizeLimitMiddleware, limit=lambda: state.max_request_body_size)
+    app.add_middleware(RequestBodyMiddleware, limit=lambda: state.max_request_body_size,
+                       timeout_s=state.options.body_read_timeout_s)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -461,6 +406,7 @@ def build_server(app: FastAPI, **config: object) -> uvicorn.Server:
     """A uvicorn server for `app` (config: uvicorn.Config's keywords) that a failed model load
     or a dead engine stops, also when it runs off the main thread."""
     state: ServerState = app.state.server
+    config.setdefault("http", header_timeout_protocol(state.options.header_read_timeout_s))
     server = _Server(uvicorn.Config(app, **config), state)
     state.stop = lambda: setattr(server, "should_exit", True)
     state.url = f"http://{server.config.host}:{server.config.port}"

@@ -11,7 +11,8 @@ What a request may cost is bounded before the engine sees it: text longer than
 `MAX_CHARS_PER_TOKEN` characters per token of the context is refused before it is tokenized;
 tokenizing and chat-template rendering run in a small thread pool (the event loop keeps serving
 /health and the other streams meanwhile); at most max_num_seqs + max_waiting_requests prompts
-are admitted at once (the next gets 503 with Retry-After); a stream whose client stops reading
+are admitted at once (the next gets 503 with Retry-After), of which one request (prompts x
+samples) may hold at most `max_request_share` (more is a 400); a stream whose client stops reading
 for `stream_send_timeout_s` is aborted; a non-streaming request whose client disconnects is
 aborted; on shutdown the requests still in flight are aborted in time for an error event.
 """
@@ -74,6 +75,7 @@ class ServingOptions:
 
     max_num_seqs: int = 256
     max_waiting_requests: int = 1024  # admitted prompts beyond max_num_seqs; then 503
+    max_request_share: float = 0.5  # of those admitted at once, what one request may hold
     chat_template: str | None = None  # the server's template, in place of the tokenizer's
     # what a request's missing sampling fields take (`engine.generation_config`)
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
@@ -84,6 +86,14 @@ class ServingOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # e.g. "deepseek_v3" (tool_calls.TOOL_CALL_PARSERS)
     reasoning_parser: str | None = None  # e.g. "deepseek_r1" (reasoning.REASONING_PARSERS)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_request_share <= 1:
+            raise ValueError("max_request_share must be in (0, 1] (a share of the requests "
+                             f"admitted at once), got {self.max_request_share}")
+        for name in ("chat_template_timeout_s", "stream_send_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 @dataclass
@@ -162,6 +172,8 @@ class ServingBase:
         self.token_text = TokenText(self.tokenizer)
         self.limiter = anyio.CapacityLimiter(self.options.tokenizer_threads)
         self.max_admitted = self.options.max_num_seqs + self.options.max_waiting_requests
+        # one request's share of that bound (prompts x samples): no request locks the others out
+        self.max_per_request = max(1, int(self.options.max_request_share * self.max_admitted))
         self.num_admitted = 0
         self.admissions: set[Admission] = set()
         self.draining = False  # the server is stopping: no new requests
@@ -338,9 +350,12 @@ class ServingBase:
                            param="best_of")
         if stream and samples != n:
             raise APIError(400, "best_of must equal n when streaming", param="best_of")
-        if num_prompts * samples > self.max_admitted:
-            raise APIError(400, f"{num_prompts} prompts x {samples} samples are more than this "
-                           f"server admits at once ({self.max_admitted})", param="n")
+        if num_prompts * samples > self.max_per_request:
+            raise APIError(400, f"{num_prompts} prompts x {samples} samples are more than one "
+                           f"request may hold ({self.max_per_request}: --max-request-share "
+                           f"{self.options.max_request_share:g} of the {self.max_admitted} "
+                           "sequences this server admits at once, --max-num-seqs + "
+                           "--max-waiting-requests)", param="n" if samples > 1 else "prompt")
         return samples
 
     @staticmethod

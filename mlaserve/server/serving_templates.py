@@ -1,12 +1,13 @@
 """Chat templates and the tokenizer routes: `TemplateServing` renders a request's messages
 with the model's chat template (or, with --trust-request-chat-template, a request-supplied one
-in a bounded sandbox) and serves /tokenize and /detokenize."""
+in a sandbox process bounded in time, size and memory: chat_template_sandbox.py) and serves
+/tokenize and /detokenize."""
 
 import json
 
 from jinja2 import TemplateError
 
-from mlaserve.server.formatting import TemplateLimitError, render_request_chat_template
+from mlaserve.server.chat_template_sandbox import RequestTemplateRenderer, TemplateLimitError
 from mlaserve.server.protocol_chat import ChatMessage
 from mlaserve.server.protocol_extras import (
     DetokenizeRequest,
@@ -19,6 +20,15 @@ from mlaserve.server.serving_base import APIError, ServingBase
 
 class TemplateServing(ServingBase):
     """The shared steps, plus chat-template rendering and the tokenizer routes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.template_renderer = RequestTemplateRenderer(self.options.chat_template_timeout_s,
+                                                         self.max_prompt_chars)
+
+    def close(self) -> None:
+        """Stop the request-template renderer's processes."""
+        self.template_renderer.close()
 
     # ---- chat templates -----------------------------------------------------------------
     def check_chat_template(self, template: str | None) -> None:
@@ -59,14 +69,16 @@ class TemplateServing(ServingBase):
                     continue_final_message=continue_final_message, **kwargs)
             context = {**self.tokenizer.special_tokens_map, **kwargs, "messages": plain,
                        "add_generation_prompt": add_generation_prompt}
-            text = render_request_chat_template(template, context,
-                                                self.options.chat_template_timeout_s,
-                                                self.max_prompt_chars)
+            text = self.template_renderer.render(template, context)
             return continued(text, plain[-1]["content"]) if continue_final_message else text
         except TemplateLimitError as exc:
             raise APIError(400, f"the chat template was stopped: {exc}",
                            param="chat_template") from None
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        except RecursionError:
+            raise APIError(400, "the chat template cannot render these messages: they nest "
+                           "too deeply", param="messages") from None
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError,
+                ArithmeticError) as exc:
             raise APIError(400, f"the chat template cannot render these messages: {exc}",
                            param="messages") from None
 

@@ -27,15 +27,19 @@ class StructuredOutputError(ValueError):
 
 
 def schema_text(schema: Any, param: str) -> str:
-    """A JSON schema given as an object or as JSON text -> JSON text of an object."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise StructuredOutputError(f"{param} is not valid JSON: {exc}", param) from None
-    if not isinstance(schema, dict):
-        raise StructuredOutputError(f"{param} must be a JSON schema object", param)
-    return json.dumps(schema, ensure_ascii=False)
+    """A JSON schema given as an object or as JSON text -> JSON text of an object (its size and
+    depth are checked against the server's limits by `messages.validate_prompt`)."""
+    try:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise StructuredOutputError(f"{param} is not valid JSON: {exc}", param) from None
+        if not isinstance(schema, dict):
+            raise StructuredOutputError(f"{param} must be a JSON schema object", param)
+        return json.dumps(schema, ensure_ascii=False)
+    except RecursionError:
+        raise StructuredOutputError(f"{param} nests too deeply", param) from None
 
 
 def from_response_format(fmt: ResponseFormat | TextFormat | None, param: str
