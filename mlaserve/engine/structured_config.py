@@ -7,8 +7,8 @@ stand between a request and the engine:
 
 1. `check_limits`, here, before anything parses the constraint: its size in bytes, the nesting
    depth of a schema's JSON (a linear scan, no recursion), its alternatives (enum values,
-   anyOf/oneOf branches, choices, `|`) and a grammar's rules. Over a limit is a ValueError that
-   names the limit and its flag (the server answers 400).
+   anyOf/oneOf branches, choices, |-separated branches) and a grammar's rules. Over a limit is
+   a ValueError that names the limit and its flag (the server answers 400).
 2. The grammar sandbox (`grammar_sandbox.py`): a constraint seen for the first time is compiled
    in a worker process that has `compile_timeout_s` seconds and `compile_memory_mb` MiB.
 3. The engine compiles it again in its own process only once the sandbox has done so, and keeps
@@ -33,7 +33,8 @@ FIELD_HELP = {
                  "JSON (bytes)",
     "max_json_depth": "deepest nesting of brackets in a JSON schema's text",
     "max_alternatives": "most alternatives: enum values plus anyOf/oneOf branches of a schema, "
-                        "choices of a list, or '|' of a regex or grammar",
+                        "choices of a list, |-separated branches of a regex or of a "
+                        "grammar's rules",
     "max_grammar_rules": "most rules ('::=') of an EBNF grammar",
     "compile_timeout_s": "seconds a constraint's first compile may take (in the sandbox)",
     "compile_memory_mb": "MiB a constraint's first compile may allocate (in the sandbox)",
@@ -150,8 +151,9 @@ def check_limits(kind: str, spec: str, config: StructuredOutputsConfig) -> None:
         what = "enum values and anyOf/oneOf branches"
     elif kind == "choice":
         alternatives, what = len(json.loads(spec)), "choices"
-    else:
-        alternatives, what = spec.count("|"), "alternatives ('|')"
+    else:  # a regex's branches; a grammar's, over all its rules (each has one, and one per |)
+        alternatives = spec.count("|") + max(1, spec.count("::="))
+        what = "alternatives (|-separated)"
     if alternatives > config.max_alternatives:
         raise _over(f"{field} has {alternatives} {what}", "max_alternatives",
                     config.max_alternatives)

@@ -12,7 +12,7 @@ it renders in two fences:
 2. A worker process (pebble's process pool) that the API process waits for at most the
    deadline plus `HARD_DEADLINE_MARGIN_S`, and kills past it: one C-level call that the checks
    above cannot interrupt cannot freeze the API process. The worker runs under RLIMIT_DATA
-   (its start-up size plus `RENDER_MEMORY_MB`) at a lower priority than the server.
+   (its start-up size plus `RENDER_MEMORY_MB`).
 
 Every fault of the template, the input or the budget is a `TemplateLimitError` or jinja2's
 TemplateError, which the server answers with a 400.
@@ -22,9 +22,9 @@ import datetime
 import json
 import math
 import multiprocessing
-import os
 import re
 import resource
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +40,6 @@ MAX_INT_BITS = 4096  # integers a template may build (a count or an index needs 
 HARD_DEADLINE_MARGIN_S = 1.0  # past the soft deadline, the worker is killed
 RENDER_MEMORY_MB = 512  # what a render may allocate beyond the worker's start-up size
 RENDER_WORKERS = 2
-WORKER_NICENESS = 10
 
 
 class TemplateLimitError(Exception):
@@ -291,9 +290,9 @@ _environment: BoundedTemplateEnvironment | None = None
 
 
 def _start_worker(memory_bytes: int) -> None:
-    """pebble's initializer: lower priority, the environment, then the memory cap."""
+    """pebble's initializer: the environment, then the memory cap."""
     global _environment
-    os.nice(WORKER_NICENESS)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a render stuck in C code ends at once
     _environment = BoundedTemplateEnvironment()
     status = open("/proc/self/status").read()
     limit = int(re.search(r"VmData:\s+(\d+) kB", status).group(1)) * 1024 + memory_bytes
