@@ -41,7 +41,9 @@ from mlaserve.engine.grammars import GrammarKey, error_text, parse_grammar
 from mlaserve.engine.structured_config import StructuredOutputsConfig
 
 SMALL_CONSTRAINT_BYTES = 16 * 2**10
-COMPILE_THREADS = 4  # xgrammar's threads per compile, here and in the engine
+# xgrammar's threads per compile, here and in the engine: a quarter of the cores, 1 to 4 (more
+# would take the cores that the engine's steps run on)
+COMPILE_THREADS = min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 class TrialResult(NamedTuple):
@@ -62,8 +64,7 @@ class GrammarSandbox:
         """tokenizer_info_json: the engine's xgrammar TokenizerInfo, serialized (each worker
         compiles against the same vocabulary)."""
         self._config = config
-        self._initargs = (tokenizer_info_json, config.compile_memory_mb * 2**20,
-                          min(COMPILE_THREADS, os.cpu_count() or 1))
+        self._initargs = (tokenizer_info_json, config.compile_memory_mb * 2**20, COMPILE_THREADS)
         self._lanes: dict[bool, object] = {}  # small? -> pebble.ProcessPool, made on first use
         self._worn: set[bool] = set()  # lanes whose worker hit its memory cap
 

@@ -218,9 +218,8 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self._stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(
-                    info, max_threads=min(COMPILE_THREADS, os.cpu_count() or 1),
-                    cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,
+                                                     cache_enabled=False)
                 self._tokenizer_info_json = info.serialize_json()
             return self._compiler
 
