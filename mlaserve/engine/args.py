@@ -155,6 +155,12 @@ def check_parallel(args: EngineArgs, config: ModelConfig | None = None) -> None:
                              "lower the sizes, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
 
 
+def cpu_threads_per_rank(world_size: int, spare_cores: int = 0) -> int:
+    """Torch's threads for each rank of an engine on the CPU: the cores that `spare_cores`
+    leaves to other processes, divided among the ranks (at least one each)."""
+    return max(1, ((os.cpu_count() or 1) - spare_cores) // world_size)
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """The device of world rank `rank`: the rank-th GPU from `device`'s; the CPU."""
     if device.type != "cuda":

@@ -39,7 +39,6 @@ others before each step, and a core without a batch joins the others' MoE exchan
 """
 
 import logging
-import os
 import time
 
 import torch
@@ -52,6 +51,7 @@ from mlaserve.distributed import get_tp_group
 from mlaserve.engine.args import (
     EngineArgs,
     check_parallel,
+    cpu_threads_per_rank,
     model_dir_of,
     parallel_layout,
     rank_device,
@@ -99,13 +99,16 @@ def eos_token_ids(config: ModelConfig, tokenizer) -> list[int]:
 class EngineCore:
     """Loads the model into a paged latent cache and runs scheduler steps over token ids."""
 
-    def __init__(self, args: EngineArgs, replica: int = 0, store_port: int | None = None) -> None:
+    def __init__(self, args: EngineArgs, replica: int = 0, store_port: int | None = None,
+                 spare_cores: int = 0) -> None:
         """Load the model (this rank's shard) and start the replica's workers.
 
         Args:
             replica: this core's data-parallel replica (0 .. data_parallel_size - 1).
             store_port: the world's store under expert parallelism (opened by the process that
                 started the cores); None otherwise.
+            spare_cores: on the CPU, cores the ranks leave to other processes (a server's; see
+                core_process.SERVER_SPARE_CORES).
         """
         resolve_backend_name(args.attention_backend)  # fail on a bad name before loading
         model_dir = model_dir_of(args)
@@ -131,11 +134,13 @@ class EngineCore:
         tokenizer = load_tokenizer(args.tokenizer or model_dir)
         self.workers: WorkerGroup | None = None
         self.lockstep: Lockstep | None = None
+        if self.device.type == "cpu" and (layout.world_size > 1 or spare_cores):
+            # the ranks share the cores
+            torch.set_num_threads(cpu_threads_per_rank(layout.world_size, spare_cores))
         if layout.world_size > 1:
             self.device = rank_device(self.device, layout.core_rank(replica))
-            if self.device.type == "cpu":  # the ranks share the cores
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
-            self.workers = WorkerGroup.start(args, self.device, replica, store_port)
+            self.workers = WorkerGroup.start(args, self.device, replica, store_port,
+                                             spare_cores)
             self.lockstep = self.workers.lockstep
         try:  # workers started: stop them if the rest of the set-up fails
             self._set_up(args, tokenizer, max_model_len, budget, replica)

@@ -50,6 +50,11 @@ from mlaserve.engine.messages import EngineCoreOutput, EngineCoreRequest, Engine
 logger = logging.getLogger(__name__)
 
 FAULT_FILE_ENV = "MLASERVE_FAULT_FILE"
+# On the CPU, the cores an engine leaves to the API process beside it (and to the grammar and
+# template workers): torch's OpenMP threads stall a whole step whenever one of them shares a
+# core with another busy process (on 2 cores, 10 ms steps took up to 180 ms beside a grammar
+# compile; with one core left, 27 ms)
+SERVER_SPARE_CORES = 1
 IDLE_POLL_MS = 500  # an idle core checks its tensor-parallel workers this often
 LINGER_MS = 2000  # how long the last messages may take to leave when the process exits
 
@@ -127,7 +132,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     encoder = msgspec.msgpack.Encoder()
     try:
         try:
-            core = EngineCore(args, replica, store_port)
+            core = EngineCore(args, replica, store_port, spare_cores=SERVER_SPARE_CORES)
             if core.workers is not None:
                 core.workers.exit_on_failure = True  # a dead worker may hang NCCL: exit
             core.warm_up()

@@ -56,6 +56,7 @@ from mlaserve.distributed.launch import (
 )
 from mlaserve.engine.args import (
     EngineArgs,
+    cpu_threads_per_rank,
     model_dir_of,
     parallel_layout,
     rank_device,
@@ -157,10 +158,11 @@ class WorkerGroup:
 
     @classmethod
     def start(cls, args: EngineArgs, device: torch.device, replica: int = 0,
-              store_port: int | None = None) -> "WorkerGroup":
+              store_port: int | None = None, spare_cores: int = 0) -> "WorkerGroup":
         """Spawn the replica's ranks after this one and join the world with them (this process
         is the replica's engine core); on return the parallel groups are set for the model to
-        be built. `store_port`: the world's store (data parallel), else this core opens one."""
+        be built. `store_port`: the world's store (data parallel), else this core opens one;
+        `spare_cores`: as the core's (`cpu_threads_per_rank`)."""
         layout = parallel_layout(args)
         first = layout.core_rank(replica)
         if device.type == "cuda":
@@ -179,7 +181,7 @@ class WorkerGroup:
             process = context.Process(
                 target=run_worker, name=f"mlaserve-worker-{rank}", daemon=True,
                 args=(args, rank, store.port, os.getpid(),
-                      logging.getLogger().getEffectiveLevel()))
+                      logging.getLogger().getEffectiveLevel(), spare_cores))
             process.start()
             processes.append(process)
         group = cls(store, first, processes)
@@ -384,7 +386,7 @@ class StepBroadcast:
 
 # ---- ranks 1 .. N-1 --------------------------------------------------------------------------
 def run_worker(args: EngineArgs, rank: int, store_port: int, parent_pid: int,
-               log_level: int) -> None:
+               log_level: int, spare_cores: int = 0) -> None:
     """Process entry of world rank `rank`, spawned by its engine core: join the groups, load
     the shard, run the core's steps."""
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
@@ -392,7 +394,7 @@ def run_worker(args: EngineArgs, rank: int, store_port: int, parent_pid: int,
     exit_with_parent(parent_pid, f"worker {rank}")
     layout = parallel_layout(args)
     store = connect_store(store_port, layout.world_size, STORE_TIMEOUT)
-    _serve_steps(args, rank, rank, store)
+    _serve_steps(args, rank, rank, store, spare_cores)
 
 
 def run_torchrun_worker(args: EngineArgs) -> int:
@@ -405,7 +407,8 @@ def run_torchrun_worker(args: EngineArgs) -> int:
     return 0
 
 
-def _serve_steps(args: EngineArgs, rank: int, local_rank: int, store: dist.Store) -> None:
+def _serve_steps(args: EngineArgs, rank: int, local_rank: int, store: dist.Store,
+                 spare_cores: int = 0) -> None:
     """Join the world as `rank` (GPU `local_rank` from --device's), load this rank's shard and
     run its engine core's steps until told to shut down; a failure is reported in the store and
     exits the process."""
@@ -415,7 +418,7 @@ def _serve_steps(args: EngineArgs, rank: int, local_rank: int, store: dist.Store
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
+            torch.set_num_threads(cpu_threads_per_rank(layout.world_size, spare_cores))
         store.set(f"mlaserve/joined/{rank}", "1")
         groups = join_world(store, rank, layout, device, DATA_TIMEOUT)
         Worker(args, device, groups.control).run()
