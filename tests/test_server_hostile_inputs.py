@@ -29,9 +29,11 @@ _spec = importlib.util.spec_from_file_location("stall_bench", ROOT / "scripts/st
 stall_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(stall_bench)
 
-STRUCTURED = StructuredOutputsConfig(max_bytes=256 * 2**10, max_json_depth=24,
-                                     max_alternatives=3000, max_grammar_rules=300,
-                                     compile_timeout_s=30, compile_memory_mb=512, cache_mb=16)
+# a constraint at max_alternatives compiles for about a second here (beside it, a yes/no choice
+# must be answered first)
+STRUCTURED = StructuredOutputsConfig(max_json_depth=24, max_alternatives=20_000,
+                                     max_grammar_rules=300, compile_timeout_s=30,
+                                     compile_memory_mb=512, cache_mb=16)
 LIMITS = stall_bench.Limits(structured=STRUCTURED, max_per_request=16,  # 0.5 x (16 + 16)
                             header_read_timeout_s=1.0, body_read_timeout_s=1.0)
 FLAGS = ["--num-kv-blocks", "256", "--block-size", "16", "--max-num-seqs", "16",

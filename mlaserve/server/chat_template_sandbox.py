@@ -140,13 +140,19 @@ class BoundedTemplateEnvironment(ImmutableSandboxedEnvironment):
             if method in ("replace", "join"):
                 _over_budget(_size(owner) * max(1, *(_size(v) for v in values)) + sum(
                     _size(v) for v in values))
-            elif method in ("format", "format_map") and _has_wide_field(owner, limit):
-                raise TemplateLimitError("the chat template formats a field over the budget")
             elif method == "expandtabs":  # each tab grows by up to tabsize
                 tabsize = (*args, *kwargs.values(), 8)[0]
                 if _is_int(tabsize):
                     _over_budget(len(owner) + owner.count("\t") * tabsize)
         return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """`'...'.format` and `format_map` (jinja2 wraps them when they are looked up): a
+        format string with a field wider than the budget is refused there."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None and _has_wide_field(value.__self__, _budget.max_chars):
+            raise TemplateLimitError("the chat template formats a field over the budget")
+        return wrapped
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         _check_deadline()
