@@ -4,8 +4,8 @@ and memory, before the engine compiles it in its own.
 Why: xgrammar parses and compiles in C++ calls that no deadline can interrupt, and their time
 and memory depend on what a client wrote (a schema nested hundreds deep parses for seconds, a
 grammar of 100,000 rules allocates until the kernel kills the process). In a worker process
-both are bounded: the worker runs under RLIMIT_DATA (its size after start-up plus
-`compile_memory_mb`), so an allocation past it fails inside xgrammar (std::bad_alloc, reported
+both are bounded: the worker may allocate `compile_memory_mb` beyond its size after start-up
+(sandbox_process.py), so an allocation past it fails inside xgrammar (std::bad_alloc, reported
 as MemoryError), and pebble's process pool kills a trial that runs past `compile_timeout_s`,
 or whose requests are all gone (`Future.cancel`), and starts a new worker. A trial that ends
 says how long the compile took (`TrialResult`); the engine then compiles the same grammar in
@@ -21,16 +21,11 @@ one never waits behind a large one. A worker that hit its memory cap is replaced
 takes the next trial. Workers are spawned (the engine process has threads) when the first
 constraint of their lane arrives. They run at the engine's priority: on a 2-core machine with
 greedy streams running, tests/test_server_hostile_inputs.py's heavy constraint was answered in
-0.3 s so and in 18-19 s with its worker at nice 5.
+0.3 s, and in 18-19 s when its worker ran at nice 5.
 """
 
-import ctypes
-import ctypes.util
 import multiprocessing
 import os
-import re
-import resource
-import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -39,6 +34,7 @@ from typing import NamedTuple
 
 from mlaserve.engine.grammars import GrammarKey, error_text, parse_grammar
 from mlaserve.engine.structured_config import StructuredOutputsConfig
+from mlaserve.sandbox_process import enter_sandbox, trim_heap
 
 SMALL_CONSTRAINT_BYTES = 16 * 2**10
 # xgrammar's threads per compile, here and in the engine: a quarter of the cores, 1 to 4 (more
@@ -126,41 +122,18 @@ def _stop(pool) -> None:
     pool.join(timeout=5)
 
 
-def trim_heap() -> None:
-    """Give the heap's free memory back to the system (glibc keeps what a large compile freed;
-    the resident size would stay at its peak). A no-op without glibc."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    trim = getattr(_libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-_libc: ctypes.CDLL | None = None
-
-
 # ---- the worker process ---------------------------------------------------------------------
 _compiler = None  # the worker's xgrammar GrammarCompiler
 
 
-def _vm_data_bytes() -> int:
-    status = open("/proc/self/status").read()
-    return int(re.search(r"VmData:\s+(\d+) kB", status).group(1)) * 1024
-
-
 def _start_worker(tokenizer_info_json: str, memory_bytes: int, threads: int) -> None:
-    """pebble's initializer: the compiler, then the memory cap."""
+    """pebble's initializer: the compiler, then the memory cap (`enter_sandbox`)."""
     global _compiler
-    # pebble's SIGTERM handler is Python code, which waits for a compile (one C++ call) to
-    # return: the default action ends the worker at once when a trial is killed
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     _compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-    limit = _vm_data_bytes() + memory_bytes
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    enter_sandbox(memory_bytes)
 
 
 def _trial(key: GrammarKey) -> TrialResult:

@@ -48,15 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mlaserve.engine.grammar_sandbox import (
-    COMPILE_THREADS,
-    GrammarSandbox,
-    TrialResult,
-    trim_heap,
-)
+from mlaserve.engine.grammar_sandbox import COMPILE_THREADS, GrammarSandbox, TrialResult
 from mlaserve.engine.grammars import GrammarKey, error_text, grammar_key, parse_grammar
 from mlaserve.engine.request import Request, StructuredOutputs
 from mlaserve.engine.structured_config import StructuredOutputsConfig, check_limits
+from mlaserve.sandbox_process import trim_heap
 
 if TYPE_CHECKING:
     import xgrammar

@@ -11,8 +11,8 @@ it renders in two fences:
    before a product or power builds them; recursion past Python's limit is a limit error.
 2. A worker process (pebble's process pool) that the API process waits for at most the
    deadline plus `HARD_DEADLINE_MARGIN_S`, and kills past it: one C-level call that the checks
-   above cannot interrupt cannot freeze the API process. The worker runs under RLIMIT_DATA
-   (its start-up size plus `RENDER_MEMORY_MB`).
+   above cannot interrupt cannot freeze the API process. The worker may allocate
+   `RENDER_MEMORY_MB` beyond its start-up size (sandbox_process.py).
 
 Every fault of the template, the input or the budget is a `TemplateLimitError` or jinja2's
 TemplateError, which the server answers with a 400.
@@ -23,8 +23,6 @@ import json
 import math
 import multiprocessing
 import re
-import resource
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +33,8 @@ from jinja2 import TemplateError, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
+
+from mlaserve.sandbox_process import enter_sandbox
 
 MAX_INT_BITS = 4096  # integers a template may build (a count or an index needs far fewer)
 HARD_DEADLINE_MARGIN_S = 1.0  # past the soft deadline, the worker is killed
@@ -296,13 +296,10 @@ _environment: BoundedTemplateEnvironment | None = None
 
 
 def _start_worker(memory_bytes: int) -> None:
-    """pebble's initializer: the environment, then the memory cap."""
+    """pebble's initializer: the environment, then the memory cap (`enter_sandbox`)."""
     global _environment
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a render stuck in C code ends at once
     _environment = BoundedTemplateEnvironment()
-    status = open("/proc/self/status").read()
-    limit = int(re.search(r"VmData:\s+(\d+) kB", status).group(1)) * 1024 + memory_bytes
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    enter_sandbox(memory_bytes)
 
 
 def _render_in_worker(source: str, context: dict[str, Any], timeout_s: float,

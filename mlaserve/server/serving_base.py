@@ -10,11 +10,14 @@ client, which sees every token.
 What a request may cost is bounded before the engine sees it: text longer than
 `MAX_CHARS_PER_TOKEN` characters per token of the context is refused before it is tokenized;
 tokenizing and chat-template rendering run in a small thread pool (the event loop keeps serving
-/health and the other streams meanwhile); at most max_num_seqs + max_waiting_requests prompts
-are admitted at once (the next gets 503 with Retry-After), of which one request (prompts x
-samples) may hold at most `max_request_share` (more is a 400); a stream whose client stops reading
-for `stream_send_timeout_s` is aborted; a non-streaming request whose client disconnects is
-aborted; on shutdown the requests still in flight are aborted in time for an error event.
+/health and the other streams meanwhile; a request's own template renders in a worker process,
+chat_template_sandbox.py); at most max_num_seqs + max_waiting_requests prompts are admitted at
+once (the next gets 503 with Retry-After), of which one request (prompts x samples) may hold at
+most `max_request_share` (more is a 400). A constrained request is answered once its grammar
+has compiled (`start`), so a constraint the engine refuses is a 400 even when streaming. A
+stream whose client stops reading for `stream_send_timeout_s` is aborted; a non-streaming
+request whose client disconnects is aborted (one INFO line); on shutdown the requests still in
+flight are aborted in time for an error event.
 """
 
 import asyncio
