@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 from mlaserve import __version__
@@ -14,57 +15,67 @@ from mlaserve.option_values import KV_CACHE_DTYPE_NAMES, QUANTIZATION_MODES
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, named as vLLM names them."""
+    """The engine flags, named as vLLM names them; their defaults are EngineArgs'."""
+    from mlaserve.engine.args import EngineArgs as D  # torch-free: the one set of defaults
+
     parser.add_argument("model", nargs="?", default=None,
                         help="HF model directory (default: the built-in demo model)")
-    parser.add_argument("--attention-backend", default=None,
+    parser.add_argument("--attention-backend", default=D.attention_backend,
                         help="torch | triton | flashinfer | auto (also TRITON_MLA, "
                              "FLASHINFER_MLA; default: $MLASERVE_ATTENTION_BACKEND or auto)")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--kv-cache-memory", type=_bytes, default=None,
+    parser.add_argument("--device", default=D.device, help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default=D.dtype, help="auto | float32 | float16 | bfloat16")
+    parser.add_argument("--block-size", type=int, default=D.block_size)
+    parser.add_argument("--max-num-seqs", type=int, default=D.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=D.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=D.max_model_len)
+    parser.add_argument("--num-kv-blocks", type=int, default=D.num_kv_blocks)
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=D.gpu_memory_utilization)
+    parser.add_argument("--kv-cache-memory", type=_bytes, default=D.kv_cache_memory,
                         help="CPU KV cache budget, e.g. 2GiB (default: a safe share of RAM)")
-    parser.add_argument("--load-format", default="auto", help="auto | safetensors | dummy")
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
+    parser.add_argument("--load-format", default=D.load_format, help="auto | safetensors | dummy")
+    parser.add_argument("--quantization", default=D.quantization, choices=QUANTIZATION_MODES,
                         help="auto: a block-FP8 checkpoint keeps its Linear weights FP8 (w8a8 "
                              "block GEMMs) on GPUs of compute capability >= 8.9 and is "
                              "dequantized on load to --dtype elsewhere; none: always dequantize "
                              "on load; fp8: keep FP8 weights on any device (a bf16 checkpoint "
                              "is quantized to 128x128 blocks as it loads; the CPU dequantizes "
                              "per GEMM; dummy weights are drawn FP8)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
+    parser.add_argument("--kv-cache-dtype", default=D.kv_cache_dtype,
+                        choices=KV_CACHE_DTYPE_NAMES,
                         help="the latent cache's element type: auto (the model's dtype) or fp8 "
                              "(float8_e4m3fn, scale 1; triton and torch backends)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
-    parser.add_argument("--hf-overrides", type=json_object, default=None,
+    parser.add_argument("--seed", type=int, default=D.seed)
+    parser.add_argument("--tokenizer", default=D.tokenizer,
+                        help="tokenizer directory (default: model)")
+    parser.add_argument("--hf-overrides", type=json_object, default=D.hf_overrides,
                         help='JSON merged into config.json, e.g. \'{"num_hidden_layers": 4}\'')
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True)
+                        default=D.enable_prefix_caching)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly (no CUDA graphs)")
-    parser.add_argument("--max-seq-len-to-capture", type=int, default=8192,
+    parser.add_argument("--max-seq-len-to-capture", type=int,
+                        default=D.max_seq_len_to_capture,
                         help="longest sequence a decode CUDA graph covers; longer run eagerly")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int,
+                        default=D.tensor_parallel_size,
                         help="split the model across this many processes (GPUs on CUDA: rank "
                              "r uses the r-th from --device's), one host")
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+    parser.add_argument("--data-parallel-size", "-dp", type=int,
+                        default=D.data_parallel_size,
                         help="serve with this many replicas, each with its own scheduler and "
                              "latent cache (tensor-parallel-size ranks each; serve only)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="the data-parallel replicas split the routed experts between them "
                              "and exchange tokens in the MoE layers (all-to-all)")
-    parser.add_argument("--generation-config", default="auto",
+    parser.add_argument("--generation-config", default=D.generation_config,
                         help="sampling defaults for what a request leaves out: auto (the "
                              "model's generation_config.json), vllm (temperature 1, top_p 1), or "
                              "a directory with a generation_config.json")
-    parser.add_argument("--override-generation-config", type=json_object, default=None,
+    parser.add_argument("--override-generation-config", type=json_object,
+                        default=D.override_generation_config,
                         help='JSON merged over those defaults, e.g. \'{"temperature": 0.6}\'')
     add_structured_outputs_arguments(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -113,28 +124,16 @@ def _bytes(text: str) -> int:
 
 
 def engine_args_from(args: argparse.Namespace):
+    """EngineArgs from the engine flags (`add_engine_arguments`): each field from the flag of
+    its name."""
     from mlaserve.engine.args import EngineArgs
 
-    return EngineArgs(
-        model=args.model, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len, load_format=args.load_format,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching, hf_overrides=args.hf_overrides,
-        tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
-        max_seq_len_to_capture=args.max_seq_len_to_capture,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        generation_config=args.generation_config,
-        override_generation_config=args.override_generation_config,
-        structured_outputs_config=_structured_outputs_config(args))
+    values = {f.name: getattr(args, f.name) for f in fields(EngineArgs)
+              if f.name != "structured_outputs_config"}
+    return EngineArgs(**values, structured_outputs_config=_structured_outputs_config(args))
 
 
-def _torchrun_worker(engine_args) -> int | None:
+def _torchrun_worker() -> int | None:
     """Under torchrun every rank runs this command: a rank > 0 serves its engine core's steps
     here (returns its exit status); None on rank 0, or without torchrun."""
     from mlaserve.distributed.launch import torchrun_rank
@@ -144,18 +143,18 @@ def _torchrun_worker(engine_args) -> int | None:
         return None
     from mlaserve.engine.worker import run_torchrun_worker
 
-    return run_torchrun_worker(engine_args)
+    return run_torchrun_worker()
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from mlaserve.engine.args import check_parallel
     from mlaserve.engine.engine import LLMEngine
+    from mlaserve.engine.engine_config import check_parallel
     from mlaserve.engine.generation_config import default_sampling
     from mlaserve.engine.request import SamplingParams
 
     engine_args = engine_args_from(args)
     check_parallel(engine_args)
-    if (status := _torchrun_worker(engine_args)) is not None:
+    if (status := _torchrun_worker()) is not None:
         return status
     given = {name: value for name, value in (("temperature", args.temperature),
                                              ("top_p", args.top_p)) if value is not None}
@@ -176,14 +175,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from mlaserve.engine.args import check_parallel
+    from mlaserve.engine.engine_config import check_parallel
     from mlaserve.server.api import ServerOptions, build_server, create_app
     from mlaserve.server.chat_template_sandbox import load_chat_template
 
     engine_args = engine_args_from(args)
     check_parallel(engine_args)  # before the engine process is spawned
     chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
-    if (status := _torchrun_worker(engine_args)) is not None:
+    if (status := _torchrun_worker()) is not None:
         return status
     options = ServerOptions(
         max_request_body_size=args.max_request_body_size,

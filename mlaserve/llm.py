@@ -35,10 +35,15 @@ class LLM:
         >>> llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0))[0].text
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 attention_backend: str = "auto", block_size: int = 64, max_num_seqs: int = 256,
-                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
-                 load_format: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
+    def __init__(self, model: str | None = None, *, dtype: str = EngineArgs.dtype,
+                 device: str = EngineArgs.device,
+                 attention_backend: str | None = EngineArgs.attention_backend,
+                 block_size: int = EngineArgs.block_size,
+                 max_num_seqs: int = EngineArgs.max_num_seqs,
+                 num_kv_blocks: int | None = EngineArgs.num_kv_blocks,
+                 max_model_len: int | None = EngineArgs.max_model_len,
+                 load_format: str = EngineArgs.load_format, seed: int = EngineArgs.seed,
+                 tensor_parallel_size: int = EngineArgs.tensor_parallel_size,
                  **kwargs) -> None:
         known = {f.name for f in fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)

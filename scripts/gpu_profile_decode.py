@@ -46,8 +46,8 @@ def profile_prefill(core: EngineCore, rng: random.Random, args: argparse.Namespa
     core.abort_requests(list(core.requests))
     while core.has_unfinished:
         core.step()
-    vocab = core.config.vocab_size
-    num_prompts = max(8, core.scheduler_config.max_num_batched_tokens // args.prompt_len * 4)
+    vocab = core.config.model.vocab_size
+    num_prompts = max(8, core.config.scheduler.max_num_batched_tokens // args.prompt_len * 4)
     for i in range(num_prompts):
         ids = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
         core.add_request(EngineCoreRequest(f"p{i}", ids, SamplingParams(
@@ -100,7 +100,7 @@ def main() -> None:
     print(f"engine built in {time.perf_counter() - started:.1f} s "
           f"(backend {core.info.attention_backend})")
     rng = random.Random(0)
-    vocab = core.config.vocab_size
+    vocab = core.config.model.vocab_size
     for i in range(args.batch):
         ids = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
         core.add_request(EngineCoreRequest(str(i), ids, SamplingParams(

@@ -26,7 +26,7 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(attention_backend="torch", block_size=32,
                                   max_num_seqs=args.batch,
                                   num_kv_blocks=args.batch * (args.prompt_len // 32 + 40)))
-    hidden_size = engine.config.hidden_size
+    hidden_size = engine.config.model.hidden_size
     engine.runner.model.forward = lambda ids, *_: torch.zeros(ids.shape[0], hidden_size)
     rng = random.Random(0)
     for _ in range(args.batch):

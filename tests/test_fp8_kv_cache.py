@@ -13,7 +13,8 @@ from mlaserve.attention.torch_backend import TorchMLABackend
 from mlaserve.attention.triton_backend import TritonMLABackend, slow_fp8_cache_warning
 from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import ModelConfig
-from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs, kv_blocks_for_memory
+from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
+from mlaserve.engine.engine_config import kv_blocks_for_memory
 from mlaserve.eval import tasks as T
 from mlaserve.kernels.fp8_blocks import saturating_cast
 

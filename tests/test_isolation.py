@@ -68,10 +68,12 @@ def run(core: EngineCore, requests: list[EngineCoreRequest], added: list[str] = 
 
 
 def assert_idle(core: EngineCore) -> None:
-    """The core holds no request, no KV block and no persistent-batch row."""
+    """The core holds no request and no KV block; the runner's rows are free but for the
+    requests that the next plan tells it to drop."""
     assert not core.requests and not core.scheduler.has_unfinished
     assert core.pool.num_free_blocks == core.pool.num_blocks
-    assert len(core.runner.inputs.free_rows) == ARGS.max_num_seqs
+    assert set(core.runner.requests) <= set(core.plans.leaving)
+    assert len(core.runner.inputs.free_rows) + len(core.runner.requests) == ARGS.max_num_seqs
 
 
 def assert_innocents_unharmed(results: dict[str, Result], alone: list[list[int]],
@@ -331,11 +333,11 @@ def test_a_broken_engine_fails_every_request_and_recovers_nothing_else(core, alo
     launch = core.runner.launch
     launches = []
 
-    def broken(batch):
+    def broken(plan, *args):
         launches.append(1)
         if len(launches) > 2:
             raise RuntimeError("device lost")
-        return launch(batch)
+        return launch(plan, *args)
 
     monkeypatch.setattr(core.runner, "launch", broken)
     results = run(core, [innocent(i) for i in range(8)])

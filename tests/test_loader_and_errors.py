@@ -182,12 +182,8 @@ def test_gpu_memory_utilization_is_a_share(share):
 
 def test_max_model_len_past_the_trained_positions_is_refused_unless_allowed(monkeypatch):
     from mlaserve.config import ModelConfig
-    from mlaserve.engine.args import (
-        ALLOW_LONG_MAX_MODEL_LEN_ENV,
-        DEMO_MODEL_DIR,
-        EngineArgs,
-        resolve_max_model_len,
-    )
+    from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
+    from mlaserve.engine.engine_config import ALLOW_LONG_MAX_MODEL_LEN_ENV, resolve_max_model_len
 
     config = ModelConfig.from_pretrained(DEMO_MODEL_DIR)  # max_position_embeddings 1024
     monkeypatch.delenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, raising=False)

@@ -148,10 +148,10 @@ def test_a_request_that_fails_its_step_fails_alone_in_llm_engine(reference, monk
     engine = llm().engine
     launch = engine.runner.launch
 
-    def launch_or_fail(batch):
-        if any(r.request_id == "bad" for r in batch.requests):
+    def launch_or_fail(plan, *args):
+        if "bad" in plan.request_ids:
             raise RuntimeError("bad data")
-        return launch(batch)
+        return launch(plan, *args)
 
     monkeypatch.setattr(engine.runner, "launch", launch_or_fail)
     for i, prompt in enumerate(PROMPTS[:4]):

@@ -17,7 +17,9 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
+import msgspec
 import pytest
 import requests
 import torch.distributed as dist
@@ -125,12 +127,13 @@ def test_an_exception_in_a_worker_is_one_clear_error(checkpoint_dir):
     model_dir, _ = checkpoint_dir("v2-greedy-nolora-untied")
     llm = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
     worker = llm.engine.core.workers.processes[0]
-    # a step description naming a request the worker never held: its step raises KeyError
-    llm.engine.core.runner.step_broadcast._leaving.append(10**6)
+    # the workers get bytes that are no step plan: decoding it raises in the worker alone
+    broadcast = llm.engine.core.broadcast
+    broadcast._encoder = SimpleNamespace(encode=lambda plan: msgspec.msgpack.encode(["no plan"]))
     start = time.monotonic()
     try:
         with pytest.raises(ParallelEngineError,
-                           match=rf"worker 1 \(pid {worker.pid}\) failed: KeyError: 1000000"):
+                           match=rf"worker 1 \(pid {worker.pid}\) failed: ValidationError"):
             llm.generate(PROMPTS[:2], PARAMS)
         assert time.monotonic() - start < 15
         _assert_stopped(llm, worker)

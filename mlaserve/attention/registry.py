@@ -97,9 +97,13 @@ def select_backend(name: str | None, shape: MLAShape) -> type[MLABackend]:
     rejected = []
     for candidate in _auto_candidates(shape):
         try:
-            return _explicit(candidate, shape)
+            chosen = _explicit(candidate, shape)
         except (ImportError, UnsupportedShape) as exc:
             rejected.append(f"{candidate}: {exc}")
+            continue
+        logger.info("attention backend auto -> %s%s", candidate,
+                    f" (skipped {' | '.join(rejected)})" if rejected else "")
+        return chosen
     raise ValueError("no attention backend can serve this shape: " + " | ".join(rejected))
 
 

@@ -4,6 +4,10 @@ The core knows no text: frontends tokenize, detokenize and match stop strings (s
 output_processor.py), and send it `EngineCoreRequest`s. It stops a request on EOS, a stop token
 id, `max_tokens` or `max_model_len`; a frontend ends the others with `abort_requests`.
 
+The options are resolved once, here (`EngineConfig`, engine_config.py). Each step the scheduler
+decides is turned into a step plan (step_plan.py: requests by id, only what changed) that the
+runner executes, on this rank and, under tensor parallelism, on every other rank of the replica.
+
 `step()` is pipelined on a GPU: it launches step N and, while the device runs it, finishes step
 N - 1 on the host (its sampled ids arrive in pinned memory) and returns that step's outputs. The
 runner feeds step N's decode rows the ids that step N - 1 sampled straight from the device, so the
@@ -11,8 +15,8 @@ host never waits for the device to build a step. See runner.py for the mechanics
 
 One request never fails another. Everything a request carries is validated when it is added
 (`messages.validate_prompt`), so no parameter can make a batched step raise. If a step fails
-anyway, it is taken back (the scheduler's `retreat`: its tokens count as not computed, and the
-persistent-batch rows of its requests are given back to be written afresh), together with the
+anyway, it is taken back (the scheduler's `retreat`: its tokens count as not computed, and its
+requests leave the runner's batch, to be sent afresh with the next plan), together with the
 step launched after it, which read its samples. Its requests then run again in halves, each half
 a step of its own, and a half that fails again is split again (`_rerun_apart`): a request fails,
 with the error, only when a step that carried it alone failed. A fault that does not repeat thus
@@ -30,12 +34,13 @@ its request with "stop".
 
 Tensor parallelism (`tensor_parallel_size` N > 1): this process is its replica's first rank. It
 spawns the replica's other ranks (`WorkerGroup`, worker.py) before loading its own shard, and
-its runner sends every step it launches to them (one broadcast per step); the scheduler, the
-block pool, sampling and the grammars live here only. A rank that fails or dies stops the whole
-engine with a `ParallelEngineError` (never re-run apart: no request is to blame); `shutdown()`
-stops the workers. Under data parallelism each replica has a core of its own (`replica`); with
-expert parallelism the cores step together (data_parallel.py): `step_together` agrees with the
-others before each step, and a core without a batch joins the others' MoE exchanges.
+broadcasts every plan before launching it (`PlanBroadcast`, one broadcast per step); the
+scheduler, the block pool, sampling and the grammars live here only. A rank that fails or dies
+stops the whole engine with a `ParallelEngineError` (never re-run apart: no request is to
+blame); `shutdown()` stops the workers. Under data parallelism each replica has a core of its
+own (`replica`); with expert parallelism the cores step together (data_parallel.py):
+`step_together` agrees with the others before each step, and a core without a batch joins the
+others' MoE exchanges.
 """
 
 import logging
@@ -44,22 +49,12 @@ import time
 import torch
 import torch.distributed
 
-from mlaserve.attention import resolve_backend_name
 from mlaserve.cache.block_pool import BlockPool
-from mlaserve.config import ModelConfig, SchedulerConfig
+from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
-from mlaserve.engine.args import (
-    EngineArgs,
-    check_parallel,
-    cpu_threads_per_rank,
-    model_dir_of,
-    parallel_layout,
-    rank_device,
-    resolve_device,
-    resolve_dtype,
-    resolve_max_model_len,
-)
+from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.data_parallel import Lockstep
+from mlaserve.engine.engine_config import cpu_threads_per_rank, rank_device, resolve_engine_config
 from mlaserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -78,9 +73,10 @@ from mlaserve.engine.request import (
 from mlaserve.engine.runner import PendingStep, StepResult, load_runner
 from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
-from mlaserve.engine.structured import AcceptResult, StructuredOutputManager
+from mlaserve.engine.step_plan import PlanBuilder, StepPlan
+from mlaserve.engine.structured import AcceptResult, GrammarBitmask, StructuredOutputManager
 from mlaserve.engine.tokenizer import load_tokenizer
-from mlaserve.engine.worker import ParallelEngineError, StepBroadcast, WorkerGroup
+from mlaserve.engine.worker import ParallelEngineError, PlanBroadcast, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +97,8 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs, replica: int = 0, store_port: int | None = None,
                  spare_cores: int = 0) -> None:
-        """Load the model (this rank's shard) and start the replica's workers.
+        """Resolve the options once (`EngineConfig`), load the model (this rank's shard) and
+        start the replica's workers.
 
         Args:
             replica: this core's data-parallel replica (0 .. data_parallel_size - 1).
@@ -110,79 +107,67 @@ class EngineCore:
             spare_cores: on the CPU, cores the ranks leave to other processes (a server's; see
                 core_process.SERVER_SPARE_CORES).
         """
-        resolve_backend_name(args.attention_backend)  # fail on a bad name before loading
-        model_dir = model_dir_of(args)
-        self.device = resolve_device(args.device)
-        self.config = ModelConfig.from_pretrained(model_dir, args.hf_overrides)
-        self.dtype = resolve_dtype(args.dtype, self.config, self.device)
-        for name in ("block_size", "max_seq_len_to_capture", "max_num_seqs"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
-        self.max_model_len = max_model_len = resolve_max_model_len(args, self.config)
-        budget = args.max_num_batched_tokens or 8192
-        if budget < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
-        check_parallel(args, self.config)
-        layout = parallel_layout(args)
-        if layout.data_parallel_size > 1 and not layout.expert_parallel:
-            raise ValueError("replicas without expert parallelism share nothing: start one "
-                             "engine per replica (data_parallel_size 1, its own device)")
+        self.config = config = resolve_engine_config(args, replica)
+        layout = config.layout
         if layout.world_size > 1 and (get_tp_group().size > 1
                                       or torch.distributed.is_initialized()):
             raise ValueError("this process already belongs to a torch.distributed group (another "
                              "parallel engine?); shut that engine down first (LLM.shutdown())")
-        tokenizer = load_tokenizer(args.tokenizer or model_dir)
+        tokenizer = load_tokenizer(args.tokenizer or config.model_dir)
+        self.device = rank_device(config.device, layout.core_rank(replica))
         self.workers: WorkerGroup | None = None
+        self.broadcast: PlanBroadcast | None = None
         self.lockstep: Lockstep | None = None
         if self.device.type == "cpu" and (layout.world_size > 1 or spare_cores):
             # the ranks share the cores
             torch.set_num_threads(cpu_threads_per_rank(layout.world_size, spare_cores))
         if layout.world_size > 1:
-            self.device = rank_device(self.device, layout.core_rank(replica))
-            self.workers = WorkerGroup.start(args, self.device, replica, store_port,
+            self.workers = WorkerGroup.start(config, self.device, replica, store_port,
                                              spare_cores)
             self.lockstep = self.workers.lockstep
         try:  # workers started: stop them if the rest of the set-up fails
-            self._set_up(args, tokenizer, max_model_len, budget, replica)
+            self._set_up(tokenizer, replica)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown(graceful=False)
             raise
 
-    def _set_up(self, args: EngineArgs, tokenizer, max_model_len: int, budget: int,
-                replica: int) -> None:
+    def _set_up(self, tokenizer, replica: int) -> None:
         """Load the model into its runner; the scheduler, block pool and structured outputs."""
-        tp_size = args.tensor_parallel_size
-        self.runner = load_runner(
-            args, self.config, self.device, self.dtype, max_model_len,
-            self.workers.agree_min if tp_size > 1 else None)
+        config, args = self.config, self.config.args
+        tp_size = config.layout.tensor_parallel_size
+        self.runner = load_runner(config, self.device,
+                                  self.workers.agree_min if tp_size > 1 else None)
         if tp_size > 1:
-            self.runner.step_broadcast = StepBroadcast(self.workers)
+            self.broadcast = PlanBroadcast(self.workers)
+        self.plans = PlanBuilder()
         num_blocks = self.runner.num_blocks
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-            max_model_len=max_model_len)
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.pool)
-        where = f" of replica {replica}" if args.data_parallel_size > 1 else ""
+        self.scheduler = Scheduler(config.scheduler, self.pool)
+        where = f" of replica {replica}" if config.layout.data_parallel_size > 1 else ""
         if tp_size > 1:
             where += f" per rank (each of its {tp_size} ranks holds the whole latent cache)"
+        max_model_len = config.max_model_len
         logger.info("KV cache%s: %d blocks of %d tokens = %d tokens; concurrency %.1fx at "
                     "max_model_len %d", where, num_blocks, args.block_size,
                     num_blocks * args.block_size, num_blocks * args.block_size / max_model_len,
                     max_model_len)
         self.info = EngineInfo(
-            max_model_len=max_model_len, vocab_size=self.config.vocab_size,
+            max_model_len=max_model_len, vocab_size=config.model.vocab_size,
             kv_capacity_tokens=num_blocks * args.block_size,
-            eos_token_ids=eos_token_ids(self.config, tokenizer),
+            eos_token_ids=eos_token_ids(config.model, tokenizer),
             attention_backend=self.runner.backend.name,
             structured_outputs=args.structured_outputs_config)
         self.structured = StructuredOutputManager(
-            tokenizer, self.config.vocab_size, self.info.eos_token_ids,
+            tokenizer, config.model.vocab_size, self.info.eos_token_ids,
             args.structured_outputs_config, pin_memory=self.device.type == "cuda")
         self.scheduler.waits_for_grammar = self.structured.waits_for_grammar
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[ScheduledBatch, PendingStep] | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -227,7 +212,7 @@ class EngineCore:
     def _finish(self, request: Request) -> None:
         """Free everything a finished or aborted request holds, and forget it."""
         self.scheduler.finish(request)
-        self.runner.release(request)
+        self.plans.release(request.request_id)
         self.structured.remove(request)
         del self.requests[request.request_id]
 
@@ -260,13 +245,13 @@ class EngineCore:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         for request in batch.preempted:
-            self.runner.release(request)
+            self.plans.release(request.request_id)
         launched = None
         if batch.is_empty and self.lockstep is not None:
             self._join_expert_parallel()
         elif not batch.is_empty:
             try:
-                launched = (batch, self.runner.launch(batch))
+                launched = (batch, self._launch(batch))
             except ParallelEngineError:
                 raise  # the whole engine is stopped: no request is to blame
             except Exception as exc:  # noqa: BLE001 - only the requests that cause it fail
@@ -294,10 +279,36 @@ class EngineCore:
             return [], True
         return (self.step() if busy else []), False
 
+    def _launch(self, batch: ScheduledBatch) -> PendingStep:
+        """Plan the step (`PlanBuilder`), send the plan to the replica's other ranks and launch
+        it here (see runner.py)."""
+        plan = self.plans.plan(batch.decodes, batch.prefills, batch.sampling_requests)
+        return self._execute(plan, batch.grammar_bitmask)
+
+    def _execute(self, plan: StepPlan, grammar_bitmask: GrammarBitmask | None = None
+                 ) -> PendingStep | None:
+        """Run a plan on every rank: under tensor parallelism it goes to the other ranks first,
+        and a failure after that is fatal (`PlanBroadcast.out_of_step`): the ranks'
+        collectives no longer pair up."""
+        if self.broadcast is None:
+            try:
+                return self.runner.launch(plan, grammar_bitmask)
+            except BaseException:
+                self.plans.restore(plan)
+                raise
+        self.broadcast.send(plan)
+        try:
+            return self.runner.launch(plan, grammar_bitmask)
+        except BaseException as exc:
+            error = self.broadcast.out_of_step(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
     def _join_expert_parallel(self) -> None:
         """No batch on this replica while another launches one: join its MoE exchanges."""
         try:
-            self.runner.join_expert_parallel()
+            self._execute(self.plans.idle())
         except ParallelEngineError:
             raise
         except Exception as exc:
@@ -351,12 +362,12 @@ class EngineCore:
         persistent-batch rows back (a failed launch may have half-written them)."""
         self.scheduler.retreat(batch)
         for request in batch.requests:
-            self.runner.release(request)
+            self.plans.release(request.request_id)
 
     def _run_alone(self, batch: ScheduledBatch) -> list[EngineCoreOutput]:
         """Launch a step, wait for it and apply it; if it fails, take it back and re-raise."""
         try:
-            pending = self.runner.launch(batch)
+            pending = self._launch(batch)
             self.scheduler.advance(batch)
             result = self.runner.collect(pending)
         except Exception:
@@ -424,7 +435,7 @@ class EngineCore:
         for request, _ in batch.prefills:
             if live.get(request.request_id) is not request:
                 continue
-            entries = result.prompt_logprobs.get(id(request))
+            entries = result.prompt_logprobs.get(request.request_id)
             if entries:
                 request.prompt_logprobs.extend(entries)
             self.scheduler.cache_computed_blocks(request)
@@ -436,7 +447,7 @@ class EngineCore:
             request.output_token_ids.append(token)
             logprobs = None
             if request.logprobs is not None:
-                logprobs = [result.logprobs[id(request)]]
+                logprobs = [result.logprobs[request.request_id]]
                 request.logprobs.append(logprobs[0])
             self._check_stop(request, token)
             error = None
@@ -488,8 +499,8 @@ class EngineCore:
         """Stop the grammar compiles and the tensor-parallel workers (if any), and leave their
         process groups; the core cannot step afterwards. Idempotent."""
         self.structured.shutdown()
-        if self.runner.step_broadcast is not None:
-            self.runner.step_broadcast.shutdown()
+        if self.broadcast is not None:
+            self.broadcast.shutdown()
         elif self.workers is not None:  # a replica of one rank: leave the world's groups
             self.workers.acknowledged = True
             self.workers.shutdown()
@@ -507,11 +518,11 @@ class EngineCore:
         """
         lengths = [8]
         if self.device.type == "cuda":
-            longest = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len,
+            longest = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len,
                           self.info.kv_capacity_tokens) - 2
             lengths = [n for n in (2 ** k for k in range(4, longest.bit_length())) if n < longest]
             lengths.append(longest)
-        vocab = self.config.vocab_size
+        vocab = self.config.model.vocab_size
         for i, length in enumerate(lengths):
             prompt = [1 + j % (vocab - 1) for j in range(length)]
             self.add_request(EngineCoreRequest(f"warm-up-{i}", prompt, SamplingParams(

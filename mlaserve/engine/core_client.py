@@ -39,8 +39,7 @@ import zmq
 import zmq.asyncio
 
 from mlaserve.distributed.launch import create_store
-from mlaserve.engine.args import EngineArgs, parallel_layout
-from mlaserve.engine.core import model_dir_of
+from mlaserve.engine.args import EngineArgs, model_dir_of
 from mlaserve.engine.core_launch import (
     CoreProcess,
     close_cores,
@@ -60,6 +59,7 @@ from mlaserve.engine.core_process import (
     Wake,
 )
 from mlaserve.engine.data_parallel import LoadBalancer, combine_stats
+from mlaserve.engine.engine_config import parallel_layout
 from mlaserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,

@@ -20,8 +20,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from mlaserve.engine.args import EngineArgs, rank_device, resolve_device
+from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.core_process import CoreMessage, Failed, Ready, run_engine_core
+from mlaserve.engine.engine_config import rank_device, resolve_device
 from mlaserve.engine.messages import EngineInfo, SchedulerStats
 
 LAST_WORDS_S = 1.0  # how long a core that exited may take to deliver its Failed message

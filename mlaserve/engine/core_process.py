@@ -164,19 +164,19 @@ def _install_fault_hook(core: EngineCore) -> None:
     launch = core.runner.launch
     poisoned: dict[str, str] = {}  # request id -> the error its steps raise
 
-    def launch_or_fail(batch):
+    def launch_or_fail(plan, *args):
         try:
             message, *request_ids = Path(path).read_text().splitlines() or [""]
         except FileNotFoundError:
             pass
         else:
             os.unlink(path)
-            for request_id in request_ids or [r.request_id for r in batch.requests]:
+            for request_id in request_ids or plan.request_ids:
                 poisoned[request_id] = message
-        for request in batch.requests:
-            if request.request_id in poisoned:
-                raise RuntimeError(poisoned[request.request_id])
-        return launch(batch)
+        for request_id in plan.request_ids:
+            if request_id in poisoned:
+                raise RuntimeError(poisoned[request_id])
+        return launch(plan, *args)
 
     core.runner.launch = launch_or_fail
 

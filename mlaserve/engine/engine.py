@@ -8,8 +8,8 @@ process boundary (see core_client.py).
 import itertools
 import random
 
-from mlaserve.engine.args import EngineArgs
-from mlaserve.engine.core import EngineCore, model_dir_of
+from mlaserve.engine.args import EngineArgs, model_dir_of
+from mlaserve.engine.core import EngineCore
 from mlaserve.engine.messages import EngineCoreRequest, validate_prompt
 from mlaserve.engine.output_processor import OutputProcessor
 from mlaserve.engine.request import RequestOutput, SamplingParams

@@ -1,9 +1,10 @@
-"""The persistent batch: per-request state that lives on the device across steps.
+"""A runner's own state of its requests: `RunnerRequest` on the host (what the step plans said,
+step_plan.py) and the persistent batch on the device.
 
-Each running request holds a row (up to `max_num_seqs` rows). Its block table row and its
-sampling parameters are written to device tensors when it joins and when it gains a block; a
-step then only sends, per scheduled request, its row, position and input token (or where on the
-device to find it), packed into one pinned host buffer and copied once. Everything else is
+Each request the runner holds has a row (up to `max_num_seqs` rows). Its block table row and
+its sampling parameters are written to device tensors when it joins and when it gains a block;
+a step then only sends, per scheduled request, its row, position and input token (or where on
+the device to find it), packed into one pinned host buffer and copied once. Everything else is
 gathered on the device by row.
 
 Host writes go through fresh pinned buffers from torch's caching host allocator, which keeps a
@@ -13,7 +14,7 @@ device still copies for step N.
 
 import torch
 
-from mlaserve.engine.request import Request
+from mlaserve.engine.request import SamplingParams
 from mlaserve.engine.sampler import (
     Penalties,
     SamplingBatch,
@@ -23,8 +24,62 @@ from mlaserve.engine.sampler import (
     needs_penalties,
     top_k_or_vocab,
 )
+from mlaserve.engine.step_plan import NewRequest, ScheduledRequest
 from mlaserve.engine.structured import GrammarBitmask
 from mlaserve.kernels.sampling import SEED_MASK
+
+
+class RunnerRequest:
+    """One request as a runner knows it: its tokens (the prompt and the outputs known on the
+    host), its progress, its blocks and its row, kept from the plans (`update`)."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "params", "sample_seed", "eos_token_ids",
+                 "token_ids", "num_computed_tokens", "num_output_placeholders", "block_ids",
+                 "num_prompt_logprobs", "row", "num_synced_blocks")
+
+    def __init__(self, new: NewRequest) -> None:
+        self.request_id = new.request_id
+        self.prompt_token_ids: list[int] = new.prompt_token_ids
+        self.params: SamplingParams = new.params
+        self.sample_seed = new.sample_seed
+        self.eos_token_ids = tuple(new.eos_token_ids)
+        self.token_ids = list(new.prompt_token_ids)  # prompt + known outputs
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.block_ids: list[int] = []
+        self.num_prompt_logprobs = -1
+        self.row: int | None = None  # in the persistent batch
+        self.num_synced_blocks = 0  # block ids already in that row's device block table
+
+    def update(self, scheduled: ScheduledRequest) -> None:
+        """Take a plan's news of this request."""
+        self.num_computed_tokens = scheduled.num_computed_tokens
+        self.token_ids.extend(scheduled.new_token_ids)
+        self.num_output_placeholders = scheduled.num_output_placeholders
+        self.block_ids.extend(scheduled.new_block_ids)
+        self.num_prompt_logprobs = scheduled.num_prompt_logprobs
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens (prompt and outputs)."""
+        return len(self.token_ids)
+
+    @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus those sampled on the device but not yet seen by the host."""
+        return len(self.token_ids) + self.num_output_placeholders
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens_total(self) -> int:
+        return self.num_total_tokens - len(self.prompt_token_ids)
 
 
 class PersistentBatch:
@@ -50,25 +105,25 @@ class PersistentBatch:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
-    def release(self, request: Request) -> None:
+    def release(self, request: RunnerRequest) -> None:
         """The request left the batch (finished, aborted or preempted)."""
-        if request.batch_row is not None:
-            self.free_rows.append(request.batch_row)
-        request.batch_row = None
+        if request.row is not None:
+            self.free_rows.append(request.row)
+        request.row = None
         request.num_synced_blocks = 0
 
-    def sync(self, requests: list[Request]) -> None:
+    def sync(self, requests: list[RunnerRequest]) -> None:
         """Give every request a row and copy its new block ids and new parameters over."""
-        joined: list[Request] = []
+        joined: list[RunnerRequest] = []
         block_rows: list[int] = []
         block_cols: list[int] = []
         block_ids: list[int] = []
         for request in requests:
-            if request.batch_row is None:
+            if request.row is None:
                 if not self.free_rows:
                     raise RuntimeError("the persistent batch has no free row; more requests "
                                        "are running than max_num_seqs allows")
-                request.batch_row = self.free_rows.pop()
+                request.row = self.free_rows.pop()
                 request.num_synced_blocks = 0
                 joined.append(request)
             synced, blocks = request.num_synced_blocks, request.block_ids
@@ -76,7 +131,7 @@ class PersistentBatch:
                 if len(blocks) > self.max_blocks_per_seq:
                     raise RuntimeError(f"request {request.request_id} holds {len(blocks)} "
                                        f"blocks, more than the table's {self.max_blocks_per_seq}")
-                block_rows.extend([request.batch_row] * (len(blocks) - synced))
+                block_rows.extend([request.row] * (len(blocks) - synced))
                 block_cols.extend(range(synced, len(blocks)))
                 block_ids.extend(blocks[synced:])
                 request.num_synced_blocks = len(blocks)
@@ -86,8 +141,8 @@ class PersistentBatch:
         if joined:
             self._write_params(joined)
 
-    def _write_params(self, joined: list[Request]) -> None:
-        rows = self.to_device([r.batch_row for r in joined], torch.int64)
+    def _write_params(self, joined: list[RunnerRequest]) -> None:
+        rows = self.to_device([r.row for r in joined], torch.int64)
         floats = self.to_device([[r.params.temperature, r.params.top_p, r.params.min_p]
                                  for r in joined], torch.float32)  # [J, 3]
         ints = self.to_device([[top_k_or_vocab(r.params.top_k, self.vocab_size),
@@ -104,7 +159,7 @@ class PersistentBatch:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
-    def sampling_batch(self, requests: list[Request], rows: torch.Tensor,
+    def sampling_batch(self, requests: list[RunnerRequest], rows: torch.Tensor,
                        positions: torch.Tensor,
                        grammar_bitmask: GrammarBitmask | None = None) -> SamplingBatch:
         """The rows of `requests` (device row indices [N] int64, sampled positions [N] int64),
@@ -113,7 +168,8 @@ class PersistentBatch:
         allowed = None
         if grammar_bitmask is not None:
             row_of = grammar_bitmask.row_of
-            constrained = [(i, row_of[id(r)]) for i, r in enumerate(requests) if id(r) in row_of]
+            constrained = [(i, row_of[r.request_id]) for i, r in enumerate(requests)
+                           if r.request_id in row_of]
             if constrained:
                 bitmask = grammar_bitmask.bitmask
                 mask_rows = [m for _, m in constrained]

@@ -288,7 +288,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """Engine-side state of one request: tokens, blocks, progress and outputs so far."""
+    """The core's state of one request: tokens, blocks, progress and outputs so far (the
+    scheduler's, the prefix cache's and the outputs'; a runner keeps its own, from the step
+    plans: input_batch.RunnerRequest)."""
 
     request_id: str
     prompt: str | None
@@ -306,10 +308,8 @@ class Request:
     num_preemptions: int = 0
     # tokens sampled by a step still on the device (pipelined steps): counted, not yet known
     num_output_placeholders: int = 0
-    batch_row: int | None = None  # row in the runner's persistent batch while it holds one
     arrival_time: float = field(default_factory=time.monotonic)  # when the core received it
     first_scheduled_time: float | None = None  # when a step first computed any of its tokens
-    num_synced_blocks: int = 0  # block ids already copied into that row's device block table
     logprobs: Logprobs | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     finish_reason: str | None = None

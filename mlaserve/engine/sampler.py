@@ -11,12 +11,33 @@ pick only allowed tokens.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from mlaserve.engine.request import Request, SamplingParams
+from mlaserve.engine.request import SamplingParams
 from mlaserve.engine.structured import apply_token_bitmask
 from mlaserve.kernels.sampling import SEED_MASK, gumbel_argmax, seeded_uniform
+
+
+class SamplingState(Protocol):
+    """What sampling reads of a request: a runner's `RunnerRequest` (input_batch.py), or the
+    core's `Request` where tests build a batch from those."""
+
+    request_id: str
+    params: SamplingParams
+    sample_seed: int
+    eos_token_ids: tuple[int, ...]
+    prompt_token_ids: list[int]
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_output_tokens_total(self) -> int: ...
+
+    @property
+    def num_total_tokens(self) -> int: ...
 
 
 @dataclass
@@ -30,7 +51,8 @@ class Penalties:
     seen_prompt: torch.Tensor  # [N, V] bool: token present in the prompt
 
     @classmethod
-    def build(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "Penalties":
+    def build(cls, requests: list[SamplingState], vocab_size: int,
+              device: torch.device) -> "Penalties":
         """From the requests' token lists (all generated tokens must be known on the host)."""
         params = [r.params for r in requests]
         n = len(requests)
@@ -78,7 +100,7 @@ class SamplingBatch:
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, requests: list[Request], vocab_size: int,
+    def build(cls, requests: list[SamplingState], vocab_size: int,
               device: torch.device) -> "SamplingBatch":
         """Straight from the requests' parameters (tests and tools; the runner gathers the same
         rows from its persistent batch instead)."""
@@ -116,21 +138,21 @@ def needs_penalties(params: SamplingParams) -> bool:
                 or params.repetition_penalty != 1.0)
 
 
-def banned_before_min_tokens(requests: list[Request], device: torch.device,
-                             must_end: set[int] | frozenset[int] = frozenset()
+def banned_before_min_tokens(requests: list[SamplingState], device: torch.device,
+                             must_end: set[str] | frozenset[str] = frozenset()
                              ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, ids) of EOS and stop ids that rows may not sample yet (min_tokens), or None.
 
-    must_end: id(request) of rows whose grammar allows nothing but its end; they are not banned
+    must_end: ids of the requests whose grammar allows nothing but its end; they are not banned
     (the constraint ends the request before min_tokens; `GrammarBitmask.must_end`).
     """
     lists = [list(r.eos_token_ids) + r.params.stop_token_ids
-             if r.num_output_tokens_total < r.params.min_tokens and id(r) not in must_end
-             else [] for r in requests]
+             if r.num_output_tokens_total < r.params.min_tokens
+             and r.request_id not in must_end else [] for r in requests]
     return _pairs(lists, device) if any(lists) else None
 
 
-def logit_bias(requests: list[Request], device: torch.device
+def logit_bias(requests: list[SamplingState], device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(rows [M], ids [M], values [M] float32) of the rows' logit_bias entries, or None."""
     biases = [r.params.logit_bias or {} for r in requests]

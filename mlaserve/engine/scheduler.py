@@ -60,12 +60,12 @@ class ScheduledBatch:
 
     def subset(self, requests: list[Request]) -> "ScheduledBatch":
         """The same work for only `requests` (each keeps its token count and row order)."""
-        keep = {id(r) for r in requests}
+        keep = set(requests)  # Requests hash by identity
         return ScheduledBatch(
-            decodes=[r for r in self.decodes if id(r) in keep],
-            prefills=[(r, n) for r, n in self.prefills if id(r) in keep],
-            sampling_requests=[r for r in self.sampling_requests if id(r) in keep],
-            grammar_bitmask=self.grammar_bitmask)  # rows found by id(request)
+            decodes=[r for r in self.decodes if r in keep],
+            prefills=[(r, n) for r, n in self.prefills if r in keep],
+            sampling_requests=[r for r in self.sampling_requests if r in keep],
+            grammar_bitmask=self.grammar_bitmask)  # rows found by request id
 
 
 class Scheduler:
@@ -113,7 +113,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
+        scheduled: set[Request] = set()
         for request in list(self.running):
             if budget == 0:
                 break
@@ -126,14 +126,14 @@ class Scheduler:
                 continue
             count = min(remaining, budget)
             while not self._reserve(request, count):
-                victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
+                victim = next(r for r in reversed(self.running) if r not in scheduled)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            scheduled.add(id(request))
+            scheduled.add(request)
             budget -= count
             if remaining == 1:
                 batch.decodes.append(request)

@@ -84,15 +84,15 @@ def validate_structured_outputs(constraint: StructuredOutputs, vocab_size: int,
 class GrammarBitmask:
     """One step's token masks for its constrained sampling rows, built on the host.
 
-    row_of: id(request) -> its row in `bitmask`, for the requests whose next token is
+    row_of: request id -> its row in `bitmask`, for the requests whose next token is
     constrained. bitmask: [M, ceil(V / 32)] int32; bit j of word w allows token 32 * w + j.
-    must_end: id(request) of the rows whose mask allows only the grammar's stop tokens (its
-    end): min_tokens does not ban those there.
+    must_end: ids of the requests whose mask allows only the grammar's stop tokens (its end):
+    min_tokens does not ban those there.
     """
 
-    row_of: dict[int, int]
+    row_of: dict[str, int]
     bitmask: torch.Tensor
-    must_end: set[int] = field(default_factory=set)
+    must_end: set[str] = field(default_factory=set)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
@@ -399,9 +399,9 @@ class StructuredOutputManager:
         for row, (request, _) in enumerate(constrained):
             if request.num_output_tokens_total < request.params.min_tokens \
                     and not bool((bitmask[row] & ~self._stop_words).any()):
-                must_end.add(id(request))
-        return GrammarBitmask({id(r): i for i, (r, _) in enumerate(constrained)}, bitmask,
-                              must_end)
+                must_end.add(request.request_id)
+        return GrammarBitmask({r.request_id: i for i, (r, _) in enumerate(constrained)},
+                              bitmask, must_end)
 
     def accept_token(self, request: Request, token: int) -> str:
         """Advance the request's matcher by a generated token (an `AcceptResult` value)."""

@@ -1,20 +1,17 @@
-"""Tensor-parallel workers: ranks 1 .. N-1 of one engine, each launching rank 0's steps.
+"""Tensor-parallel workers: ranks 1 .. N-1 of one engine, each executing rank 0's step plans.
 
 Protocol. The engine core (scheduler + runner) is rank 0: the API server's engine-core process,
 or the process of an offline `LLM`. It decides every step alone. Its `WorkerGroup` spawns ranks
-1 .. N-1 (multiprocessing "spawn"), which join the process groups of distributed/launch.py
-through rank 0's store, build their shard of the model and a full latent cache of the same
-number of blocks (the smallest that fits on every rank), and then loop: receive a step, mirror
-it, launch it. Before rank 0's runner launches a step, its `StepBroadcast` encodes the step's
-description (msgspec msgpack) and broadcasts it once over the gloo control group: the requests
-that left since the last step (finished, aborted, preempted or taken back: the worker frees
-their rows), the requests joining (prompt ids, sampling parameters, seed), and for each
-scheduled request its computed tokens, its scheduled tokens, the output ids and block ids it has
-gained since the workers last saw it and its placeholders, then which requests sample. A worker
-applies that to its mirrored `Request`s and calls the same `ModelRunner.launch`, so every rank
-runs the same forward and the same collectives in the same order; rank 0 alone samples and
-broadcasts the ids on the data plane (runner.py, `_sample`). A description with `shutdown` set
-ends the loop. Request ids travel once, with the join; steps name requests by small handles.
+1 .. N-1 (multiprocessing "spawn", each given the core's resolved `EngineConfig`), which join the
+process groups of distributed/launch.py through rank 0's store, build their shard of the model
+and a full latent cache of the same number of blocks (the smallest that fits on every rank),
+and then loop: receive a plan, launch it. Before rank 0 launches a step, its `PlanBroadcast`
+encodes the step's plan (step_plan.py; msgspec msgpack) and broadcasts it once over the gloo
+control group; every rank's `ModelRunner` executes the same plan, so every rank runs the same
+forward and the same collectives in the same order, and keeps the same state of the requests
+(by request id); rank 0 alone samples and broadcasts the ids on the data plane (runner.py,
+`_sample`). A plan with `shutdown` set ends the loop. Under torchrun the other ranks are
+torchrun's processes: rank 0 puts its config in the store and they read it there.
 
 Failure. A worker whose step raises reports the error in rank 0's store and exits; a worker
 that dies closes its connections. Either way rank 0's pending or next collective fails, and rank
@@ -31,6 +28,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import threading
 import time
@@ -40,7 +38,6 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from mlaserve.config import ModelConfig
 from mlaserve.distributed import destroy_tensor_parallel
 from mlaserve.distributed.expert_parallel import destroy_expert_parallel
 from mlaserve.distributed.launch import (
@@ -54,24 +51,15 @@ from mlaserve.distributed.launch import (
     torchrun_rank,
     torchrun_store,
 )
-from mlaserve.engine.args import (
-    EngineArgs,
-    cpu_threads_per_rank,
-    model_dir_of,
-    parallel_layout,
-    rank_device,
-    resolve_device,
-    resolve_dtype,
-    resolve_max_model_len,
-)
 from mlaserve.engine.data_parallel import Lockstep
-from mlaserve.engine.request import Request, SamplingParams
-from mlaserve.engine.runner import ModelRunner, load_runner
-from mlaserve.engine.scheduler import ScheduledBatch
+from mlaserve.engine.engine_config import EngineConfig, cpu_threads_per_rank, rank_device
+from mlaserve.engine.runner import load_runner
+from mlaserve.engine.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
 STORE_TIMEOUT = timedelta(seconds=300)  # store operations (rendezvous, error reports)
+CONFIG_KEY = "mlaserve/engine_config"  # rank 0's EngineConfig (pickled), for torchrun's ranks
 DATA_TIMEOUT = timedelta(seconds=600)  # one data-plane collective (a long prefill on a CPU)
 JOIN_POLL_S = 0.05  # how often rank 0 checks that the workers it waits for are alive
 FAILURE_WAIT_S = 5.0  # how long rank 0 waits for a failed worker's exit to name its cause
@@ -83,51 +71,6 @@ class ParallelEngineError(RuntimeError):
     """A rank of a parallel engine failed or died, or a step of an expert-parallel replica
     failed; the engine is stopped (its workers are gone) and fails every request. Never one
     request's fault, so never re-run apart."""
-
-
-# ---- the step description: rank 0 -> every other rank, once per step -------------------------
-class JoiningRequest(msgspec.Struct, array_like=True):
-    """A request the workers do not hold yet (new, or back after leaving)."""
-
-    handle: int
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sample_seed: int
-    eos_token_ids: list[int]
-
-
-class ScheduledRequest(msgspec.Struct, array_like=True):
-    """One scheduled request's state as rank 0's runner reads it at launch."""
-
-    handle: int
-    num_computed_tokens: int
-    num_new_tokens: int  # 1 for a decode
-    new_output_token_ids: list[int]  # known output ids the workers have not seen
-    num_output_placeholders: int
-    new_block_ids: list[int]  # block ids the workers have not seen
-    num_prompt_logprobs: int = -1  # len(request.prompt_logprobs); -1: none asked for
-
-
-class StepDescription(msgspec.Struct, array_like=True):
-    leaving: list[int]
-    joining: list[JoiningRequest]
-    decodes: list[ScheduledRequest]
-    prefills: list[ScheduledRequest]
-    sampling: list[int]  # handles of ScheduledBatch.sampling_requests, in order
-    shutdown: bool = False
-    idle: bool = False  # no batch: join the other replicas' expert exchanges (Lockstep)
-
-
-class _Mirror:
-    """What the workers know of one of rank 0's requests."""
-
-    __slots__ = ("handle", "num_outputs", "num_blocks")
-
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
-        self.num_outputs = 0
-        self.num_blocks = 0
 
 
 def _describe_exit(code: int | None) -> str:
@@ -157,19 +100,20 @@ class WorkerGroup:
         self._closing = False
 
     @classmethod
-    def start(cls, args: EngineArgs, device: torch.device, replica: int = 0,
+    def start(cls, config: EngineConfig, device: torch.device, replica: int = 0,
               store_port: int | None = None, spare_cores: int = 0) -> "WorkerGroup":
         """Spawn the replica's ranks after this one and join the world with them (this process
         is the replica's engine core); on return the parallel groups are set for the model to
         be built. `store_port`: the world's store (data parallel), else this core opens one;
         `spare_cores`: as the core's (`cpu_threads_per_rank`)."""
-        layout = parallel_layout(args)
+        layout = config.layout
         first = layout.core_rank(replica)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's device for this rank
         torchrun = torchrun_rank()
         if torchrun is not None:  # the other ranks are torchrun's processes: nothing to spawn
             store = torchrun_store(STORE_TIMEOUT)
+            store.set(CONFIG_KEY, pickle.dumps(config))
         elif store_port is None:
             store = create_store(layout.world_size, STORE_TIMEOUT)
         else:
@@ -180,7 +124,7 @@ class WorkerGroup:
                           if torchrun is None else first + 1):
             process = context.Process(
                 target=run_worker, name=f"mlaserve-worker-{rank}", daemon=True,
-                args=(args, rank, store.port, os.getpid(),
+                args=(config, rank, store.port, os.getpid(),
                       logging.getLogger().getEffectiveLevel(), spare_cores))
             process.start()
             processes.append(process)
@@ -276,8 +220,7 @@ class WorkerGroup:
         atexit.unregister(self.shutdown)
         if graceful and self.control is not None and self.failure is None:
             try:
-                self.control.send(msgspec.msgpack.encode(StepDescription([], [], [], [], [],
-                                                                         shutdown=True)))
+                self.control.send(msgspec.msgpack.encode(StepPlan(shutdown=True)))
             except Exception:  # noqa: BLE001 - a worker is gone: kill the rest below
                 logger.warning("could not tell the tensor-parallel workers to exit",
                                exc_info=True)
@@ -293,72 +236,23 @@ class WorkerGroup:
             dist.destroy_process_group()
 
 
-class StepBroadcast:
-    """Rank 0's side of the protocol: describe each step for the workers and send it."""
+class PlanBroadcast:
+    """Rank 0's side of the protocol: each step's plan to every other rank of the replica."""
 
     def __init__(self, workers: WorkerGroup) -> None:
         self.workers = workers
         self._encoder = msgspec.msgpack.Encoder()
-        self._mirrors: dict[Request, _Mirror] = {}  # the requests the workers hold
-        self._leaving: list[int] = []  # handles released since the last step
-        self._next_handle = 0
 
-    def release(self, request: Request) -> None:
-        """The request left the runner's batch: the workers forget it with the next step."""
-        mirror = self._mirrors.pop(request, None)
-        if mirror is not None:
-            self._leaving.append(mirror.handle)
-
-    def send(self, batch: ScheduledBatch) -> None:
-        """Broadcast the description of `batch` (not advanced yet) to every worker."""
-        self.workers.check()
-        try:  # the mirrors change as the description is built: a failure here is fatal too
-            joining: list[JoiningRequest] = []
-            decodes = [self._scheduled(r, 1, joining) for r in batch.decodes]
-            prefills = [self._scheduled(r, n, joining) for r, n in batch.prefills]
-            step = StepDescription(self._leaving, joining, decodes, prefills,
-                                   [self._mirrors[r].handle for r in batch.sampling_requests])
-            self._leaving = []
-            self.workers.control.send(self._encoder.encode(step))
-        except BaseException as exc:
-            error = self.out_of_step(exc)
-            if error is exc:
-                raise
-            raise error from exc
-
-    def send_idle(self) -> None:
-        """Tell the workers to join the other replicas' expert exchanges with no batch."""
+    def send(self, plan: StepPlan) -> None:
+        """Broadcast `plan` (msgpack) to every worker; a failure here is fatal."""
         self.workers.check()
         try:
-            self.workers.control.send(self._encoder.encode(
-                StepDescription(self._leaving, [], [], [], [], idle=True)))
-            self._leaving = []
+            self.workers.control.send(self._encoder.encode(plan))
         except BaseException as exc:
             error = self.out_of_step(exc)
             if error is exc:
                 raise
             raise error from exc
-
-    def _scheduled(self, request: Request, num_new_tokens: int,
-                   joining: list[JoiningRequest]) -> ScheduledRequest:
-        mirror = self._mirrors.get(request)
-        if mirror is None:
-            mirror = self._mirrors[request] = _Mirror(self._next_handle)
-            self._next_handle += 1
-            joining.append(JoiningRequest(
-                mirror.handle, request.request_id, request.prompt_token_ids, request.params,
-                request.sample_seed, list(request.eos_token_ids)))
-        outputs, blocks = request.output_token_ids, request.block_ids
-        if len(blocks) < mirror.num_blocks:
-            raise RuntimeError(f"request {request.request_id} lost blocks without leaving the "
-                               "runner's batch")
-        scheduled = ScheduledRequest(
-            mirror.handle, request.num_computed_tokens, num_new_tokens,
-            outputs[mirror.num_outputs :], request.num_output_placeholders,
-            blocks[mirror.num_blocks :],
-            -1 if request.prompt_logprobs is None else len(request.prompt_logprobs))
-        mirror.num_outputs, mirror.num_blocks = len(outputs), len(blocks)
-        return scheduled
 
     def out_of_step(self, exc: BaseException) -> BaseException:
         """A step failed after (or while) it went to the workers: the ranks' collectives no
@@ -385,43 +279,44 @@ class StepBroadcast:
 
 
 # ---- ranks 1 .. N-1 --------------------------------------------------------------------------
-def run_worker(args: EngineArgs, rank: int, store_port: int, parent_pid: int,
+def run_worker(config: EngineConfig, rank: int, store_port: int, parent_pid: int,
                log_level: int, spare_cores: int = 0) -> None:
     """Process entry of world rank `rank`, spawned by its engine core: join the groups, load
     the shard, run the core's steps."""
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine core's to handle
     exit_with_parent(parent_pid, f"worker {rank}")
-    layout = parallel_layout(args)
-    store = connect_store(store_port, layout.world_size, STORE_TIMEOUT)
-    _serve_steps(args, rank, rank, store, spare_cores)
+    store = connect_store(store_port, config.layout.world_size, STORE_TIMEOUT)
+    _serve_steps(config, rank, rank, store, spare_cores)
 
 
-def run_torchrun_worker(args: EngineArgs) -> int:
+def run_torchrun_worker() -> int:
     """A rank > 0 that torchrun started (`mlaserve serve` on every rank): run its engine core's
-    steps until the core shuts the engine down; the exit status."""
+    steps, with the config rank 0 put in the store, until the core shuts the engine down; the
+    exit status."""
     place = torchrun_rank()
     assert place is not None and place.rank > 0
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine core's to handle
-    _serve_steps(args, place.rank, place.local_rank, torchrun_store(STORE_TIMEOUT))
+    store = torchrun_store(STORE_TIMEOUT)
+    config = pickle.loads(store.get(CONFIG_KEY))
+    _serve_steps(config, place.rank, place.local_rank, store)
     return 0
 
 
-def _serve_steps(args: EngineArgs, rank: int, local_rank: int, store: dist.Store,
+def _serve_steps(config: EngineConfig, rank: int, local_rank: int, store: dist.Store,
                  spare_cores: int = 0) -> None:
-    """Join the world as `rank` (GPU `local_rank` from --device's), load this rank's shard and
-    run its engine core's steps until told to shut down; a failure is reported in the store and
-    exits the process."""
-    layout = parallel_layout(args)
+    """Join the world as `rank` (GPU `local_rank` from the config's device), load this rank's
+    shard and execute its engine core's plans until told to shut down; a failure is reported in
+    the store and exits the process."""
     try:
-        device = rank_device(resolve_device(args.device), local_rank)
+        device = rank_device(config.device, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(cpu_threads_per_rank(layout.world_size, spare_cores))
+            torch.set_num_threads(cpu_threads_per_rank(config.layout.world_size, spare_cores))
         store.set(f"mlaserve/joined/{rank}", "1")
-        groups = join_world(store, rank, layout, device, DATA_TIMEOUT)
-        Worker(args, device, groups.control).run()
+        groups = join_world(store, rank, config.layout, device, DATA_TIMEOUT)
+        run_plans(config, device, groups.control)
     except BaseException as exc:  # noqa: BLE001 - reported to the engine core, which stops
         logger.exception("worker %d failed", rank)
         report_error(store, rank, f"{type(exc).__name__}: {exc}")
@@ -431,57 +326,20 @@ def _serve_steps(args: EngineArgs, rank: int, local_rank: int, store: dist.Store
     dist.destroy_process_group()
 
 
-class Worker:
-    """One rank's runner, driven by rank 0's step descriptions."""
-
-    def __init__(self, args: EngineArgs, device: torch.device, control: ControlChannel) -> None:
-        config = ModelConfig.from_pretrained(model_dir_of(args), args.hf_overrides)
-        dtype = resolve_dtype(args.dtype, config, device)
-        max_model_len = resolve_max_model_len(args, config)
-        self.control = control
-        self.runner: ModelRunner = load_runner(args, config, device, dtype, max_model_len,
-                                               control.agree_min)
-        self.requests: dict[int, Request] = {}  # handle -> mirror of rank 0's request
-        self._decoder = msgspec.msgpack.Decoder(StepDescription)
-
-    def run(self) -> None:
-        """Receive, mirror and launch steps until told to shut down; a step's results are
-        collected after the next is launched (at most two steps in flight, as on rank 0)."""
-        pending = None
-        while True:
-            step = self._decoder.decode(self.control.receive())
-            if step.shutdown:
-                return
-            if step.idle:
-                for handle in step.leaving:
-                    self.runner.release(self.requests.pop(handle))
-                self.runner.join_expert_parallel()
-                continue
-            launched = self.runner.launch(self.apply(step))
-            if pending is not None:
-                self.runner.collect(pending)
-            pending = launched
-
-    def apply(self, step: StepDescription) -> ScheduledBatch:
-        """Update the mirrored requests as the description says; the step's batch."""
-        for handle in step.leaving:
-            self.runner.release(self.requests.pop(handle))
-        for joining in step.joining:
-            self.requests[joining.handle] = Request(
-                joining.request_id, None, joining.prompt_token_ids, joining.params,
-                sample_seed=joining.sample_seed, eos_token_ids=tuple(joining.eos_token_ids))
-        batch = ScheduledBatch()
-        batch.decodes = [self._update(s) for s in step.decodes]
-        batch.prefills = [(self._update(s), s.num_new_tokens) for s in step.prefills]
-        batch.sampling_requests = [self.requests[h] for h in step.sampling]
-        return batch
-
-    def _update(self, scheduled: ScheduledRequest) -> Request:
-        request = self.requests[scheduled.handle]
-        request.num_computed_tokens = scheduled.num_computed_tokens
-        request.output_token_ids.extend(scheduled.new_output_token_ids)
-        request.num_output_placeholders = scheduled.num_output_placeholders
-        request.block_ids.extend(scheduled.new_block_ids)
-        if scheduled.num_prompt_logprobs >= 0:
-            request.prompt_logprobs = [None] * scheduled.num_prompt_logprobs
-        return request
+def run_plans(config: EngineConfig, device: torch.device, control: ControlChannel) -> None:
+    """Load this rank's runner, then receive and launch rank 0's plans until told to shut
+    down; a step's results are collected after the next is launched (at most two steps in
+    flight, as on rank 0)."""
+    runner = load_runner(config, device, control.agree_min)
+    decoder = msgspec.msgpack.Decoder(StepPlan)
+    pending = None
+    while True:
+        plan = decoder.decode(control.receive())
+        if plan.shutdown:
+            return
+        launched = runner.launch(plan)
+        if launched is None:  # an idle plan
+            continue
+        if pending is not None:
+            runner.collect(pending)
+        pending = launched

@@ -130,7 +130,7 @@ class TransformersEngine(TokenizedEngine):
         from transformers import AutoModelForCausalLM
 
         from mlaserve.config import ModelConfig
-        from mlaserve.engine.args import resolve_device, resolve_dtype
+        from mlaserve.engine.engine_config import resolve_device, resolve_dtype
         from mlaserve.engine.tokenizer import load_tokenizer
 
         torch_device = resolve_device(device)

@@ -147,7 +147,7 @@ def candidate_args(reference: argparse.Namespace, flags: str) -> EngineArgs:
     `mlaserve serve` takes them) applied on top. Raises ValueError naming a flag it cannot
     take, or a parallel layout the model or the machine cannot run (`check_parallel`)."""
     from mlaserve.cli import add_engine_arguments, engine_args_from
-    from mlaserve.engine.args import check_parallel
+    from mlaserve.engine.engine_config import check_parallel
 
     parser = _FlagParser(prog=f"--compare {shlex.quote(flags)}", add_help=False)
     add_engine_arguments(parser)

@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlaserve.kernels.fp8_blocks import FP8_DTYPE, scales_column_stride
-from mlaserve.kernels.fp8_gemm import check_operands, is_sm90, sm_count, sum_splits
+from mlaserve.kernels.fp8_gemm_common import check_operands, is_sm90, sm_count, sum_splits
 from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT
 
 BLOCK_M = 128  # two warpgroups of 64 rows

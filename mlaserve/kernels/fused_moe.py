@@ -40,8 +40,8 @@ import triton.language as tl
 
 from mlaserve.kernels.fp8_activations import quantize_activations
 from mlaserve.kernels.fp8_blocks import BLOCK_SIZE
-from mlaserve.kernels.moe import check_fp8_experts
 from mlaserve.kernels.moe_align import ExpertAlignment, align_by_expert
+from mlaserve.kernels.moe_common import check_fp8_experts
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.interpreter import prepare_launch
-from mlaserve.kernels.moe import ExpertChoice
+from mlaserve.kernels.moe_common import ExpertChoice
 
 # larger than any expert or group index: "no lane" in the min-index reductions
 _NO_INDEX = tl.constexpr(1 << 30)
