@@ -1,4 +1,4 @@
-"""The `flashinfer` backend (DESIGN §5).
+"""The `flashinfer` backend (docs/architecture.md, "Contracts").
 
 On a GPU with FlashInfer (SM90+) the backend runs against the float32 reference on adversarial
 batches: shuffled block tables, NaN in unused pages and page tails, lengths 0, 1, block - 1,

@@ -131,7 +131,8 @@ def test_config_reads_both_rope_layouts_and_v3_scale():
                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                             "mscale_all_dim": 1.0}}
     config = ModelConfig.from_dict(raw)
-    assert abs(config.softmax_scale - 0.13523) < 1e-5  # DESIGN §1: V3's scale
+    # V3's scale (docs/architecture.md, "MLA conventions")
+    assert abs(config.softmax_scale - 0.13523) < 1e-5
     raw["rope_parameters"] = {**raw.pop("rope_scaling"), "rope_type": "yarn", "rope_theta": 50.0}
     config = ModelConfig.from_dict(raw)
     assert config.rope_theta == 50.0 and config.rope_scaling.factor == 40

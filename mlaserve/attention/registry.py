@@ -141,7 +141,7 @@ def mla_decode(
     backend: str | MLABackend = "auto",
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Paged MLA decode in one call (plan + run). See DESIGN §3.
+    """Paged MLA decode in one call (plan + run). The contract: docs/architecture.md, "Contracts".
 
     Args:
         q: [B * q_len, H, L + R] absorbed queries.

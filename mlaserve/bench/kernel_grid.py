@@ -4,7 +4,8 @@ cell.
 A cell is one decode problem: `batch_size` requests of `kv_len` cached tokens each (the q_len new
 tokens included), or, `ragged`, lengths drawn uniformly from q_len..kv_len (fixed per cell);
 `num_heads` query heads, pages of `block_size` tokens, `q_len` new tokens per request. Its floor
-(DESIGN §7) is max(bytes / copy rate, flops / matmul rate) with, for N = the sum of the lengths,
+(docs/architecture.md, "Tests and benchmarks") is max(bytes / copy rate, flops / matmul rate)
+with, for N = the sum of the lengths,
 
     bytes = N * (L + R) * e + B * q_len * H * (L + R + L) * e   (cache read once, q in, o out)
     flops = 2 * q_len * H * N * (L + R + L)                     (Q K^T over L + R, P V over L)

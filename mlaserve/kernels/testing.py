@@ -1,5 +1,5 @@
 """The one verification harness of the decode kernels, shared by the tests, `mlaserve bench
-kernel` and its sweeps (DESIGN §6, §7).
+kernel` and its sweeps (docs/architecture.md, "Tests and benchmarks").
 
 - `poisoned_paged_batch`: a random paged batch built to catch kernels that read what they must
   not (NaN in every page no request owns and in the tail of each last page, shuffled pages,

@@ -1,6 +1,6 @@
-"""DESIGN's rule for `mlaserve/kernels/`: pure tensor functions that import nothing else from
-mlaserve (so the model, the engine and the benchmarks may use any kernel, and no kernel drags
-in the model package)."""
+"""docs/architecture.md's rule for `mlaserve/kernels/` ("Floors"): pure tensor functions that
+import nothing else from mlaserve (so the model, the engine and the benchmarks may use any
+kernel, and no kernel drags in the model package)."""
 
 import ast
 from pathlib import Path

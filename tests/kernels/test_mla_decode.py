@@ -1,4 +1,5 @@
-"""The Triton paged MLA decode kernel and backend against the float32 reference (DESIGN §5).
+"""The Triton paged MLA decode kernel and backend against the float32 reference
+(docs/architecture.md, "Tests and benchmarks").
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter on small shapes, in float32 and
 float16 (the interpreter's bfloat16 dot is not faithful). With a GPU the same tests run natively,

@@ -1,7 +1,7 @@
 """The Triton decode kernel over FP8 (float8_e4m3fn) latent caches, and with the latent in
 column chunks (`MLADecodeConfig.latent_chunks`), against the float32 reference that reads the
-same cache (DESIGN §5). Without a CUDA GPU in Triton's CPU interpreter (float32 and float16);
-every batch poisons unused pages and page tails with NaN.
+same cache (docs/architecture.md, "Tests and benchmarks"). Without a CUDA GPU in Triton's CPU
+interpreter (float32 and float16); every batch poisons unused pages and page tails with NaN.
 """
 
 import dataclasses

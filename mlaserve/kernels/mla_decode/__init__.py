@@ -1,4 +1,4 @@
-"""Paged MLA decode kernels (DESIGN §1, §3): the plan decides, the kernels obey.
+"""Paged MLA decode kernels (docs/architecture.md, "Contracts"): the plan decides, the kernels obey.
 
 - `plan.py`: `plan_mla_decode` maps (shape, device, lengths, page size) to a named split-pass
   kernel, its configuration (from `tuning.py`, the tuned table), the split count and workspace

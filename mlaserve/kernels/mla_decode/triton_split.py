@@ -1,10 +1,10 @@
 """The Triton split pass of the paged MLA decode (stage 1; the merge is `merge.py`).
 
-The problem (absorbed MLA decode, DESIGN §1 and §3). Per request b with KV length N_b and q_len new
-tokens, the M = q_len * H query rows `[q_latent | q_pe]` (L + R wide) attend all cached rows
-`[c_kv | k_pe]` of that request, causal among the new tokens; V is the first L columns of the same
-cache rows. The output is o [B * q_len, H, L] in q's dtype and lse [B * q_len, H] (natural log,
-float32).
+The problem (absorbed MLA decode: docs/architecture.md, "MLA conventions", "Contracts"). Per
+request b with KV length N_b and q_len new tokens, the M = q_len * H query rows
+`[q_latent | q_pe]` (L + R wide) attend all cached rows `[c_kv | k_pe]` of that request, causal
+among the new tokens; V is the first L columns of the same cache rows. The output is
+o [B * q_len, H, L] in q's dtype and lse [B * q_len, H] (natural log, float32).
 
 Kernel design:
 - `_mla_decode_split_kernel`: one program per (head group, split, request). A head group
