@@ -176,8 +176,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from mlaserve.engine.engine_config import check_parallel
-    from mlaserve.server.api import ServerOptions, build_server, create_app
+    from mlaserve.server.api import build_server, create_app
     from mlaserve.server.chat_template_sandbox import load_chat_template
+    from mlaserve.server.state import ServerOptions
 
     engine_args = engine_args_from(args)
     check_parallel(engine_args)  # before the engine process is spawned

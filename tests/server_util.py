@@ -14,7 +14,8 @@ import requests
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.core_process import FAULT_FILE_ENV
 from mlaserve.engine.messages import SchedulerStats
-from mlaserve.server.api import ServerOptions, build_server, create_app
+from mlaserve.server.api import build_server, create_app
+from mlaserve.server.state import ServerOptions
 
 # Engine processes started by these tests watch this file (the core_process test hook).
 FAULT_FILE = Path(tempfile.gettempdir()) / f"mlaserve-test-fault-{os.getpid()}"

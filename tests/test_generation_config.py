@@ -11,7 +11,7 @@ import pytest
 from mlaserve import LLM, SamplingParams
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.generation_config import default_sampling
-from mlaserve.server.api import ServerOptions
+from mlaserve.server.state import ServerOptions
 from tests.server_util import RunningServer
 
 DEEPSEEK_V3 = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6,

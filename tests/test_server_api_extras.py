@@ -271,7 +271,7 @@ def test_chat_template_and_several_served_model_names():
     `--served-model-name A B`: both are listed and taken; responses name the one asked for."""
     import openai
 
-    from mlaserve.server.api import ServerOptions
+    from mlaserve.server.state import ServerOptions
     from tests.server_util import RunningServer
 
     names = ("demo", "deepseek-ai/DeepSeek-V3")

@@ -18,9 +18,9 @@ import pytest
 import requests
 
 from mlaserve.engine.args import DEMO_MODEL_DIR
-from mlaserve.server.api import ServerOptions
 from mlaserve.server.formatting import sse, usage
 from mlaserve.server.protocol_stream import ChatStreamChoice, chunk_head
+from mlaserve.server.state import ServerOptions
 from tests.server_util import RunningServer
 
 openai = pytest.importorskip("openai")  # test-only; absent on a bare GPU machine
@@ -355,7 +355,7 @@ def test_shutdown_ends_streams_with_an_error_event_and_done(caplog):
     an error event and [DONE] before the deadline; start-up logs where it serves and, while
     busy, a stats line."""
     options = ServerOptions(stats_interval_s=0.5)
-    with caplog.at_level(logging.INFO, logger="mlaserve.server.api"):
+    with caplog.at_level(logging.INFO, logger="mlaserve.server"):
         running = RunningServer(options=options, grace_s=3, max_model_len=1024)
         running.__enter__()
         events: list[list[str]] = []

@@ -7,7 +7,7 @@ import time
 
 import requests
 
-from mlaserve.server.api import ServerOptions
+from mlaserve.server.state import ServerOptions
 from tests.server_util import RunningServer
 
 

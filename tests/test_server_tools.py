@@ -15,11 +15,12 @@ import requests
 
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.request import RequestOutput
-from mlaserve.server.api import ServerOptions, create_app
+from mlaserve.server.api import create_app
 from mlaserve.server.serving import Serving
 from mlaserve.server.serving_base import ServingOptions
 from mlaserve.server.serving_chat import ChatServing
 from mlaserve.server.serving_responses import ResponsesServing
+from mlaserve.server.state import ServerOptions
 from mlaserve.server.tool_calls import CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN, CALLS_END
 from tests.server_util import RunningServer
 
