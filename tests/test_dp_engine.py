@@ -99,7 +99,7 @@ def test_serve_dp2_expert_parallel_equals_one_process_and_dies_cleanly(tmp_path)
         for stream, _ in streams:
             stream.join(60)
         assert proc.wait(30) == 1
-        assert time.monotonic() - start < 15
+        assert time.monotonic() - start < 60  # no hang
         output = proc.stdout.read().decode()
         assert "the engine process of replica 1 exited with code -9 (SIGKILL)" in output
         for _, result in streams:

