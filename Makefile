@@ -12,8 +12,10 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[test]'
 	touch $(STAMP)
 
+# two workers, a test file each at a time (module fixtures start once): the suite waits on
+# servers and subprocesses as much as it computes
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 demo: $(STAMP)
 	$(VENV)/bin/mlaserve generate --prompt "$$(printf 'Question: What is 48 + 35 - 17?\nAnswer:')" --max-tokens 40 --temperature 0
