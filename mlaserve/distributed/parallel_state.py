@@ -53,6 +53,23 @@ class TensorParallelGroup:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def gather(self, x: torch.Tensor, dim: int, dst: int = 0) -> torch.Tensor | None:
+        """Concatenate every rank's x along dim in rank order, on group rank `dst` only (None
+        on the others; x itself when size is 1).
+
+        Args:
+            x: [..., n, ...] with n at `dim`, the same shape on every rank.
+
+        Returns:
+            [..., size * n, ...] on rank `dst`.
+        """
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else None
+        dist.gather(x, parts, group_dst=dst, group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite x on every rank with group rank `src`'s x, in place; returns x.
 

@@ -249,13 +249,13 @@ class ModelRunner:
                 hidden: torch.Tensor, chunks: list[PrefillChunk]) -> PendingStep:
         """Sample the step's tokens and start copying them (and any logprobs) to the host.
 
-        Under tensor parallelism every rank computes the logits (their all-gather is a
-        collective), but rank 0 alone samples and then broadcasts the ids [S] int64 on the
-        data plane (queued on the device like the step's other collectives: no host wait).
-        Sampling on every rank from its copy of the logits would also give the same ids only if
-        those copies were bitwise equal and each rank held the sampling state that lives on
-        rank 0's host (grammar bitmasks, penalty counts); one broadcast of S ids makes the
-        ranks agree by construction and keeps the other ranks free of sampling state.
+        Under tensor parallelism every rank computes its columns of the logits and rank 0
+        gathers them (a collective; no other rank receives the vocabulary), samples, and then
+        broadcasts the ids [S] int64 on the data plane (queued on the device like the step's
+        other collectives: no host wait). Sampling on every rank from its own logits would give
+        the same ids only if those were bitwise equal and each rank held the sampling state
+        that lives on rank 0's host (grammar bitmasks, penalty counts); one broadcast of S ids
+        makes the ranks agree by construction and keeps the other ranks free of sampling state.
         """
         num_decodes = len(decodes)
         sample_rows = list(range(num_decodes))
@@ -278,7 +278,7 @@ class ModelRunner:
         if samplers:
             rows = hidden[:num_decodes] if len(sample_rows) == num_decodes else hidden[
                 torch.tensor(sample_rows, device=self.device)]
-            logits = self.model.compute_logits(rows)  # [S, V] float32, on every rank
+            logits = self.model.compute_logits(rows, dst=0)  # [S, V] float32 on rank 0
             if self.tp.rank == 0:
                 packed = self.inputs.to_device([[r.row for r in samplers], sample_positions],
                                                torch.int64)  # [2, S]
@@ -298,7 +298,7 @@ class ModelRunner:
                 pending.logprobs = (samplers, *(t.to("cpu", non_blocking=True)
                                                 for t in (chosen, values, ids)))
         for request, row, first, count in prompt_rows:
-            logits = self.model.compute_logits(hidden[row : row + count])  # a collective
+            logits = self.model.compute_logits(hidden[row : row + count], dst=0)  # collective
             if self.tp.rank != 0:
                 continue  # rank 0 alone reports logprobs
             logprobs = logits.log_softmax(dim=-1)

@@ -10,8 +10,9 @@ kv_a, their norms and the latent cache replicated, so attention backends see H /
 the full latent), I / N columns of the dense MLP and of every routed and shared expert, and
 V / N rows of the embedding and LM head. The router is replicated. Per layer, o_proj and the
 MLP (or MoE) each all-reduce their [T, D] output once; the embedding all-reduces once and
-`compute_logits` all-gathers the vocabulary. Every rank runs the same forward on the same
-inputs. At N = 1 no collective runs and the model computes as a single process always did.
+`compute_logits` gathers the vocabulary (for the engine, to the rank that samples). Every
+rank runs the same forward on the same inputs. At N = 1 no collective runs and the model
+computes as a single process always did.
 
 The small ops between the GEMMs (norms with the residual adds, rope, the latent cache write) are
 the building blocks of `mlaserve.model.layers`: fused Triton kernels on CUDA, torch on CPU.
@@ -466,6 +467,9 @@ class DeepseekForCausalLM(nn.Module):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> logits [N, V] float32, the full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, dst: int | None = None
+                       ) -> torch.Tensor | None:
+        """hidden [N, D] -> logits [N, V] float32, the full vocabulary on every rank, or (dst)
+        on that tensor-parallel rank alone (None on the others): a collective either way."""
+        logits = self.lm_head.compute_logits(hidden, dst)
+        return None if logits is None else logits.float()

@@ -7,7 +7,8 @@
   sum, all-reduced into y (or left to the caller, which reduces later).
 - `VocabParallelEmbedding`: the vocabulary rows split; ids outside a rank's rows give zeros,
   and the all-reduce leaves every id with its one row.
-- `ParallelLMHead`: the vocabulary rows split; `compute_logits` gathers the full vocabulary.
+- `ParallelLMHead`: the vocabulary rows split; `compute_logits` gathers the full vocabulary
+  (to every rank, or to the one that samples).
 
 Each module names, in `tp_shards`, how its parameters are cut from the full checkpoint tensors
 (`ShardSpec`), so the loader reads only this rank's slice of every tensor. At tensor-parallel
@@ -181,7 +182,12 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_per_rank, embedding_dim))
         self.tp_shards = {"weight": ShardSpec(0)}
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> logits [N, V] in hidden's dtype, the full vocabulary on every rank
-        (each rank computes its V / size columns; one all-gather)."""
-        return self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)
+    def compute_logits(self, hidden: torch.Tensor, dst: int | None = None
+                       ) -> torch.Tensor | None:
+        """hidden [N, D] -> logits [N, V] in hidden's dtype, the full vocabulary: on every rank
+        (dst None: one all-gather), or on group rank `dst` alone (one gather; None on the
+        others). Each rank computes its V / size columns."""
+        shard = F.linear(hidden, self.weight)  # [N, V / size]
+        if dst is None:
+            return self.tp.all_gather(shard, dim=-1)
+        return self.tp.gather(shard, dim=-1, dst=dst)
