@@ -1,4 +1,4 @@
-"""The `mlaserve` command: serve | generate | bench serve | kernel | gemm | eval [parity]."""
+"""The `mlaserve` command: serve | generate | bench NAME (BENCH_COMMANDS) | eval [parity]."""
 
 import argparse
 import importlib
@@ -216,6 +216,25 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# `mlaserve bench NAME`: the module that adds its flags and runs it (loaded when NAME is parsed)
+BENCH_COMMANDS = {
+    "serve": ("mlaserve.bench.serve", "serving benchmark client"),
+    "throughput": ("mlaserve.bench.throughput", "offline throughput of LLM.generate"),
+    "kernel": ("mlaserve.bench.kernel", "MLA decode kernel sweep"),
+    "kernel-diag": ("mlaserve.bench.kernel_diag",
+                    "decode kernel diagnostics: compiled resources, in-kernel timeline, a "
+                    "probe launch, FlashInfer warm-up"),
+    "prefill": ("mlaserve.bench.prefill", "expanded-MHA prefill attention implementations"),
+    "moe": ("mlaserve.bench.moe", "routed experts: fused Triton MoE against grouped GEMMs"),
+    "gemm": ("mlaserve.bench.gemm", "block-FP8 GEMM against bf16"),
+    "gemm-tune": ("mlaserve.bench.gemm_tune",
+                  "FP8 GEMM kernels' configurations swept, or profiled"),
+    "step": ("mlaserve.bench.step", "where an engine step's time goes (GPU, or host only)"),
+    "structured": ("mlaserve.bench.structured", "decode throughput with a JSON schema"),
+    "stream-encode": ("mlaserve.bench.stream_encode", "cost of encoding one streamed chunk"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlaserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mlaserve {__version__}")
@@ -295,9 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True, parser_class=_ModuleParser)
-    for name, module, text in (("serve", "mlaserve.bench.serve", "serving benchmark client"),
-                               ("kernel", "mlaserve.bench.kernel", "MLA decode kernel sweep"),
-                               ("gemm", "mlaserve.bench.gemm", "block-FP8 GEMM against bf16")):
+    for name, (module, text) in BENCH_COMMANDS.items():
         sub = bench.add_parser(name, parents=[common], help=text, module_name=module)
         sub.set_defaults(module=module)
     commands.add_parser("eval", parents=[common],
@@ -330,6 +347,9 @@ class _ModuleParser(argparse.ArgumentParser):
         if self._module_name is not None:
             module = importlib.import_module(self._module_name)
             self._module_name = None
+            if self.description is None and module.__doc__:  # its usage, for --help
+                self.description = module.__doc__
+                self.formatter_class = argparse.RawDescriptionHelpFormatter
             module.add_arguments(self)
             self.set_defaults(handler=module.run)
         return super().parse_known_args(args, namespace)

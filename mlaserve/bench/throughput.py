@@ -1,28 +1,34 @@
-"""Offline throughput: `LLM.generate` on the serving benchmark's random workload.
+"""`mlaserve bench throughput`: offline throughput, `LLM.generate` on the serving benchmark's
+random workload (vLLM's `vllm bench throughput`).
 
-Usage (GPU): python3 scripts/gpu_offline_throughput.py MODEL_DIR [--backend triton]
-    [--num-prompts 512] [--input-len 1024] [--output-len 1024] [--max-num-seqs 256]
+Usage (GPU): mlaserve bench throughput MODEL_DIR [--backend triton] [--num-prompts 512]
+    [--input-len 1024] [--output-len 1024] [--max-num-seqs 256] [--block-size 32]
 Random prompts drawn as `mlaserve bench serve --dataset-name random` draws them (ids from the
-tokenizer's vocabulary), dummy weights, ignore_eos; prints output and total tokens per second.
+tokenizer's vocabulary), dummy weights, ignore_eos; after a two-prompt warm-up it prints output
+and total tokens per second of one `generate` call over all prompts.
 """
 
 import argparse
-import random
-import time
-
-from mlaserve import LLM, SamplingParams
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("--backend", default="triton")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `mlaserve bench throughput` flags."""
+    parser.add_argument("model", help="HF model directory (its weights are drawn: dummy)")
+    parser.add_argument("--backend", default="triton", help="the attention backend")
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=32)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate every prompt in one call and print the throughput line."""
+    import random
+    import time
+
+    from mlaserve import LLM, SamplingParams
+
     llm = LLM(args.model, load_format="dummy", attention_backend=args.backend,
               block_size=args.block_size, max_num_seqs=args.max_num_seqs)
     vocab = len(llm.tokenizer)
@@ -39,7 +45,4 @@ def main() -> None:
     print(f"offline LLM.generate, backend {args.backend}: {args.num_prompts} prompts x "
           f"{args.input_len} in / {args.output_len} out in {seconds:.2f} s: "
           f"{generated / seconds:.1f} output tok/s, {total / seconds:.1f} total tok/s")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,12 +1,8 @@
-"""The warp-specialised sm_90 block-FP8 GEMM (`fp8_gemm_sm90.block_fp8_matmul_sm90`) at
-DeepSeek-V3's projection shapes on one H100 / H200: checked, timed against bf16 and cuBLASLt's
-blockwise product, and its launch configuration swept, so that `fp8_gemm.GLUON_MIN_ROWS` and the
-kernel's defaults can be set from one run.
-
-Usage (sm_90 GPU): python3 scripts/fp8_gemm_sm90_check.py [--models deepseek-v3]
-    [--tokens 256,1024,4096,8192] [--stages 4,5,6] [--k-unroll 1,2,4] [--group-m 8]
-    [--block-n 128,64] [--k-splits 1] [--repeats 10]
-    [--out FILE.json]
+"""`mlaserve bench gemm-tune gluon`: the warp-specialised sm_90 block-FP8 GEMM
+(`fp8_gemm_sm90.block_fp8_matmul_sm90`) at DeepSeek-V3's projection shapes on one H100 / H200:
+checked, timed against bf16 and cuBLASLt's blockwise product, and its launch configuration
+swept, so that `fp8_gemm.GLUON_MIN_ROWS` and the kernel's defaults can be set from one run.
+Flags: `mlaserve bench gemm-tune gluon --help` (`gemm_tune.py`).
 
 Per projection (`bench.gemm.projections`: the GEMMs as the model runs them) and token count M:
 random bf16 x and weight (randn * 0.02), quantized as the model does (`quantize_activations`,
@@ -35,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from mlaserve.arg_types import positive_int_list
 from mlaserve.bench.gemm import (
     BF16_ROUNDING,
     FP8_MMA_REL_ERR,
@@ -65,36 +60,15 @@ from mlaserve.kernels.mla_decode.common import GLUON_SHARED_MEMORY_LIMIT as SHAR
 from mlaserve.kernels.testing import relative_error
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="deepseek-v3", help="comma list of config names")
-    parser.add_argument("--tokens", type=positive_int_list, default="256,1024,4096,8192",
-                        help="comma list of token counts M")
-    parser.add_argument("--stages", type=positive_int_list, default="4,5,6",
-                        help="swept num_stages")
-    parser.add_argument("--k-unroll", type=positive_int_list, default="1,2,4",
-                        help="swept k_unroll")
-    parser.add_argument("--group-m", type=positive_int_list, default="8", help="swept group_m")
-    parser.add_argument("--block-n", type=positive_int_list, default="128,64",
-                        help="swept tile widths")
-    parser.add_argument("--k-splits", type=positive_int_list, default="1",
-                        help="swept runs of K blocks (the default, `choose_k_splits`, is timed "
-                             "as `gluon`)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    return parser.parse_args(argv)
-
-
 def _time(call, repeats: int) -> float:
     """One call, one weight: `bench.gemm.time_calls` of [call]."""
     return time_calls([call], repeats)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Check, time and sweep every (model, projection, tokens) cell; 1 when an output fails."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        print("fp8_gemm_sm90_check.py times an sm_90 kernel: it needs an H100 / H200",
+        print("mlaserve bench gemm-tune gluon times an sm_90 kernel: it needs an H100 / H200",
               file=sys.stderr)
         return 2
     device = torch.device("cuda")
@@ -184,6 +158,3 @@ def main(argv: list[str] | None = None) -> int:
                                               "rows": rows}, indent=1) + "\n")
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

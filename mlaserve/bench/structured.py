@@ -1,6 +1,7 @@
-"""The per-step cost of structured outputs: decode throughput with and without a JSON schema.
+"""`mlaserve bench structured`: the per-step cost of structured outputs, decode throughput with
+and without a JSON schema.
 
-Usage: python scripts/bench_structured.py [--concurrency 64] [--output-len 128] [--runs 3]
+Usage: mlaserve bench structured [--concurrency 64] [--output-len 128] [--runs 3]
     [--device cpu]
 
 The built-in demo model (random weights). `concurrency` requests with short prompts are added at
@@ -16,9 +17,6 @@ import json
 import random
 import statistics
 import time
-
-from mlaserve import LLM, SamplingParams
-from mlaserve.engine.request import StructuredOutputs
 
 SCHEMA = {
     "type": "object",
@@ -40,7 +38,15 @@ SCHEMA = {
 }
 
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, float]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `mlaserve bench structured` flags."""
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+
+
+def timed_batch(llm, prompts: list[list[int]], params: list) -> tuple[float, float]:
     """(decode output tok/s, bitmask fill ms per decode step) for one batch of requests."""
     engine = llm.engine
     manager = engine.core.structured
@@ -74,17 +80,16 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tup
     return generated / seconds, 1000 * fill_seconds[0] / max(steps, 1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
+    """Warm up both cases, time `runs` rounds of each, print the medians and their ratio."""
+    from mlaserve import LLM, SamplingParams
+    from mlaserve.engine.request import StructuredOutputs
+
     llm = LLM(device=args.device, max_num_seqs=max(args.concurrency, 1),
               num_kv_blocks=args.concurrency * (args.output_len + 64) // 16 + 16, block_size=16)
     rng = random.Random(0)
-    prompts = [[rng.randrange(4, 1000) for _ in range(16)] for _ in range(args.concurrency)]
+    top_id = min(1000, llm.engine.config.model.vocab_size)
+    prompts = [[rng.randrange(4, top_id) for _ in range(16)] for _ in range(args.concurrency)]
     constraint = StructuredOutputs(json=json.dumps(SCHEMA), disable_any_whitespace=True)
     cases = {
         "free text": lambda s: SamplingParams(max_tokens=args.output_len, seed=s,
@@ -95,11 +100,12 @@ def main() -> None:
     }
     # warm-up: compiles the grammar, touches every path once
     for make in cases.values():
-        run(llm, prompts[:2], [make(s) for s in range(2)])
+        timed_batch(llm, prompts[:2], [make(s) for s in range(2)])
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
     for r in range(args.runs):
         for name, make in cases.items():
-            tok_s, fill_ms = run(llm, prompts, [make(1000 * r + s) for s in range(len(prompts))])
+            tok_s, fill_ms = timed_batch(llm, prompts,
+                                         [make(1000 * r + s) for s in range(len(prompts))])
             results[name].append((tok_s, fill_ms))
             print(f"run {r + 1} {name:12s}: {tok_s:8.1f} output tok/s (decode), "
                   f"bitmask fill {fill_ms:.2f} ms/step", flush=True)
@@ -113,7 +119,4 @@ def main() -> None:
     free = statistics.median(v[0] for v in results["free text"])
     constrained = statistics.median(v[0] for v in results["json_schema"])
     print(f"json_schema / free text: {constrained / free:.3f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,7 @@
-"""Timeline of the seesaw Gluon split pass from in-kernel %globaltimer stamps (diagnostics).
+"""`mlaserve bench kernel-diag trace`: timeline of the seesaw Gluon split pass from in-kernel
+%globaltimer stamps.
 
-Usage (GPU): python3 scripts/gpu_trace_sm90.py [--cells 128x64x1024x1,...] [--out DIR]
+Usage (GPU): mlaserve bench kernel-diag trace [--cells 128x64x1024x1,...] [--out DIR]
 Cells are heads x batch x kv length x q_len (block 64, the default plan). The pass is rebuilt
 from `gluon_sm90.py` and `gluon_sm90_tiles.py` with timestamps added by text edits
 (each edit asserts its anchor, so a changed kernel fails loudly here instead of tracing the
@@ -25,7 +26,7 @@ from mlaserve.kernels.mla_decode.common import GLUON_SM90, SplitPassIO
 from mlaserve.kernels.mla_decode.plan import plan_mla_decode
 from mlaserve.kernels.testing import poisoned_paged_batch
 
-KERNELS = Path(__file__).resolve().parent.parent / "mlaserve" / "kernels" / "mla_decode"
+KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "mla_decode"
 SLOTS = 12  # int64 stamps per program
 NOW = '''
 
@@ -153,12 +154,8 @@ def summarise(stamps: np.ndarray, pairs: int) -> dict:
     return summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells",
-                        default="128x64x1024x1,128x64x4096x1,128x512x1024x1,16x64x4096x4")
-    parser.add_argument("--out", default=".")
-    args = parser.parse_args()
+def trace_cells(args: argparse.Namespace) -> None:
+    """Trace each cell of --cells; write trace_<cell>.npy and trace_summary.json to --out."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     with tempfile.TemporaryDirectory() as folder:
         traced = traced_pass(Path(folder))
@@ -173,6 +170,3 @@ def main() -> None:
             print(cell, json.dumps(results[cell]), flush=True)
     (Path(args.out) / "trace_summary.json").write_text(json.dumps(results, indent=1))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,8 @@
-"""The weight-only block-FP8 product (w8a16, `fp8_weight_only_matmul`) at DeepSeek-V3's
-projection shapes on one GPU: checked, timed against bf16 and the w8a8 path, and its launch
-configuration swept, so that `WEIGHT_ONLY_MAX_ROWS` and `weight_only_tiles` can be set from one
-run.
-
-Usage (GPU): python3 scripts/fp8_weight_only_check.py [--shapes 2112x7168,24576x1536,...]
-    [--tokens 1,16,32,64,128] [--block-n 16,32,64] [--k-splits 1,2,4,8] [--k-blocks 1,4]
-    [--stages 3,4,5] [--warps 2,4] [--swap-ab 0,1]
-    [--repeats 10] [--out FILE.json]
+"""`mlaserve bench gemm-tune weight-only`: the weight-only block-FP8 product (w8a16,
+`fp8_weight_only_matmul`) at DeepSeek-V3's projection shapes on one GPU: checked, timed against
+bf16 and the w8a8 path, and its launch configuration swept, so that `WEIGHT_ONLY_MAX_ROWS` and
+`weight_only_tiles` can be set from one run. Flags: `mlaserve bench gemm-tune weight-only
+--help` (`gemm_tune.py`).
 
 Per weight shape N x K: a random bf16 weight (randn * 0.02), quantized per 128x128 block as the
 checkpoints are (`quantize_block_fp8`), and per token count M random bf16 activations x. The
@@ -40,8 +36,7 @@ from pathlib import Path
 import torch
 from triton.runtime.errors import OutOfResources
 
-from mlaserve.arg_types import bool_list, positive_int_list
-from mlaserve.bench.gemm import time_calls
+from mlaserve.bench.gemm import WEIGHT_ONLY_REL_ERR, time_calls
 from mlaserve.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import (
     WEIGHT_ONLY_MAX_ROWS,
@@ -57,38 +52,12 @@ from mlaserve.kernels.testing import (
     relative_error,
 )
 
-# N x K of DeepSeek-V3 at one rank: q_a_proj and kv_a_proj_with_mqa fused (1536 + 576), q_b_proj,
-# o_proj, the dense MLP's gate_up and down, one routed expert's gate_up and down
-V3_SHAPES = "2112x7168,24576x1536,7168x16384,36864x7168,7168x18432,4096x7168,7168x2048"
-WEIGHT_ONLY_REL_ERR = 1e-2  # bf16 output: half a step is 2^-9 relative
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=V3_SHAPES, help="comma list of NxK weight shapes")
-    parser.add_argument("--tokens", type=positive_int_list, default="1,16,32,64,128",
-                        help="comma list of token counts M")
-    parser.add_argument("--block-n", type=positive_int_list, default="16,32,64",
-                        help="swept BLOCK_N (16, 32, 64, 128)")
-    parser.add_argument("--k-splits", type=positive_int_list, default="1,2,4,8",
-                        help="swept K splits")
-    parser.add_argument("--k-blocks", type=positive_int_list, default="1,4",
-                        help="swept K blocks per step (1-8)")
-    parser.add_argument("--stages", type=positive_int_list, default="3,4,5",
-                        help="swept num_stages")
-    parser.add_argument("--warps", type=positive_int_list, default="2,4", help="swept num_warps")
-    parser.add_argument("--swap-ab", type=bool_list, default="0,1",
-                        help="swept operand orders: 0 x W^T, 1 W x^T")
-    parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Check, time and sweep every (shape, tokens) cell; 1 when an output fails."""
     if not torch.cuda.is_available():
-        print("fp8_weight_only_check.py times GPU kernels: it needs a CUDA GPU", file=sys.stderr)
+        print("mlaserve bench gemm-tune weight-only times GPU kernels: it needs a CUDA GPU",
+              file=sys.stderr)
         return 2
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -172,6 +141,3 @@ def main(argv: list[str] | None = None) -> int:
                                               "rows": rows}, indent=1) + "\n")
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

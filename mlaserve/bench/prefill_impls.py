@@ -1,15 +1,8 @@
-"""The expanded-MHA prefill attention of one layer, implementations side by side (GPU).
+"""The prefill attention implementations `mlaserve bench prefill` times, their float32
+reference, and the timing loop. Usage: `mlaserve bench prefill --help`."""
 
-Usage: python3 scripts/gpu_prefill_attention_bench.py [--heads 16] [--out DIR]
-For each step shape (chunks of new tokens over cached context) it times each implementation's
-whole step for one layer (kv_b expansion included) and checks it against a float32 reference
-that attends with the same inputs: the largest absolute error over the outputs.
-"""
-
-import argparse
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +22,7 @@ STEPS = {  # name -> [(new tokens, context tokens)] per chunk
 
 
 def make_step(chunks: list[tuple[int, int]], heads: int, device: torch.device):
+    """Random q, new latents, a cache of context latents, kv_b and the chunks' metadata."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     total_new = sum(n for n, _ in chunks)
     total_ctx = sum(c for _, c in chunks)
@@ -93,6 +87,7 @@ def run_sdpa_4d(q, latent, cache, kv_b, metas, heads, scale, backend=None, pad_v
 
 
 def make_flashinfer(heads: int, device: torch.device):
+    """FlashInfer's ragged prefill over the expanded keys and values of all chunks at once."""
     import flashinfer
 
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
@@ -120,6 +115,7 @@ def make_flashinfer(heads: int, device: torch.device):
 
 
 def reference(q, latent, cache, kv_b, metas, heads, scale):
+    """The step's attention in float32, keys and values expanded from the same latents."""
     out = torch.empty(q.shape[0], heads, V, dtype=torch.float32, device=q.device)
     for chunk in metas:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -138,6 +134,7 @@ def reference(q, latent, cache, kv_b, metas, heads, scale):
 
 
 def time_ms(fn: Callable[[], torch.Tensor], reps: int = 20) -> float:
+    """The best of three rounds of `reps` eager calls, ms per call."""
     fn()
     torch.cuda.synchronize()
     times = []
@@ -150,15 +147,8 @@ def time_ms(fn: Callable[[], torch.Tensor], reps: int = 20) -> float:
     return min(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--impls", default="sdpa,4d,flashinfer")
-    args = parser.parse_args()
-    wanted = args.impls.split(",")
-    device = torch.device("cuda")
-    scale = (NOPE + ROPE) ** -0.5
+def implementations(wanted: list[str], heads: int, device: torch.device) -> dict:
+    """The implementations `wanted` names (sdpa, 4d, flashinfer), by their row label."""
     impls = {}
     if "sdpa" in wanted:
         impls["engine expanded_prefill"] = run_sdpa
@@ -172,33 +162,34 @@ def main() -> None:
         impls["4d cudnn"] = lambda *a: run_sdpa_4d(*a, backend=SDPBackend.CUDNN_ATTENTION)
     if "flashinfer" in wanted:
         try:
-            impls["flashinfer ragged"] = make_flashinfer(args.heads, device)
+            impls["flashinfer ragged"] = make_flashinfer(heads, device)
         except Exception as error:  # noqa: BLE001
             print(f"flashinfer unavailable: {error!r}")
-    lines = [f"{args.heads} heads, qk {NOPE}+{ROPE}, v {V}, bf16; ms per layer-step, max abs err"]
+    return impls
+
+
+def time_implementations(heads: int, wanted: list[str], device: torch.device) -> list[str]:
+    """One line per (step shape, implementation): ms per layer-step, TFLOP/s, the largest
+    absolute error against the reference and the first call's seconds; printed as they come."""
+    scale = (NOPE + ROPE) ** -0.5
+    impls = implementations(wanted, heads, device)
+    lines = [f"{heads} heads, qk {NOPE}+{ROPE}, v {V}, bf16; ms per layer-step, max abs err"]
     for step, chunks in STEPS.items():
-        inputs = make_step(chunks, args.heads, device)
-        ref = reference(*inputs, args.heads, scale)
+        inputs = make_step(chunks, heads, device)
+        ref = reference(*inputs, heads, scale)
         for name, fn in impls.items():
             try:
                 started = time.perf_counter()
-                out = fn(*inputs, args.heads, scale)
+                out = fn(*inputs, heads, scale)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - started
                 err = (out.float() - ref).abs().max().item()
-                ms = time_ms(lambda fn=fn, inputs=inputs: fn(*inputs, args.heads, scale))
-                flops = sum(4 * n * (c + (n + 1) / 2) * args.heads * (NOPE + ROPE + V) / 2
+                ms = time_ms(lambda fn=fn, inputs=inputs: fn(*inputs, heads, scale))
+                flops = sum(4 * n * (c + (n + 1) / 2) * heads * (NOPE + ROPE + V) / 2
                             for n, c in chunks)
                 lines.append(f"{step:<14} {name:<20} {ms:8.3f} ms  {flops / ms / 1e9:6.0f} "
                              f"TFLOP/s  err {err:.2e}  (first call {first:.1f} s)")
             except Exception as error:  # noqa: BLE001
                 lines.append(f"{step:<14} {name:<20} failed: {error!r}"[:300])
             print(lines[-1], flush=True)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        name = f"prefill-attention-{args.impls.replace(',', '-')}.txt"
-        (Path(args.out) / name).write_text("\n".join(lines) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return lines

@@ -1,16 +1,14 @@
-"""Where the block-FP8 GEMM's time goes on one sm_90 GPU: the Gluon product beside cuBLASLt's
-blockwise product, cuBLAS's per-tensor FP8 product (one scale per operand: the FP8 ceiling
-without block scaling) and bf16, timed on V3's projection shapes, and each launched once more
-inside the NVTX range `profile` (and one of its own, `projection:tokens:name`) for Nsight
-Compute.
-
-Usage (sm_90 GPU): python3 scripts/fp8_gemm_profile.py [--shapes o_proj:4096,q_a+kv_a_proj:1024]
-    [--repeats 10]
-Under ncu: ncu --nvtx --nvtx-include "profile/" --clock-control none --section ... python3 ...
+"""`mlaserve bench gemm-tune profile`: where the block-FP8 GEMM's time goes on one sm_90
+GPU: the Gluon product beside cuBLASLt's blockwise product, cuBLAS's per-tensor FP8 product (one
+scale per operand: the FP8 ceiling without block scaling) and bf16, timed on V3's projection
+shapes, and each launched once more inside the NVTX range `profile` (and one of its own,
+`projection:tokens:name`) for Nsight Compute. Flags: `mlaserve bench gemm-tune profile --help`
+(`gemm_tune.py`); under ncu: ncu --nvtx --nvtx-include "profile/" --clock-control none
+--section ... python3 -m mlaserve bench gemm-tune profile --repeats 1.
 
 Shapes are `projection:tokens` of `bench.gemm.projections(deepseek-v3)`. Operands as in
-`fp8_gemm_sm90_check.py` (randn * 0.02 weights, quantized as the model does); the Gluon and
-blockwise outputs are gated against the float32 product of the dequantized operands before
+`mlaserve bench gemm-tune gluon` (randn * 0.02 weights, quantized as the model does); the Gluon
+and blockwise outputs are gated against the float32 product of the dequantized operands before
 timing. Times are medians under CUDA-graph replay; TFLOP/s counts 2 M N K.
 """
 
@@ -26,14 +24,6 @@ from mlaserve.kernels.fp8_blocks import quantize_block_fp8
 from mlaserve.kernels.fp8_gemm import block_fp8_reference, is_sm90, scaled_mm_block_fp8
 from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90
 from mlaserve.kernels.testing import relative_error
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="o_proj:4096,q_a+kv_a_proj:1024",
-                        help="comma list of projection:tokens")
-    parser.add_argument("--repeats", type=int, default=10, help="timed rounds of graph replays")
-    return parser.parse_args(argv)
 
 
 def products(m: int, n: int, k: int, device: torch.device) -> dict:
@@ -65,11 +55,11 @@ def products(m: int, n: int, k: int, device: torch.device) -> dict:
     return calls
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Check, time, then launch each product once inside the NVTX ranges."""
     device = torch.device("cuda")
     if not torch.cuda.is_available() or not is_sm90(device):
-        print("fp8_gemm_profile.py needs an sm_90 GPU", file=sys.stderr)
+        print("mlaserve bench gemm-tune profile needs an sm_90 GPU", file=sys.stderr)
         return 2
     shapes = {p.name: p for p in projections(load_config("deepseek-v3"))}
     print(f"{torch.cuda.get_device_name(device)}")
@@ -92,6 +82,3 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
-"""Registers, stack, shared memory and instruction mix of the Triton decode kernel and of the
-FP8 GEMM side's Triton kernels, for sm_90, without a GPU.
+"""`mlaserve bench kernel-diag resources`: registers, stack, shared memory and instruction mix of
+the Triton decode kernel and of the FP8 GEMM side's Triton kernels, for sm_90, without a GPU.
 
-Usage: python scripts/kernel_resources.py
+Usage: mlaserve bench kernel-diag resources
 Compiles the stage-1 kernel (`_mla_decode_split_kernel`) with each anchor shape's default
 configuration through Triton's bundled ptxas, with the argument specialisation a real launch
 gets (16-byte aligned pointers and strides, q_len 1 folded in), and reads the cubin's resource
@@ -147,7 +147,9 @@ def tile_loop_mix(cubin: bytes) -> dict[str, int]:
     return {"instructions": len(ops), **count}
 
 
-def main() -> None:
+def anchor_shapes() -> None:
+    """The stage-1 kernel at each anchor shape's default configuration, with pointer loads and
+    with TMA tiles: its configuration, resources and PTX instruction counts."""
     for (heads, q_len, batch, kv_len, block_size), tma in itertools.product(SHAPES, (False, True)):
         plan = plan_mla_decode(batch, kv_len, heads, q_len, KV_LORA_RANK, ROPE_DIM,
                                torch.bfloat16, 132, block_size)
@@ -329,8 +331,9 @@ def moe_kernels() -> None:
               f"{mix['F2FP']} LDSM {mix['LDSM']}")
 
 
-if __name__ == "__main__":
-    main()
+def report_all() -> None:
+    """Every report of this module, in order."""
+    anchor_shapes()
     cache_variants()
     warp_specialized()
     merge_kernel()

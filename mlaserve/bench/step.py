@@ -1,0 +1,97 @@
+"""`mlaserve bench step`: where a decode step's time goes.
+
+Usage (GPU): mlaserve bench step MODEL_DIR [--backend triton] [--batch 256] [--prompt-len 1024]
+    [--steps 32] [--block-size 32] [--out DIR] [--enforce-eager]
+Builds the engine core with dummy weights, prefills `batch` random prompts, lets decode settle,
+then times `steps` pipelined decode steps (wall clock), and profiles as many more with
+torch.profiler: the kernels' summed device time per step (the GPU's busy time: one stream, so
+kernels never overlap) against the wall time per step, and that busy time split by kernel name
+into attention, MoE, dense GEMMs, norms/rope, sampling and the rest (`step_gpu.py`); then the
+prefill of a second wave of prompts, its GPU time by kind. Writes the table and the profiler's
+kernel list to --out (profile-BACKEND-bBATCH.txt).
+
+Usage (CPU): mlaserve bench step --host-only [MODEL_DIR] [--batch 256] [--prompt-len 1024]
+    [--steps 50]
+The engine's host-side cost per decode step, with the model forward replaced by a stub (default
+model: the built-in demo model, torch backend): scheduling, tensor building, sampling,
+detokenisation and output bookkeeping, without the model's compute. After prefill and 5 x
+`steps` steps (outputs grow, as in a long generation) it prints ms per step over `steps` steps
+under cProfile, and the top functions.
+"""
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `mlaserve bench step` flags."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF model directory, dummy weights (with --host-only default: the "
+                             "built-in demo model)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="the host's cost per step on the CPU, the model forward a stub")
+    parser.add_argument("--backend", default=None,
+                        help="attention backend (default: triton; torch with --host-only)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps timed and profiled (default: 32; 50 with --host-only)")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--out", default=None, help="directory for the report (GPU profile)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="decode without CUDA graphs (GPU profile)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The host-only stub run, or the GPU profile."""
+    if args.host_only:
+        host_step(args.model, args.backend or "torch", args.batch, args.prompt_len,
+                  args.steps or 50, args.block_size)
+        return 0
+    if args.model is None:
+        raise ValueError("mlaserve bench step profiles a model directory on the GPU: give "
+                         "MODEL_DIR, or --host-only for the host's cost on the CPU")
+    from mlaserve.bench.step_gpu import profile_steps
+
+    profile_steps(args.model, args.backend or "triton", args.batch, args.prompt_len,
+                  args.steps or 32, args.block_size, args.out, args.enforce_eager)
+    return 0
+
+
+def host_step(model: str | None, backend: str, batch: int, prompt_len: int, steps: int,
+              block_size: int) -> None:
+    """Print host ms per decode step at `batch` with the model forward stubbed out, and the
+    top functions by their own time."""
+    import cProfile
+    import pstats
+    import random
+    import time
+
+    import torch
+
+    from mlaserve.engine.engine import EngineArgs, LLMEngine
+    from mlaserve.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineArgs(model=model, attention_backend=backend, device="cpu",
+                                  block_size=block_size, max_num_seqs=batch,
+                                  num_kv_blocks=batch * (prompt_len // block_size + 40)))
+    hidden_size = engine.config.model.hidden_size
+    engine.runner.model.forward = lambda ids, *_: torch.zeros(ids.shape[0], hidden_size)
+    rng = random.Random(0)
+    top_id = min(1000, engine.config.model.vocab_size)
+    for _ in range(batch):
+        prompt = [rng.randrange(5, top_id) for _ in range(prompt_len)]
+        engine.add_request(prompt, SamplingParams(max_tokens=6 * steps + 300,
+                                                  ignore_eos=True, temperature=0))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    for _ in range(5 * steps):  # let outputs grow, as in a long generation
+        engine.step()
+    profile = cProfile.Profile()
+    started = time.perf_counter()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    print(f"host ms per decode step at batch {batch}: "
+          f"{(time.perf_counter() - started) / steps * 1e3:.1f}")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
