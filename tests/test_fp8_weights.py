@@ -205,7 +205,7 @@ def test_dummy_tensors_drawn_in_slices_are_one_full_tensor_at_every_parallel_siz
 
 
 def _moe_input(rank: int, hidden: int) -> torch.Tensor:
-    """Rank 0 has 5 tokens, rank 1 three."""
+    """Rank 0 has 5 tokens, rank 1 three; they exchange 5 rows each (the step's capacity)."""
     return torch.randn(5 if rank == 0 else 3, hidden, generator=torch.Generator().manual_seed(rank))
 
 
@@ -218,7 +218,7 @@ def _ep_rank_main(rank: int, store: str, fp8_dir: str, out_dir: str) -> None:
         moe = _build(Path(fp8_dir), "fp8").model.layers[1].mlp
         assert moe.gate_up_stack.dtype == FP8_DTYPE  # this rank's half of the FP8 experts
         with torch.inference_mode():
-            out = moe(_moe_input(rank, moe.gate_up_stack.shape[2]))
+            out = moe(_moe_input(rank, moe.gate_up_stack.shape[2]), expert_capacity=5)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         expert_parallel.destroy_expert_parallel()

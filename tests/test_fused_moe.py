@@ -139,6 +139,37 @@ def test_alignment_matches_python(num_tokens, num_experts, top_k, block_m):
     assert alignment.num_padded.tolist() == [num_padded]
 
 
+def test_alignment_gives_unrouted_pairs_no_row():
+    """Pairs with id -1 are left out of every expert's run (and the sentinel stays T * K), in
+    the one-program kernel and in the three-kernel path."""
+    for num_tokens, num_experts, top_k, block_m in ((40, 12, 3, 4), (600, 256, 8, 16)):
+        generator = torch.Generator().manual_seed(num_tokens)
+        topk_ids = make_routing("repeats", num_tokens, num_experts, top_k, generator)
+        topk_ids[torch.rand(topk_ids.shape, generator=generator) < 0.5] = -1
+        alignment = align_by_expert(topk_ids.to(DEVICE), num_experts, block_m)
+        sorted_ids, expert_ids, num_padded = expected_alignment(topk_ids, num_experts, block_m)
+        assert alignment.sorted_ids.tolist() == sorted_ids
+        assert alignment.expert_ids.tolist() == expert_ids
+        assert alignment.num_padded.tolist() == [num_padded]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_triton_unrouted_pairs_add_nothing(dtype):
+    """-1 ids (expert parallelism's other ranks' experts, padding rows) add nothing: the reference
+    without those pairs, a whole row of -1 gives zeros (its output rows are zeroed, not left
+    as the buffer held them)."""
+    x, gate_up, down, weights, ids = make_inputs(17, 64, 48, 8, 3, "distinct", dtype)
+    unrouted = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)) < 0.4
+    unrouted[4] = True
+    unrouted = unrouted.to(DEVICE)
+    ids = ids.masked_fill(unrouted, -1)
+    ref = dense_reference(x, gate_up, down, weights.masked_fill(unrouted, 0), ids.clamp(min=0))
+    out = fused_experts_triton(x, gate_up, down, weights, ids, config=SMALL_TILES,
+                               has_unrouted=True)
+    assert out[4].abs().max() == 0
+    assert_matches(out, ref, dtype)
+
+
 SHAPES = [  # (T, D, I, E, K)
     (1, 32, 48, 4, 1),
     (3, 64, 32, 8, 2),

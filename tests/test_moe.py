@@ -59,3 +59,23 @@ def test_shared_experts_folded_into_the_stacks_equal_the_shared_mlp():
         assert moe.gate_up_stack.shape[0] == config.n_routed_experts + 2
         out = moe(x)
     assert (out.double() - expected).abs().max() < 1e-4
+
+
+def test_unrouted_pairs_add_nothing():
+    """An id of -1 (expert parallelism's pairs for other ranks' experts, and padding rows) adds
+    nothing: the grouped path and the loop equal the reference without those pairs, whole rows
+    of -1 give zeros."""
+    torch.manual_seed(1)
+    tokens, dim, inter, experts, top_k = 23, 32, 16, 8, 3
+    x = torch.randn(tokens, dim)
+    w13, w2 = torch.randn(experts, 2 * inter, dim) / 6, torch.randn(experts, dim, inter) / 4
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    unrouted = torch.rand(tokens, top_k) < 0.4
+    unrouted[3] = True  # a padding row
+    ids = ids.masked_fill(unrouted, -1)
+    ref = dense_reference(x, w13, w2, weights.masked_fill(unrouted, 0), ids.clamp(min=0))
+    assert ref[3].abs().max() == 0 and ref.abs().max() > 0.1
+    for impl in ("grouped", "loop"):
+        out = fused_experts(x, w13, w2, weights, ids, impl=impl, has_unrouted=True)
+        assert (out.double() - ref).abs().max() < 1e-4, impl

@@ -162,9 +162,10 @@ class MLABackend(ABC):
         self.plan(block_table, seq_lens, q_len)
 
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        q_len: int = 1) -> None:
+                        q_len: int = 1, graph_batch_size: int | None = None) -> None:
         """Copy a batch of B <= the captured size into the static buffers; rows past B get
-        length 0, so the padded rows of a larger captured graph attend nothing."""
+        length 0, so the padded rows of a larger captured graph attend nothing.
+        graph_batch_size: the captured size that replays (None: the smallest >= B)."""
         batch, width = block_table.shape
         self.graph_block_table[:batch, :width].copy_(block_table)
         self.graph_seq_lens[:batch].copy_(seq_lens)

@@ -163,8 +163,8 @@ class FlashInferMLABackend(MLABackend):
         self.kernel.plan_for_capture(batch_size, q_len)
 
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        q_len: int = 1) -> None:
-        self.kernel.plan_for_replay(block_table, seq_lens, q_len)
+                        q_len: int = 1, graph_batch_size: int | None = None) -> None:
+        self.kernel.plan_for_replay(block_table, seq_lens, q_len, graph_batch_size)
 
     def _base_init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
         super().init_graph_buffers(max_batch_size, max_blocks_per_seq)
@@ -287,12 +287,13 @@ class _WrapperPath:
                            owner.graph_seq_lens[:batch_size], q_len, eager=False)
 
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        q_len: int) -> None:
+                        q_len: int, graph_batch_size: int | None = None) -> None:
         batch = block_table.shape[0]
-        captured = [size for size in self.graph_wrappers if size >= batch]
+        captured = [size for size in self.graph_wrappers
+                    if size >= batch and graph_batch_size in (None, size)]
         if not captured:
             raise RuntimeError(f"no graph was planned for a batch of {batch} (planned: "
-                               f"{sorted(self.graph_wrappers)})")
+                               f"{sorted(self.graph_wrappers)}, asked: {graph_batch_size})")
         graph_batch = min(captured)
         owner = self.owner
         owner._copy_graph_inputs(block_table, seq_lens)
@@ -377,5 +378,5 @@ class _TrtllmGenPath:
                        q_len)
 
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        q_len: int) -> None:
+                        q_len: int, graph_batch_size: int | None = None) -> None:
         self.owner._copy_graph_inputs(block_table, seq_lens)

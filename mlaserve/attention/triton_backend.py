@@ -221,7 +221,7 @@ class TritonMLABackend(MLABackend):
                        self._graph_workspace)
 
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        q_len: int = 1) -> None:
+                        q_len: int = 1, graph_batch_size: int | None = None) -> None:
         super().plan_for_replay(block_table, seq_lens, q_len)
         batch = block_table.shape[0]
         self._plan_static(batch, q_len)

@@ -3,23 +3,32 @@
 With `--data-parallel-size N --enable-expert-parallel` each of the N ranks runs its own
 attention replica over its own requests (its own latent cache, no replication) and owns
 n_routed_experts / N of every MoE layer's routed experts (rank r: experts r * E / N onward).
-Tokens meet their experts through the group's all-to-all collectives (`expert_parallel_moe`
-in model/expert_parallel.py): one exchange of pair counts, the dispatch of token rows and
-expert ids, and the combine of expert outputs. A rank with no tokens in a step still joins every
-exchange with empty sends. The shared experts and the router are replicated.
+Tokens meet their experts through two collectives per MoE layer (`expert_parallel_moe` in
+model/expert_parallel.py): `dispatch`, an all-gather of every rank's token rows (each row with
+its routing) into a buffer of a fixed number of rows per rank, and `combine`, a reduce-scatter
+that sums every rank's expert outputs for a token back on the token's rank. Their sizes are
+fixed by the step's capacity, agreed by every replica before the step (`Lockstep`), never by
+routing counts read on the host, so CUDA graphs capture them. A rank with no tokens in a step
+still joins every exchange with padding rows. The router is replicated.
 
 With tensor parallelism inside each replica (`-tp T -dp N`, world rank = replica * T + tensor
 rank) the expert-parallel groups are the ranks of equal tensor rank, one per replica: rank t of
 every replica holds the tensor shard t (moe_intermediate_size / T columns) of the same E / N
-experts, so the pairs travel between equal shards and each replica all-reduces the partial sums
+experts, so the tokens travel between equal shards and each replica all-reduces the partial sums
 as a tensor-parallel MoE does. Without `init_expert_parallel` the group is the single-process
-default (rank 0 of 1), whose model holds every expert and never communicates.
+default (rank 0 of 1, no process group), whose model holds every expert and never communicates;
+a group of one rank with a process group takes the expert-parallel path, collectives included.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renamed the tensor forms of the two collectives (same arguments); 2.11 has the old
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
 
 
 @dataclass(frozen=True)
@@ -28,41 +37,45 @@ class ExpertParallelGroup:
 
     rank: this process's index, 0 .. size - 1; it owns experts rank * E / size onward.
     size: the number of ranks (the data-parallel size).
-    group: their torch.distributed group; None when size is 1.
+    group: their torch.distributed group; None when size is 1 (no exchanges).
     """
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
 
-    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
-        """Tell every rank how many rows this rank sends it; learn what each sends here.
+    @property
+    def communicates(self) -> bool:
+        """Whether the MoE layers take the expert-parallel path (a process group is set, even
+        of one rank)."""
+        return self.group is not None
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, in rank order, on every rank (an all-gather).
 
         Args:
-            send_counts: [size] int64, rows for rank r at index r.
+            rows: [C, W], the same C and W on every rank.
 
         Returns:
-            [size] ints on the host (a device sync on CUDA): rows rank r sends here.
+            [size * C, W]: rank r's rows at r * C onward.
         """
-        received = torch.empty_like(send_counts)
-        dist.all_to_all_single(received, send_counts.contiguous(), group=self.group)
-        return received.tolist()
+        gathered = rows.new_empty((self.size * rows.shape[0], *rows.shape[1:]))
+        _all_gather_single(gathered, rows.contiguous(), group=self.group)
+        return gathered
 
-    def all_to_all(self, rows: torch.Tensor, send_splits: list[int],
-                   recv_splits: list[int]) -> torch.Tensor:
-        """Send consecutive runs of rows to the ranks in order; receive theirs.
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of every rank's rows, each rank keeping its own run (a
+        reduce-scatter, `dispatch` reversed).
 
         Args:
-            rows: [sum(send_splits), ...], the run for rank r after the runs for ranks < r.
-            send_splits, recv_splits: rows sent to / received from each rank.
+            rows: [size * C, W], run r for rank r.
 
         Returns:
-            [sum(recv_splits), ...] in rank order.
+            [C, W]: sum over ranks of their run for this rank, in rows' dtype.
         """
-        received = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        dist.all_to_all_single(received, rows.contiguous(), recv_splits, send_splits,
-                               group=self.group)
-        return received
+        mine = rows.new_empty((rows.shape[0] // self.size, *rows.shape[1:]))
+        _reduce_scatter_single(mine, rows.contiguous(), group=self.group)
+        return mine
 
 
 _DEFAULT = ExpertParallelGroup()

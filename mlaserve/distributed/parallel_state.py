@@ -4,7 +4,10 @@ One process per rank. The caller initialises the default process group (NCCL on 
 CPU: the caller's choice of backend), then `init_tensor_parallel(size)` cuts the world into
 groups of `size` consecutive ranks; this process's group becomes the current one, which every
 tensor-parallel layer captures when it is constructed. Without that call the group is the
-single-process default (rank 0 of 1, no process group), whose collectives are the identity.
+single-process default (rank 0 of 1, no process group), whose collectives are the identity. A
+group of one rank with a process group (`TensorParallelGroup(group=dist.group.WORLD)` in a world
+of one) runs the parallel path itself, every collective included: the way to check on one GPU
+that the collectives work inside CUDA graphs.
 """
 
 from dataclasses import dataclass
@@ -20,25 +23,31 @@ class TensorParallelGroup:
     rank: this process's index in the group, 0 .. size - 1 (it holds shard `rank` of every
         split weight).
     size: how many ranks split the model (`--tensor-parallel-size`).
-    group: the torch.distributed group of those ranks; None when size is 1.
+    group: the torch.distributed group of those ranks; None when size is 1 (no collectives).
     """
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
 
+    @property
+    def communicates(self) -> bool:
+        """Whether the layers take the parallel path and run collectives (a process group is
+        set, even of one rank)."""
+        return self.group is not None
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the group's ranks, in place; returns x (untouched when size is 1).
+        """Sum x over the group's ranks, in place; returns x (untouched without a group).
 
         Args:
             x: any shape and dtype the backend reduces (the same shape on every rank).
         """
-        if self.size > 1:
+        if self.communicates:
             dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Concatenate every rank's x along dim in rank order; x itself when size is 1.
+        """Concatenate every rank's x along dim in rank order; x itself without a group.
 
         Args:
             x: [..., n, ...] with n at `dim`, the same shape on every rank.
@@ -46,7 +55,7 @@ class TensorParallelGroup:
         Returns:
             [..., size * n, ...], on every rank.
         """
-        if self.size == 1:
+        if not self.communicates:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
@@ -55,7 +64,7 @@ class TensorParallelGroup:
 
     def gather(self, x: torch.Tensor, dim: int, dst: int = 0) -> torch.Tensor | None:
         """Concatenate every rank's x along dim in rank order, on group rank `dst` only (None
-        on the others; x itself when size is 1).
+        on the others; x itself without a group).
 
         Args:
             x: [..., n, ...] with n at `dim`, the same shape on every rank.
@@ -63,7 +72,7 @@ class TensorParallelGroup:
         Returns:
             [..., size * n, ...] on rank `dst`.
         """
-        if self.size == 1:
+        if not self.communicates:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else None
@@ -76,7 +85,7 @@ class TensorParallelGroup:
         Args:
             x: any shape and dtype, the same on every rank (the values of rank `src` count).
         """
-        if self.size > 1:
+        if self.communicates:
             dist.broadcast(x, group_src=src, group=self.group)
         return x
 

@@ -39,8 +39,9 @@ scheduler, the block pool, sampling and the grammars live here only. A rank that
 stops the whole engine with a `ParallelEngineError` (never re-run apart: no request is to
 blame); `shutdown()` stops the workers. Under data parallelism each replica has a core of its
 own (`replica`); with expert parallelism the cores step together (data_parallel.py):
-`step_together` agrees with the others before each step, and a core without a batch joins the
-others' MoE exchanges.
+`step_together` agrees with the others before each step, the scheduled step's exchange capacity
+is agreed next (and travels in the plan), and a core without a batch joins the others' MoE
+exchanges.
 """
 
 import logging
@@ -247,11 +248,12 @@ class EngineCore:
         for request in batch.preempted:
             self.plans.release(request.request_id)
         launched = None
-        if batch.is_empty and self.lockstep is not None:
-            self._join_expert_parallel()
+        expert_capacity = 0 if self.lockstep is None else self._agree_expert_capacity(batch)
+        if batch.is_empty and expert_capacity:
+            self._join_expert_parallel(expert_capacity)
         elif not batch.is_empty:
             try:
-                launched = (batch, self._launch(batch))
+                launched = (batch, self._launch(batch, expert_capacity))
             except ParallelEngineError:
                 raise  # the whole engine is stopped: no request is to blame
             except Exception as exc:  # noqa: BLE001 - only the requests that cause it fail
@@ -279,10 +281,23 @@ class EngineCore:
             return [], True
         return (self.step() if busy else []), False
 
-    def _launch(self, batch: ScheduledBatch) -> PendingStep:
+    def _agree_expert_capacity(self, batch: ScheduledBatch) -> int:
+        """The rows per rank of this step's expert exchanges, agreed with the other replicas
+        (`Lockstep.agree_capacity`): this replica offers its token count and, for a decode-only
+        step that a CUDA graph covers, that graph's size (0 without a batch)."""
+        decodes, prefills = batch.decodes, batch.prefills
+        num_tokens = len(decodes) + sum(count for _, count in prefills)
+        graph_size: int | None = None  # prefill chunks run eagerly
+        if not prefills:
+            width = max((len(r.block_ids) for r in decodes), default=0)
+            graph_size = self.runner.graph_size(len(decodes), width) if decodes else 0
+        return self.lockstep.agree_capacity(num_tokens, graph_size)
+
+    def _launch(self, batch: ScheduledBatch, expert_capacity: int = 0) -> PendingStep:
         """Plan the step (`PlanBuilder`), send the plan to the replica's other ranks and launch
         it here (see runner.py)."""
-        plan = self.plans.plan(batch.decodes, batch.prefills, batch.sampling_requests)
+        plan = self.plans.plan(batch.decodes, batch.prefills, batch.sampling_requests,
+                               expert_capacity)
         return self._execute(plan, batch.grammar_bitmask)
 
     def _execute(self, plan: StepPlan, grammar_bitmask: GrammarBitmask | None = None
@@ -305,10 +320,10 @@ class EngineCore:
                 raise
             raise error from exc
 
-    def _join_expert_parallel(self) -> None:
+    def _join_expert_parallel(self, expert_capacity: int) -> None:
         """No batch on this replica while another launches one: join its MoE exchanges."""
         try:
-            self._execute(self.plans.idle())
+            self._execute(self.plans.idle(expert_capacity))
         except ParallelEngineError:
             raise
         except Exception as exc:

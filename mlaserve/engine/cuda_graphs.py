@@ -12,6 +12,10 @@ Static state the graphs read, refilled before each replay:
   length 0 and attend nothing).
 Steps with prefill chunks, more than the largest graph's requests, or a block table wider than
 `max_seq_len_to_capture` allows run eagerly.
+
+Under expert parallelism a graph's MoE exchanges carry its batch size in rows per rank, so a
+replica replays the graph whose size is the step's agreed capacity (`Lockstep.agree_capacity`),
+and replicas with no batch join the same exchanges eagerly.
 """
 
 import bisect
@@ -104,24 +108,28 @@ class DecodeGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+            block_table: torch.Tensor, seq_lens: torch.Tensor,
+            batch_size: int | None = None) -> torch.Tensor:
         """Replay the decode forward for n requests.
 
         Args:
             input_ids, positions, slots: [n] int64 on the device.
             block_table: [n, width] int32, width <= max_blocks_per_seq; seq_lens: [n] int32.
+            batch_size: the captured size to replay (>= n; under expert parallelism the rows
+                every replica exchanges); None: the smallest that holds n.
 
         Returns:
             The final hidden states [n, D] (a view of the graph's static output, valid until
             the next replay).
         """
         n = input_ids.shape[0]
-        batch_size = self.padded_size(n)
+        batch_size = self.padded_size(n) if batch_size is None else batch_size
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
         self.slots[n:batch_size].fill_(self.scratch_slot)
-        self.backend.plan_for_replay(block_table, seq_lens)  # rows n.. get length 0
+        self.backend.plan_for_replay(block_table, seq_lens,
+                                     graph_batch_size=batch_size)  # rows n.. get length 0
         self.graphs[batch_size].replay()
         self.num_replays += 1
         return self.outputs[batch_size][:n]

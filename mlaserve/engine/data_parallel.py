@@ -8,10 +8,13 @@ layers exchange tokens, so every core runs the same number of forwards: before e
 cores all-reduce (holding unfinished requests?, told to stop?) over a gloo group; while any
 holds a request every core steps once, and a core whose scheduler gives it no batch joins the
 MoE exchanges with an empty one (`ModelRunner.join_expert_parallel`); when any was told to stop,
-all stop together. Only when no core holds a request do they all wait for messages, waking
-at least every `IDLE_POLL_MS` to step together again (a new request wakes every core at once:
-the API process sends the others a `Wake`). A failed step cannot be
-re-run apart here (the others' exchanges would not pair up), so it stops the engine.
+all stop together. Once each core has scheduled its step they agree on its exchange capacity
+(`agree_capacity`): the rows per rank of every MoE layer's dispatch and combine, the most tokens
+any core runs, or, when every core's step is decode-only under a CUDA graph, the largest graph
+size among them, which every busy core then replays. Only when no core holds a request do
+they all wait for messages, waking at least every `IDLE_POLL_MS` to step together again (a new
+request wakes every core at once: the API process sends the others a `Wake`). A failed step
+cannot be re-run apart here (the others' exchanges would not pair up), so it stops the engine.
 """
 
 import torch
@@ -35,6 +38,23 @@ class Lockstep:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         self.busy = bool(flags[0])
         return self.busy, bool(flags[1])
+
+    def agree_capacity(self, num_tokens: int, graph_size: int | None) -> int:
+        """The rows per rank of this step's expert exchanges (0: no core runs a batch).
+
+        Args:
+            num_tokens: the tokens of this core's scheduled step (0 without a batch).
+            graph_size: the size of the decode graph that would replay it; None when it runs
+                eagerly (prefill chunks, no graph covers it); 0 without a batch.
+
+        Returns:
+            The largest graph size when no core runs eagerly, else the most tokens any core
+            runs (each replica's graph of that size replays only where one was captured).
+        """
+        values = torch.tensor([num_tokens, graph_size or 0, graph_size is None], dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        most_tokens, largest_graph, eager = (int(v) for v in values)
+        return most_tokens if eager else largest_graph
 
 
 class LoadBalancer:

@@ -27,7 +27,6 @@ import torch
 
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.distributed import get_tp_group
-from mlaserve.distributed.expert_parallel import get_ep_group
 from mlaserve.engine.cuda_graphs import DecodeGraphs
 from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
@@ -105,10 +104,7 @@ class ModelRunner:
                         and self.backend.capabilities.supports_cuda_graphs)
         has_moe = any(model_config.is_moe_layer(i)
                       for i in range(model_config.num_hidden_layers))
-        if wants_graphs and has_moe and get_ep_group().size > 1:
-            logger.info("decode CUDA graphs are off under expert parallelism: the expert "
-                        "exchanges size their buffers on the host")
-        elif wants_graphs and has_moe and not moe_graph_capturable(device, config.dtype):
+        if wants_graphs and has_moe and not moe_graph_capturable(device, config.dtype):
             logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
                            "the experts with a host sync (grouped GEMMs are bfloat16 only); "
                            "use --dtype bfloat16 for graphs", config.dtype)
@@ -140,7 +136,7 @@ class ModelRunner:
         for new in plan.new_requests:
             requests[new.request_id] = RunnerRequest(new)
         if plan.idle:
-            self._join_expert_parallel()
+            self._join_expert_parallel(plan.expert_capacity)
             return None
         decodes = []
         for scheduled in plan.decodes:
@@ -153,18 +149,29 @@ class ModelRunner:
             request.update(scheduled)
             prefills.append((request, scheduled.num_new_tokens))
         samplers = [requests[request_id] for request_id in plan.sampling]
-        return self._launch(decodes, prefills, samplers, grammar_bitmask)
+        return self._launch(decodes, prefills, samplers, grammar_bitmask, plan.expert_capacity)
+
+    def graph_size(self, num_decodes: int, table_width: int) -> int | None:
+        """The rows of the decode graph that a decode-only step of `num_decodes` requests with
+        block tables `table_width` wide replays; None when it runs eagerly."""
+        graphs = self.graphs
+        if graphs is None or not num_decodes or not graphs.covers(num_decodes, table_width):
+            return None
+        return graphs.padded_size(num_decodes)
 
     @torch.inference_mode()
-    def _join_expert_parallel(self) -> None:
+    def _join_expert_parallel(self, capacity: int) -> None:
         """Run no batch, but join every MoE layer's expert exchanges of a step that other
         data-parallel replicas launch (their tokens may need this rank's experts)."""
-        self.model.join_expert_parallel()
+        self.model.join_expert_parallel(capacity)
 
     @torch.inference_mode()
     def _launch(self, decodes: list[RunnerRequest], prefills: list[tuple[RunnerRequest, int]],
-                samplers: list[RunnerRequest], grammar_bitmask: GrammarBitmask | None
-                ) -> PendingStep:
+                samplers: list[RunnerRequest], grammar_bitmask: GrammarBitmask | None,
+                expert_capacity: int) -> PendingStep:
+        """Enqueue the step. expert_capacity (expert parallelism, else 0): the rows per rank of
+        its expert exchanges; a decode graph of exactly that many rows replays it, else it runs
+        eagerly with exchanges of that size."""
         inputs, block_size = self.inputs, self.block_size
         inputs.sync([*decodes, *(r for r, _ in prefills)])
         num_decodes = len(decodes)
@@ -194,9 +201,12 @@ class ModelRunner:
                             .squeeze(1).long() * block_size + decode_positions % block_size)
             seq_lens = (decode_positions + 1).to(torch.int32)
         chunks, prefill_inputs = self._prefill_inputs(prefills, num_decodes)
-        graphs = self.graphs
-        if decodes and not chunks and graphs is not None and graphs.covers(num_decodes, width):
-            hidden = graphs.run(decode_ids, decode_positions, decode_slots, table, seq_lens)
+        graph_size = None if chunks else self.graph_size(num_decodes, width)
+        if expert_capacity and graph_size is not None:  # the graph's rows are the exchanges'
+            graph_size = expert_capacity if expert_capacity in self.graphs.sizes else None
+        if graph_size is not None:
+            hidden = self.graphs.run(decode_ids, decode_positions, decode_slots, table,
+                                     seq_lens, graph_size)
         else:
             parts = [] if not decodes else [(decode_ids, decode_positions, decode_slots)]
             if prefill_inputs is not None:
@@ -205,14 +215,16 @@ class ModelRunner:
                                                                                   strict=True))
             meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=num_decodes,
                                      prefills=chunks)
-            if decodes and graphs is not None and graphs.covers(num_decodes, width):
+            like_graph = self.graph_size(num_decodes, width)
+            if like_graph is not None:
                 # planned as the graph of this size was: no kernel compiles mid-serving
-                self.backend.plan_like_graph(table, seq_lens, graphs.padded_size(num_decodes))
+                self.backend.plan_like_graph(table, seq_lens, like_graph)
             elif decodes:
                 self.backend.plan(table, seq_lens)
             if decodes:
                 meta.decode_backend = self.backend
-            hidden = self.model(input_ids, position_ids, self.kv_caches, meta)
+            hidden = self.model(input_ids, position_ids, self.kv_caches, meta,
+                                expert_capacity or None)
         return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
 
     def _prefill_inputs(self, prefills: list[tuple[RunnerRequest, int]], row0: int

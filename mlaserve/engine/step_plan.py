@@ -13,7 +13,8 @@ one process the core hands each plan to its runner as it is; under tensor parall
 broadcasts the plan, msgspec-encoded, to the replica's other ranks, whose runners execute the
 same plan (worker.py): the same forward and the same collectives in the same order. An `idle`
 plan has no batch (the runner joins the other replicas' expert exchanges, data_parallel.py); a
-`shutdown` plan ends a worker.
+`shutdown` plan ends a worker. Under expert parallelism a plan also carries the step's exchange
+capacity, which every replica agreed on.
 """
 
 import msgspec
@@ -52,6 +53,9 @@ class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True):
     prefills: list[ScheduledRequest] = msgspec.field(default_factory=list)
     sampling: list[str] = msgspec.field(default_factory=list)  # ids, in logits-row order
     idle: bool = False  # no batch: join the other replicas' expert exchanges
+    # under expert parallelism the rows per rank of the step's expert exchanges, agreed by the
+    # replicas (`Lockstep.agree_capacity`); 0 without expert parallelism
+    expert_capacity: int = 0
     shutdown: bool = False  # a worker's last plan
 
     @property
@@ -87,20 +91,21 @@ class PlanBuilder:
         self._finished[:0] = plan.finished
 
     def plan(self, decodes: list[Request], prefills: list[tuple[Request, int]],
-             sampling: list[Request]) -> StepPlan:
+             sampling: list[Request], expert_capacity: int = 0) -> StepPlan:
         """The plan of a scheduled step (its requests' progress as the scheduler left it,
         before `Scheduler.advance`)."""
         new_requests: list[NewRequest] = []
         plan = StepPlan(self._finished, new_requests,
                         [self._scheduled(r, 1, new_requests) for r in decodes],
                         [self._scheduled(r, n, new_requests) for r, n in prefills],
-                        [r.request_id for r in sampling])
+                        [r.request_id for r in sampling], expert_capacity=expert_capacity)
         self._finished = []
         return plan
 
-    def idle(self) -> StepPlan:
-        """A plan without a batch (this replica joins the others' expert exchanges)."""
-        plan = StepPlan(self._finished, idle=True)
+    def idle(self, expert_capacity: int) -> StepPlan:
+        """A plan without a batch: this replica joins the others' expert exchanges of
+        `expert_capacity` rows per rank."""
+        plan = StepPlan(self._finished, idle=True, expert_capacity=expert_capacity)
         self._finished = []
         return plan
 

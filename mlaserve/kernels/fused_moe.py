@@ -371,7 +371,8 @@ def gate_up_silu(x: torch.Tensor, gate_up_proj: torch.Tensor, alignment: ExpertA
 def down_weighted(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
                   alignment: ExpertAlignment, tiles: GemmTiles,
                   scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, has_unrouted: bool = False
+                  ) -> torch.Tensor:
     """w_k * act down_e^T per pair, in the pairs' original order.
 
     Args:
@@ -380,6 +381,7 @@ def down_weighted(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torc
         scales: FP8 only (act and down_proj float8_e4m3fn): act's per-token-group scales
             [max_padded, I / 128] and the weight's scales [E, ceil(D / 128), I / 128], float32.
         out_dtype: the output's dtype (default act's).
+        has_unrouted: some pairs are unrouted (id -1, no row): their output rows are zeros.
 
     Returns:
         [T, K, D] in out_dtype: row (t, k) is the weighted output of token t's k-th expert.
@@ -388,7 +390,8 @@ def down_weighted(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torc
     num_pairs = num_tokens * top_k
     hidden, inter = down_proj.shape[1:]
     num_m_blocks = alignment.expert_ids.shape[0]
-    out = torch.empty(num_tokens, top_k, hidden, dtype=out_dtype or act.dtype, device=act.device)
+    allocate = torch.zeros if has_unrouted else torch.empty  # routed rows are all written
+    out = allocate(num_tokens, top_k, hidden, dtype=out_dtype or act.dtype, device=act.device)
     grid = (num_m_blocks * triton.cdiv(hidden, tiles.block_n),)
     act_scales, w_scales, *scale_strides = _scale_args(scales, act)
     _down_kernel[grid](
@@ -413,6 +416,7 @@ def fused_experts_triton(
     shared_experts: int = 0,
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
+    has_unrouted: bool = False,
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's experts e = ids_k.
 
@@ -422,7 +426,8 @@ def fused_experts_triton(
             gate_up_scale_inv [E, 2I / 128, ceil(D / 128)] float32 (`fused_experts`).
         down_proj: [E, D, I], x's dtype, or float8_e4m3fn with down_scale_inv
             [E, ceil(D / 128), I / 128] float32.
-        topk_weights: [T, K] float32; topk_ids: [T, K] int64, ids in [0, E).
+        topk_weights: [T, K] float32; topk_ids: [T, K] int64, ids in [0, E), or -1 where
+            has_unrouted says so (the pair adds nothing).
         config: tiles; `moe_config` when None, chosen from the routed experts' rows (the last
             `shared_experts` experts, which every token takes, are left out of that choice).
             With FP8 weights both block_k divide 128.
@@ -454,11 +459,13 @@ def fused_experts_triton(
     alignment = align_by_expert(topk_ids, num_experts, config.block_m)
     if not fp8:
         act = gate_up_silu(x, gate_up_proj, alignment, top_k, config.gate_up)
-        return down_weighted(act, down_proj, topk_weights, alignment, config.down).sum(dim=1)
+        return down_weighted(act, down_proj, topk_weights, alignment, config.down,
+                             has_unrouted=has_unrouted).sum(dim=1)
     x_q, x_scales = quantize_activations(x)  # [T, D] fp8, [T, ceil(D / 128)]
     act = gate_up_silu(x_q, gate_up_proj, alignment, top_k, config.gate_up,
                        (x_scales, gate_up_scale_inv), act_dtype=x.dtype)  # [max_padded, I]
     act_q, act_scales = quantize_activations(act)  # [max_padded, I] fp8, [max_padded, I / 128]
     out = down_weighted(act_q, down_proj, topk_weights, alignment, config.down,
-                        (act_scales, down_scale_inv), out_dtype=x.dtype)  # [T, K, D]
+                        (act_scales, down_scale_inv), out_dtype=x.dtype,
+                        has_unrouted=has_unrouted)  # [T, K, D]
     return out.sum(dim=1)

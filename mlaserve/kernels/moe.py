@@ -96,10 +96,13 @@ def select_experts_torch(
     return topk_weights, topk_ids
 
 
-def _sort_by_expert(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids [T, K] -> flat ids [T * K], the order sorting them by expert (stable) [T * K],
-    and the source token of each sorted (token, k) pair [T * K]."""
+def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] (-1: unrouted) -> flat expert ids [T * K] with unrouted pairs as
+    num_experts, the order sorting them by expert (stable; unrouted pairs last) [T * K], and the
+    source token of each sorted (token, k) pair [T * K]."""
     flat_ids = topk_ids.flatten()  # [T * K]
+    flat_ids = torch.where(flat_ids < 0, num_experts, flat_ids)
     order = flat_ids.argsort(stable=True)
     return flat_ids, order, order // topk_ids.shape[1]
 
@@ -126,6 +129,7 @@ def fused_experts(
     shared_experts: int = 0,
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
+    has_unrouted: bool = False,
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e = ids_k.
 
@@ -145,6 +149,9 @@ def fused_experts(
             the up rows start at a block. "triton" runs them w8a8 (x and the activation
             quantized per token and 128 columns); the other impls dequantize the weights and
             compute in float32.
+        has_unrouted: some ids are -1, pairs that add nothing (expert parallelism gives each
+            rank every token, with -1 for the experts other ranks hold). Only "triton" needs to
+            be told (it then zeroes the pairs' outputs before writing the routed ones).
 
     Returns:
         [T, D] in x's dtype.
@@ -160,7 +167,8 @@ def fused_experts(
         return fused_experts_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids,
                                     shared_experts=shared_experts,
                                     gate_up_scale_inv=gate_up_scale_inv,
-                                    down_scale_inv=down_scale_inv)  # checks its inputs
+                                    down_scale_inv=down_scale_inv,
+                                    has_unrouted=has_unrouted)  # checks its inputs
     fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     if fp8 and impl in ("grouped", "loop"):  # weight-only: dequantize, compute in float32
         gate_up_proj = dequantize_block_fp8(gate_up_proj, gate_up_scale_inv)  # [E, 2I, D]
@@ -187,15 +195,18 @@ def fused_experts_grouped(
     (`torch._grouped_mm`): no host sync, a fixed number of launches. CUDA's grouped GEMM takes
     bf16 only.
     """
-    num_tokens = topk_ids.shape[0]
-    flat_ids, order, token_of = _sort_by_expert(topk_ids)
-    experts = torch.arange(gate_up_proj.shape[0], device=x.device, dtype=flat_ids.dtype)
-    # [E] end of each expert's rows; searchsorted, unlike bincount on CUDA, never syncs
-    offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
+    num_tokens, num_experts = topk_ids.shape[0], gate_up_proj.shape[0]
+    flat_ids, order, token_of = _sort_by_expert(topk_ids, num_experts)
+    experts = torch.arange(num_experts, device=x.device, dtype=flat_ids.dtype)
+    # [E] end of each expert's rows; searchsorted, unlike bincount on CUDA, never syncs. Rows
+    # past the last end (unrouted pairs) belong to no group: their products are not defined.
+    sorted_ids = flat_ids[order]
+    offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
     h = torch._grouped_mm(x[token_of], gate_up_proj.transpose(1, 2), offs=offsets)  # [T*K, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
     y = y.float() * topk_weights.flatten()[order][:, None]  # [T * K, D]
+    y = torch.where((sorted_ids < num_experts)[:, None], y, 0.0)
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, token_of, y).to(x.dtype)
 
@@ -216,9 +227,9 @@ def fused_experts_loop(
     expert, and the result is returned in compute_dtype.
     """
     dtype = compute_dtype or x.dtype
-    num_tokens = topk_ids.shape[0]
-    flat_ids, order, token_of = _sort_by_expert(topk_ids)
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    num_tokens, num_experts = topk_ids.shape[0], gate_up_proj.shape[0]
+    flat_ids, order, token_of = _sort_by_expert(topk_ids, num_experts)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()[:num_experts]
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts):

@@ -125,7 +125,7 @@ def _scatter_kernel(
     hits = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS]
     offsets = tl.load(chunk_offsets_ptr + chunk * EXPERTS + experts)
     rows = tl.sum(hits * (offsets[None, :] + tl.cumsum(hits, axis=0) - 1), axis=1)
-    tl.store(sorted_ids_ptr + rows, pairs, mask=valid)
+    tl.store(sorted_ids_ptr + rows, pairs, mask=valid & (ids >= 0))  # -1: unrouted, no row
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_padded", "num_m_blocks"])
@@ -162,7 +162,7 @@ def _align_one_program_kernel(
         tl.store(sorted_ids_ptr + rows, sentinel, mask=rows < max_padded)
     tl.debug_barrier()  # the sentinel stores land before the pairs overwrite some of them
     rows = tl.sum(hits * ((ends - padded)[None, :] + tl.cumsum(hits, axis=0) - 1), axis=1)
-    tl.store(sorted_ids_ptr + rows, pairs, mask=valid)
+    tl.store(sorted_ids_ptr + rows, pairs, mask=valid & (ids >= 0))  # -1: unrouted, no row
     for start in range(0, num_m_blocks, M_BLOCK_TILE):  # as in `_offsets_kernel`
         blocks = start + tl.arange(0, M_BLOCK_TILE)
         ended = (ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32)  # [TILE, EXPERTS]
@@ -182,7 +182,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     """Group the (token, slot) pairs by expert, each run padded to block_m rows, on the device.
 
     Args:
-        topk_ids: [T, K] int64 (any integer dtype), every id in [0, num_experts).
+        topk_ids: [T, K] int64 (any integer dtype), every id in [0, num_experts) or -1 (an
+            unrouted pair: it gets no row).
 
     Returns:
         The `ExpertAlignment`; no host sync. One launch when the pairs fit one chunk (decode

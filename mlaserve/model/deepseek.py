@@ -254,8 +254,8 @@ class MoE(nn.Module):
     fused MoE's output is this rank's partial sum, all-reduced once.
 
     Under expert parallelism (`mlaserve.distributed.expert_parallel`) the stacks hold this
-    rank's E / N routed experts and the S shared experts; the routed pairs go to their experts'
-    ranks (`expert_parallel_moe`) and the shared experts run here.
+    rank's E / N routed experts and the S shared experts; every rank receives every token and
+    runs its experts over them, the shared ones over its own tokens (`expert_parallel_moe`).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -315,49 +315,41 @@ class MoE(nn.Module):
         self.shared_experts = None
         self.num_shared_experts = num_shared
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
-        if self.ep.size > 1:
-            return self._forward_expert_parallel(x)
+    def forward(self, x: torch.Tensor, expert_capacity: int | None = None) -> torch.Tensor:
+        """x [T, D] -> [T, D]. expert_capacity: under expert parallelism, the rows per rank of
+        the step's exchanges (`expert_parallel_moe`; None: T)."""
+        if self.ep.communicates:
+            return self._forward_expert_parallel(x, expert_capacity)
         topk_weights, topk_ids = self.gate(x, self.num_shared_experts)  # [T, K + S]
         out = fused_experts(x, self.gate_up_stack, self.down_stack, topk_weights, topk_ids,
                             shared_experts=self.num_shared_experts, **self._scales())
         return self.tp.all_reduce(out)  # this rank's I columns of each expert: a partial sum
 
-    def _scales(self, num_experts: int | None = None) -> dict[str, torch.Tensor | None]:
-        """`fused_experts`' scale arguments for the first num_experts of the stacks (all of
-        them by default); None for stacks in the model dtype."""
-        stacks = {"gate_up_scale_inv": self.gate_up_scale_stack,
-                  "down_scale_inv": self.down_scale_stack}
-        return {name: None if stack is None else stack[:num_experts]
-                for name, stack in stacks.items()}
+    def _scales(self) -> dict[str, torch.Tensor | None]:
+        """`fused_experts`' scale arguments; None for stacks in the model dtype."""
+        return {"gate_up_scale_inv": self.gate_up_scale_stack,
+                "down_scale_inv": self.down_scale_stack}
 
-    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        """Routed experts across the expert-parallel ranks, shared experts on this rank; under
-        tensor parallelism both are this rank's column shards, all-reduced once."""
-        num_tokens, num_local = x.shape[0], self.experts.gate_up_proj.shape[0]
+    def _forward_expert_parallel(self, x: torch.Tensor, capacity: int | None) -> torch.Tensor:
+        """Routed experts across the expert-parallel ranks, shared experts on this rank's
+        tokens, in one exchange; under tensor parallelism both are this rank's column shards,
+        all-reduced once."""
         topk_weights, topk_ids = self.gate(x)  # [T, K] global routed ids
-        out = expert_parallel_moe(x, topk_weights, topk_ids, self.gate_up_stack[:num_local],
-                                  self.down_stack[:num_local], self.ep,
-                                  **self._scales(num_local))
-        num_shared = self.num_shared_experts
-        if num_shared and num_tokens:
-            shared_ids = torch.arange(num_local, num_local + num_shared, device=x.device)
-            ones = torch.ones(num_tokens, num_shared, dtype=torch.float32, device=x.device)
-            out = out + fused_experts(x, self.gate_up_stack, self.down_stack, ones,
-                                      shared_ids.expand(num_tokens, -1),  # [T, S] ids
-                                      **self._scales())
+        out = expert_parallel_moe(x, topk_weights, topk_ids, self.gate_up_stack,
+                                  self.down_stack, self.ep, capacity, self.num_shared_experts,
+                                  **self._scales())
         return self.tp.all_reduce(out)
 
-    def join_expert_parallel(self) -> None:
-        """This rank has no tokens; serve the other ranks' pairs for this rank's experts."""
-        num_local, _, hidden = self.experts.gate_up_proj.shape
+    def join_expert_parallel(self, capacity: int) -> None:
+        """This rank has no tokens; serve the other ranks' tokens for this rank's experts in
+        exchanges of `capacity` rows per rank."""
+        hidden = self.gate_up_stack.shape[2]
         top_k = self.gate.choice.top_k
         x = self.gate.weight.new_empty(0, hidden)  # [0, D] in the model dtype
         ids = torch.empty(0, top_k, dtype=torch.int64, device=x.device)  # [0, K]
         weights = torch.empty(0, top_k, dtype=torch.float32, device=x.device)  # [0, K]
-        expert_parallel_moe(x, weights, ids, self.gate_up_stack[:num_local],
-                            self.down_stack[:num_local], self.ep, **self._scales(num_local))
+        expert_parallel_moe(x, weights, ids, self.gate_up_stack, self.down_stack, self.ep,
+                            capacity, self.num_shared_experts, **self._scales())
 
 
 def _detached(param: torch.Tensor | None) -> torch.Tensor | None:
@@ -392,13 +384,14 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                expert_capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One pre-norm layer, x + attn(norm(x)) then x + mlp(norm(x)), on a carried residual.
 
         Args:
             hidden: [T, D] the previous layer's MLP output (the embeddings for the first layer).
             residual: [T, D] the stream that output is to be added to (None for the first layer).
+            expert_capacity: a MoE layer's exchange rows under expert parallelism (`MoE`).
 
         Returns:
             (mlp_out, residual) [T, D]: the stream is residual + mlp_out. Each residual add is
@@ -414,6 +407,8 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(
             hidden, residual, self.mlp.quantizes_input(hidden))
+        if isinstance(self.mlp, MoE):
+            return self.mlp(hidden, expert_capacity), residual
         return self.mlp(hidden), residual
 
 
@@ -451,20 +446,25 @@ class DeepseekForCausalLM(nn.Module):
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
 
-    def join_expert_parallel(self) -> None:
-        """A step without tokens on this rank: every MoE layer's expert exchanges, in order
-        (expert parallelism; the other ranks' forwards meet these)."""
+    def join_expert_parallel(self, capacity: int) -> None:
+        """A step without tokens on this rank: every MoE layer's expert exchanges of `capacity`
+        rows per rank, in order (expert parallelism; the other ranks' forwards meet these)."""
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
-                layer.mlp.join_expert_parallel()
+                layer.mlp.join_expert_parallel(capacity)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden [T, D]."""
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                expert_capacity: int | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden [T, D].
+
+        expert_capacity: under expert parallelism, the rows per rank that every MoE layer
+        exchanges (>= T, agreed by the replicas for the step); None: T (a CUDA graph's batch).
+        """
         hidden, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary.angles(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta, expert_capacity)
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, dst: int | None = None

@@ -138,7 +138,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
         """x [T, in_features / size] -> [T, out_features] (a partial sum without the reduce)."""
         scale = self.weight_scale_inv
-        if self.tp.size == 1:
+        if not self.tp.communicates:
             return linear(x, self.weight, self.bias, scale)
         if not self.reduce_results:
             return linear(x, self.weight, self.bias if self.tp.rank == 0 else None, scale)
@@ -162,7 +162,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64 (ids in 0 .. V - 1) -> embeddings [T, D]."""
-        if self.tp.size == 1:
+        if not self.tp.communicates:
             return F.embedding(input_ids, self.weight)
         local_ids = input_ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.num_embeddings_per_rank)  # [T]
