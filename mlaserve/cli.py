@@ -230,6 +230,9 @@ BENCH_COMMANDS = {
     "gemm-tune": ("mlaserve.bench.gemm_tune",
                   "FP8 GEMM kernels' configurations swept, or profiled"),
     "step": ("mlaserve.bench.step", "where an engine step's time goes (GPU, or host only)"),
+    "model-step": ("mlaserve.bench.model_step",
+                   "a model of one DeepSeek-R1 decode step at TP8 and DP8 + EP8 from pieces "
+                   "timed on this GPU"),
     "structured": ("mlaserve.bench.structured", "decode throughput with a JSON schema"),
     "stream-encode": ("mlaserve.bench.stream_encode", "cost of encoding one streamed chunk"),
 }
