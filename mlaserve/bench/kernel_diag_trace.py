@@ -43,10 +43,14 @@ def _smid():
 '''
 
 
-def _edit(source: str, edits: list[tuple[str, str]]) -> str:
-    for anchor, replacement in edits:
-        if source.count(anchor) != 1:
-            raise SystemExit(f"trace edit anchor found {source.count(anchor)} times: {anchor!r}")
+def _edit(source: str, edits: list[tuple]) -> str:
+    """Each edit (anchor, replacement[, count]) replaces its anchor, which must occur count
+    times (default 1)."""
+    for anchor, replacement, *count in edits:
+        expected = count[0] if count else 1
+        if source.count(anchor) != expected:
+            raise SystemExit(f"trace edit anchor found {source.count(anchor)} times, not "
+                             f"{expected}: {anchor!r}")
         source = source.replace(anchor, replacement)
     return source
 
@@ -57,11 +61,11 @@ def traced_pass(folder: Path):
         ("\n\n@gluon.jit\ndef loader_partition(", NOW + "\n\n@gluon.jit\ndef loader_partition("),
         ("split_start, num_tiles, BLOCK_SIZE: gl.constexpr):",
          "split_start, num_tiles, trace, BLOCK_SIZE: gl.constexpr):"),
-        ("    mbarrier.expect(q_ready,",
-         "    gl.store(trace + 8, _now())\n    mbarrier.expect(q_ready,"),
-        ("                                        kv_pe_smem.index(stage))\n",
-         "                                        kv_pe_smem.index(stage))\n"
-         "    gl.store(trace + 9, _now())\n"),
+        ("into the ring (tile j -> buffer j % S).\"\"\"\n",
+         "into the ring (tile j -> buffer j % S).\"\"\"\n    gl.store(trace + 8, _now())\n"),
+        ("kv_ready, bt_row,\n                   split_start, j, BLOCK_SIZE)\n",
+         "kv_ready, bt_row,\n                   split_start, j, BLOCK_SIZE)\n"
+         "        gl.store(trace + 9, _now())\n"),
     ])
     main = _edit((KERNELS / "gluon_sm90.py").read_text(), [
         ("from mlaserve.kernels.mla_decode.gluon_sm90_tiles import (",
@@ -86,8 +90,11 @@ def traced_pass(folder: Path):
          "    bt_row = block_table_ptr + req.to(gl.int64) * stride_bt\n"
          f"    trace = trace_ptr + ((req * num_splits + split) * gl.num_programs(0) + group)"
          f" * {SLOTS}\n    gl.store(trace + 11, _now())\n"),
-        ("num_tiles, LEFT,", "num_tiles, trace, LEFT,"),
-        ("num_tiles, RIGHT,", "num_tiles, trace, RIGHT,"),
+        # both branches' seesaw calls (16-bit and FP8 caches; the trace runs the 16-bit one)
+        ("num_tiles,\n                                 LEFT,",
+         "num_tiles, trace,\n                                 LEFT,", 2),
+        ("num_tiles,\n                                 RIGHT,",
+         "num_tiles, trace,\n                                 RIGHT,", 2),
         ("split_start, num_tiles, BLOCK_SIZE)),", "split_start, num_tiles, trace, BLOCK_SIZE)),"),
         ("io: SplitPassIO) -> None:",
          "io: SplitPassIO,\n                      trace: torch.Tensor | None = None) -> None:"),
