@@ -36,7 +36,9 @@ Not in the model: prefill (with 1000-token prompts and 1000-2000 output tokens i
 a tenth to a step's time at high concurrency), sampling, the host (assumed hidden behind the
 device by async scheduling and graphs), load imbalance between data-parallel ranks and between
 experts, overlap of communication with compute (none is assumed), and multi-token prediction.
-Predicted output tok/s per GPU = C / (8 * step time).
+Predicted output tok/s per GPU = C / (8 * step time). "block" is the MoE block of a MoE layer
+timed alone (router, the rank's fused experts, no collectives); the rest of the layer is its
+attention, norms and projections.
 """
 
 import argparse
@@ -90,6 +92,8 @@ class Pieces:
     dense_layer: float
     moe_layer: float
     logits: float
+    moe_block: float = 0.0  # of moe_layer: the MoE block alone (router, experts, exchange
+    # compute); the rest is attention, norms and projections
 
 
 def collective_seconds(num_bytes: float, factor: float, bus_bandwidth: float,
@@ -143,9 +147,9 @@ def run(args: argparse.Namespace) -> int:
             steps = [row["tok_s_per_gpu"] for row in rows.values()]
             anchor = ANCHORS.get(concurrency)
             print(f"c={concurrency:5d} ctx={context:5d} {layout:8s} dense "
-                  f"{pieces.dense_layer * 1e6:7.1f} us  moe {pieces.moe_layer * 1e6:7.1f} us  "
-                  f"logits {pieces.logits * 1e6:6.1f} us  -> "
-                  f"{min(steps):7.1f}-{max(steps):7.1f} tok/s/GPU"
+                  f"{pieces.dense_layer * 1e6:7.1f} us  moe {pieces.moe_layer * 1e6:7.1f} us "
+                  f"(block {pieces.moe_block * 1e6:7.1f})  logits {pieces.logits * 1e6:6.1f} "
+                  f"us  -> {min(steps):7.1f}-{max(steps):7.1f} tok/s/GPU"
                   + (f"   [{anchor[0]}: {anchor[1]:g}]" if anchor else ""))
             for name, row in rows.items():
                 print(f"    {name:16s} compute {row['compute'] * 1e3:7.2f} ms  comm "
@@ -172,5 +176,5 @@ def measure_pieces(config: dict[str, Any], layout: str, concurrency: int, contex
                                               num_moe=3, repeats=repeats)
     dense_layer = dense.forward / 2
     return Pieces(dense_layer=dense_layer, moe_layer=(mixed.forward - dense_layer) / 3,
-                  logits=dense.logits)
+                  logits=dense.logits, moe_block=mixed.moe_block)
 

@@ -43,6 +43,7 @@ class LoopbackExpertGroup(ExpertParallelGroup):
 class ForwardTimes:
     forward: float  # seconds of the decode forward (embedding, layers, final norm)
     logits: float  # seconds of the logits of its hidden states (this rank's columns)
+    moe_block: float | None  # seconds of one MoE block alone (router and experts; None: none)
 
 
 def forward_seconds(config: dict[str, Any], layout: str, batch: int, context: int,
@@ -89,7 +90,12 @@ def forward_seconds(config: dict[str, Any], layout: str, batch: int, context: in
             hidden = torch.randn(batch, model_config.hidden_size, device=device, dtype=dtype)
             logits = graph_replay_seconds([lambda: model.compute_logits(hidden)], repeats,
                                           calls_per_graph=1)
-        return ForwardTimes(forward, logits)
+            moe_block = None
+            if num_moe:
+                moe = model.model.layers[num_dense].mlp
+                moe_block = graph_replay_seconds([lambda: moe(hidden)], repeats,
+                                                 calls_per_graph=1)
+        return ForwardTimes(forward, logits, moe_block)
     finally:
         parallel_state._tp_group, expert_parallel._ep_group = saved
         torch.cuda.empty_cache()

@@ -44,13 +44,14 @@ from mlaserve.kernels.interpreter import prepare_launch
 
 # Up to this many rows (tokens) a CUDA `block_fp8_linear` runs the weight-only product, for
 # weights of at most WEIGHT_ONLY_MAX_WEIGHT_BYTES: on the H200 it beats bf16 and the w8a8 path
-# there on V3's narrower projections (scripts/fp8_weight_only_check.py, benchmarks/fp8); past 16
-# rows, or on the 117-264 MB weights of o_proj and the dense MLP, cuBLASLt's w8a8 is faster.
+# there on V3's narrower projections (`mlaserve bench gemm-tune weight-only`,
+# benchmarks/NOTES.md); past 16 rows, or on the 117-264 MB weights of o_proj and the dense MLP,
+# cuBLASLt's w8a8 is faster.
 WEIGHT_ONLY_MAX_ROWS = 16
 WEIGHT_ONLY_MAX_WEIGHT_BYTES = 64 << 20
 # An sm_90 GPU runs the Gluon w8a8 product (`fp8_gemm_sm90`) where cuBLASLt takes the shape
 # only on narrow products: from GLUON_MIN_ROWS rows, N at most GLUON_MAX_OUT_FEATURES, where
-# it takes 64-wide tiles. On the H200 (benchmarks/fp8/gemm/, products alone) that is V3's
+# it takes 64-wide tiles. On the H200 (benchmarks/NOTES.md, products alone) that is V3's
 # 2112-wide q_a + kv_a product at 64-1024 tokens, 13-36% faster than cuBLASLt, and a routed
 # expert's 4096-wide gate_up at 64-256, 3-20% faster; of V3's other 37 cells cuBLASLt is
 # faster on 33, at most 3% slower on 4. The H100 runs keep cuBLASLt on the wider cells
@@ -66,7 +67,7 @@ WEIGHT_ONLY_MIN_SPLIT_BLOCKS = 14
 # Whether the weight-only product multiplies W x^T (the converted weight tile the left operand,
 # which Hopper's wgmma can read from registers) rather than x W^T (the converted tile stored to
 # shared memory first). W x^T won no 1- or 16-row cell of the H100 sweep
-# (benchmarks/fp8/h100/weight_only.log, scripts/fp8_weight_only_check.py --swap-ab 0,1).
+# (benchmarks/fp8/h100/weight_only.log, `mlaserve bench gemm-tune weight-only --swap-ab 0,1`).
 WEIGHT_ONLY_SWAP_AB = False
 
 
@@ -303,7 +304,7 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, 
     - "cublas": on CUDA past that, torch's blockwise scaled matmul (cuBLASLt) where it takes
       the shape: K a multiple of 512 (it wants the K blocks of the scales in fours) and N a
       multiple of 16. On the H200 it is the faster w8a8 product on most DeepSeek-V3
-      projections (`mlaserve bench gemm`, `scripts/fp8_gemm_sm90_check.py`);
+      projections (`mlaserve bench gemm`, `mlaserve bench gemm-tune gluon`);
     - "gluon" again on sm_90 for the shapes cuBLASLt refuses (V2-Lite's dense down_proj, K =
       10944), at any row count past the weight-only product's;
     - "triton": else (the CPU included), `block_fp8_matmul` on x quantized per token group.

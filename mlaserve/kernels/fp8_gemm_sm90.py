@@ -74,7 +74,7 @@ BLOCK_NS = (128, 64)  # within one weight scale row per tile
 BLOCK_K = 128  # one scale column per K block
 SCALE_ROWS = gl.constexpr(128)  # the weight's scale blocks are 128 x 128
 # The time of a round of 64-wide tiles against a round of 128-wide ones, measured on the H200
-# (scripts/fp8_gemm_sm90_check.py, both widths on V3's shapes: 0.73-0.83, not 0.5): a 64-wide
+# (`mlaserve bench gemm-tune gluon`, both widths on V3's shapes: 0.73-0.83, not 0.5): a 64-wide
 # wgmma reads as many x bytes as a 128-wide one for half the work, and a tile has fixed costs
 NARROW_ROUND_COST = 0.8
 # K is split only where the tiles fill at most half the SMs, and into runs of at least this many

@@ -56,7 +56,7 @@ class GemmTiles:
     # Compute each tile transposed, [block_n, block_m] = W x^T: the weight's columns fill the
     # 64 rows Hopper's wgmma needs where block_m is small, and FP8 operands stay FP8 (wgmma
     # reads both K-major from shared memory; x W^T at 16 rows runs mma.sync on operands
-    # converted to float16 first: `scripts/kernel_resources.py`)
+    # converted to float16 first: `mlaserve bench kernel-diag resources`)
     swap_ab: bool = False
 
 
@@ -70,7 +70,7 @@ class FusedMoEConfig:
 
 
 # (num_experts, hidden_size, moe_intermediate_size) -> {T * K: config}, for 16-bit dtypes,
-# measured on an H200 by `scripts/gpu_moe_bench.py --sweep`; the nearest T * K (in ratio) wins.
+# measured on an H200 by `mlaserve bench moe --sweep`; the nearest T * K (in ratio) wins.
 TUNED_CONFIGS: dict[tuple[int, int, int], dict[int, FusedMoEConfig]] = {}
 
 

@@ -1,7 +1,7 @@
 """Compile the sm_90 Gluon split passes (`gluon_sm90`, `gluon_sm90_fp8`,
 `gluon_sm90_fp8_transposed`) without a GPU, through Triton's bundled ptxas and with the argument
 specialisation a launch gets: for resource checks (registers, spills, shared memory,
-instruction mix) in CPU tests and scripts/kernel_resources.py."""
+instruction mix) in CPU tests and `mlaserve bench kernel-diag resources`."""
 
 import functools
 

@@ -30,7 +30,7 @@ with ldmatrix (transposed for P V), as the 16-bit passes read their tiles:
   score column and added across the warps once, at the end.
 - Between the conversion and the products, the ring slot that tile t - 1 left is refilled
   with tile t + NUM_STAGES - 1 (every warp has passed tile t's first barrier, so none still
-  reads that slot). Seven CTA barriers a tile in all (`scripts/kernel_resources.py`): one
+  reads that slot). Seven CTA barriers a tile in all (`mlaserve bench kernel-diag resources`): one
   before the conversion (every warp is done with the previous float16 tile), the one before
   the TMA copies (FP8 bytes read by the conversion, then written by TMA), one after them (the
   float16 tile is whole), three in the row max across the warps and one in the exchange of P.

@@ -21,7 +21,7 @@ columns k = 16s + 8j + 2q + i (h, j, i in {0, 1}). Read as is from key-major til
 2 bytes at a time for S^T and single bytes for O^T, whose rows are latent columns. Each
 product may order its own axes, so each picks the order that makes a thread's bytes of a key
 contiguous (16-byte loads), and the change to the operand layout a byte shuffle within the
-thread (`scripts/kernel_resources.py` reads the SASS; the layouts and orders are in
+thread (`mlaserve bench kernel-diag resources` reads the SASS; the layouts and orders are in
 `gluon_sm90_fp8_operands.py`):
 - S^T: column k of a chunk W wide is stored column (W / 4) q + 4s + 2j + i; Q^T is stored in
   shared memory in the same order, once.
