@@ -213,6 +213,101 @@ def test_auto_without_the_flag_is_vllms_400():
             assert r.status_code == 400 and says in r.text, r.text
 
 
+# ---- forced tool choice, scripted ------------------------------------------------------------
+REQUIRED_CALLS = ('[{"name":"get_weather","parameters":{"city":"Paris","unit":"c"}},'
+                  '{"name": "get_time" , "parameters" : { "zone": "utc" } } ]')
+
+
+def chunk_kinds(chunks) -> list[str]:
+    """Each chunk as vLLM's stream orders them: role, name N, args N, finish."""
+    kinds = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            parts = ["role"] if delta.role else []
+            for call in delta.tool_calls or []:
+                if call.function.name:
+                    parts.append(f"name {call.index}")
+                if call.function.arguments:
+                    parts.append(f"args {call.index}")
+            if delta.content:
+                parts.append("content")
+            if choice.finish_reason:
+                parts.append(f"finish {choice.finish_reason}")
+            kinds.append("+".join(parts) or "empty")
+    return kinds
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_required_tool_calls_stream_call_by_call(size):
+    """Streamed "required" calls: each call's name, then its arguments, then the next call;
+    the finish alone in the last chunk, so the SDK's stream helper ends every call."""
+    async def run():
+        client, _ = scripted_client(cut(REQUIRED_CALLS, size))
+        kwargs = {"model": "demo", "messages": [{"role": "user", "content": "weather?"}],
+                  "tools": [WEATHER, TIME], "tool_choice": "required"}
+        whole = await client.chat.completions.create(**kwargs)
+        chunks = [c async for c in await client.chat.completions.create(stream=True, **kwargs)]
+        done = []
+        async with client.chat.completions.stream(**kwargs) as stream:
+            async for event in stream:
+                if event.type == "tool_calls.function.arguments.done":
+                    done.append((event.index, event.name, event.arguments))
+        return whole, chunks, done
+
+    whole, chunks, done = asyncio.run(run())
+    calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert calls == [("get_weather", '{"city":"Paris","unit":"c"}'),
+                     ("get_time", '{ "zone": "utc" }')]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.choices[0].message.content is None
+    assert done == [(0, "get_weather", calls[0][1]), (1, "get_time", calls[1][1])]
+    content, _, streamed, finish = assemble(chunks)
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in streamed] == calls
+    kinds = [k for k in chunk_kinds(chunks) if k != "empty"]
+    assert kinds[0] == "role" and kinds[-1] == "finish tool_calls"
+    order = []  # runs of the same kind collapsed
+    for kind in kinds[1:-1]:
+        for part in kind.split("+"):
+            if not order or order[-1] != part:
+                order.append(part)
+    assert order == ["name 0", "args 0", "name 1", "args 1"]
+
+
+def test_a_forced_call_cut_short_keeps_its_partial_arguments():
+    """max_tokens inside a forced call: the calls begun so far, finish_reason "length", no
+    content (as OpenAI answers), whole and streamed alike."""
+    text = ('[{"name":"get_weather","parameters":{"city":"Paris"}},'
+            '{"name":"get_time","parameters":{"zo')
+
+    class CutEngine(ScriptedEngine):
+        async def add_request(self, ids, params, request_id):
+            outputs = await super().add_request(ids, params, request_id)
+
+            async def cut_short():
+                async for out in outputs:
+                    if out.finish_reason is not None:
+                        out.finish_reason = "length"
+                    yield out
+            return cut_short()
+
+    async def run():
+        client, engine = scripted_client(cut(text, 3))
+        engine.__class__ = CutEngine
+        return await whole_and_streamed(client, tools=[WEATHER, TIME], tool_choice="required")
+
+    whole, chunks = asyncio.run(run())
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"city":"Paris"}'), ("get_time", '{"zo')]
+    content, _, calls, finish = assemble(chunks)
+    assert (content, finish) == ("", "length")
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", '{"city":"Paris"}'), ("get_time", '{"zo')]
+
+
 # ---- reasoning -------------------------------------------------------------------------------
 @pytest.mark.parametrize("size", [1, 2, 5, 1000])
 def test_reasoning_is_split_whole_and_streamed(size):

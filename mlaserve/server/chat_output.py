@@ -8,8 +8,10 @@ content is read for tool calls according to the request's tool choice:
 * "auto" (needs `--enable-auto-tool-choice --tool-call-parser NAME`): the tool-call parser (see
   tool_calls.py) takes the calls out of the content;
 * "required" or a named function: the output was constrained to the JSON of
-  `tool_choice.tool_call_json_schema`, and `constrained_tool_calls` reads it back; text that does
-  not have that shape (an answer cut short by max_tokens) stays content.
+  `tool_choice.tool_call_json_schema`, and `tool_choice.ForcedCallReader` reads it into calls as
+  it streams (each call's name, then its argument pieces, then the next call); an answer cut
+  short by max_tokens keeps the calls begun, the last with partial arguments (finish_reason
+  "length"), as OpenAI answers.
 
 `ChatOutputParser.parse` does this on a whole text, `ChatOutputParser.stream()` on the text deltas
 of a stream (one stream per choice), giving OpenAI-shaped deltas: the concatenated reasoning and
@@ -22,13 +24,11 @@ from typing import Any, Literal
 
 from mlaserve.server.reasoning import ReasoningParser, ReasoningStream
 from mlaserve.server.tool_call_models import (
-    DeltaFunctionCall,
     DeltaToolCall,
     ToolCall,
-    make_tool_call_id,
 )
-from mlaserve.server.tool_calls import DeepSeekV3ToolParser, DeepSeekV3ToolStream, valid_json
-from mlaserve.server.tool_choice import constrained_tool_calls, forced_function_name
+from mlaserve.server.tool_calls import DeepSeekV3ToolParser, DeepSeekV3ToolStream
+from mlaserve.server.tool_choice import ForcedCallReader
 
 ToolMode = Literal["none", "auto", "forced"]
 
@@ -97,11 +97,9 @@ class ChatOutputParser:
         if self.tool_mode == "auto" and self.tool_parser is not None:
             content, calls = self.tool_parser.extract(content or "")
         elif self.tool_mode == "forced" and content is not None:
-            try:
-                calls = constrained_tool_calls(content, self.tool_choice)
-                content = None
-            except ValueError:
-                calls = []
+            reader = ForcedCallReader(self.tool_choice)
+            reader.feed(content, final=True)
+            calls, content = reader.calls, None
         if not self.parallel_tool_calls:
             calls = calls[:1]
         return ParsedMessage(reasoning, content, calls)
@@ -120,18 +118,15 @@ class ChatOutputStream:
         self.tools: DeepSeekV3ToolStream | None = (
             parser.tool_parser.stream() if parser.tool_mode == "auto"
             and parser.tool_parser is not None else None)
-        self.forced_name = (forced_function_name(parser.tool_choice)
-                            if parser.tool_mode == "forced" else None)
-        self.forced_text = ""  # the constrained output so far
-        self.forced_sent = ""  # the arguments already sent (named function)
-        self.forced_calls: list[ToolCall] = []
+        self.forced: ForcedCallReader | None = (
+            ForcedCallReader(parser.tool_choice) if parser.tool_mode == "forced" else None)
 
     @property
     def tools_called(self) -> bool:
         """Whether the answer is tool calls (finish_reason "tool_calls")."""
         if self.tools is not None:
             return self.tools.tools_called
-        return bool(self.forced_calls)
+        return self.forced is not None and self.forced.complete and bool(self.forced.calls)
 
     def feed(self, text: str) -> ChatDelta:
         if self.reasoning is not None:
@@ -160,40 +155,9 @@ class ChatOutputStream:
             if not self.parser.parallel_tool_calls:
                 delta.tool_calls = [c for c in delta.tool_calls if c.index == 0]
             return delta
-        if self.parser.tool_mode != "forced":
+        if self.forced is None:
             return ChatDelta(content=text or None)
-        self.forced_text += text
-        if self.forced_name is None:  # "required": the calls go out whole at the end
-            return self._finish_required() if final else ChatDelta()
-        return self._named(final)
-
-    def _finish_required(self) -> ChatDelta:
-        try:
-            calls = constrained_tool_calls(self.forced_text, self.parser.tool_choice)
-        except ValueError:
-            return ChatDelta(content=self.forced_text or None)
+        calls = self.forced.feed(text, final)
         if not self.parser.parallel_tool_calls:
-            calls = calls[:1]
-        self.forced_calls = calls
-        return ChatDelta(tool_calls=[
-            DeltaToolCall(index=i, id=call.id, type="function", function=DeltaFunctionCall(
-                name=call.function.name, arguments=call.function.arguments))
-            for i, call in enumerate(calls)])
-
-    def _named(self, final: bool) -> ChatDelta:
-        """A named function's arguments (the whole output) stream as they come; surrounding
-        whitespace is left out, as `constrained_tool_calls` strips it."""
-        arguments = self.forced_text.strip() if final else self.forced_text.lstrip()
-        if not final:
-            arguments = arguments[: len(arguments.rstrip())] if arguments.strip() else ""
-        calls: list[DeltaToolCall] = []
-        if arguments and not self.forced_sent:
-            calls.append(DeltaToolCall(index=0, id=make_tool_call_id(), type="function",
-                                       function=DeltaFunctionCall(name=self.forced_name)))
-        piece = arguments[len(self.forced_sent):]
-        if piece:
-            calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=piece)))
-            self.forced_sent = arguments
-        if final and self.forced_sent and valid_json(self.forced_sent):
-            self.forced_calls = constrained_tool_calls(self.forced_sent, self.parser.tool_choice)
+            calls = [call for call in calls if call.index == 0]
         return ChatDelta(tool_calls=calls)

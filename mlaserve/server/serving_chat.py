@@ -210,9 +210,15 @@ class ChatServing:
                     message = {"content": ""}
                 if not message and finish is None and not (logprobs and logprobs["content"]):
                     continue  # the parsers hold this text back until it is settled
+                chunk_usage = usage(n_prompt, num_generated) if continuous else None
+                if finish is not None and not plain and (message or logprobs):
+                    # the finish in a chunk of its own after the last delta, as OpenAI and
+                    # vLLM send it (the SDK's stream helper closes the last call there)
+                    yield sse(replace(head, choices=[
+                        ChatStreamChoice(index, message, logprobs, None)], usage=chunk_usage))
+                    message, logprobs = {}, None
                 choice = ChatStreamChoice(index, message, logprobs, finish)
-                yield sse(replace(head, choices=[choice],
-                                  usage=usage(n_prompt, num_generated) if continuous else None))
+                yield sse(replace(head, choices=[choice], usage=chunk_usage))
             end = s.stream_end(head, last_finish, include_usage, n_prompt, num_generated)
             if end is not None:
                 yield end
