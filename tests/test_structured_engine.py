@@ -286,3 +286,41 @@ def test_extreme_noise_never_picks_a_masked_token(monkeypatch):
             positions=torch.zeros(n, dtype=torch.int64), all_greedy=False,
             needs_filter=top_k < vocab, allowed=(torch.tensor([1]), bitmask))
         assert sample(logits, batch)[1].item() == 35
+
+
+def test_json_whitespace_is_compact_by_default_and_bounded_when_allowed():
+    """The server's default (None at the door -> its config, compact) gives OpenAI's compact
+    JSON; allowing whitespace bounds each run to MAX_WHITESPACE_RUN."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from mlaserve.engine.grammars import MAX_WHITESPACE_RUN, grammar_key, parse_grammar
+    from mlaserve.engine.structured import validate_structured_outputs
+    from mlaserve.engine.structured_config import StructuredOutputsConfig
+
+    schema = json.dumps({"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "string"}}},
+        "required": ["a", "b"]})
+    default = StructuredOutputs(json=schema)
+    validate_structured_outputs(default, 512, StructuredOutputsConfig())
+    assert default.disable_any_whitespace is True
+    compact = parse_grammar(grammar_key(default))
+    assert accepts(compact, '{"a":1,"b":["x","y"]}')
+    for spaced in ('{"a": 1,"b":["x"]}', '{"a":1, "b":["x"]}', '{ "a":1,"b":[]}',
+                   '{"a":1,"b":["x"]}\n'):
+        assert not accepts(compact, spaced), spaced
+
+    allowed = StructuredOutputs(json=schema)
+    validate_structured_outputs(allowed, 512,
+                                StructuredOutputsConfig(disable_any_whitespace=False))
+    assert allowed.disable_any_whitespace is False
+    spaced = parse_grammar(grammar_key(allowed))
+    run = " " * MAX_WHITESPACE_RUN
+    assert accepts(spaced, '{\n  "a": 1,\n  "b": [ "x" ]\n}')
+    assert accepts(spaced, '{' + run + '"a":1,"b":[]}')
+    assert not accepts(spaced, '{' + run + ' "a":1,"b":[]}')
+
+    explicit = StructuredOutputs(json=schema, disable_any_whitespace=False)
+    validate_structured_outputs(explicit, 512, StructuredOutputsConfig())
+    assert explicit.disable_any_whitespace is False  # the request's own choice stands
+    with pytest.raises(ValueError, match="disable_any_whitespace must be true or false"):
+        StructuredOutputsConfig(disable_any_whitespace="yes")

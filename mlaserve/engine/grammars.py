@@ -21,6 +21,12 @@ _FIELD_OF_KIND = {"json": "json (a JSON schema)", "regex": "regex", "choice": "c
                   "grammar": "grammar (EBNF)"}
 
 
+MAX_WHITESPACE_RUN = 16
+"""Most whitespace characters in a row where a JSON constraint allows whitespace: a model that
+prefers spaces and newlines to the next value cannot write them until max_tokens (room for
+pretty-printed JSON nested 7 levels at an indent of 2)."""
+
+
 class GrammarKey(NamedTuple):
     """A constraint as (kind, spec, any_whitespace): kind is json | regex | choice | grammar,
     spec its text (a choice list as JSON); any_whitespace matters for JSON only."""
@@ -39,7 +45,8 @@ class GrammarKey(NamedTuple):
 
 def grammar_key(constraint: StructuredOutputs) -> GrammarKey:
     """The constraint's key; `after_token_id` is not part of it (any_whitespace is True for the
-    kinds other than JSON)."""
+    kinds other than JSON). The constraint's whitespace setting is resolved (not None)."""
+    assert constraint.disable_any_whitespace is not None, "resolved at the door"
     any_whitespace = not constraint.disable_any_whitespace
     if constraint.json is not None:
         return GrammarKey("json", constraint.json, any_whitespace)
@@ -65,8 +72,12 @@ def parse_grammar(key: GrammarKey) -> "xgrammar.Grammar":
 
     kind, spec, any_whitespace = key
     try:
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
+        if kind == "json" and any_whitespace:
+            return xgr.Grammar.from_json_schema(spec, any_whitespace=True,
+                                                max_whitespace_cnt=MAX_WHITESPACE_RUN)
+        if kind == "json":  # compact, as OpenAI's API writes JSON
+            return xgr.Grammar.from_json_schema(spec, any_whitespace=False,
+                                                separators=(",", ":"))
         if kind == "regex":
             return xgr.Grammar.from_regex(spec)
         if kind == "choice":

@@ -80,8 +80,10 @@ class StructuredOutputs:
     an EBNF grammar (the dialect the grammar library reads).
     after_token_id: the constraint starts after this token is generated (e.g. the end of a
     reasoning section, `</think>`); None: from the first generated token.
-    disable_any_whitespace: JSON (json, json_object) without whitespace between tokens (as
-    vLLM's option of that name); by default any whitespace is allowed there.
+    disable_any_whitespace: JSON (json, json_object) in compact form, without whitespace between
+    tokens (vLLM's option of that name); False allows whitespace (each run of it bounded, see
+    `grammars.MAX_WHITESPACE_RUN`); None takes the server's `structured_outputs_config` setting
+    (compact unless set otherwise), resolved at the door (`validate_structured_outputs`).
     """
 
     json: str | None = None
@@ -90,7 +92,7 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     after_token_id: int | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = None
 
     def kinds(self) -> list[str]:
         """The kinds that are set (valid constraints have exactly one)."""
@@ -114,7 +116,9 @@ class StructuredOutputs:
                              "strings")
         if self.after_token_id is not None:
             _check_int("structured_outputs.after_token_id", self.after_token_id, 0)
-        _check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        if self.disable_any_whitespace is not None:
+            _check_bool("structured_outputs.disable_any_whitespace",
+                        self.disable_any_whitespace)
 
 
 @dataclass

@@ -71,8 +71,11 @@ MIN_ROWS_PER_FILL_THREAD = 64
 def validate_structured_outputs(constraint: StructuredOutputs, vocab_size: int,
                                 config: StructuredOutputsConfig) -> None:
     """ValueError, saying what is wrong, unless the constraint's fields are valid and within
-    the server's limits (nothing is parsed here; the sandbox's parse reports a bad schema)."""
+    the server's limits (nothing is parsed here; the sandbox's parse reports a bad schema).
+    A `disable_any_whitespace` left None takes the server's setting here, once."""
     constraint.validate()
+    if constraint.disable_any_whitespace is None:
+        constraint.disable_any_whitespace = config.disable_any_whitespace
     if constraint.after_token_id is not None and constraint.after_token_id >= vocab_size:
         raise ValueError(f"structured_outputs.after_token_id must be a token id in [0, "
                          f"{vocab_size}) (the model's vocabulary), got {constraint.after_token_id}")

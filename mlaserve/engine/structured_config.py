@@ -39,6 +39,10 @@ FIELD_HELP = {
     "compile_timeout_s": "seconds a constraint's first compile may take (in the sandbox)",
     "compile_memory_mb": "MiB a constraint's first compile may allocate (in the sandbox)",
     "cache_mb": "MiB of compiled grammars kept for reuse (0: none)",
+    "disable_any_whitespace": "JSON constraints produce compact JSON (no whitespace between "
+                              "tokens, as OpenAI's API writes it); false allows whitespace "
+                              "(runs of at most 16 characters); a request's "
+                              "structured_outputs.disable_any_whitespace overrides it",
 }
 
 
@@ -54,6 +58,7 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields
     compile_timeout_s: float = 60.0
     compile_memory_mb: int = 2048
     cache_mb: int = 512
+    disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -69,6 +74,9 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields
                 or self.cache_mb < 0:
             raise ValueError("structured_outputs_config.cache_mb must be an integer >= 0, got "
                              f"{self.cache_mb!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs_config.disable_any_whitespace must be true or "
+                             f"false, got {self.disable_any_whitespace!r}")
         if not self.compile_timeout_s > 0:
             raise ValueError("structured_outputs_config.compile_timeout_s must be > 0, got "
                              f"{self.compile_timeout_s!r}")

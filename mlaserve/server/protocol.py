@@ -109,9 +109,12 @@ class StructuredOutputsParams(OpenAIModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = Field(
-        False, description="JSON without whitespace between tokens; alone (no constraint "
-        "here) it applies to the constraint that response_format or guided_json sets")
+    disable_any_whitespace: bool | None = Field(
+        None, description="true: compact JSON, without whitespace between tokens; false: "
+        "whitespace allowed (runs of at most 16); unset: the server's "
+        "--structured-outputs-config setting (compact by default). Alone (no constraint here) "
+        "it applies to the constraint that response_format, guided_json or a forced tool "
+        "choice sets")
 
 
 def equal_to(default: Any) -> Callable[[Any], bool]:

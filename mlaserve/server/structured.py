@@ -75,12 +75,11 @@ def from_structured_outputs(params: StructuredOutputsParams | None) -> Structure
         json=None if params.json_ is None else schema_text(params.json_,
                                                            "structured_outputs.json"),
         regex=params.regex, choice=params.choice, grammar=params.grammar,
-        json_object=bool(params.json_object),
-        disable_any_whitespace=params.disable_any_whitespace), "structured_outputs")
+        json_object=bool(params.json_object)), "structured_outputs")
 
 
 def _only_whitespace_option(params: StructuredOutputsParams) -> bool:
-    """A `structured_outputs` that sets no constraint, only how JSON is spaced."""
+    """A `structured_outputs` that sets no constraint, at most how JSON is spaced."""
     return all(value in (None, False) for value in (
         params.json_, params.regex, params.choice, params.grammar, params.json_object))
 
@@ -130,6 +129,6 @@ def request_constraint(req: SamplingFields, tool_schema: dict[str, Any] | None =
     if not found:
         return None
     constraint = found[0][1]
-    if req.structured_outputs is not None and req.structured_outputs.disable_any_whitespace:
-        constraint.disable_any_whitespace = True
+    if req.structured_outputs is not None:
+        constraint.disable_any_whitespace = req.structured_outputs.disable_any_whitespace
     return constraint
