@@ -219,6 +219,9 @@ def _serve(args: argparse.Namespace) -> int:
 # `mlaserve bench NAME`: the module that adds its flags and runs it (loaded when NAME is parsed)
 BENCH_COMMANDS = {
     "serve": ("mlaserve.bench.serve", "serving benchmark client"),
+    "sweep": ("mlaserve.bench.sweep",
+              "bench serve over concurrencies or request rates against one or more servers; "
+              "JSON and a throughput-latency chart"),
     "throughput": ("mlaserve.bench.throughput", "offline throughput of LLM.generate"),
     "kernel": ("mlaserve.bench.kernel", "MLA decode kernel sweep"),
     "kernel-diag": ("mlaserve.bench.kernel_diag",
