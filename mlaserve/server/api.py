@@ -59,6 +59,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             "body"
     if not loc:
         return "the request body must be a JSON object (Content-Type: application/json)", "body"
+    if first.get("type") == "extra_forbidden":
+        return f"{param}: unknown field (not part of this object in the API)", param
     return f"{param or 'body'}: {first.get('msg')}", param
 
 

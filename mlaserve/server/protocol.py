@@ -1,12 +1,19 @@
-"""The shared pieces of the OpenAI-compatible protocol models: the request base (unknown request
-fields are accepted, as vLLM does; every string must be valid Unicode), the sampling fields that
+"""The shared pieces of the OpenAI-compatible protocol models: the request base (every string must
+be valid Unicode), the sampling fields that
 completions and chat share, structured-output parameters, the fields refused unless default, and
 the response bodies every endpoint uses (errors, usage, prompt logprobs).
 
 The endpoints' own models are in protocol_completions.py, protocol_chat.py, protocol_responses.py
 (the Responses API) and protocol_extras.py (tokenizer and server-info endpoints).
+
+Unknown fields: at the top of a request they are accepted and logged at warning level, once per
+name (vLLM's behaviour, so that a client sending another server's extras keeps working); inside
+a nested object (`structured_outputs`, `response_format`, `stream_options`, a message, a tool
+...) an unknown key is a 400 naming it. Known fields this server cannot honour are refused with
+a 400 unless left at their default (`UNSUPPORTED_FIELDS`).
 """
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -16,10 +23,13 @@ from pydantic_core import PydanticCustomError
 from mlaserve.engine.request import SamplingParams, StructuredOutputs
 
 NonNegInt = Annotated[int, Field(ge=0)]
+logger = logging.getLogger(__name__)
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """A nested object of a request: an unknown key is refused (a 400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 def invalid_text_path(value: Any) -> str | None:
@@ -59,8 +69,20 @@ def token_id_keys(name: str, mapping: dict[str, float] | None) -> dict[int, floa
                          ) from None
 
 
+_warned_fields: set[str] = set()  # unknown top-level fields already logged
+
+
 class RequestModel(OpenAIModel):
-    """A request body: every string in it, known field or not, must be valid Unicode text."""
+    """A request body: every string in it, known field or not, must be valid Unicode text;
+    unknown top-level fields are accepted and logged once per name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @classmethod
+    def refused_field_names(cls) -> frozenset[str]:
+        """Known fields kept among the extras only to be refused unless default (not logged
+        as unknown)."""
+        return frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -72,10 +94,30 @@ class RequestModel(OpenAIModel):
                 "surrogate code point)", {"param": path})
         return data
 
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> "RequestModel":
+        unknown = set(self.model_extra or ()) - self.refused_field_names() - _warned_fields
+        if unknown:
+            _warned_fields.update(unknown)
+            logger.warning("The following fields were present in the request but ignored: %s "
+                           "(logged once per name)", sorted(unknown))
+        return self
+
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = Field(
+        None, description="OpenAI's; stream chunks carry no obfuscation field here, so true is "
+        "refused")
+
+    @model_validator(mode="after")
+    def _no_obfuscation(self) -> "StreamOptions":
+        if self.include_obfuscation:
+            raise PydanticCustomError(
+                "unsupported", "{param}: {why}", {"param": "stream_options.include_obfuscation",
+                                                  "why": "stream obfuscation is not supported"})
+        return self
 
 
 # ---- structured outputs ---------------------------------------------------------------------
@@ -83,7 +125,7 @@ class JsonSchemaFormat(OpenAIModel):
     """`response_format.json_schema`: the schema the output follows (enforced also when
     `strict` is false)."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(max_length=256)
     description: str | None = None
@@ -99,9 +141,10 @@ class ResponseFormat(OpenAIModel):
 
 
 class StructuredOutputsParams(OpenAIModel):
-    """vLLM's `structured_outputs` field: exactly one constraint."""
+    """vLLM's `structured_outputs` field: exactly one constraint. vLLM's options that are not
+    served here are refused unless default; any other key is a 400."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: str | dict[str, Any] | None = Field(None, alias="json",
                                                description="a JSON schema (object or text)")
@@ -115,6 +158,28 @@ class StructuredOutputsParams(OpenAIModel):
         "--structured-outputs-config setting (compact by default). Alone (no constraint here) "
         "it applies to the constraint that response_format, guided_json or a forced tool "
         "choice sets")
+    structural_tag: str | None = Field(None, description="refused: structural tags are not "
+                                       "supported")
+    whitespace_pattern: str | None = Field(None, description="refused: a custom whitespace "
+                                           "pattern is not supported")
+    disable_fallback: bool = Field(False, description="vLLM's; there is one backend, so no "
+                                   "fallback either way")
+    disable_additional_properties: bool = Field(
+        False, description="refused when true: additionalProperties is honoured as the schema "
+        "says")
+
+    @model_validator(mode="after")
+    def _refuse_unserved(self) -> "StructuredOutputsParams":
+        for name, why in (("structural_tag", "structural tags are not supported"),
+                          ("whitespace_pattern", "a custom whitespace pattern is not "
+                                                 "supported (disable_any_whitespace chooses "
+                                                 "compact JSON or bounded whitespace)"),
+                          ("disable_additional_properties", "not supported: the schema's own "
+                                                            "additionalProperties applies")):
+            if getattr(self, name) not in (None, False):
+                raise PydanticCustomError("unsupported", "{param}: {why}",
+                                          {"param": f"structured_outputs.{name}", "why": why})
+        return self
 
 
 def equal_to(default: Any) -> Callable[[Any], bool]:
@@ -138,6 +203,7 @@ UNSUPPORTED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("guided_decoding_backend", lambda v: v in ("auto", "xgrammar"),
      "the only structured output backend is xgrammar"),
     ("guided_whitespace_pattern", never, "a custom whitespace pattern is not supported"),
+    ("structural_tag", never, "structural tags are not supported"),
     ("allowed_token_ids", never, "allowed_token_ids is not supported (use logit_bias)"),
     ("bad_words", is_empty, "bad_words is not supported"),
     ("prompt_embeds", never, "prompt embeddings are not supported"),
@@ -218,6 +284,18 @@ class SamplingFields(RequestModel):
                                             "these strings")
     guided_grammar: str | None = Field(None, description="vLLM's: an EBNF grammar the output "
                                        "follows")
+
+    @classmethod
+    def refused_field_names(cls) -> frozenset[str]:
+        return frozenset(name for name, _, _ in UNSUPPORTED_FIELDS + cls.unsupported)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "unsupported", "{param}: {why}", {"param": "stream_options", "why": (
+                    "stream options can only be given when stream is true")})
+        return self
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "SamplingFields":

@@ -3,7 +3,8 @@ logprobs and the assistant message."""
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_serializer
+from pydantic import Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from mlaserve.server.protocol import (
     NonNegInt,
@@ -23,6 +24,9 @@ class TextPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
+    """A message; OpenAI's `refusal`, `annotations`, `audio` and `function_call` (what the SDK
+    echoes back from a response) are accepted when empty and refused otherwise."""
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -30,6 +34,20 @@ class ChatMessage(OpenAIModel):
         None, description="an assistant message's tool calls (passed to the chat template)")
     tool_call_id: str | None = Field(None, description="a tool message's call id")
     reasoning_content: str | None = None
+    reasoning: str | None = Field(None, description="the same as reasoning_content")
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _echoed_fields_empty(self) -> "ChatMessage":
+        for name in ("refusal", "annotations", "audio", "function_call"):
+            if getattr(self, name):
+                raise PydanticCustomError("unsupported", "{param}: {why}", {
+                    "param": f"messages.{name}",
+                    "why": f"a message's {name} is not supported (only its empty value)"})
+        return self
 
     def template_message(self) -> dict[str, Any]:
         """The message as the chat template reads it."""
@@ -40,6 +58,8 @@ class ChatMessage(OpenAIModel):
             value = getattr(self, key)
             if value is not None:
                 message[key] = value
+        if self.reasoning_content is None and self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
         return message
 
     def text(self) -> str:
@@ -74,7 +94,10 @@ class NamedToolChoice(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    unsupported: ClassVar = (("echo", equal_to(False), "echo is not supported on chat"),)
+    unsupported: ClassVar = (
+        ("echo", equal_to(False), "echo is not supported on chat"),
+        ("best_of", equal_to(1), "best_of is served on /v1/completions (chat answers with n "
+                                 "samples)"))
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatCompletionToolParam] | None = None
@@ -97,6 +120,13 @@ class ChatCompletionRequest(SamplingFields):
         None, description="A Jinja chat template to use instead of the model's; refused "
         "unless the server runs with --trust-request-chat-template")
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("unsupported", "{param}: {why}", {
+                "param": "top_logprobs", "why": "top_logprobs needs logprobs set to true"})
+        return self
 
     def request_chat_template(self) -> str | None:
         """The chat template that the request supplies (`chat_template`, or

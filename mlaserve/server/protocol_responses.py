@@ -9,9 +9,11 @@ from pydantic_core import PydanticCustomError
 
 from mlaserve.server.protocol import (
     UNSUPPORTED_FIELDS,
+    NonNegInt,
     OpenAIModel,
     RequestModel,
     ResponseModel,
+    StructuredOutputsParams,
     equal_to,
     is_empty,
     never,
@@ -19,8 +21,12 @@ from mlaserve.server.protocol import (
 
 
 class InputText(OpenAIModel):
+    """A text part; an echoed output part's `annotations` and `logprobs` are accepted."""
+
     type: Literal["input_text", "output_text", "text"]
     text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
 
 class ResponseInputMessage(OpenAIModel):
@@ -29,6 +35,9 @@ class ResponseInputMessage(OpenAIModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
+    id: str | None = Field(None, description="an echoed output message's id (not used)")
+    status: str | None = Field(None, description="an echoed output message's status (not "
+                               "used)")
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -39,16 +48,28 @@ class ResponseInputMessage(OpenAIModel):
 class TextFormat(OpenAIModel):
     """`text.format` of a Responses request: free text, any JSON object or a JSON schema."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
+    description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
 class TextConfig(OpenAIModel):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        None, description="OpenAI's; only medium (the model's own length) is served, low and "
+        "high are refused")
+
+    @model_validator(mode="after")
+    def _medium_only(self) -> "TextConfig":
+        if self.verbosity not in (None, "medium"):
+            raise PydanticCustomError("unsupported", "{param}: {why}", {
+                "param": "text.verbosity", "why": "this model has no verbosity control; only "
+                "'medium' is supported"})
+        return self
 
 
 RESPONSES_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -66,8 +87,19 @@ RESPONSES_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("conversation", never, "conversations are not stored"),
     ("prompt", never, "prompt templates are not supported"),
     ("max_tool_calls", never, "tools are served on /v1/chat/completions only"),
-) + tuple(entry for entry in UNSUPPORTED_FIELDS if entry[0] in ("store", "metadata",
-                                                                 "service_tier"))
+    ("enable_response_messages", equal_to(False), "response messages are not returned"),
+    ("previous_input_messages", never, "responses are not stored, so there are no previous "
+                                       "messages"),
+) + tuple(entry for entry in UNSUPPORTED_FIELDS if entry[0] in (
+    "store", "metadata", "service_tier", "priority", "cache_salt", "mm_processor_kwargs",
+    "logits_processors", "vllm_xargs", "kv_transfer_params"))
+
+# the sampling and structured-output fields a Responses request shares with chat (vLLM's
+# ResponsesRequest declares most of them), passed on to the chat request as they are
+CHAT_SAMPLING_FIELDS = (
+    "seed", "top_k", "min_p", "logit_bias", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "structured_outputs",
+    "include_stop_str_in_output", "skip_special_tokens", "request_id")
 
 
 class ResponsesRequest(RequestModel):
@@ -83,6 +115,29 @@ class ResponsesRequest(RequestModel):
     text: TextConfig | None = None
     parallel_tool_calls: bool = True
     user: str | None = None
+    # vLLM's sampling and structured-output fields (CHAT_SAMPLING_FIELDS)
+    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    repetition_penalty: float | None = Field(None, gt=0)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="vLLM's structured outputs (alone, disable_any_whitespace applies "
+        "to text.format)")
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    request_id: str | None = Field(None, max_length=256, description="vLLM's: the id of the "
+                                   "response")
+
+    @classmethod
+    def refused_field_names(cls) -> frozenset[str]:
+        return frozenset(name for name, _, _ in RESPONSES_UNSUPPORTED)
 
     @field_validator("input")
     @classmethod

@@ -2,9 +2,12 @@
 
 `input` (a string, or a list of text messages) and `instructions` (a system message first)
 become a chat conversation rendered by the model's chat template; `max_output_tokens`,
-`temperature`, `top_p` and `text.format` (json_object / json_schema) map onto the chat
-request's fields. The answer is a `response` object whose `output` holds a message item (and,
-with `--reasoning-parser`, a reasoning item before it). Responses are not stored.
+`temperature`, `top_p`, `text.format` (json_object / json_schema) and vLLM's sampling and
+structured-output fields (`protocol_responses.CHAT_SAMPLING_FIELDS`: seed, top_k, stop,
+ignore_eos, penalties, min_tokens, structured_outputs ...) map onto the chat request's fields;
+`request_id` is the response's id. The answer is a `response` object whose `output` holds a
+message item (and, with `--reasoning-parser`, a reasoning item before it). Responses are not
+stored.
 
 A stream is server-sent events, each `event: <type>` and `data: <event>`, in the Responses API's
 order: response.created, response.in_progress, then per output item response.output_item.added,
@@ -26,6 +29,7 @@ from mlaserve.engine.core_client import EngineError
 from mlaserve.server.formatting import error_body, sse
 from mlaserve.server.protocol_chat import ChatCompletionRequest
 from mlaserve.server.protocol_responses import (
+    CHAT_SAMPLING_FIELDS,
     IncompleteDetails,
     OutputTokensDetails,
     ReasoningText,
@@ -53,8 +57,16 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         messages.extend({"role": m.role, "content": m.text()} for m in req.input)
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream}
+        "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
+        **{name: getattr(req, name) for name in CHAT_SAMPLING_FIELDS
+           if name in req.model_fields_set}}
     fmt = req.text.format if req.text is not None else None
+    so = req.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None and any(
+            value not in (None, False) for value in (so.json_, so.regex, so.choice, so.grammar,
+                                                     so.json_object)):
+        raise APIError(400, "only one output constraint may be given per request; got "
+                       "text.format and structured_outputs", param="structured_outputs")
     if fmt is not None and fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":
@@ -104,7 +116,7 @@ class ResponsesServing:
             prepared, parser = await s.in_thread(self.chat.prepare_chat, chat_req)
             (stream,) = await s.start(prepared, admission, raw_request)
             created = int(time.time())
-            response_id = f"resp_{uuid.uuid4().hex}"
+            response_id = req.request_id or f"resp_{uuid.uuid4().hex}"
             model = req.model or s.served_model_name
             if req.stream:
                 response = EventStreamResponse(
