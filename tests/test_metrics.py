@@ -25,6 +25,8 @@ VLLM_FAMILIES = {
     "vllm:request_generation_tokens": "histogram",
     "vllm:iteration_tokens_total": "histogram",
     "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:request_time_per_output_token_seconds": "histogram",
@@ -262,3 +264,31 @@ def test_stats_line_of_an_empty_interval():
     assert metrics.stats_line(SchedulerStats()) == (
         "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
         "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, Prefix cache hit rate: 0.0%")
+
+
+def test_request_groups_record_n_and_their_longest_sample():
+    metrics = ServerMetrics("demo", max_model_len=100)
+    first, second = metrics.request_group(2), metrics.request_group(1)
+    first.sample_ended(3)
+    text = metrics.render(SchedulerStats())
+    assert value(text, "vllm:request_params_n_count") == 2
+    assert value(text, "vllm:request_params_n_sum") == 3
+    assert bucket(text, "vllm:request_params_n", "1.0") == 1
+    assert value(text, "vllm:request_max_num_generation_tokens_count") == 0  # one sample left
+    first.sample_ended(7)
+    second.sample_ended(4)
+    text = metrics.render(SchedulerStats())
+    assert value(text, "vllm:request_max_num_generation_tokens_count") == 2
+    assert value(text, "vllm:request_max_num_generation_tokens_sum") == 7 + 4
+    assert bucket(text, "vllm:request_max_num_generation_tokens", "5.0") == 1
+
+
+def test_cache_config_info_is_one_labelled_with_the_settings():
+    metrics = ServerMetrics("demo")
+    metrics.set_cache_config({"block_size": 64, "cache_dtype": "auto", "num_gpu_blocks": 10,
+                              "num_cpu_blocks": None})
+    found = samples(metrics.render(SchedulerStats()))
+    key = ("vllm:cache_config_info", tuple(sorted({
+        "block_size": "64", "cache_dtype": "auto", "num_gpu_blocks": "10",
+        "num_cpu_blocks": "None", "engine": "0"}.items())))
+    assert found[key] == 1

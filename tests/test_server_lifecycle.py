@@ -37,14 +37,19 @@ def test_health_is_503_while_the_model_loads(monkeypatch):
             except requests.ConnectionError:
                 time.sleep(0.1)
         assert status == 503
+        assert requests.post(server.url + "/ping", timeout=5).status_code == 503
         r = requests.post(server.url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        # the context length is known before the engine is: the model's config says it
+        card = requests.get(server.url + "/v1/models", timeout=5).json()["data"][0]
+        assert card["max_model_len"] == 1024  # the demo model's max_position_embeddings
         release.set()
         while time.time() < deadline:
             if requests.get(server.url + "/health", timeout=1).status_code == 200:
                 break
             time.sleep(0.1)
         assert requests.get(server.url + "/health").status_code == 200
+        assert requests.post(server.url + "/ping").status_code == 200
     finally:
         release.set()
         server.__exit__(None, None, None)

@@ -148,6 +148,18 @@ def test_metrics_count_what_was_served(server):
                         ("vllm:request_inference_time_seconds_count", 2),
                         ("vllm:request_params_max_tokens_sum", 8)):
         assert sample(after, name) - sample(before, name) == added, name
+    r = requests.post(server.url + "/v1/completions", json={
+        "prompt": [[5, 6], [7]], "max_tokens": 3, "ignore_eos": True, "n": 2})
+    assert r.status_code == 200
+    server.wait_idle()
+    last = requests.get(server.url + "/metrics").text
+    for name, added in (("vllm:request_params_n_count", 2), ("vllm:request_params_n_sum", 4),
+                        ("vllm:request_max_num_generation_tokens_count", 2),
+                        ("vllm:request_max_num_generation_tokens_sum", 6)):
+        assert sample(last, name) - sample(after, name) == added, name
+    info = [line for line in last.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and info[0].endswith(" 1.0") and 'block_size="' in info[0] \
+        and 'num_gpu_blocks="' in info[0], info
     # the phases add up: queue + prefill = TTFT; queue + inference <= end to end
     spent = {name: sample(after, f"vllm:{name}_sum") - sample(before, f"vllm:{name}_sum")
              for name in ("request_queue_time_seconds", "request_prefill_time_seconds",

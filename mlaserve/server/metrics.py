@@ -22,6 +22,12 @@ split needs the time the core first scheduled the request, which the client does
 `decode_time`, `max_tokens_param`), as vLLM's does, fills those histograms; one without them
 leaves them empty. As in vLLM, counters and histograms carry no `_created` series (a
 process-wide setting of prometheus_client). Everything runs on the server's event loop.
+
+Request groups. The server runs a prompt's n samples (or best_of) as n engine requests, so the
+API layer reports each group (`request_group`): its size at arrival (`vllm:request_params_n`)
+and, once every sample has ended, the most tokens one of them generated
+(`vllm:request_max_num_generation_tokens`). `set_cache_config` publishes the latent cache's
+settings as `vllm:cache_config_info` (a gauge of 1 whose labels are the settings).
 """
 
 import time
@@ -30,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -50,6 +57,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 DEFAULT_MAX_MODEL_LEN = 1 << 20
 
 # No `_created` series beside the counters and histograms (process-wide, as vLLM does).
@@ -156,6 +164,12 @@ class ServerMetrics:
         self.request_params_max_tokens = histogram(
             "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
             token_buckets)
+        self.request_params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.",
+            REQUEST_PARAMS_N_BUCKETS)
+        self.request_max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets)
 
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
@@ -230,6 +244,21 @@ class ServerMetrics:
             if value is not None:
                 hist.observe(value)
 
+    def request_group(self, n: int) -> "RequestGroup":
+        """A prompt's n samples have arrived; the group records its longest sample once every
+        sample has ended."""
+        self.request_params_n.observe(n)
+        return RequestGroup(self, n)
+
+    def set_cache_config(self, settings: dict[str, object]) -> None:
+        """`vllm:cache_config_info`: 1, labelled with each cache setting (as text) and the
+        engine, as vLLM publishes its CacheConfig."""
+        labels = {name: str(value) for name, value in settings.items()}
+        labels["engine"] = "0"
+        gauge = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                      tuple(labels), registry=self.registry)
+        gauge.labels(**labels).set(1)
+
     def render(self, stats: SchedulerStats) -> str:
         """The Prometheus text exposition, with the core's gauges and counters from `stats`."""
         self._scheduler.stats = stats
@@ -260,6 +289,21 @@ class ServerMetrics:
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"KV cache usage: {stats.kv_usage * 100:.1f}%, "
                 f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
+
+
+class RequestGroup:
+    """The samples of one prompt (see the module docstring); `sample_ended` once per sample."""
+
+    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+        self.metrics = metrics
+        self.samples_left = n
+        self.most_tokens = 0
+
+    def sample_ended(self, num_generation_tokens: int) -> None:
+        self.most_tokens = max(self.most_tokens, num_generation_tokens)
+        self.samples_left -= 1
+        if self.samples_left == 0:
+            self.metrics.request_max_num_generation_tokens.observe(self.most_tokens)
 
 
 def _optional(request: FinishedRequestStats, name: str) -> float | None:

@@ -23,6 +23,7 @@ flight are aborted in time for an error event.
 import asyncio
 import logging
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from msgspec.structs import replace
 from mlaserve.engine.core_client import AsyncEngineClient, EngineError, RequestRejected
 from mlaserve.engine.request import RequestOutput, SamplingParams, StructuredOutputs
 from mlaserve.server.formatting import TokenText, error_body, sse, usage
+from mlaserve.server.metrics import RequestGroup, ServerMetrics
 from mlaserve.server.protocol import ResponseModel, SamplingFields
 from mlaserve.server.protocol_stream import StreamChunk
 from mlaserve.server.structured import StructuredOutputError, request_constraint
@@ -179,6 +181,7 @@ class ServingBase:
         self.max_per_request = max(1, int(self.options.max_request_share * self.max_admitted))
         self.num_admitted = 0
         self.admissions: set[Admission] = set()
+        self.metrics: ServerMetrics | None = None  # request groups for /metrics, when served
         self.draining = False  # the server is stopping: no new requests
         self.shutting_down = False  # and the requests in flight were aborted
 
@@ -260,9 +263,19 @@ class ServingBase:
             if isinstance(exc, EngineError):
                 raise APIError(503, f"engine failure: {exc}") from None
             raise APIError(400, str(exc)) from None
+        if self.metrics is not None:
+            streams = self._grouped(prepared, streams)
         if any(p.params.structured_outputs is not None for p in prepared):
             streams = await self._after_first_output(streams, raw_request)
         return streams
+
+    def _grouped(self, prepared: list[Prepared], streams: list[AsyncIterator[RequestOutput]]
+                 ) -> list[AsyncIterator[RequestOutput]]:
+        """Each prompt's samples as one request group of the metrics."""
+        sizes = Counter(p.prompt_index for p in prepared)
+        groups = {index: self.metrics.request_group(n) for index, n in sizes.items()}
+        return [_counted(stream, groups[p.prompt_index])
+                for p, stream in zip(prepared, streams, strict=True)]
 
     async def _after_first_output(self, streams: list[AsyncIterator[RequestOutput]],
                                   raw_request: Request | None
@@ -404,6 +417,20 @@ async def wait_for_disconnect(raw_request: Request | None) -> None:
         await asyncio.Event().wait()
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _counted(stream: AsyncIterator[RequestOutput], group: RequestGroup
+                  ) -> AsyncIterator[RequestOutput]:
+    """`stream`, telling `group` how many tokens it generated once it ends (however it ends)."""
+    tokens = 0
+    try:
+        async for output in stream:
+            tokens = tokens + len(output.token_ids) if output.output_kind == "delta" \
+                else len(output.token_ids)
+            yield output
+    finally:
+        group.sample_ended(tokens)
+        await stream.aclose()
 
 
 async def _from(first: RequestOutput, stream: AsyncIterator[RequestOutput]

@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 from fastapi import Request
 
@@ -83,6 +84,28 @@ class ServerState:
         return self.engine_args.model or str(DEMO_MODEL_DIR)
 
     @property
+    def max_model_len(self) -> int | None:
+        """The context length served: the engine's once loaded, before that the one its
+        arguments and the model's config give (None if they cannot be read; loading says
+        why)."""
+        if self.serving is not None:
+            return self.serving.max_model_len
+        return self._configured_max_model_len
+
+    @cached_property
+    def _configured_max_model_len(self) -> int | None:
+        from mlaserve.config import ModelConfig
+        from mlaserve.engine.args import model_dir_of
+        from mlaserve.engine.engine_config import resolve_max_model_len
+
+        try:
+            model = ModelConfig.from_pretrained(model_dir_of(self.engine_args),
+                                                self.engine_args.hf_overrides)
+            return resolve_max_model_len(self.engine_args, model)
+        except Exception:  # noqa: BLE001 - the engine's load reports it
+            return None
+
+    @property
     def max_request_body_size(self) -> int:
         if self.options.max_request_body_size is not None:
             return self.options.max_request_body_size
@@ -105,6 +128,15 @@ class ServerState:
             "max_num_seqs": self.engine_args.max_num_seqs,
             "default_sampling": default_sampling(self.engine_args)})
         serving = Serving(engine, self.served_model_names, self.model_root, options)
+        if self.metrics is not None:
+            serving.metrics = self.metrics
+            args = self.engine_args
+            self.metrics.set_cache_config({
+                "block_size": args.block_size, "cache_dtype": args.kv_cache_dtype,
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "enable_prefix_caching": args.enable_prefix_caching,
+                "num_gpu_blocks": engine.info.kv_capacity_tokens // args.block_size,
+                "num_cpu_blocks": None})
         self.chat = ChatServing(serving)
         self.responses = ResponsesServing(self.chat)
         # start-up's objects (torch, transformers, the tokenizer) live as long as the process:

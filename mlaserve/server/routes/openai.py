@@ -36,9 +36,8 @@ async def responses(req: ResponsesRequest, raw_request: Request) -> Response:
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
-    max_len = state.serving.max_model_len if state.serving else None
     return ModelCard(id=name, created=state.created, root=state.model_root,
-                     max_model_len=max_len)
+                     max_model_len=state.max_model_len)
 
 
 @router.get("/v1/models", responses=errors(401))

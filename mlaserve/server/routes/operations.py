@@ -20,7 +20,8 @@ async def health(request: Request) -> Response:
     return Response(status_code=200 if healthy else 503)
 
 
-@router.get("/ping", response_class=Response, responses=HEALTH_RESPONSES)
+@router.api_route("/ping", methods=["GET", "POST"], response_class=Response,
+                  responses=HEALTH_RESPONSES)
 async def ping(request: Request) -> Response:
     return await health(request)
 
