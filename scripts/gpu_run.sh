@@ -24,6 +24,14 @@
 #                256" BENCH_TIMEOUT=600 CONFIG=benchmarks/configs/deepseek-v2-lite.json
 #                (SERVE_ARGS is split on spaces: write JSON without them,
 #                '{"num_hidden_layers":8}')
+#   sweep OUT_DIR
+#                the throughput-latency front: per attention backend (BACKENDS default
+#                "triton flashinfer") one server on dummy weights of CONFIG (V2-Lite), warmed
+#                with WARMUPS prompts, then `mlaserve bench sweep` over CONCS (default
+#                1,16,64,256) with max(PER_CONC x concurrency, MIN_PROMPTS) prompts a point
+#                (PER_CONC=2, MIN_PROMPTS=8), random IN in / OUT_LEN out (1024 / 512).
+#                Output: sweep-BACKEND.json and its logs; the chart is drawn from them
+#                afterwards (`mlaserve bench sweep --replot`).
 #   kernel OUT_DIR
 #                the MLA decode kernel run (an H200): checks the flashinfer backend against the
 #                float32 reference (tests/test_flashinfer_backend.py), then runs the kernel
@@ -105,7 +113,7 @@
 #        for three), BACKENDS. NVLink multicast stays off (a shared host can lose its GPUs to it).
 set -uo pipefail
 
-STAGES="serve kernel fp8-tests fp8-tests-gemm fp8-decode-sweep fp8-decode fp8-decode-wide
+STAGES="serve sweep kernel fp8-tests fp8-tests-gemm fp8-decode-sweep fp8-decode fp8-decode-wide
 fp8-decode-transposed fp8-gemm-gluon fp8-gemm-profile fp8-gemm-split fp8-weight-only fp8-gemm
 fp8-moe fp8-serve multi-parity multi-v2-lite multi-v3-tp8 multi-v3-dp8"
 
@@ -179,6 +187,39 @@ serve_bench() {
       kill -TERM $server; wait $server
       echo "== $backend run $run: server exit $?"
     done
+  done
+}
+
+sweep_stage() {
+  local config=${CONFIG:-benchmarks/configs/deepseek-v2-lite.json} model backend log server
+  local serve_args=${SERVE_ARGS:-"--block-size 32 --max-num-seqs 256"} started
+  model=/tmp/$(basename "$config" .json)-dummy
+  python3 scripts/make_bench_model_dir.py "$config" "$model"
+  gpu_info
+  for backend in ${BACKENDS:-triton flashinfer}; do
+    log="$out/serve-$backend.log"
+    started=$SECONDS
+    # shellcheck disable=SC2086
+    python3 -m mlaserve serve "$model" --load-format dummy $serve_args \
+      --attention-backend "$backend" --port 8000 --log-level info > "$log" 2>&1 &
+    server=$!
+    for _ in $(seq 600); do
+      curl -sf localhost:8000/health > /dev/null && break
+      kill -0 $server 2> /dev/null || break
+      sleep 1
+    done
+    echo "== $backend: server up after $((SECONDS - started)) s"
+    timeout "${BENCH_TIMEOUT:-400}" python3 -m mlaserve bench sweep \
+      --run "$backend=http://127.0.0.1:8000" --model "$model" --dataset-name random \
+      --random-input-len "${IN:-1024}" --random-output-len "${OUT_LEN:-512}" --ignore-eos \
+      --max-concurrency-list "${CONCS:-1,16,64,256}" \
+      --num-prompts-per-concurrency "${PER_CONC:-2}" --min-num-prompts "${MIN_PROMPTS:-8}" \
+      --num-warmups "${WARMUPS:-0}" --disable-tqdm --no-plot \
+      --result-file "$out/sweep-$backend.json" > "$out/sweep-$backend.log" 2>&1
+    echo "== $backend: sweep exit $? after $((SECONDS - started)) s"
+    grep -E "^(Maximum request concurrency|Output token throughput|Median TPOT)" \
+      "$out/sweep-$backend.log"
+    kill -TERM $server; wait $server
   done
 }
 
@@ -401,6 +442,7 @@ multi_stage() {  # multi-STAGE, each documented above
 
 case $stage in
   serve) gpu_info; serve_bench "$out" "${1:-triton flashinfer}" "${2:-1}" ;;
+  sweep) sweep_stage ;;
   kernel) kernel_stage ;;
   fp8-*) fp8_stage ;;
   multi-*) multi_stage ;;
