@@ -15,7 +15,9 @@ projections, the dense MLP and one routed expert) and each token count, it times
 - `torch-mm`: the same product through torch's blockwise scaled matmul (cuBLASLt,
   `scaled_mm_block_fp8`), where it accepts the shape;
 - `gluon-mm`: the same product through the warp-specialised sm_90 kernel
-  (`fp8_gemm_sm90.block_fp8_matmul_sm90`), on an sm_90 GPU where it takes the shape.
+  (`fp8_gemm_sm90.block_fp8_matmul_sm90`), on an sm_90 GPU where it takes the shape;
+- `deepgemm-mm`: the same product through DeepGEMM (`fp8_gemm_deepgemm`, optional: where the
+  `deep_gemm` module loads; else the column says why not).
 Each FP8 output is first checked against the float32 product of the same operands (relative
 error printed): for w8a8 the dequantized FP8 activations and weight, for w8a16 the bf16
 activations and the dequantized weight. Times are medians under CUDA-graph replay
@@ -126,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
         product_path,
         scaled_mm_block_fp8,
     )
+    from mlaserve.kernels.fp8_gemm_deepgemm import (
+        deep_gemm_block_fp8_matmul,
+        deep_gemm_unavailable_reason,
+        load_deep_gemm,
+    )
     from mlaserve.kernels.fp8_gemm_sm90 import block_fp8_matmul_sm90, gluon_gemm_serves
     from mlaserve.kernels.testing import l2_cold_copies, relative_error
 
@@ -133,10 +140,12 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     sm90 = torch.cuda.get_device_capability(device) == (9, 0)
     rows, failed = [], False
+    if load_deep_gemm() is None:
+        print(f"deepgemm-mm: n/a ({deep_gemm_unavailable_reason()})")
     print(f"{'model':18} {'projection':20} {'N':>6} {'K':>6} {'M':>5}  {'bf16 us':>9} "
           f"{'fp8 us':>9} {'path':>11} {'fp8-q us':>9} {'w8a16 us':>9} {'fp8-mm us':>9} "
-          f"{'torch-mm us':>11} {'gluon-mm us':>11}  {'x bf16':>6} {'x q':>5}  "
-          "rel err (w8a16, fp8-mm, torch-mm, gluon-mm)")
+          f"{'torch-mm us':>11} {'gluon-mm us':>11} {'deepgemm-mm us':>14}  {'x bf16':>6} "
+          f"{'x q':>5}  rel err (w8a16, fp8-mm, torch-mm, gluon-mm, deepgemm-mm)")
     for model in args.models.split(","):
         config = load_config(model)
         for proj in projections(config):
@@ -168,7 +177,11 @@ def run(args: argparse.Namespace) -> int:
                 if sm90 and gluon_gemm_serves(m, proj.out_features, proj.in_features):
                     products["gluon_mm"] = (block_fp8_matmul_sm90, torch.bfloat16,
                                             FP8_MMA_REL_ERR + BF16_ROUNDING)
-                timed = {name: (None, "n/a") for name in ("fp8_mm", "torch_mm", "gluon_mm")}
+                if load_deep_gemm() is not None:
+                    products["deepgemm_mm"] = (deep_gemm_block_fp8_matmul, torch.bfloat16,
+                                               FP8_MMA_REL_ERR + BF16_ROUNDING)
+                timed = {name: (None, "n/a")
+                         for name in ("fp8_mm", "torch_mm", "gluon_mm", "deepgemm_mm")}
                 for name, (product, check_dtype, gate) in products.items():
                     try:
                         got = product(x_q, x_scales, w_fp8, w_scales, check_dtype).float()
@@ -195,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
                     row |= {f"{name}_us": micros, f"{name}_rel_err": err}
                 rows.append(row)
                 cells = " ".join(f"{'n/a' if micros is None else f'{micros:.1f}':>{width}}"
-                                 for (micros, _), width in zip(timed.values(), (9, 11, 11),
-                                                              strict=True))
+                                 for (micros, _), width in zip(timed.values(),
+                                                              (9, 11, 11, 14), strict=True))
                 errs = "  ".join(f"{err:.1e}" if isinstance(err, float) else str(err)
                                  for _, err in timed.values())
                 print(f"{model:18} {proj.name:20} {proj.out_features:6} {proj.in_features:6} "
