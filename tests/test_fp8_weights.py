@@ -338,3 +338,18 @@ def test_producers_quantizing_the_input_change_no_bit_of_the_model(aligned_pair,
     for fused, unfused in zip(outputs[True], outputs[False], strict=True):
         assert fused.token_ids == unfused.token_ids
         assert fused.prompt_logprobs == unfused.prompt_logprobs
+
+
+def test_a_models_fp8_product_shapes(aligned_pair):
+    """Every 2-D FP8 Linear weight's shape and the stacked q_a + kv_a product's; not the
+    experts' 3-D stacks (the fused MoE runs those)."""
+    from mlaserve.model.fp8_linear import product_shapes
+
+    model = _build(aligned_pair[0], "fp8", load_format="dummy")
+    linears = {tuple(p.shape) for p in model.parameters() if p.dtype == FP8_DTYPE
+               and p.dim() == 2}
+    dense = model.model.layers[0]
+    stacks = {tuple(f.weight.shape) for f in (dense.self_attn.q_kv_a, dense.mlp.gate_up)}
+    assert stacks.isdisjoint(linears)
+    assert product_shapes(model) == linears | stacks
+

@@ -20,9 +20,11 @@ float32) and each weight tile is converted to x's dtype in registers,
     y[m, n] = sum_k  S_w[n // 128, k] * sum_{j in block k} x[m, j] W[n, j],
 
 a product that reads the weight's FP8 bytes, half of a bf16 weight's (K split in up to 4
-runs, so that more programs stream the weight at once). `product_path` picks one of the four
-products for `block_fp8_linear`: "weight-only" on CUDA up to `WEIGHT_ONLY_MAX_ROWS` rows,
-"gluon" (the warp-specialised sm_90 kernel of `fp8_gemm_sm90`) on an sm_90 GPU for narrow
+runs, so that more programs stream the weight at once). `linear_product_path` picks the
+product for `block_fp8_linear`: on a GPU where a model loaded, the one measured fastest for the
+weight's shape and x's rows (`fp8_product_table`, DeepGEMM's product among the candidates where
+it loads); else by `product_path`'s rules: "weight-only" on CUDA up to `WEIGHT_ONLY_MAX_ROWS`
+rows, "gluon" (the warp-specialised sm_90 kernel of `fp8_gemm_sm90`) on an sm_90 GPU for narrow
 products, else "cublas" (torch's blockwise scaled matmul) where cuBLASLt takes the shape, else
 "gluon" on sm_90 and "triton" elsewhere.
 """
@@ -33,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels import fp8_product_table
 from mlaserve.kernels.fp8_activations import quantize_activations
 from mlaserve.kernels.fp8_blocks import (
     ACTIVATION_BLOCK,
@@ -332,11 +335,18 @@ def product_path(is_cuda: bool, rows: int, out_features: int, in_features: int, 
 
 
 def linear_product_path(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor) -> str:
-    """`product_path` for a Linear's input x [..., K] (as it is, or quantized by its producer)
-    and block-FP8 weight [N, K], on x's device: the product `block_fp8_linear` runs, and what
-    a kernel producing x asks before it quantizes its output for the product."""
+    """The product `block_fp8_linear` runs for a Linear's input x [..., K] (as it is, or
+    quantized by its producer) and block-FP8 weight [N, K], on x's device, and what a kernel
+    producing x asks before it quantizes its output for the product: on CUDA the measured
+    choice of the installed `fp8_product_table` for the shapes it has, else `product_path`."""
+    rows = math.prod(x.shape[:-1])
+    table = fp8_product_table.installed()
+    if x.is_cuda and table is not None:
+        chosen = table.path(rows, *weight.shape)
+        if chosen is not None:
+            return chosen
     sm90 = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and is_sm90(x.device)
-    return product_path(x.is_cuda, math.prod(x.shape[:-1]), *weight.shape, sm90=sm90,
+    return product_path(x.is_cuda, rows, *weight.shape, sm90=sm90,
                         num_sms=sm_count(x.device) if sm90 else H100_SMS)
 
 
@@ -364,9 +374,9 @@ def block_fp8_w8a8(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
                    weight_scale_inv: torch.Tensor, path: str) -> torch.Tensor:
     """x [M, K] -> y [M, N] in x's dtype: x quantized per token group (`quantize_activations`)
     unless its producer did, then the block-FP8 product with weight [N, K] and its scales by
-    `path` (`product_path`): "gluon" (`fp8_gemm_sm90.block_fp8_matmul_sm90`), "cublas"
-    (torch's blockwise scaled matmul, the rows padded to a multiple of 4 as cuBLASLt needs)
-    or "triton" (`block_fp8_matmul`)."""
+    `path` (`linear_product_path`): "gluon" (`fp8_gemm_sm90.block_fp8_matmul_sm90`), "cublas"
+    (torch's blockwise scaled matmul, the rows padded to a multiple of 4 as cuBLASLt needs),
+    "deepgemm" (`fp8_gemm_deepgemm`) or "triton" (`block_fp8_matmul`)."""
     rows = x.shape[0]
     if isinstance(x, torch.Tensor):
         x = QuantizedActivations(*quantize_activations(x), x.dtype)
@@ -380,8 +390,12 @@ def block_fp8_w8a8(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
         product = scaled_mm_block_fp8
     elif path == "triton":
         product = block_fp8_matmul
+    elif path == "deepgemm":
+        from mlaserve.kernels.fp8_gemm_deepgemm import deep_gemm_block_fp8_matmul
+
+        product = deep_gemm_block_fp8_matmul
     else:
-        raise ValueError(f"unknown w8a8 product {path!r} (gluon, cublas or triton)")
+        raise ValueError(f"unknown w8a8 product {path!r} (gluon, cublas, deepgemm or triton)")
     return product(x.values, x.scales, weight, weight_scale_inv, x.dtype)[:rows]  # [M, N]
 
 

@@ -128,3 +128,20 @@ def keep_linear_fp8(module: nn.Linear, name: str, tp_size: int) -> None:
         requires_grad=False)
     if spec is not None:
         module.tp_shards = {**shards, "weight_scale_inv": spec}
+
+
+def product_shapes(model: nn.Module) -> set[tuple[int, int]]:
+    """The weight shapes [N, K] of the model's block-FP8 products: its FP8 Linears and the
+    stacked ones (`layers.FusedLinear`, plain attributes of the modules that use them); the
+    experts' 3-D stacks run the fused MoE instead."""
+    shapes = set()
+    for module in model.modules():
+        for holder in (module, *(v for v in vars(module).values()
+                                 if hasattr(v, "weight_scale_inv"))):
+            weight = getattr(holder, "weight", None)
+            if (getattr(holder, "weight_scale_inv", None) is not None
+                    and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                    and weight.dtype == FP8_DTYPE):
+                shapes.add((weight.shape[0], weight.shape[1]))
+    return shapes
+

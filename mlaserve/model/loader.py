@@ -49,7 +49,7 @@ from mlaserve.kernels.fp8_blocks import (
 )
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.fp8 import SCALE_SUFFIX, Fp8WeightSlice, keep_fp8_weights
-from mlaserve.model.fp8_linear import keep_linears_fp8
+from mlaserve.model.fp8_linear import keep_linears_fp8, product_shapes
 from mlaserve.model.layers import RMSNorm, RotaryEmbedding
 from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards
 
@@ -379,4 +379,19 @@ def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.de
         load_weights(model, Path(model_dir))
     model.process_weights_after_loading()
     model.requires_grad_(False)
+    if device.type == "cuda":
+        choose_fp8_products(model, device)
     return model.eval()
+
+
+def choose_fp8_products(model: DeepseekForCausalLM, device: torch.device) -> None:
+    """Install the measured block-FP8 product of each of the model's FP8 Linear shapes on this
+    GPU (`kernels.fp8_product_table`; measured on the first load of these shapes on this GPU
+    model, read from the cache after)."""
+    shapes = product_shapes(model)
+    if not shapes:
+        return
+    from mlaserve.kernels import fp8_product_table
+    from mlaserve.kernels.fp8_product_choice import load_or_measure
+
+    fp8_product_table.install(load_or_measure(shapes, device))
