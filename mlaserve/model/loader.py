@@ -29,6 +29,7 @@ drawing).
 """
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from mlaserve.model.layers import RMSNorm, RotaryEmbedding
 from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+FP8_PRODUCTS_ENV = "MLASERVE_FP8_PRODUCTS"  # measured (default) | rules
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\."
                      r"(?P<part>gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -387,9 +389,13 @@ def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.de
 def choose_fp8_products(model: DeepseekForCausalLM, device: torch.device) -> None:
     """Install the measured block-FP8 product of each of the model's FP8 Linear shapes on this
     GPU (`kernels.fp8_product_table`; measured on the first load of these shapes on this GPU
-    model, read from the cache after)."""
+    model, read from the cache after). FP8_PRODUCTS_ENV=rules keeps `product_path`'s rules
+    (no measurement: a fresh machine's first load spends a minute or more on it)."""
     shapes = product_shapes(model)
-    if not shapes:
+    choice = os.environ.get(FP8_PRODUCTS_ENV, "measured")
+    if choice not in ("measured", "rules"):
+        raise ValueError(f"{FP8_PRODUCTS_ENV}={choice!r}: use measured or rules")
+    if not shapes or choice == "rules":
         return
     from mlaserve.kernels import fp8_product_table
     from mlaserve.kernels.fp8_product_choice import load_or_measure
