@@ -1,0 +1,72 @@
+"""Speculative decoding's verification: the rejection rule under which the tokens emitted follow
+the target model's distribution exactly (Leviathan et al. 2023; Chen et al. 2023), as vLLM
+verifies drafts.
+
+A request drafts d_1..d_k with probabilities q_1..q_k (one-hot for a greedy draft, as the MTP
+module drafts); the target's forward over the k + 1 positions gives p_1..p_{k+1}, each after the
+request's own penalties, temperature and top-k / top-p / min-p (the distribution plain sampling
+would draw from at that position). In order,
+
+    accept d_i with probability min(1, p_i(d_i) / q_i(d_i));
+    at the first rejection, at i, emit a token drawn from norm(max(0, p_i - q_i)) and stop;
+    if all k are accepted, emit a bonus token drawn from p_{k+1}.
+
+Each emitted token, given the tokens before it, is then distributed as p at its position, so the
+output's distribution is the target's whatever the draft. A greedy request (temperature 0) passes
+p as the one-hot of the target's argmax: a draft is accepted exactly when it is that argmax and
+the first mismatch emits the argmax, so its output equals decoding without speculation.
+
+The randomness comes in as arguments (a uniform per draft, Exp(1) noise per position and
+vocabulary entry), so the caller draws it from the request's seed and position as plain sampling
+does (`kernels.sampling.seeded_uniform`).
+"""
+
+import torch
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor,
+                     num_drafts: torch.Tensor, uniform: torch.Tensor, noise: torch.Tensor,
+                     draft_probs: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify the drafts of N requests; (tokens, num_emitted).
+
+    Args:
+        target_probs: [N, k + 1, V] float32, p at each verified position (rows of a request
+            with fewer than k drafts are read up to its own k_n + 1).
+        draft_ids: [N, k] int64, the drafts (past num_drafts: anything in the vocabulary).
+        num_drafts: [N] int64 in [0, k], k_n.
+        uniform: [N, k] float32 in [0, 1), one per draft.
+        noise: [N, k + 1, V] float32, Exp(1) noise of the recovery / bonus draw.
+        draft_probs: [N, k, V] float32 q, or None for greedy drafts (q one-hot at the draft).
+    Returns:
+        tokens [N, k + 1] int64: the accepted drafts, then the recovered or bonus token, then
+        -1; num_emitted [N] int64 in [1, k_n + 1].
+    """
+    rows, k = draft_ids.shape
+    arange = torch.arange(rows, device=draft_ids.device)
+    p_of_draft = target_probs[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)  # [N, k]
+    if draft_probs is None:
+        accept = uniform < p_of_draft  # q(d) = 1
+    else:
+        q_of_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)  # [N, k]
+        accept = uniform * q_of_draft < p_of_draft
+    accept &= torch.arange(k, device=draft_ids.device)[None, :] < num_drafts[:, None]
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [N], the first rejection's index
+    p_last = target_probs[arange, num_accepted]  # [N, V]
+    rejected = num_accepted < num_drafts  # [N]: else every draft held and the bonus is drawn
+    at = num_accepted.clamp(max=max(k - 1, 0))
+    if k > 0:
+        if draft_probs is None:
+            q_last = torch.zeros_like(p_last).scatter_(1, draft_ids[arange, at][:, None], 1.0)
+        else:
+            q_last = draft_probs[arange, at]  # [N, V]
+        residual = (p_last - q_last).clamp(min=0)
+        # p = q exactly leaves nothing, but then the draft is never rejected: keep p there
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_last)
+        p_last = torch.where(rejected[:, None], residual, p_last)
+    last = (p_last / noise[arange, num_accepted]).argmax(dim=-1)  # [N], an exponential race
+    positions = torch.arange(k + 1, device=draft_ids.device)[None, :]  # [1, k + 1]
+    drafts = torch.cat([draft_ids, draft_ids.new_full((rows, 1), -1)], dim=1)  # [N, k + 1]
+    tokens = torch.where(positions < num_accepted[:, None], drafts,
+                         torch.where(positions == num_accepted[:, None], last[:, None], -1))
+    return tokens, num_accepted + 1
