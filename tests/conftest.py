@@ -17,6 +17,8 @@ import pytest  # noqa: E402
 pytest_plugins = ["tests.bench_serve_util"]
 
 DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "mlaserve" / "demo_model"
+# the demo model's vocabulary (its tokenizer's size rounded up to a multiple of 64)
+DEMO_VOCAB = json.loads((DEMO_TOKENIZER / "config.json").read_text())["vocab_size"]
 
 BASE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -42,7 +44,7 @@ CHECKPOINTS = {
                                         tie_word_embeddings=True), False),
     # random weights over the whole demo tokenizer: where a test needs a model that knows
     # nothing (structured outputs hold by the grammar's mask alone)
-    "v3-random-demo-vocab": ("v3", dict(vocab_size=512, q_lora_rank=32, n_group=4,
+    "v3-random-demo-vocab": ("v3", dict(vocab_size=DEMO_VOCAB, q_lora_rank=32, n_group=4,
                                         topk_group=2), False),
 }
 

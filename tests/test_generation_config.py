@@ -63,7 +63,7 @@ def test_llm_generate_samples_with_the_generation_config(tmp_path):
     greedy = write(tmp_path / "greedy", {"temperature": 0, "max_new_tokens": 5})
     llm = LLM(device="cpu", num_kv_blocks=64, generation_config=str(greedy))
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0, max_tokens=5)
-    prompt = "Question: 12 + 34?\nAnswer:"  # answered in more than 5 tokens
+    prompt = "Question: What is 12 + 34?\nAnswer:"  # answered in more than 5 tokens
     first, second = llm.generate([prompt, prompt])
     assert first.finish_reason == "length" and len(first.token_ids) == 5
     assert first.token_ids == second.token_ids  # greedy

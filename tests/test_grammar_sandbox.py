@@ -12,6 +12,7 @@ from mlaserve.engine.grammars import GrammarKey
 from mlaserve.engine.messages import EngineCoreRequest
 from mlaserve.engine.request import StructuredOutputs
 from mlaserve.engine.structured_config import StructuredOutputsConfig
+from tests.conftest import DEMO_VOCAB
 
 # about a second to compile on a 2-core machine and ~100 MB (the demo tokenizer): a large
 # constraint that is slow but allowed where the limits let it through
@@ -27,7 +28,7 @@ def tokenizer_info_json(checkpoint_dir) -> str:
 
     path, _ = checkpoint_dir("v3-random-demo-vocab")
     tokenizer = load_tokenizer(str(path))
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=512,
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=DEMO_VOCAB,
                                               stop_token_ids=[1]).serialize_json()
 
 

@@ -118,6 +118,7 @@ def test_stop_strings_and_stop_token_ids():
     token = base.token_ids[3]
     first = base.token_ids.index(token)
     by_id = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0,
+                                                         ignore_eos=True,  # as `base`
                                                          stop_token_ids=[token]))[0]
     assert by_id.token_ids == base.token_ids[: first + 1] and by_id.stop_reason == token
 

@@ -49,7 +49,8 @@ def test_n_streamed_equals_whole_on_both_routes(client):
             texts[choice.index] += choice.text
     assert texts == [c.text for c in whole.choices]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 36
-    messages = [{"role": "user", "content": "hi"}]
+    # a request with many right answers (made-up JSON values), so the three samples differ
+    messages = [{"role": "user", "content": "Make up an example. Reply in JSON."}]
     whole = client.chat.completions.create(messages=messages, **kwargs)
     chunks = list(client.chat.completions.create(messages=messages, stream=True, **kwargs))
     texts = [""] * 3
