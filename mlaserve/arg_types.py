@@ -19,13 +19,22 @@ def positive_int(text: str) -> int:
 
 def positive_int_list(text: str) -> list[int]:
     """'64,128,512' -> [64, 128, 512]; at least one, each 1 or more."""
+    return _positive_list(text, int, "integers")
+
+
+def positive_float_list(text: str) -> list[float]:
+    """'1,4,inf' -> [1.0, 4.0, inf]; at least one, each above 0."""
+    return _positive_list(text, float, "numbers")
+
+
+def _positive_list(text: str, parse, kind: str) -> list:
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        values = [parse(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(f"expected comma-separated {kind}, got {text!r}"
                                          ) from None
     if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive {kind}, got {text!r}")
     return values
 
 

@@ -141,6 +141,18 @@ gpu_info() {  # the GPU's name, clocks and memory in use, into $out/gpu.txt
 }
 
 # serve_bench OUT_DIR BACKENDS RUNS: the `serve` stage, with the env it documents
+start_server() {  # model backend log serve_args: a server on port 8000, up or dead; sets $server
+  # shellcheck disable=SC2086
+  python3 -m mlaserve serve "$1" --load-format dummy $4 --attention-backend "$2" --port 8000 \
+    --log-level info > "$3" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do
+    curl -sf localhost:8000/health > /dev/null && break
+    kill -0 $server 2> /dev/null || break
+    sleep 1
+  done
+}
+
 serve_bench() {
   local dir=$1 backends=$2 runs=$3
   local prompts=${PROMPTS:-512} in_len=${IN:-1024} out_len=${OUT_LEN:-1024} conc=${CONC:-256}
@@ -164,15 +176,7 @@ serve_bench() {
     for run in $(seq "$runs"); do
       log="$dir/serve-$backend-$run.log"
       started=$SECONDS
-      # shellcheck disable=SC2086
-      python3 -m mlaserve serve "$model" --load-format dummy $serve_args \
-        --attention-backend "$backend" --port 8000 --log-level info > "$log" 2>&1 &
-      server=$!
-      for _ in $(seq 600); do
-        curl -sf localhost:8000/health > /dev/null && break
-        kill -0 $server 2> /dev/null || break
-        sleep 1
-      done
+      start_server "$model" "$backend" "$log" "$serve_args"
       echo "== $backend run $run: server up after $((SECONDS - started)) s"
       grep -E "attention backend|CUDA graph|KV cache" "$log" | cut -c1-200
       if [ "$warmups" -gt 0 ]; then
@@ -199,15 +203,7 @@ sweep_stage() {
   for backend in ${BACKENDS:-triton flashinfer}; do
     log="$out/serve-$backend.log"
     started=$SECONDS
-    # shellcheck disable=SC2086
-    python3 -m mlaserve serve "$model" --load-format dummy $serve_args \
-      --attention-backend "$backend" --port 8000 --log-level info > "$log" 2>&1 &
-    server=$!
-    for _ in $(seq 600); do
-      curl -sf localhost:8000/health > /dev/null && break
-      kill -0 $server 2> /dev/null || break
-      sleep 1
-    done
+    start_server "$model" "$backend" "$log" "$serve_args"
     echo "== $backend: server up after $((SECONDS - started)) s"
     timeout "${BENCH_TIMEOUT:-400}" python3 -m mlaserve bench sweep \
       --run "$backend=http://127.0.0.1:8000" --model "$model" --dataset-name random \

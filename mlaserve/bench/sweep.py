@@ -29,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from mlaserve.arg_types import positive_int, positive_int_list
+from mlaserve.arg_types import positive_float_list, positive_int, positive_int_list
 from mlaserve.bench import serve
 from mlaserve.bench import serve_client as client
 
@@ -63,18 +63,6 @@ def run_spec(text: str) -> tuple[str, str]:
     return label, url
 
 
-def rate_list(text: str) -> list[float]:
-    """'1,4,inf' -> [1.0, 4.0, inf]; at least one, each above 0."""
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}"
-                                         ) from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected rates above 0, got {text!r}")
-    return values
-
-
 class _ServeFlags:
     """Stands in for the parser in `serve.add_arguments`: the groups it asks for are groups of
     the sweep's parser that take every flag except those in PER_POINT."""
@@ -99,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     points = sweep.add_mutually_exclusive_group()
     points.add_argument("--max-concurrency-list", type=positive_int_list, default=None,
                         metavar="C,C,...", help="one point per max concurrency (rate: inf)")
-    points.add_argument("--request-rate-list", type=rate_list, default=None, metavar="R,R,...",
+    points.add_argument("--request-rate-list", type=positive_float_list, default=None,
+                        metavar="R,R,...",
                         help="one point per request rate (req/s, inf allowed; no concurrency "
                              "limit)")
     sweep.add_argument("--num-prompts", type=positive_int, default=None,
