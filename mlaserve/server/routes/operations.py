@@ -20,9 +20,14 @@ async def health(request: Request) -> Response:
     return Response(status_code=200 if healthy else 503)
 
 
-@router.api_route("/ping", methods=["GET", "POST"], response_class=Response,
-                  responses=HEALTH_RESPONSES)
+@router.get("/ping", response_class=Response, responses=HEALTH_RESPONSES)
 async def ping(request: Request) -> Response:
+    return await health(request)
+
+
+@router.post("/ping", response_class=Response, responses=HEALTH_RESPONSES)
+async def ping_post(request: Request) -> Response:
+    """POST /ping, as vLLM (and SageMaker's health check) takes it."""
     return await health(request)
 
 
