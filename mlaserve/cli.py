@@ -56,6 +56,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         default=D.enable_prefix_caching)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly (no CUDA graphs)")
+    parser.add_argument("--record-decode-steps", default=D.record_decode_steps, metavar="PATH",
+                        help="write each decode step's sequence lengths to PATH (JSON lines, "
+                             "at most 64 MiB): the batches a server really decodes, for "
+                             "replaying in kernel benchmarks")
     parser.add_argument("--max-seq-len-to-capture", type=int,
                         default=D.max_seq_len_to_capture,
                         help="longest sequence a decode CUDA graph covers; longer run eagerly")

@@ -38,6 +38,8 @@ class EngineArgs:
     hf_overrides: dict | None = None
     tokenizer: str | None = None
     enforce_eager: bool = False  # no decode CUDA graphs
+    # a file to record every decode step's seq_lens in (`engine/decode_record.py`); None: off
+    record_decode_steps: str | None = None
     max_seq_len_to_capture: int = 8192
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each)
     data_parallel_size: int = 1  # replicas, each with its own scheduler and latent cache
@@ -72,6 +74,9 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got "
                              f"{self.max_num_batched_tokens}")
+        if self.record_decode_steps and self.data_parallel_size > 1:
+            raise ValueError("record_decode_steps records one replica's steps: serve with "
+                             "data_parallel_size 1 to record them")
 
 
 def model_dir_of(args: EngineArgs) -> Path:

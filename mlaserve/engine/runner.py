@@ -28,6 +28,7 @@ import torch
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.distributed import get_tp_group
 from mlaserve.engine.cuda_graphs import DecodeGraphs
+from mlaserve.engine.decode_record import DecodeStepRecorder
 from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
@@ -120,6 +121,10 @@ class ModelRunner:
                 torch.cuda.synchronize()
             if agree_min is not None:
                 self.graphs = graphs_on_every_rank(self.graphs, agree_min)
+        # the decode batches served, for the kernel benchmark's replay (rank 0 records)
+        self.decode_recorder = (DecodeStepRecorder(config.args.record_decode_steps)
+                                if config.args.record_decode_steps and self.tp.rank == 0
+                                else None)
 
     def launch(self, plan: StepPlan, grammar_bitmask: GrammarBitmask | None = None
                ) -> PendingStep | None:
@@ -189,6 +194,8 @@ class ModelRunner:
                 tokens.append(0)
                 sources.append(self._prev_sample_rows[request.request_id])
         hidden = None
+        if self.decode_recorder is not None:
+            self.decode_recorder.record([position + 1 for position in positions])
         width = max((len(r.block_ids) for r in decodes), default=0)
         if decodes:
             packed = inputs.to_device([rows, positions, tokens, sources], torch.int64)  # [4, d]
