@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from mlaserve.eval import chat_checks as checks
+from mlaserve.eval import chat_families as families
 from mlaserve.eval import tasks as T
 from mlaserve.server.tool_calls import get_tool_call_parser
 from mlaserve.server.tool_choice import constrained_tool_calls
@@ -195,7 +197,7 @@ def numbers_in(text: str) -> list[int]:
 def test_plain_answers_are_short_and_right(train) -> None:
     for seed in range(2000):
         rng = random.Random(seed)
-        problem = train.plain_problem(rng)
+        problem = families.plain_problem(rng)
         assert numbers_in(problem.answer)[-1] == problem.value
         assert problem.answer.endswith(f"{problem.value}.")
         if problem.numbers:  # which is largest / smallest
@@ -238,7 +240,7 @@ def test_json_answers_are_compact_valid_objects(train) -> None:
             content = conversation.messages[index]["content"]
             value = json.loads(content)
             assert isinstance(value, dict) and value
-            assert train.compact(value) == content
+            assert families.compact(value) == content
             words = " ".join(m["content"] for m in conversation.messages[:index])
             instructed = "JSON" in words
             assert skip == (0 if instructed else 1)
@@ -319,7 +321,7 @@ def test_tool_calls_parse_and_take_the_users_words(train, tokenizer) -> None:
             for call in calls:
                 function = tools[call.function.name]
                 arguments = json.loads(call.function.arguments)
-                assert call.function.arguments == train.compact(arguments)
+                assert call.function.arguments == families.compact(arguments)
                 properties = list(function["parameters"]["properties"])
                 assert list(arguments) == properties[:len(arguments)]
                 for value in arguments.values():
@@ -367,7 +369,7 @@ def test_chat_checks_score_the_trained_answers_as_right(train, tokenizer) -> Non
     """The end-of-training chat checks give 1 to an engine that answers every case as trained
     and 0 to one that answers nothing."""
     answers = {}
-    for cases in train.chat_check_cases(20, 1).values():
+    for cases in checks.chat_check_cases(20, 1).values():
         for conversation, index in cases:
             message, skip = conversation.messages[index], conversation.targets[index]
             prompt = render(tokenizer, conversation.messages[:index], conversation.tools,
