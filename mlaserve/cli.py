@@ -227,6 +227,7 @@ BENCH_COMMANDS = {
               "bench serve over concurrencies or request rates against one or more servers; "
               "JSON and a throughput-latency chart"),
     "throughput": ("mlaserve.bench.throughput", "offline throughput of LLM.generate"),
+    "load": ("mlaserve.bench.load", "checkpoint load time and its peak host and device memory"),
     "kernel": ("mlaserve.bench.kernel", "MLA decode kernel sweep"),
     "kernel-diag": ("mlaserve.bench.kernel_diag",
                     "decode kernel diagnostics: compiled resources, in-kernel timeline, a "

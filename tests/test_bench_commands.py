@@ -50,6 +50,22 @@ def test_step_needs_a_model_directory_unless_host_only():
         run_bench("step")
 
 
+@pytest.mark.parametrize("kernel,kind", [
+    ("_quantize_groups_kernel", "fp8 quant"),
+    ("_block_fp8_matmul_kernel_sm90", "dense gemm"),
+    ("_fp8_weight_only_matmul_kernel", "dense gemm"),
+    ("_sum_splits_kernel", "dense gemm"),
+    ("void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>", "dense gemm"),
+    ("_silu_and_mul_kernel", "norm/act"),
+    ("_mla_decode_split_kernel_sm90_fp8_transposed", "attention"),
+    ("_gate_up_silu_kernel", "moe"),
+])
+def test_step_profile_sorts_each_kernel_into_its_kind(kernel, kind):
+    from mlaserve.bench.step_gpu import kind_of
+
+    assert kind_of(kernel) == kind
+
+
 def test_step_host_only_times_steps_with_the_forward_stubbed(capsys):
     assert run_bench("step", "--host-only", "--batch", "3", "--prompt-len", "40",
                      "--steps", "2") == 0

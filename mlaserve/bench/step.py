@@ -1,7 +1,8 @@
 """`mlaserve bench step`: where a decode step's time goes.
 
 Usage (GPU): mlaserve bench step MODEL_DIR [--backend triton] [--batch 256] [--prompt-len 1024]
-    [--steps 32] [--block-size 32] [--out DIR] [--enforce-eager]
+    [--steps 32] [--block-size 32] [--out DIR] [--enforce-eager] [--quantization fp8]
+    [--kv-cache-dtype fp8]
 Builds the engine core with dummy weights, prefills `batch` random prompts, lets decode settle,
 then times `steps` pipelined decode steps (wall clock), and profiles as many more with
 torch.profiler: the kernels' summed device time per step (the GPU's busy time: one stream, so
@@ -39,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="directory for the report (GPU profile)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="decode without CUDA graphs (GPU profile)")
+    parser.add_argument("--quantization", default="auto",
+                        help="as `mlaserve serve --quantization` (GPU profile; fp8: block-FP8 "
+                             "Linear weights and experts)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="as `mlaserve serve --kv-cache-dtype` (GPU profile)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from mlaserve.bench.step_gpu import profile_steps
 
     profile_steps(args.model, args.backend or "triton", args.batch, args.prompt_len,
-                  args.steps or 32, args.block_size, args.out, args.enforce_eager)
+                  args.steps or 32, args.block_size, args.out, args.enforce_eager,
+                  args.quantization, args.kv_cache_dtype)
     return 0
 
 

@@ -16,12 +16,13 @@ from mlaserve.engine.request import SamplingParams
 
 # first match wins; names as CUPTI reports them (Triton kernels keep their Python names)
 KINDS = [
+    ("fp8 quant", r"quantize_groups"),
     ("attention", r"mla_decode|BatchMLA|flashinfer|Mla|merge_kernel"),
     ("prefill attn", r"fmha|flash_fwd|FlashAttn|attention|sdpa"),
     ("moe", r"gate_up_silu|_down_kernel|moe|grouped|_count_kernel|_offsets_kernel|_scatter"),
-    ("norm/rope", r"rms|rope|norm|latent"),
+    ("norm/act", r"rms|rope|norm|latent|silu_and_mul"),
     ("sampling", r"gumbel|argmax|softmax|sort|topk|index_put"),
-    ("dense gemm", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|Kernel2"),
+    ("dense gemm", r"gemm|matmul|sum_splits|nvjet|cutlass|xmma|cublas|sm90_|Kernel2"),
 ]
 
 
@@ -81,13 +82,16 @@ def profile_prefill(core: EngineCore, rng: random.Random, prompt_len: int) -> li
 
 
 def profile_steps(model: str, backend: str, batch: int, prompt_len: int, steps: int,
-                  block_size: int, out: str | None, enforce_eager: bool) -> None:
+                  block_size: int, out: str | None, enforce_eager: bool,
+                  quantization: str = "auto", kv_cache_dtype: str = "auto") -> None:
     """Build the engine core, prefill, time and profile decode steps, then profile a prefill;
-    print the report and write it to out/profile-BACKEND-bBATCH.txt where out is given."""
+    print the report and write it to out/profile-BACKEND-bBATCH[-wQUANT][-kvDTYPE].txt where
+    out is given."""
     started = time.perf_counter()
     core = EngineCore(EngineArgs(model=model, load_format="dummy", block_size=block_size,
                                  max_num_seqs=batch, attention_backend=backend,
-                                 enforce_eager=enforce_eager))
+                                 enforce_eager=enforce_eager, quantization=quantization,
+                                 kv_cache_dtype=kv_cache_dtype))
     print(f"engine built in {time.perf_counter() - started:.1f} s "
           f"(backend {core.info.attention_backend})")
     rng = random.Random(0)
@@ -125,7 +129,7 @@ def profile_steps(model: str, backend: str, batch: int, prompt_len: int, steps: 
     by_kind, by_kernel = _device_times(prof)
     busy_ms = sum(by_kind.values()) / steps / 1e3
     lines = [f"batch {batch}, prompt {prompt_len}, backend {core.info.attention_backend}"
-             f", {steps} steps",
+             f", quantization {quantization}, kv cache {kv_cache_dtype}, {steps} steps",
              f"wall per step {wall_ms:.2f} ms (under the profiler {profiled_wall_ms:.2f} ms)",
              f"GPU busy per step {busy_ms:.2f} ms; host gap {profiled_wall_ms - busy_ms:.2f} ms "
              f"({(profiled_wall_ms - busy_ms) / profiled_wall_ms:.1%} of the profiled step)",
@@ -142,4 +146,7 @@ def profile_steps(model: str, backend: str, batch: int, prompt_len: int, steps: 
     if out:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"profile-{backend}-b{batch}.txt").write_text(report + "\n")
+        suffix = "".join(f"-{tag}{value}" for tag, value in (("w", quantization),
+                                                                ("kv", kv_cache_dtype))
+                         if value != "auto")
+        (folder / f"profile-{backend}-b{batch}{suffix}.txt").write_text(report + "\n")

@@ -117,6 +117,20 @@ def _expected_tensors(model: DeepseekForCausalLM
     return expected, elsewhere
 
 
+def checkpoint_tensor_shapes(model: DeepseekForCausalLM) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> full shape of every high-precision tensor a published checkpoint of
+    this (unsharded, not FP8) model holds: one [I, H] or [H, I] tensor per routed expert and
+    projection, the model's own shape for the rest (the tied LM head left out)."""
+    params = dict(model.named_parameters())
+    shapes = {}
+    for key, (name, expert, part) in _expected_tensors(model)[0].items():
+        shape = tuple(params[name].shape)
+        if expert is not None:  # a stack [E, 2I, H] (gate, up) or [E, H, I] (down)
+            shape = (shape[1] // 2, shape[2]) if part in ("gate_proj", "up_proj") else shape[1:]
+        shapes[key] = shape
+    return shapes
+
+
 Cut = tuple[ShardSpec, int, int]  # how to cut, this rank's index, the group's size
 
 

@@ -98,9 +98,30 @@ def test_bench_gemm_shapes_and_cpu_refusal(capsys) -> None:
     assert shapes["expert.gate_up_proj"] == (4096, 7168) and shapes["mlp.down_proj"][1] == 18432
     lite = {p.name: p.out_features for p in projections(load_config("deepseek-v2-lite"))}
     assert lite["q+kv_a_proj"] == 16 * 192 + 576  # V2-Lite has no q_lora
+    quantized_by_producer = {p.name for p in v3 if p.producer_quantizes}
+    assert quantized_by_producer == {"q_a+kv_a_proj", "q_b_proj", "mlp.gate_up_proj",
+                                     "mlp.down_proj"}  # o_proj's input is attention's output
     if not torch.cuda.is_available():
         assert main(["bench", "gemm"]) == 2
         assert "it needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_gemm_counts_the_cells_under_each_bar() -> None:
+    """The summary counts a layer under 0.97x the fastest library product at any row count,
+    under bf16 from 16 tokens only, and leaves cells without a library product out."""
+    from mlaserve.bench.gemm import bar_summary
+
+    def row(tokens: int, library: float, bf16: float) -> dict:
+        return dict(model="m", name=f"p{tokens}", tokens=tokens, layer_vs_library=library,
+                    layer_vs_bf16=bf16)
+
+    summary = bar_summary([row(1, 0.96, 0.5), row(16, 0.98, 0.99), row(64, float("nan"), 1.2),
+                           row(1024, 1.3, 1.5)])
+    lines = summary.splitlines()
+    assert lines[0].startswith("layer >= 0.97 x fastest library product: 2 of 3 cells")
+    assert "m p1 M=1 (0.96 lib, 0.50 bf16)" in lines[0] and "p16" not in lines[0]
+    assert lines[1].startswith("layer >= bf16 from 16 tokens: 2 of 3 cells")
+    assert "m p16 M=16" in lines[1] and "p1 " not in lines[1]
 
 
 @pytest.mark.gpu
