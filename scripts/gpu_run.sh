@@ -91,6 +91,12 @@
 #                processes each, 128 warm-up requests before the timed run; RUNS defaults to 1
 #                here, as three of both caches may pass 10 minutes: repeat the stage into other
 #                dirs)
+#   fp8-serve-v2-lite
+#                DeepSeek-V2-Lite (dummy bf16 weights) served as bf16 and with online FP8
+#                (`--quantization fp8 --kv-cache-dtype fp8`), one server each in the order of
+#                ORDER (default "bf16 fp8 bf16"; "fp8 bf16 fp8" in the next call makes three of
+#                each): the `serve` stage's workload (512 x 1024 / 1024 at concurrency 256, then
+#                8 prompts of one user)
 #   env: RUNS=3, TOKENS (fp8-gemm: a comma list), VARIANT (a --sweep spec, default none), SHAPES
 #        (fp8-gemm-profile), CACHES (fp8-serve), LAYERS=8 (what an H200's memory holds with room
 #        for the cache; 6 on an H100: each MoE layer's experts are 11.3 GB in FP8)
@@ -115,7 +121,7 @@ set -uo pipefail
 
 STAGES="serve sweep kernel fp8-tests fp8-tests-gemm fp8-decode-sweep fp8-decode fp8-decode-wide
 fp8-decode-transposed fp8-gemm-gluon fp8-gemm-profile fp8-gemm-split fp8-weight-only fp8-gemm
-fp8-moe fp8-serve multi-parity multi-v2-lite multi-v3-tp8 multi-v3-dp8"
+fp8-moe fp8-serve fp8-serve-v2-lite multi-parity multi-v2-lite multi-v3-tp8 multi-v3-dp8"
 
 usage() {  # the comment block above, without its leading '# '
   sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed -E 's/^# ?//' >&2
@@ -134,6 +140,13 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/gpu-site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/gpu-site:$PWD PYTHONUNBUFFERED=1
+if [ "${stage#fp8-}" != "$stage" ] && ls .whl-dg/*.whl > /dev/null 2>&1; then
+  # DeepGEMM (the `deepgemm` extra) for the FP8 stages, in a site of its own: it needs another
+  # apache-tvm-ffi than FlashInfer's, which these stages do not load
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/dg-site .whl-dg/*.whl || exit 1
+  export PYTHONPATH=/tmp/dg-site:$PYTHONPATH
+fi
 
 gpu_info() {  # the GPU's name, clocks and memory in use, into $out/gpu.txt
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used \
@@ -384,6 +397,16 @@ fp8_stage() {  # fp8-STAGE, each documented above
           SERVE_ARGS="--hf-overrides {\"num_hidden_layers\":${LAYERS:-8}} --kv-cache-dtype \
 $cache --block-size 64 --max-num-seqs 256" \
           serve_bench "$out/serve-$cache" triton "${RUNS:-1}"
+      done ;;
+    serve-v2-lite)
+      local i=0 quant
+      for variant in ${ORDER:-bf16 fp8 bf16}; do
+        i=$((i + 1))
+        quant=""
+        [ "$variant" = fp8 ] && quant="--quantization fp8 --kv-cache-dtype fp8"
+        PROMPTS=512 CONC=256 SINGLE_PROMPTS=8 SINGLE_OUT=256 BENCH_TIMEOUT=170 \
+          SERVE_ARGS="--block-size 32 --max-num-seqs 256 $quant" \
+          serve_bench "$out/$i-$variant" triton 1
       done ;;
   esac
 }
