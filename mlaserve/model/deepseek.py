@@ -2,7 +2,9 @@
 
 Parameter names equal the Hugging Face checkpoint names (`model.layers.N.self_attn.q_a_proj.weight`
 ...), except the routed experts, which live stacked in `mlp.experts.gate_up_proj [E, 2I, D]` and
-`mlp.experts.down_proj [E, D, I]` (the loader maps per-expert tensors into them).
+`mlp.experts.down_proj [E, D, I]` (the loader maps per-expert tensors into them), and the
+optional multi-token-prediction module's, under `mtp.` (`mlaserve.model.mtp`; the checkpoint's
+layer num_hidden_layers).
 
 Tensor parallelism (`mlaserve.distributed`, size N; the model is built after the group is set):
 each rank holds H / N attention heads (q or q_b, kv_b and o projections split by head; q_a,
@@ -17,6 +19,8 @@ computes as a single process always did.
 The small ops between the GEMMs (norms with the residual adds, rope, the latent cache write) are
 the building blocks of `mlaserve.model.layers`: fused Triton kernels on CUDA, torch on CPU.
 """
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +47,8 @@ from mlaserve.model.layers import (
     RotaryEmbedding,
     write_latent_cache,
 )
+from mlaserve.model.mtp import PREFIX as MTP_PREFIX
+from mlaserve.model.mtp import MTPModule
 from mlaserve.model.parallel_linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -51,6 +57,8 @@ from mlaserve.model.parallel_linear import (
     VocabParallelEmbedding,
     divide,
 )
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class MLAAttention(nn.Module):
@@ -428,9 +436,15 @@ class DeepseekForCausalLM(nn.Module):
 
     Built for the current tensor-parallel group (`mlaserve.distributed.get_tp_group()`, kept as
     `tp`): this rank's shard of every split weight.
+
+    With `with_mtp`, also the checkpoint's multi-token-prediction module as `mtp`
+    (`mlaserve.model.mtp.MTPModule`, layer index `mtp_layer_index` = num_hidden_layers, sharing
+    the embedding and the LM head; None without): `mtp(input_ids, positions, previous_hidden,
+    kv_cache, meta)` gives its final normed hidden states, `compute_logits` their logits, and
+    the model needs `num_kv_cache_layers` latent caches, the last one the MTP layer's.
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, with_mtp: bool = False) -> None:
         super().__init__()
         self.config = config
         self.tp = get_tp_group()
@@ -438,6 +452,42 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp: MTPModule | None = None
+        if with_mtp:
+            if config.num_nextn_predict_layers < 1:
+                raise ValueError("with_mtp: this checkpoint has no multi-token-prediction (MTP) "
+                                 "layer (its config.json has num_nextn_predict_layers = "
+                                 f"{config.num_nextn_predict_layers})")
+            layer_idx, rotary = config.num_hidden_layers, self.model.rotary
+            self.mtp = MTPModule(config, DecoderLayer(config, layer_idx, rotary), rotary,
+                                 self.model.embed_tokens)
+
+    @property
+    def mtp_layer_index(self) -> int | None:
+        """The MTP layer's index in the checkpoint and its cache's in the caches
+        (num_hidden_layers), or None without the MTP module."""
+        return None if self.mtp is None else self.mtp.layer_idx
+
+    @property
+    def num_kv_cache_layers(self) -> int:
+        """The latent caches the model needs: one per decoder layer, plus the MTP layer's."""
+        return self.config.num_hidden_layers + (self.mtp is not None)
+
+    def checkpoint_name(self, name: str) -> str:
+        """A parameter's name (or a name under its module) -> the checkpoint tensor's name: the
+        same, but for the MTP module's (`MTPModule.checkpoint_name`)."""
+        if self.mtp is not None and name.startswith(MTP_PREFIX):
+            return self.mtp.checkpoint_name(name.removeprefix(MTP_PREFIX))
+        return name
+
+    def parameter_name(self, key: str) -> str | None:
+        """A checkpoint tensor's name -> the parameter it loads into, or None for the layers
+        the model does not hold (index >= num_hidden_layers, but the MTP module's) and the MTP
+        layer's copies of the embedding and the LM head."""
+        if self.mtp is not None and key.startswith(f"model.layers.{self.mtp.layer_idx}."):
+            return self.mtp.parameter_name(key)
+        layer = _LAYER.match(key)
+        return None if layer and int(layer.group(1)) >= self.config.num_hidden_layers else key
 
     def process_weights_after_loading(self) -> None:
         """Derive the run-time forms of the loaded weights: every submodule's

@@ -6,9 +6,10 @@ A quantized Linear weight `X.weight` [out, in] is stored as torch.float8_e4m3fn 
 `mlaserve.kernels.fp8_blocks`).
 
 Which tensors stay high precision follows the checkpoint; in the published DeepSeek-V2/V3
-layout they are the embeddings, the norms, the router (`mlp.gate.weight`), the LM head and
-`e_score_correction_bias` (`stays_high_precision`); every other Linear weight, experts and
-attention projections included, is FP8.
+layout they are the embeddings, the norms, the router (`mlp.gate.weight`), the LM head (and
+the multi-token-prediction layer's copies of the embedding and the head, `shared_head.head`) and
+`e_score_correction_bias` (`stays_high_precision`); every other Linear weight, experts,
+attention projections and the MTP layer's `eh_proj` included, is FP8.
 
 Whether the model keeps those weights FP8 (block-FP8 GEMMs, `mlaserve.model.fp8_linear`) or
 dequantizes them at load is decided in one place, `keep_fp8_weights`, from the checkpoint's
@@ -28,7 +29,8 @@ from mlaserve.kernels.fp8_blocks import BLOCK_SIZE, dequantize_block_fp8
 
 SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`
 _HIGH_PRECISION = re.compile(
-    r"(^|\.)(embed_tokens|lm_head|mlp\.gate)\.weight$|norm\.weight$|e_score_correction_bias$")
+    r"(^|\.)(embed_tokens|lm_head|shared_head\.head|mlp\.gate)\.weight$|norm\.weight$"
+    r"|e_score_correction_bias$")
 
 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper, Blackwell

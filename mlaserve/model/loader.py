@@ -2,7 +2,11 @@
 
 Checkpoint tensors are streamed one at a time (a progress bar counts them). Every missing,
 unexpected or wrongly shaped tensor is collected and reported in one error. Multi-token-prediction
-layers (index >= num_hidden_layers) are skipped on purpose.
+layers (index >= num_hidden_layers) are skipped on purpose, unless the model is built with its
+MTP module (`build_model(with_mtp=True)`, `mlaserve.model.mtp`): then layer num_hidden_layers
+loads into it like any layer (FP8, online quantization and shards alike, the checkpoint names
+mapped to the module's by `DeepseekForCausalLM.parameter_name` / `checkpoint_name`), except its
+copies of the embedding and the LM head, which are the main model's.
 
 DeepSeek's block-FP8 checkpoints (`mlaserve.model.fp8`) load as published: which tensors are
 FP8 follows the checkpoint (a float8_e4m3fn `X.weight` with its float32 `X.weight_scale_inv`,
@@ -52,13 +56,13 @@ from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.fp8 import SCALE_SUFFIX, Fp8WeightSlice, keep_fp8_weights
 from mlaserve.model.fp8_linear import keep_linears_fp8, product_shapes
 from mlaserve.model.layers import RMSNorm, RotaryEmbedding
+from mlaserve.model.mtp import SHARED_COPIES as MTP_SHARED_COPIES
 from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 FP8_PRODUCTS_ENV = "MLASERVE_FP8_PRODUCTS"  # measured (default) | rules
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\."
                      r"(?P<part>gate_proj|up_proj|down_proj)\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # stacked experts' parameter -> (the per-expert checkpoint tensors it holds, their suffix)
 _EXPERT_STACKS = {"gate_up_proj": (("gate_proj", "up_proj"), "weight"),
                   "down_proj": (("down_proj",), "weight"),
@@ -107,20 +111,22 @@ def _expected_tensors(model: DeepseekForCausalLM
             for e in range(num_experts):
                 local = e - first
                 for part in parts:
-                    key = f"{prefix}.{e}.{part}.{suffix}"
+                    key = model.checkpoint_name(f"{prefix}.{e}.{part}.{suffix}")
                     if 0 <= local < param.shape[0]:
                         expected[key] = (name, local, part)
                     else:
                         elsewhere.add(key)
         else:
-            expected[name] = (name, None, "")
+            expected[model.checkpoint_name(name)] = (name, None, "")
     return expected, elsewhere
 
 
 def checkpoint_tensor_shapes(model: DeepseekForCausalLM) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> full shape of every high-precision tensor a published checkpoint of
     this (unsharded, not FP8) model holds: one [I, H] or [H, I] tensor per routed expert and
-    projection, the model's own shape for the rest (the tied LM head left out)."""
+    projection, the model's own shape for the rest (the tied LM head left out). With the MTP
+    module, its layer too, with the copies of the embedding and the LM head [V, H] that
+    published checkpoints store (and the loader skips)."""
     params = dict(model.named_parameters())
     shapes = {}
     for key, (name, expert, part) in _expected_tensors(model)[0].items():
@@ -128,6 +134,10 @@ def checkpoint_tensor_shapes(model: DeepseekForCausalLM) -> dict[str, tuple[int,
         if expert is not None:  # a stack [E, 2I, H] (gate, up) or [E, H, I] (down)
             shape = (shape[1] // 2, shape[2]) if part in ("gate_proj", "up_proj") else shape[1:]
         shapes[key] = shape
+    if model.mtp is not None:
+        for name in MTP_SHARED_COPIES:
+            shapes[f"model.layers.{model.mtp_layer_index}.{name}"] = tuple(
+                params["model.embed_tokens.weight"].shape)
     return shapes
 
 
@@ -208,9 +218,9 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
             bar.update(1)
             if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in locations:
                 continue  # read with its weight (into its parameter if the model keeps FP8)
-            layer = _LAYER.match(key)
-            if layer and int(layer.group(1)) >= config.num_hidden_layers:
-                continue  # multi-token-prediction layers are not used for decoding
+            param_name = model.parameter_name(key)
+            if param_name is None:
+                continue  # multi-token-prediction layers (or their shared copies) not held
             if key.endswith("rotary_emb.inv_freq"):
                 continue
             if config.tie_word_embeddings and key == "lm_head.weight":
@@ -219,9 +229,9 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
                 continue  # an expert another expert-parallel rank owns
             fused = key.endswith(".mlp.experts.gate_up_proj") or key.endswith(
                 ".mlp.experts.down_proj")
-            if fused and key in params:  # stacked experts: this rank's part of the stack
-                targets = [n for n, (p, _, _) in expected.items() if p == key]
-                target, key_cuts = params[key], cuts.get(key, [])
+            if fused and param_name in params:  # stacked experts: this rank's part of the stack
+                targets = [n for n, (p, _, _) in expected.items() if p == param_name]
+                target, key_cuts = params[param_name], cuts.get(param_name, [])
             elif key in expected:
                 targets = [key, key + SCALE_SUFFIX]  # an FP8 Linear's scales load with it
                 name, expert, part = expected[key]
@@ -366,8 +376,12 @@ def _draw_uniform(param: torch.Tensor, cuts: list[Cut], bound: float,
 
 def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.device,
                 dtype: torch.dtype, load_format: str, max_positions: int,
-                quantization: str = "auto", seed: int = 0) -> DeepseekForCausalLM:
+                quantization: str = "auto", seed: int = 0,
+                with_mtp: bool = False) -> DeepseekForCausalLM:
     """Allocate the model directly on `device` in `dtype`, then load or randomise its weights.
+
+    with_mtp: also build and fill the checkpoint's multi-token-prediction module (`model.mtp`;
+    a ValueError where the config has num_nextn_predict_layers = 0).
 
     Its Linear weights stay block-FP8 where `keep_fp8_weights` says so for the config's
     `quant_method`, `quantization` (`mlaserve.option_values.QUANTIZATION_MODES`) and the device.
@@ -379,7 +393,7 @@ def build_model(config: ModelConfig, model_dir: Path | None, *, device: torch.de
     tp_size = get_tp_group().size
     config.check_tensor_parallel_size(tp_size)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config, max_positions)
+        model = DeepseekForCausalLM(config, max_positions, with_mtp=with_mtp)
     model = model.to(dtype)  # before the FP8 layers, which the cast would cast too
     if keep_fp8_weights(config.quant_method, quantization, device):
         keep_linears_fp8(model, tp_size)

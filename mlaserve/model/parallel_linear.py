@@ -5,6 +5,7 @@
   the output is never gathered.
 - `RowParallelLinear`: the input features split; each rank's x_local W_local^T is a partial
   sum, all-reduced into y (or left to the caller, which reduces later).
+- `ReplicatedLinear`: not split; every rank holds the whole weight and computes the whole y.
 - `VocabParallelEmbedding`: the vocabulary rows split; ids outside a rank's rows give zeros,
   and the all-reduce leaves every id with its one row.
 - `ParallelLMHead`: the vocabulary rows split; `compute_logits` gathers the full vocabulary
@@ -12,7 +13,7 @@
 
 Each module names, in `tp_shards`, how its parameters are cut from the full checkpoint tensors
 (`ShardSpec`), so the loader reads only this rank's slice of every tensor. At tensor-parallel
-size 1 the layers are plain `nn.Linear` / `F.embedding` computations, bit for bit. The two
+size 1 the layers are plain `nn.Linear` / `F.embedding` computations, bit for bit. The three
 Linears may hold a block-FP8 weight with its `weight_scale_inv` (`mlaserve.model.fp8_linear`);
 `weight_scale_inv` is None otherwise.
 """
@@ -144,6 +145,23 @@ class RowParallelLinear(nn.Linear):
             return linear(x, self.weight, self.bias if self.tp.rank == 0 else None, scale)
         y = self.tp.all_reduce(linear(x, self.weight, None, scale))
         return y if self.bias is None else y + self.bias
+
+
+class ReplicatedLinear(nn.Linear):
+    """y = x W^T (+ b) with the whole weight [out_features, in_features] on every rank (no
+    shard, no collective), as a block-FP8 weight too (`keep_linear_fp8`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_parameter("weight_scale_inv", None)
+
+    def quantizes_input(self, x: torch.Tensor) -> bool:
+        """Whether x's producer should quantize it for this layer (`takes_quantized_input`)."""
+        return takes_quantized_input(x, self.weight, self.weight_scale_inv)
+
+    def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
+        """x [T, in_features] -> [T, out_features]."""
+        return linear(x, self.weight, self.bias, self.weight_scale_inv)
 
 
 class VocabParallelEmbedding(nn.Module):

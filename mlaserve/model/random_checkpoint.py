@@ -5,7 +5,9 @@ measurements of a model too large to download (`mlaserve bench load`).
 
 MODEL_DIR holds the config.json; the weights are written beside it in the layout the published
 checkpoints use (one tensor per routed expert and projection, `model.layers.N.` prefixes),
-one safetensors file per decoder layer plus one for the rest, with the sharded index. Values
+one safetensors file per decoder layer plus one for the rest, with the sharded index; a config
+with num_nextn_predict_layers > 0 gets the multi-token-prediction layer num_hidden_layers too,
+with its copies of the embedding and the LM head, as DeepSeek-V3 is published. Values
 are those of dummy weights (uniform in +-0.02, norms at one), drawn one tensor at a time, so
 writing takes one layer's memory, not the model's.
 """
@@ -32,7 +34,8 @@ def write_random_checkpoint(model_dir: str | Path, seed: int = 0,
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config, config.max_position_embeddings)
+        model = DeepseekForCausalLM(config, config.max_position_embeddings,
+                                    with_mtp=config.num_nextn_predict_layers > 0)
     by_file: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
     for key, shape in checkpoint_tensor_shapes(model).items():
         layer = _LAYER.match(key)
