@@ -92,6 +92,10 @@ def add_structured_outputs_arguments(parser: argparse.ArgumentParser) -> None:
     `--structured-outputs-config.FIELD VALUE` (which wins over the JSON)."""
     from mlaserve.engine.structured_config import FIELD_HELP, StructuredOutputsConfig
 
+    parser.add_argument("--speculative-config", type=json_object, default=None,
+                        help="speculative decoding with the model's MTP module, as vLLM spells "
+                             'it: \'{"method": "deepseek_mtp", "num_speculative_tokens": 1}\' '
+                             "(1-4 drafts a step; method mtp is the same)")
     defaults = StructuredOutputsConfig()
     parser.add_argument("--structured-outputs-config", type=json_object, default=None,
                         help="structured outputs: JSON of the fields below, e.g. "

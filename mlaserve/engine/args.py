@@ -6,6 +6,7 @@ strings are checked here and resolved once, into an `EngineConfig`, by
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlaserve.engine.speculative import SpeculativeConfig
 from mlaserve.engine.structured_config import StructuredOutputsConfig
 from mlaserve.option_values import KV_CACHE_DTYPE_NAMES, QUANTIZATION_MODES
 
@@ -49,8 +50,18 @@ class EngineArgs:
     override_generation_config: dict | None = None
     # structured outputs' limits, sandbox budgets and cache (a dict of its fields is taken too)
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    # speculative decoding with the model's MTP module (a dict of its fields is taken too);
+    # None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.from_dict(self.speculative_config))
+        elif self.speculative_config is not None and not isinstance(
+                self.speculative_config, SpeculativeConfig):
+            raise ValueError("speculative_config must be a SpeculativeConfig, a dict of its "
+                             "fields or None")
         if isinstance(self.structured_outputs_config, dict):
             object.__setattr__(self, "structured_outputs_config",
                                StructuredOutputsConfig.from_dict(self.structured_outputs_config))

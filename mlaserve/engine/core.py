@@ -74,6 +74,7 @@ from mlaserve.engine.request import (
 from mlaserve.engine.runner import PendingStep, StepResult, load_runner
 from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
+from mlaserve.engine.speculative import SpecDecodeStats, speculates
 from mlaserve.engine.step_plan import PlanBuilder, StepPlan
 from mlaserve.engine.structured import AcceptResult, GrammarBitmask, StructuredOutputManager
 from mlaserve.engine.tokenizer import load_tokenizer
@@ -144,7 +145,11 @@ class EngineCore:
         self.plans = PlanBuilder()
         num_blocks = self.runner.num_blocks
         self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.pool)
+        speculative = config.speculative
+        self.num_speculative_tokens = 0 if speculative is None else (
+            speculative.num_speculative_tokens)
+        self.spec_stats = SpecDecodeStats()
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.num_speculative_tokens)
         where = f" of replica {replica}" if config.layout.data_parallel_size > 1 else ""
         if tp_size > 1:
             where += f" per rank (each of its {tp_size} ranks holds the whole latent cache)"
@@ -181,7 +186,9 @@ class EngineCore:
                              f"{shown(request.sample_seed)}")
         state = Request(request.request_id, None, list(request.prompt_token_ids),
                         request.params, sample_seed=request.sample_seed,
-                        eos_token_ids=tuple(self.info.eos_token_ids))
+                        eos_token_ids=tuple(self.info.eos_token_ids),
+                        speculates=bool(self.num_speculative_tokens)
+                        and speculates(request.params))
         if request.params.structured_outputs is not None:
             self.structured.add_request(state)  # compiles off the step loop
         self.requests[request.request_id] = state
@@ -226,15 +233,21 @@ class EngineCore:
         return SchedulerStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=pool.usage, num_preemptions=self.scheduler.num_preemptions,
-            prefix_queries=pool.num_queries, prefix_hits=pool.num_hits)
+            prefix_queries=pool.num_queries, prefix_hits=pool.num_hits,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos))
 
     # ---- steps ---------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Launch the next step and return the outputs of the one before it (see the module
         docstring); with nothing left to launch, wait for the step in flight."""
         outputs = self._fail_uncompiled()
-        if self._in_flight is not None and self._needs_known_tokens(self._in_flight[0]):
-            # penalties count every generated token; a grammar's next mask needs its last token
+        if self._in_flight is not None and (self.num_speculative_tokens
+                                            or self._needs_known_tokens(self._in_flight[0])):
+            # penalties count every generated token; a grammar's next mask needs its last token;
+            # a speculating step needs the drafts and the tokens emitted by the one before
             outputs += self._land_in_flight()
         batch = self.scheduler.schedule()
         if batch.is_empty and self._in_flight is None and self.structured.has_compiling:
@@ -455,21 +468,28 @@ class EngineCore:
                 request.prompt_logprobs.extend(entries)
             self.scheduler.cache_computed_blocks(request)
         for request, token in zip(batch.sampling_requests, result.sampled, strict=True):
-            self.scheduler.land(request)
-            if live.get(request.request_id) is not request:
+            request_id = request.request_id
+            self.scheduler.land(request, result.num_rejected.get(request_id, 0))
+            if live.get(request_id) is not request:
                 continue  # aborted or finished while this step ran
             first = not request.output_token_ids
-            request.output_token_ids.append(token)
+            tokens = self._emitted(request, [token, *result.more_tokens.get(request_id, ())])
+            if request_id in result.num_rejected:
+                self.spec_stats.observe(request.num_scheduled_drafts,
+                                        request.num_scheduled_drafts
+                                        - result.num_rejected[request_id],
+                                        self.num_speculative_tokens)
+            request.num_scheduled_drafts = 0
+            request.draft_token_ids = result.drafts.get(request_id, [])
             logprobs = None
             if request.logprobs is not None:
-                logprobs = [result.logprobs[request.request_id]]
+                logprobs = [result.logprobs[request_id]]
                 request.logprobs.append(logprobs[0])
-            self._check_stop(request, token)
             error = None
             if request.params.structured_outputs is not None:
                 error = self._advance_grammar(request, token)
             output = EngineCoreOutput(
-                request.request_id, [token], logprobs,
+                request.request_id, tokens, logprobs,
                 prompt_logprobs=request.prompt_logprobs if first else None,
                 finish_reason=request.finish_reason, stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens if first else 0, error=error,
@@ -479,6 +499,16 @@ class EngineCore:
             if request.finish_reason is not None:
                 self._finish(request)
         return outputs
+
+    def _emitted(self, request: Request, tokens: list[int]) -> list[int]:
+        """Append a step's tokens (one, or a verified run of them under speculative decoding)
+        up to the first that ends the request; returns those appended."""
+        for count, token in enumerate(tokens, 1):
+            request.output_token_ids.append(token)
+            self._check_stop(request, token)
+            if request.finish_reason is not None:
+                return tokens[:count]
+        return tokens
 
     def _advance_grammar(self, request: Request, token: int) -> str | None:
         """Advance the request's grammar by its new token; a completed grammar ends the request

@@ -22,6 +22,7 @@ from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import ModelConfig, SchedulerConfig, parse_dtype
 from mlaserve.distributed.launch import ParallelLayout, torchrun_rank
 from mlaserve.engine.args import EngineArgs, model_dir_of
+from mlaserve.engine.speculative import SpeculativeConfig
 
 # Decode steps of more requests than this run eagerly (capture time and memory grow with it).
 MAX_CUDA_GRAPH_BATCH_SIZE = 512
@@ -46,6 +47,7 @@ class EngineConfig:
     scheduler: SchedulerConfig  # max_num_seqs, the step's token budget, max_model_len
     cuda_graph_batch_size: int  # decode CUDA graphs up to this many requests; 0: eager
     max_seq_len_to_capture: int  # longest sequence a decode graph covers
+    speculative: SpeculativeConfig | None = None  # MTP drafting (speculative.py); None: off
 
     @property
     def max_model_len(self) -> int:
@@ -66,6 +68,7 @@ def resolve_engine_config(args: EngineArgs, replica: int = 0) -> EngineConfig:
     dtype = resolve_dtype(args.dtype, model, device)
     max_model_len = resolve_max_model_len(args, model)
     check_parallel(args, model)
+    check_speculative(args, model)
     layout = parallel_layout(args)
     if layout.data_parallel_size > 1 and not layout.expert_parallel:
         raise ValueError("replicas without expert parallelism share nothing: start one "
@@ -85,7 +88,23 @@ def resolve_engine_config(args: EngineArgs, replica: int = 0) -> EngineConfig:
             or DEFAULT_MAX_NUM_BATCHED_TOKENS),
         cuda_graph_batch_size=0 if args.enforce_eager else min(args.max_num_seqs,
                                                                MAX_CUDA_GRAPH_BATCH_SIZE),
-        max_seq_len_to_capture=min(args.max_seq_len_to_capture, max_model_len))
+        max_seq_len_to_capture=min(args.max_seq_len_to_capture, max_model_len),
+        speculative=args.speculative_config)
+
+
+def check_speculative(args: EngineArgs, config: ModelConfig) -> None:
+    """ValueError, saying what to change, unless speculative decoding (if asked) can run: the
+    checkpoint has an MTP module, and the engine is one process (one rank, one replica)."""
+    if args.speculative_config is None:
+        return
+    if config.num_nextn_predict_layers < 1:
+        raise ValueError("speculative_config asks for MTP drafting, but the model's config.json "
+                         "has no MTP module (num_nextn_predict_layers is 0): serve a DeepSeek-V3 "
+                         "/ R1 checkpoint with its MTP layer, or leave --speculative-config out")
+    if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
+        raise ValueError("speculative decoding runs on one GPU (tensor_parallel_size and "
+                         "data_parallel_size 1) in this version; leave --speculative-config out "
+                         "to serve in parallel")
 
 
 def _mla_shape(model: ModelConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype,
@@ -196,12 +215,13 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
 
 
 def kv_blocks_for_memory(config: ModelConfig, args: EngineArgs, device: torch.device,
-                         cache_dtype: torch.dtype) -> int:
-    """Number of KV blocks: given, or sized from the memory left after loading."""
+                         cache_dtype: torch.dtype, num_cache_layers: int | None = None) -> int:
+    """Number of KV blocks: given, or sized from the memory left after loading, for
+    num_cache_layers latent caches (default: one per decoder layer; the MTP layer adds one)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
     bytes_per_block = (args.block_size * config.kv_cache_dim * cache_dtype.itemsize
-                       * config.num_hidden_layers)
+                       * (num_cache_layers or config.num_hidden_layers))
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         reserve = total * (1 - args.gpu_memory_utilization) + 2 * 1024**3  # activations, graphs

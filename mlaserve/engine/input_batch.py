@@ -35,7 +35,7 @@ class RunnerRequest:
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "sample_seed", "eos_token_ids",
                  "token_ids", "num_computed_tokens", "num_output_placeholders", "block_ids",
-                 "num_prompt_logprobs", "row", "num_synced_blocks")
+                 "num_prompt_logprobs", "row", "num_synced_blocks", "draft_token_ids")
 
     def __init__(self, new: NewRequest) -> None:
         self.request_id = new.request_id
@@ -50,6 +50,7 @@ class RunnerRequest:
         self.num_prompt_logprobs = -1
         self.row: int | None = None  # in the persistent batch
         self.num_synced_blocks = 0  # block ids already in that row's device block table
+        self.draft_token_ids: list[int] = []  # the drafts this step verifies (speculation)
 
     def update(self, scheduled: ScheduledRequest) -> None:
         """Take a plan's news of this request."""
@@ -58,6 +59,7 @@ class RunnerRequest:
         self.num_output_placeholders = scheduled.num_output_placeholders
         self.block_ids.extend(scheduled.new_block_ids)
         self.num_prompt_logprobs = scheduled.num_prompt_logprobs
+        self.draft_token_ids = scheduled.draft_token_ids
 
     @property
     def num_tokens(self) -> int:

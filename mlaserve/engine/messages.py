@@ -59,6 +59,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # speculative decoding's counters (engine/speculative.py `SpecDecodeStats`)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineInfo(msgspec.Struct):

@@ -312,6 +312,12 @@ class Request:
     num_preemptions: int = 0
     # tokens sampled by a step still on the device (pipelined steps): counted, not yet known
     num_output_placeholders: int = 0
+    # speculative decoding (engine/speculative.py): whether this request drafts, the MTP
+    # module's drafts of its next tokens (known, not verified), and how many of them the
+    # launched step verifies
+    speculates: bool = False
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_scheduled_drafts: int = 0
     arrival_time: float = field(default_factory=time.monotonic)  # when the core received it
     first_scheduled_time: float | None = None  # when a step first computed any of its tokens
     logprobs: Logprobs | None = None

@@ -32,6 +32,8 @@ from mlaserve.engine.decode_record import DecodeStepRecorder
 from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
+from mlaserve.engine.spec_decode import DraftRows, Verified, draft, verify
+from mlaserve.engine.speculative import speculates
 from mlaserve.engine.step_plan import StepPlan
 from mlaserve.engine.structured import GrammarBitmask
 from mlaserve.kernels.moe import moe_graph_capturable
@@ -48,6 +50,12 @@ class StepResult:
     sampled: list[int]  # one new token id per request of the plan's `sampling`, in order
     logprobs: dict[str, dict[int, float]]  # request id -> {token: logprob} of the new token
     prompt_logprobs: dict[str, list[dict[int, float]]]  # request id -> entries in order
+    # speculative decoding: request id -> the tokens a verifying request emits after its
+    # first (its accepted drafts past the first token, and the bonus or recovered one), how
+    # many of its verified drafts were rejected, and each speculating sampler's next drafts
+    more_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_rejected: dict[str, int] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,6 +67,12 @@ class PendingStep:
     prompt_logprobs: list[tuple[RunnerRequest, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor]] = field(default_factory=list)
     ready: torch.cuda.Event | None = None
+    # speculative decoding (known on the host at launch): the plan's sampler ids in order, the
+    # plain samplers' ids (the rows of `sampled`), the verified requests' outcomes, the drafts
+    sampling_ids: list[str] = field(default_factory=list)
+    plain_ids: list[str] = field(default_factory=list)
+    verified: dict[str, Verified] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -97,6 +111,11 @@ class ModelRunner:
         allocate = torch.zeros if device.type == "cuda" else torch.empty
         self.kv_caches = [allocate(shape, dtype=config.kv_cache_dtype, device=device)
                           for _ in range(model_config.num_hidden_layers)]
+        # speculative decoding: the MTP module's drafts a step and its layer's own cache
+        self.num_speculative_tokens = (0 if config.speculative is None
+                                       else config.speculative.num_speculative_tokens)
+        self.mtp_cache = (allocate(shape, dtype=config.kv_cache_dtype, device=device)
+                          if self.num_speculative_tokens else None)
         self.backend = config.attention_backend(config.mla_shape(device),
                                                 model_config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
@@ -179,6 +198,9 @@ class ModelRunner:
         eagerly with exchanges of that size."""
         inputs, block_size = self.inputs, self.block_size
         inputs.sync([*decodes, *(r for r, _ in prefills)])
+        verifies = [r for r in decodes if r.draft_token_ids]  # chunks after the prefills'
+        if verifies:
+            decodes = [r for r in decodes if not r.draft_token_ids]
         num_decodes = len(decodes)
         # decode rows: persistent row, position, known input token, or its index among the
         # previous step's samples (-1: known)
@@ -207,8 +229,10 @@ class ModelRunner:
             decode_slots = (table.gather(1, (decode_positions // block_size)[:, None])
                             .squeeze(1).long() * block_size + decode_positions % block_size)
             seq_lens = (decode_positions + 1).to(torch.int32)
-        chunks, prefill_inputs = self._prefill_inputs(prefills, num_decodes)
-        graph_size = None if chunks else self.graph_size(num_decodes, width)
+        chunks, prefill_inputs = self._prefill_inputs(prefills, num_decodes, verifies)
+        # the MTP module reads the step's attention metadata: a speculating engine runs eagerly
+        graph_size = None if chunks or self.num_speculative_tokens else self.graph_size(
+            num_decodes, width)
         if expert_capacity and graph_size is not None:  # the graph's rows are the exchanges'
             graph_size = expert_capacity if expert_capacity in self.graphs.sizes else None
         if graph_size is not None:
@@ -232,22 +256,76 @@ class ModelRunner:
                 meta.decode_backend = self.backend
             hidden = self.model(input_ids, position_ids, self.kv_caches, meta,
                                 expert_capacity or None)
-        return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
+        if not self.num_speculative_tokens:
+            return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
+        return self._speculate(decodes, prefills, verifies, samplers, grammar_bitmask, hidden,
+                               position_ids, meta, chunks)
 
-    def _prefill_inputs(self, prefills: list[tuple[RunnerRequest, int]], row0: int
+    def _speculate(self, decodes: list[RunnerRequest], prefills: list[tuple[RunnerRequest, int]],
+                   verifies: list[RunnerRequest], samplers: list[RunnerRequest],
+                   grammar_bitmask: GrammarBitmask | None, hidden: torch.Tensor,
+                   positions: torch.Tensor, meta: AttentionMetadata,
+                   chunks: list[PrefillChunk]) -> PendingStep:
+        """A speculating engine's sampling (spec_decode.py): the plain samplers as always, the
+        verifying requests' drafts checked, then the MTP module's drafts for the next step
+        (waiting on the host for the tokens emitted)."""
+        prefill_chunks, verify_chunks = chunks[:len(prefills)], chunks[len(prefills):]
+        plain = [r for r in samplers if not r.draft_token_ids]
+        pending = self._sample(decodes, prefills, plain, grammar_bitmask, hidden, prefill_chunks)
+        pending.sampling_ids = [r.request_id for r in samplers]
+        pending.plain_ids = [r.request_id for r in plain]
+        if verifies:
+            rows = torch.cat([torch.arange(c.token_start, c.token_start + c.num_tokens)
+                              for c in verify_chunks]).to(self.device)
+            outcomes = verify(verifies, self.model.compute_logits(hidden[rows]), self.inputs)
+            pending.verified = {r.request_id: v for r, v in zip(verifies, outcomes,
+                                                                 strict=True)}
+        drafting = [r for r in samplers if speculates(r.params)]
+        if not drafting:
+            return pending
+        sampled = dict(zip(pending.plain_ids, pending.sampled.tolist(), strict=True))
+        next_ids: list[int] = [sampled[r.request_id] for r in decodes]
+        last: dict[str, tuple[int, int]] = {r.request_id: (i, r.num_computed_tokens)
+                                            for i, r in enumerate(decodes)}
+        for chunk, (request, count) in zip(prefill_chunks, prefills, strict=True):
+            start, known = request.num_computed_tokens, request.token_ids
+            next_ids += [known[p + 1] if p + 1 < len(known) else sampled[request.request_id]
+                         for p in range(start, start + count)]
+            last[request.request_id] = (chunk.token_start + count - 1, start + count - 1)
+        for chunk, request in zip(verify_chunks, verifies, strict=True):
+            emitted = pending.verified[request.request_id].tokens
+            next_ids += emitted + [0] * (chunk.num_tokens - len(emitted))  # fillers past it
+            last[request.request_id] = (chunk.token_start + len(emitted) - 1,
+                                        request.num_computed_tokens + len(emitted) - 1)
+        rows = DraftRows(next_ids, [last[r.request_id][0] for r in drafting],
+                         [last[r.request_id][1] for r in drafting])
+        tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
+                       self.block_size, self.num_speculative_tokens, rows, hidden, positions,
+                       drafting)
+        pending.drafts = {r.request_id: t for r, t in zip(drafting, tokens, strict=True)}
+        return pending
+
+    def _prefill_inputs(self, prefills: list[tuple[RunnerRequest, int]], row0: int,
+                        verifies: list[RunnerRequest] = ()
                         ) -> tuple[list[PrefillChunk], tuple[torch.Tensor, ...] | None]:
         """Prefill chunks' metadata and their (ids, positions, slots) [P] int64 on the device;
-        the chunks follow `row0` decode rows on the step's token axis."""
-        if not prefills:
+        the chunks follow `row0` decode rows on the step's token axis. Each verifying request
+        (speculative decoding) adds a chunk after them: its input token and its drafts."""
+        if not prefills and not verifies:
             return [], None
         tokens: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
         chunks = []
-        for request, count in prefills:
-            start = request.num_computed_tokens
+        pieces = [(r, r.num_computed_tokens, r.token_ids[r.num_computed_tokens:
+                                                          r.num_computed_tokens + count])
+                  for r, count in prefills]
+        pieces += [(r, r.num_computed_tokens, [r.token_ids[r.num_computed_tokens],
+                                               *r.draft_token_ids]) for r in verifies]
+        for request, start, ids in pieces:
+            count = len(ids)
             chunks.append(PrefillChunk(row0 + len(tokens), count, start))
-            tokens.extend(request.token_ids[start : start + count])
+            tokens.extend(ids)
             positions.extend(range(start, start + count))
             rows.extend([request.row] * count)
         packed = self.inputs.to_device([tokens, positions, rows], torch.int64)  # [3, P]
@@ -255,7 +333,7 @@ class ModelRunner:
         block_size = self.block_size
         slots = (self.inputs.block_table[table_rows, position_ids // block_size].long()
                  * block_size + position_ids % block_size)
-        for chunk, (request, _) in zip(chunks, prefills, strict=True):
+        for chunk, (request, _, _) in zip(chunks, pieces, strict=True):
             if chunk.context_len:
                 context = torch.arange(chunk.context_len, device=self.device)
                 table = self.inputs.block_table[request.row]
@@ -338,6 +416,15 @@ class ModelRunner:
         if pending.ready is not None:
             pending.ready.synchronize()
         result = StepResult(pending.sampled.tolist(), {}, {})
+        if pending.sampling_ids:  # a speculating engine's step: the plan's samplers in order
+            plain = dict(zip(pending.plain_ids, result.sampled, strict=True))
+            verified = pending.verified
+            result.sampled = [plain[i] if i in plain else verified[i].tokens[0]
+                              for i in pending.sampling_ids]
+            for request_id, outcome in verified.items():
+                result.more_tokens[request_id] = outcome.tokens[1:]
+                result.num_rejected[request_id] = outcome.num_drafts + 1 - len(outcome.tokens)
+            result.drafts = pending.drafts
         if pending.logprobs is not None:
             samplers, chosen, values, ids = pending.logprobs
             chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()
@@ -385,10 +472,12 @@ def load_runner(config: EngineConfig, device: torch.device,
             captured its decode CUDA graphs; None: one process.
     """
     args = config.args
+    speculative = config.speculative is not None
     model = build_model(config.model, config.model_dir, device=device, dtype=config.dtype,
                         load_format=args.load_format, max_positions=config.max_model_len,
-                        quantization=args.quantization, seed=args.seed)
-    num_blocks = kv_blocks_for_memory(config.model, args, device, config.kv_cache_dtype)
+                        quantization=args.quantization, seed=args.seed, with_mtp=speculative)
+    num_blocks = kv_blocks_for_memory(config.model, args, device, config.kv_cache_dtype,
+                                      config.model.num_hidden_layers + int(speculative))
     if agree_min is not None:
         num_blocks = agree_min(num_blocks)
     return ModelRunner(model, config, device, num_blocks, agree_min)

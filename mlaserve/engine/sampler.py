@@ -212,6 +212,15 @@ def _keep_allowed(sampled: torch.Tensor, logits: torch.Tensor, rows: torch.Tenso
 
 def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Top-k, then top-p and min-p over the sorted probabilities, then an exponential race."""
+    probs = _filtered_probs(logits, batch)
+    noise = -torch.log(seeded_uniform(batch.seeds, batch.positions, logits.shape[-1]))  # Exp(1)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.temperature > 0, sampled, logits.argmax(dim=-1))
+
+
+def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[N, V] softmax(logits / temperature) after top-k, then top-p and min-p over the sorted
+    probabilities (a greedy row's temperature counts as 1)."""
     vocab = logits.shape[-1]
     temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
     scaled = logits / temperature[:, None]
@@ -225,10 +234,23 @@ def _sample_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     drop |= sorted_probs < batch.min_p[:, None] * sorted_probs[:, :1]
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.zeros_like(scaled).scatter_(1, sorted_ids, sorted_logits.softmax(dim=-1))
-    noise = -torch.log(seeded_uniform(batch.seeds, batch.positions, vocab))  # Exp(1)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(batch.temperature > 0, sampled, logits.argmax(dim=-1))
+    return torch.zeros_like(scaled).scatter_(1, sorted_ids, sorted_logits.softmax(dim=-1))
+
+
+def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] float32 -> [N, V] float32, the distribution `sample` draws each row from:
+    one-hot at the argmax for a greedy row, else the tempered, filtered softmax. For rows
+    without penalties, bias, bans or grammar masks (what speculating requests are:
+    `speculative.speculates`); speculative decoding verifies drafts against it."""
+    greedy = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if batch.all_greedy:
+        return greedy
+    if batch.needs_filter:
+        probs = _filtered_probs(logits, batch)
+    else:
+        temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+        probs = (logits / temperature[:, None]).softmax(dim=-1)
+    return torch.where((batch.temperature > 0)[:, None], probs, greedy)
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,

@@ -21,6 +21,15 @@ A waiting request whose next uncached block is being computed by a running reque
 prompt prefix arriving together, e.g. the n samples of one prompt) waits until that block is
 computed and cached, then takes it from the cache instead of computing it again.
 
+Speculative decoding (engine/speculative.py): a running request with drafts decodes its next
+token and verifies up to all its drafts in one step (a decode of 1 + d tokens: d is cut to the
+budget, to max_tokens and to max_model_len), and a speculating request owns blocks for
+`num_speculative_tokens - 1` positions past its step's tokens, which the MTP module's later
+drafts write. When the step lands, the positions of rejected drafts count as not computed again
+(`land`'s `num_rejected`), and whole blocks past the request's tokens and lookahead go back to
+the pool. Steps are not pipelined then: the drafts of a step are known before the next one is
+scheduled.
+
 A waiting request for which `waits_for_grammar` holds (its structured-output grammar is still
 compiling, see structured.py) is skipped: it keeps its place in the queue, and the requests
 behind it are admitted meanwhile (vLLM's WAITING_FOR_FSM).
@@ -69,9 +78,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool,
+                 num_speculative_tokens: int = 0) -> None:
         self.config = config
         self.pool = pool
+        self.num_speculative_tokens = num_speculative_tokens  # k; 0: no speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -85,9 +96,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _lookahead(self, request: Request) -> int:
+        """Positions past a step's tokens that the MTP module's drafts of the step write."""
+        return max(self.num_speculative_tokens - 1, 0) if request.speculates else 0
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """How many of a decoding request's drafts its step verifies: as many as fit the token
+        budget beside its own token, and emit no token past max_tokens or max_model_len."""
+        return max(0, min(len(request.draft_token_ids), budget - 1,
+                          request.params.max_tokens - request.num_output_tokens_total - 1,
+                          self.config.max_model_len - 1 - request.num_total_tokens))
+
     def _reserve(self, request: Request, num_new_tokens: int) -> bool:
-        """Make sure the request owns blocks for its first num_computed + num_new tokens."""
-        needed = self.pool.blocks_for(request.num_computed_tokens + num_new_tokens)
+        """Make sure the request owns blocks for its first num_computed + num_new tokens (and
+        its lookahead)."""
+        needed = self.pool.blocks_for(request.num_computed_tokens + num_new_tokens
+                                      + self._lookahead(request))
         extra = needed - len(request.block_ids)
         if extra <= 0:
             return True
@@ -105,6 +129,8 @@ class Scheduler:
         self.running.remove(request)
         self._release_blocks(request)
         request.num_computed_tokens = 0
+        request.num_scheduled_drafts = 0
+        request.draft_token_ids = []  # drafted over a cache it no longer has
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -125,6 +151,10 @@ class Scheduler:
             if remaining <= 0:
                 continue
             count = min(remaining, budget)
+            request.num_scheduled_drafts = 0
+            if remaining == 1 and request.draft_token_ids:
+                request.num_scheduled_drafts = self._num_drafts(request, budget)
+                count += request.num_scheduled_drafts
             while not self._reserve(request, count):
                 victim = next(r for r in reversed(self.running) if r not in scheduled)
                 self._preempt(victim)
@@ -135,7 +165,7 @@ class Scheduler:
                 continue
             scheduled.add(request)
             budget -= count
-            if remaining == 1:
+            if remaining == 1:  # with its drafts, if any
                 batch.decodes.append(request)
             else:
                 batch.prefills.append((request, count))
@@ -152,6 +182,7 @@ class Scheduler:
                 break  # preempted with a token still on the device: recompute once it lands
             # prompt logprobs need every position's logits, so those requests skip the cache
             uses_cache = request.num_computed_tokens == 0 and request.params.prompt_logprobs is None
+            request.num_scheduled_drafts = 0  # a prompt (or a recompute) has no drafts
             if uses_cache and self._next_block_in_progress(request, in_progress):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -212,7 +243,7 @@ class Scheduler:
         """Count a launched step's tokens as computed and its samples as placeholders."""
         batch.is_advanced = True
         for request in batch.decodes:
-            request.num_computed_tokens += 1
+            request.num_computed_tokens += 1 + request.num_scheduled_drafts
         for request, count in batch.prefills:
             request.num_computed_tokens += count
         for request in batch.sampling_requests:
@@ -229,18 +260,28 @@ class Scheduler:
         batch.is_advanced = False
         for request in batch.decodes:
             if request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens -= 1
+                request.num_computed_tokens -= 1 + request.num_scheduled_drafts
         for request, count in batch.prefills:
             if request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens -= count
         for request in batch.sampling_requests:
             request.num_output_placeholders -= 1
 
-    def land(self, request: Request) -> None:
-        """One placeholder of the request became a known token (or was dropped)."""
+    def land(self, request: Request, num_rejected: int = 0) -> None:
+        """One placeholder of the request became known tokens (or was dropped); num_rejected of
+        the drafts its step verified were rejected: their positions count as not computed, and
+        whole blocks past the request's tokens and lookahead go back to the pool."""
         request.num_output_placeholders -= 1
-        if request.status == RequestStatus.RUNNING:
-            self.cache_computed_blocks(request)
+        if request.status != RequestStatus.RUNNING:
+            return
+        if num_rejected:
+            request.num_computed_tokens -= num_rejected
+            keep = self.pool.blocks_for(request.num_computed_tokens + 1
+                                        + self._lookahead(request))
+            if len(request.block_ids) > keep:
+                self.pool.free_blocks(request.block_ids[keep:][::-1])  # tail first
+                del request.block_ids[keep:]
+        self.cache_computed_blocks(request)
 
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request's blocks and forget it."""

@@ -42,6 +42,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     num_output_placeholders: int = 0
     new_block_ids: list[int] = msgspec.field(default_factory=list)  # block ids not sent yet
     num_prompt_logprobs: int = -1  # prompt positions scored so far (the core's); -1: none asked
+    # a decode's drafts that this step verifies (speculative decoding): its input tokens after
+    # its own, at the positions after it
+    draft_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -96,7 +99,9 @@ class PlanBuilder:
         before `Scheduler.advance`)."""
         new_requests: list[NewRequest] = []
         plan = StepPlan(self._finished, new_requests,
-                        [self._scheduled(r, 1, new_requests) for r in decodes],
+                        [self._scheduled(r, 1 + r.num_scheduled_drafts, new_requests,
+                                         r.draft_token_ids[:r.num_scheduled_drafts])
+                         for r in decodes],
                         [self._scheduled(r, n, new_requests) for r, n in prefills],
                         [r.request_id for r in sampling], expert_capacity=expert_capacity)
         self._finished = []
@@ -110,7 +115,8 @@ class PlanBuilder:
         return plan
 
     def _scheduled(self, request: Request, num_new_tokens: int,
-                   new_requests: list[NewRequest]) -> ScheduledRequest:
+                   new_requests: list[NewRequest],
+                   draft_token_ids: list[int] | None = None) -> ScheduledRequest:
         sent = self._sent.get(request.request_id)
         if sent is None:
             sent = self._sent[request.request_id] = [0, 0]
@@ -124,6 +130,7 @@ class PlanBuilder:
         scheduled = ScheduledRequest(
             request.request_id, request.num_computed_tokens, num_new_tokens,
             outputs[sent[0]:], request.num_output_placeholders, blocks[sent[1]:],
-            -1 if request.prompt_logprobs is None else len(request.prompt_logprobs))
+            -1 if request.prompt_logprobs is None else len(request.prompt_logprobs),
+            draft_token_ids or [])
         sent[0], sent[1] = len(outputs), len(blocks)
         return scheduled

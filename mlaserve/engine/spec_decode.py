@@ -1,0 +1,128 @@
+"""The runner's side of speculative decoding with the MTP module (speculative.py): verifying a
+step's drafts and drafting the next step's.
+
+A step's token axis holds, after its plain decode rows and its prefill chunks, one chunk per
+verifying request: its next input token at position n, then its d drafts at n + 1 .. n + d, run
+like a prefill chunk over the cached context (so the main model's logits at all d + 1
+positions come out of the one forward). `verify` turns those logits into the tokens emitted:
+the target distribution at each position (`sampler.target_probs`, the request's temperature and
+filters), then `rejection_sampler.rejection_sample` with greedy drafts. Its randomness is a
+pure function of (request seed, position), as plain sampling's: the acceptance uniforms from
+`seeded_uniform` of a salted seed, the recovery / bonus draw from the plain sampler's own
+noise at that position.
+
+`draft` then runs the MTP module over every token row of the step, with the token that follows
+each row's position (the prompt's next token, the token just sampled, or for a verify chunk the
+tokens emitted; past a rejection a filler, whose cache entries the step that computes those
+positions writes again) and the main model's hidden state of the row, over the MTP layer's own
+latent cache with the step's attention metadata; the MTP logits at each speculating request's
+last computed position give its first draft (argmax). For k > 1 the module runs again, a
+decode row per request, on its own previous output and draft, at the next positions (their
+cache slots are the scheduler's lookahead). This version waits for the emitted tokens on the
+host between the two (speculating engines do not pipeline steps).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from mlaserve.attention.metadata import AttentionMetadata
+from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
+from mlaserve.engine.rejection_sampler import rejection_sample
+from mlaserve.engine.sampler import target_probs
+from mlaserve.kernels.sampling import SEED_MASK, seeded_uniform
+
+ACCEPT_SALT = 0x5EED_ACCE  # the acceptance uniforms' stream, apart from the sampler's noise
+
+
+@dataclass
+class Verified:
+    """One verifying request's outcome: the tokens emitted (1 .. d + 1) and its d drafts."""
+
+    tokens: list[int]
+    num_drafts: int
+
+
+def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: PersistentBatch
+           ) -> list[Verified]:
+    """The tokens each verifying request emits.
+
+    Args:
+        requests: the verifying requests, each with `draft_token_ids` (d_r >= 1) and its input
+            position n_r = num_computed_tokens.
+        logits: [sum(d_r + 1), V] float32, the main model's logits at n_r .. n_r + d_r, request
+            after request.
+    """
+    k = max(len(r.draft_token_ids) for r in requests)
+    counts = [len(r.draft_token_ids) + 1 for r in requests]
+    # per logits row: its request's persistent row and the index of the token it samples
+    rows = [r.row for r, c in zip(requests, counts, strict=True) for _ in range(c)]
+    positions = [r.num_computed_tokens + 1 + i for r, c in zip(requests, counts, strict=True)
+                 for i in range(c)]
+    packed = inputs.to_device([rows, positions], torch.int64)  # [2, R]
+    repeated = [r for r, c in zip(requests, counts, strict=True) for _ in range(c)]
+    batch = inputs.sampling_batch(repeated, packed[0], packed[1])
+    probs = target_probs(logits, batch)  # [R, V]
+    vocab = logits.shape[-1]
+    # [N, k + 1, V] target distributions and noise, rows past a request's d_r + 1 padded
+    starts = torch.tensor([0, *counts[:-1]]).cumsum(0).tolist()
+    index = [[s + min(i, c - 1) for i in range(k + 1)] for s, c in zip(starts, counts,
+                                                                        strict=True)]
+    gather = inputs.to_device(index, torch.int64)  # [N, k + 1]
+    target = probs[gather]  # [N, k + 1, V]
+    noise = -torch.log(seeded_uniform(batch.seeds, batch.positions, vocab))[gather]  # Exp(1)
+    drafts = inputs.to_device([r.draft_token_ids + [0] * (k - len(r.draft_token_ids))
+                               for r in requests], torch.int64)  # [N, k]
+    first_rows = gather[:, 0]
+    salted = (batch.seeds[first_rows] ^ ACCEPT_SALT) & SEED_MASK
+    uniform = torch.stack([seeded_uniform(salted, batch.positions[first_rows] + i, 1)[:, 0]
+                           for i in range(k)], dim=1)  # [N, k]
+    num_drafts = inputs.to_device([c - 1 for c in counts], torch.int64)
+    tokens, emitted = rejection_sample(target, drafts, num_drafts, uniform, noise)
+    tokens, emitted = tokens.tolist(), emitted.tolist()
+    return [Verified(row[:m], c - 1) for row, m, c in zip(tokens, emitted, counts, strict=True)]
+
+
+@dataclass
+class DraftRows:
+    """The step's token axis as the MTP module reads it (host lists, one entry per row)."""
+
+    next_ids: list[int]  # the token after each row's position (a filler where unknown)
+    last_rows: list[int]  # per speculating sampler: the row of its last computed position
+    last_positions: list[int]  # that position
+
+
+def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
+          inputs: PersistentBatch, block_size: int, num_speculative_tokens: int,
+          rows: DraftRows, hidden: torch.Tensor, positions: torch.Tensor,
+          samplers: list[RunnerRequest]) -> list[list[int]]:
+    """k greedy drafts per speculating sampler ([num_samplers][k] token ids).
+
+    Args:
+        model: the main model, with its MTP module (`model.mtp`).
+        mtp_cache: the MTP layer's latent cache.
+        meta: the step's attention metadata (its slots and chunks are the MTP layer's too).
+        hidden: [T, D] the main model's output over the step's rows; positions: [T] int64.
+    """
+    device = hidden.device
+    next_ids = inputs.to_device(rows.next_ids, torch.int64)  # [T]
+    mtp_hidden = model.mtp(next_ids, positions, hidden, mtp_cache, meta)  # [T, D]
+    last = torch.tensor(rows.last_rows, device=device)
+    previous = mtp_hidden[last]  # [S, D]
+    token = model.compute_logits(previous).argmax(dim=-1)  # [S]
+    drafts = [token]
+    if num_speculative_tokens > 1:
+        table = inputs.block_table[torch.tensor([r.row for r in samplers], device=device)]
+        position = torch.tensor(rows.last_positions, device=device) + 1  # [S]
+        for _ in range(num_speculative_tokens - 1):
+            slots = (table.gather(1, (position // block_size)[:, None]).squeeze(1).long()
+                     * block_size + position % block_size)
+            backend.plan(table, (position + 1).to(torch.int32))
+            step_meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(samplers),
+                                          prefills=[])
+            step_meta.decode_backend = backend
+            previous = model.mtp(token, position, previous, mtp_cache, step_meta)
+            token = model.compute_logits(previous).argmax(dim=-1)
+            drafts.append(token)
+            position = position + 1
+    return torch.stack(drafts, dim=1).tolist()

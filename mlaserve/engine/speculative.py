@@ -1,0 +1,87 @@
+"""Speculative decoding with the model's own multi-token-prediction (MTP) module: the options,
+which requests speculate, and the acceptance counters.
+
+The method, as vLLM's `--speculative-config '{"method": "deepseek_mtp",
+"num_speculative_tokens": k}'` spells it: after each step the MTP module (the checkpoint's layer
+`num_hidden_layers`, `model/mtp.py`) drafts k tokens per speculating request, greedily (its
+argmax), applied to its own output for k > 1; the next step verifies them in the same forward
+that computes the request's next position (its k + 1 positions as one chunk), and the rejection
+rule (`rejection_sampler.py`) keeps an accepted prefix and emits one more token, so that the
+output is distributed exactly as without speculation (greedy: identical).
+
+Which requests speculate (`speculates`): those whose next-token distribution depends only on
+the logits and their own temperature / top-k / top-p / min-p. A request with penalties, a
+logit bias, min_tokens, a structured-output grammar or logprobs decodes one token a step as
+without speculation (its output is the same either way; only its speed differs).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlaserve.engine.request import SamplingParams
+
+METHODS = ("deepseek_mtp", "mtp")  # vLLM's names of the same method
+MAX_SPECULATIVE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`: the drafting method and the drafts per step (k)."""
+
+    method: str = "deepseek_mtp"
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method {self.method!r} is not served; use "
+                             f"one of {', '.join(METHODS)} (the checkpoint's MTP module)")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer "
+                             f"from 1 to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
+        """From vLLM's JSON object; unknown keys are refused by name."""
+        if not isinstance(values, dict):
+            raise ValueError("speculative_config must be a JSON object, e.g. "
+                             '{"method": "deepseek_mtp", "num_speculative_tokens": 1}')
+        unknown = sorted(set(values) - {"method", "num_speculative_tokens", "model"})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown or unserved field(s) {unknown}; "
+                             "this engine takes method and num_speculative_tokens")
+        values = {k: v for k, v in values.items() if k != "model"}  # the MTP module is the model's
+        return cls(**values)
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request with these parameters drafts and verifies (module docstring)."""
+    return not (params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0 or params.logit_bias
+                or params.min_tokens or params.structured_outputs is not None
+                or params.logprobs is not None)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters over the engine's life, named as vLLM's `vllm:spec_decode_*` metrics."""
+
+    num_drafts: int = 0  # verification rows (a request's drafts of one step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at draft i
+
+    def observe(self, num_drafted: int, num_accepted: int, k: int) -> None:
+        """One request's verification: `num_accepted` of its `num_drafted` drafts held."""
+        if len(self.accepted_per_pos) < k:
+            self.accepted_per_pos += [0] * (k - len(self.accepted_per_pos))
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification: 1 + accepted drafts (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,261 @@
+"""Speculative decoding with the MTP module (engine/speculative.py, spec_decode.py), on the demo
+config with an MTP layer and dummy weights (CPU, float32).
+
+Dummy MTP weights draft tokens the model never samples, which checks rejection; an oracle
+drafter (the runner's `draft` replaced by one that proposes the tokens of a run without
+speculation, some of them corrupted) checks acceptance: accepted drafts' cache entries are what
+later positions attend to, so a wrong slot, position or count changes the text. Greedy outputs
+must equal decoding without speculation through chunked prefill, preemption and the prefix
+cache; sampled outputs (temperature 0.8, top-p) must follow the same distribution.
+"""
+
+from collections import Counter
+
+import pytest
+
+from mlaserve import LLM, SamplingParams
+from mlaserve.engine import runner as runner_module
+from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.request import StructuredOutputs
+from mlaserve.engine.speculative import SpecDecodeStats, SpeculativeConfig, speculates
+from mlaserve.model.deepseek import DeepseekForCausalLM
+
+OVERRIDES = {"num_nextn_predict_layers": 1, "num_hidden_layers": 2}
+LONG = "Tell me a story about a cat and a dog. " * 3  # 3 blocks of 16 tokens and more
+PROMPTS = ["What is 12 + 30?", "Tell me a story about a cat and a dog", "abc", LONG]
+
+
+def make_llm(k: int | None, **kwargs) -> LLM:
+    options = dict(load_format="dummy", hf_overrides=OVERRIDES, device="cpu", block_size=16,
+                   num_kv_blocks=128)
+    options.update(kwargs)
+    if k is not None:
+        options["speculative_config"] = {"method": "deepseek_mtp", "num_speculative_tokens": k}
+    return LLM(**options)
+
+
+def run(llm: LLM, prompts: list, params: SamplingParams | list) -> list[list[int]]:
+    outputs = llm.generate(prompts, params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[tuple[int, ...], list[int]]:
+    """Greedy outputs without speculation, by prompt token ids (the prompt's ids + outputs)."""
+    llm = make_llm(None)
+    try:
+        out = {}
+        for output in llm.generate(PROMPTS, GREEDY):
+            prompt = tuple(output.prompt_token_ids)
+            out[prompt] = list(prompt) + list(output.outputs[0].token_ids)
+        return out
+    finally:
+        llm.shutdown()
+
+
+def oracle(reference: dict, vocab_size: int, wrong_every: int, monkeypatch) -> list:
+    """Replace the runner's drafter with one that proposes the reference's next tokens, every
+    `wrong_every`-th proposal (by position) off by one; returns the drafts proposed."""
+    proposed = []
+
+    def draft(model, mtp_cache, meta, backend, inputs, block_size, k, rows, hidden, positions,
+              samplers):
+        drafts = []
+        for request, last in zip(samplers, rows.last_positions, strict=True):
+            full = reference[tuple(request.prompt_token_ids)]
+            # known after this step: tokens up to index last + 1; drafts for last + 2 ..
+            ids = [full[i] if i < len(full) else 0 for i in range(last + 2, last + 2 + k)]
+            ids = [(t + 1) % vocab_size if (last + 2 + j) % wrong_every == 0 else t
+                   for j, t in enumerate(ids)]
+            proposed.append(ids)
+            drafts.append(ids)
+        return drafts
+
+    monkeypatch.setattr(runner_module, "draft", draft)
+    return proposed
+
+
+def test_the_config_takes_vllms_spelling_and_refuses_what_it_cannot_serve():
+    assert SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 3}) == \
+        SpeculativeConfig("mtp", 3)
+    for bad, says in [({"method": "eagle"}, "not served"),
+                      ({"num_speculative_tokens": 0}, "from 1 to 4"),
+                      ({"num_speculative_tokens": 5}, "from 1 to 4"),
+                      ({"num_speculative_tokens": True}, "from 1 to 4"),
+                      ({"draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
+                      ([1], "JSON object")]:
+        with pytest.raises(ValueError, match=says):
+            SpeculativeConfig.from_dict(bad)
+    args = EngineArgs(speculative_config={"num_speculative_tokens": 2})
+    assert args.speculative_config == SpeculativeConfig("deepseek_mtp", 2)
+    with pytest.raises(ValueError, match="no MTP module"):
+        LLM(load_format="dummy", device="cpu", speculative_config={"method": "mtp"})
+
+
+def test_which_requests_speculate():
+    assert speculates(SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.1))
+    for params in [SamplingParams(presence_penalty=0.5), SamplingParams(logprobs=2),
+                   SamplingParams(repetition_penalty=1.2), SamplingParams(min_tokens=3),
+                   SamplingParams(logit_bias={5: 1.0}),
+                   SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+"))]:
+        assert not speculates(params)
+
+
+def test_stats_count_acceptance_per_position():
+    stats = SpecDecodeStats()
+    stats.observe(3, 2, 3)
+    stats.observe(3, 0, 3)
+    stats.observe(1, 1, 3)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 7, 3)
+    assert stats.accepted_per_pos == [2, 1, 0]
+    assert stats.mean_acceptance_length == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_no_speculation_with_the_mtp_drafts(k, reference):
+    llm = make_llm(k)
+    try:
+        assert run(llm, PROMPTS, GREEDY) == [reference[tuple(llm.tokenizer.encode(p))][
+            len(llm.tokenizer.encode(p)):] for p in PROMPTS]
+        stats = llm.engine.core.stats()
+        assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens >= stats.spec_num_drafts
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("k,wrong_every,options", [
+    (1, 4, {}),
+    (3, 5, {}),
+    (2, 3, {"max_num_batched_tokens": 8}),  # prompts in chunks of 8 tokens
+    (3, 7, {"num_kv_blocks": 6}),  # 96 slots for 3 requests of up to ~30 tokens: preemption
+])
+def test_accepted_drafts_leave_the_output_as_it_was(k, wrong_every, options, reference,
+                                                    monkeypatch):
+    llm = make_llm(k, **options)
+    try:
+        proposed = oracle(reference, llm.engine.core.config.model.vocab_size, wrong_every,
+                          monkeypatch)
+        got = run(llm, PROMPTS, GREEDY)
+        prompts = [tuple(llm.tokenizer.encode(p)) for p in PROMPTS]
+        assert got == [reference[p][len(p):] for p in prompts]
+        stats = llm.engine.core.stats()
+        assert proposed and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        # fewer steps than tokens: each accepted draft saved one
+        assert stats.spec_num_accepted_tokens >= len(got) * 4
+        if "num_kv_blocks" in options:
+            assert stats.num_preemptions > 0
+        pool = llm.engine.core.pool
+        assert pool.num_free_blocks == pool.num_blocks  # every block given back, none leaked
+    finally:
+        llm.shutdown()
+
+
+def test_a_prompt_cached_by_an_earlier_request_decodes_the_same(reference, monkeypatch):
+    llm = make_llm(2)
+    try:
+        oracle(reference, llm.engine.core.config.model.vocab_size, 3, monkeypatch)
+        ids = tuple(llm.tokenizer.encode(LONG))
+        first = run(llm, [LONG], GREEDY)
+        again = run(llm, [LONG], GREEDY)
+        assert first == again == [reference[ids][len(ids):]]
+        assert llm.engine.core.stats().prefix_hits > 0
+    finally:
+        llm.shutdown()
+
+
+def test_requests_that_do_not_speculate_are_served_as_without_it(reference):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    plain = make_llm(None)
+    try:
+        want = plain.generate(PROMPTS[:2], params)
+    finally:
+        plain.shutdown()
+    llm = make_llm(2)
+    try:
+        got = llm.generate(PROMPTS[:2], params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert all(o.outputs[0].logprobs for o in got)
+        assert llm.engine.core.stats().spec_num_drafts == 0
+    finally:
+        llm.shutdown()
+
+
+def test_rejected_positions_give_their_whole_blocks_back():
+    from mlaserve.cache.block_pool import BlockPool
+    from mlaserve.config import SchedulerConfig
+    from mlaserve.engine.request import Request, RequestStatus
+    from mlaserve.engine.scheduler import Scheduler
+
+    pool = BlockPool(32, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=64), pool, num_speculative_tokens=3)
+    request = Request("r", None, list(range(7)), SamplingParams(max_tokens=20), 0,
+                      speculates=True)
+    scheduler.add(request)
+    batch = scheduler.schedule()  # the prompt: 7 tokens + 2 lookahead = 3 blocks
+    assert len(request.block_ids) == 3
+    scheduler.advance(batch)
+    request.output_token_ids.append(5)
+    scheduler.land(request)
+    request.draft_token_ids = [1, 2, 3]
+    batch = scheduler.schedule()  # position 7 and 3 drafts, then 2 lookahead: 13 -> 4 blocks
+    assert batch.decodes == [request] and request.num_scheduled_drafts == 3
+    assert len(request.block_ids) == 4 and request.status == RequestStatus.RUNNING
+    scheduler.advance(batch)
+    assert request.num_computed_tokens == 11
+    request.output_token_ids.append(9)  # every draft rejected: one token emitted
+    scheduler.land(request, num_rejected=3)
+    assert request.num_computed_tokens == 8  # positions 0..7
+    assert len(request.block_ids) == 3  # 9 tokens + 2 lookahead fit 3 blocks
+    assert pool.num_free_blocks == 32 - 3
+
+
+def _sharpened(monkeypatch, factor: float) -> None:
+    """Scale the dummy model's logits so that its next-token distributions have a few likely
+    tokens (dummy weights give nearly uniform ones, under which no test could tell a biased
+    sampler)."""
+    compute = DeepseekForCausalLM.compute_logits
+    monkeypatch.setattr(DeepseekForCausalLM, "compute_logits",
+                        lambda self, hidden, dst=None: compute(self, hidden, dst) * factor)
+
+
+def test_sampled_tokens_follow_the_distribution_without_speculation(reference, monkeypatch):
+    """400 seeded samples of the first three tokens at temperature 0.8 and top-p 0.9, with
+    and without speculation (oracle drafts of the greedy text, most accepted): the total
+    variation between the two empirical distributions of each token stays under 0.12, where
+    a sampler that kept every draft (or never the first token's own draw) is off by > 0.3."""
+    _sharpened(monkeypatch, 60.0)
+    prompt = "abc"
+    params = [SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, seed=seed,
+                             ignore_eos=True) for seed in range(400)]
+    samples = {}
+    for k in (None, 2):
+        llm = make_llm(k, num_kv_blocks=512, max_num_seqs=400)
+        try:
+            if k is not None:
+                ids = tuple(llm.tokenizer.encode(prompt))
+                greedy = {ids: list(ids) + run(llm, [prompt], GREEDY)[0]}
+                oracle(greedy, llm.engine.core.config.model.vocab_size, 10**9, monkeypatch)
+            samples[k] = run(llm, [prompt] * len(params), params)
+            if k is not None:
+                assert llm.engine.core.stats().spec_num_accepted_tokens > 50
+        finally:
+            llm.shutdown()
+    for position in range(3):
+        plain = Counter(s[position] for s in samples[None])
+        spec = Counter(s[position] for s in samples[2])
+        assert max(plain.values()) < 0.9 * len(params)  # a distribution, not one token
+        tv = sum(abs(plain[t] - spec[t]) for t in plain | spec) / (2 * len(params))
+        assert tv < 0.12, (position, tv, plain.most_common(5), spec.most_common(5))
+
+
+def test_the_cli_flag_is_vllms():
+    from mlaserve.cli import build_parser, engine_args_from
+
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", '{"method": "deepseek_mtp", '
+         '"num_speculative_tokens": 3}'])
+    assert engine_args_from(args).speculative_config == SpeculativeConfig("deepseek_mtp", 3)
