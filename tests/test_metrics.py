@@ -292,3 +292,24 @@ def test_cache_config_info_is_one_labelled_with_the_settings():
         "block_size": "64", "cache_dtype": "auto", "num_gpu_blocks": "10",
         "num_cpu_blocks": "None", "engine": "0"}.items())))
     assert found[key] == 1
+
+
+def test_a_speculating_engine_publishes_vllms_spec_decode_counters_and_logs_them():
+    metrics = ServerMetrics("demo", clock=lambda: 0.0)
+    assert "spec_decode" not in metrics.render(SchedulerStats())  # not speculating
+    stats = SchedulerStats(spec_num_drafts=10, spec_num_draft_tokens=30,
+                           spec_num_accepted_tokens=18, spec_accepted_per_pos=[9, 6, 3])
+    text = metrics.render(stats)
+    assert value(text, "vllm:spec_decode_num_drafts_total") == 10
+    assert value(text, "vllm:spec_decode_num_draft_tokens_total") == 30
+    assert value(text, "vllm:spec_decode_num_accepted_tokens_total") == 18
+    per_pos = {s.labels["position"]: s.value
+               for family in text_string_to_metric_families(text)
+               if family.name == "vllm:spec_decode_num_accepted_tokens_per_pos"
+               for s in family.samples if s.name.endswith("_total")}
+    assert per_pos == {"0": 9, "1": 6, "2": 3}
+    metrics.stats_line(SchedulerStats(spec_accepted_per_pos=[0, 0, 0]))
+    line = metrics.stats_line(stats)
+    assert line.endswith(", SpecDecoding: mean acceptance length 2.80, accepted 18 of 30 draft "
+                         "tokens (60.0%), per position 0.90, 0.60, 0.30")
+    assert "SpecDecoding" not in metrics.stats_line(stats)  # no drafts in that interval

@@ -148,7 +148,7 @@ class EngineCore:
         speculative = config.speculative
         self.num_speculative_tokens = 0 if speculative is None else (
             speculative.num_speculative_tokens)
-        self.spec_stats = SpecDecodeStats()
+        self.spec_stats = SpecDecodeStats([0] * self.num_speculative_tokens)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.num_speculative_tokens)
         where = f" of replica {replica}" if config.layout.data_parallel_size > 1 else ""
         if tp_size > 1:

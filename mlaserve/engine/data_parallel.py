@@ -88,4 +88,9 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         kv_usage=sum(s.kv_usage for s in stats) / len(stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
         prefix_queries=sum(s.prefix_queries for s in stats),
-        prefix_hits=sum(s.prefix_hits for s in stats))
+        prefix_hits=sum(s.prefix_hits for s in stats),
+        spec_num_drafts=sum(s.spec_num_drafts for s in stats),
+        spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
+        spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
+        spec_accepted_per_pos=[sum(p) for p in zip(*(s.spec_accepted_per_pos for s in stats),
+                                                    strict=True)])

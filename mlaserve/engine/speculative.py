@@ -66,10 +66,10 @@ def speculates(params: SamplingParams) -> bool:
 class SpecDecodeStats:
     """Counters over the engine's life, named as vLLM's `vllm:spec_decode_*` metrics."""
 
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at draft i
     num_drafts: int = 0  # verification rows (a request's drafts of one step)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at draft i
 
     def observe(self, num_drafted: int, num_accepted: int, k: int) -> None:
         """One request's verification: `num_accepted` of its `num_drafted` drafts held."""

@@ -109,6 +109,29 @@ class _SchedulerStatsCollector(Collector):
             if value is not None:
                 counter.add_metric(self.label_values, value)
             families.append(counter)
+        if stats is not None and stats.spec_accepted_per_pos:  # a speculating engine's
+            families += self._spec_families(stats)
+        return families
+
+    def _spec_families(self, stats: SchedulerStats) -> list[Metric]:
+        """vLLM's speculative-decoding counters (`vllm:spec_decode_*`)."""
+        families: list[Metric] = []
+        for name, text, value in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                 stats.spec_num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                 stats.spec_num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                 stats.spec_num_accepted_tokens)):
+            counter = CounterMetricFamily(name, text, labels=LABEL_NAMES)
+            counter.add_metric(self.label_values, value)
+            families.append(counter)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.",
+                                      labels=(*LABEL_NAMES, "position"))
+        for position, value in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([*self.label_values, str(position)], value)
+        families.append(per_pos)
         return families
 
     def describe(self) -> Iterable[Metric]:
@@ -283,12 +306,29 @@ class ServerMetrics:
         self._last_throughputs = (prompt_tps, generation_tps)
         self._interval_start = now
         self._interval_prompt_tokens = self._interval_generation_tokens = 0
-        self._last_stats = stats
-        return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+        line = (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
                 f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"KV cache usage: {stats.kv_usage * 100:.1f}%, "
                 f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
+        line += _spec_summary(self._last_stats, stats)
+        self._last_stats = stats
+        return line
+
+
+def _spec_summary(before: SchedulerStats, now: SchedulerStats) -> str:
+    """The stats line's speculative-decoding part over an interval with drafts (else "")."""
+    drafts = now.spec_num_drafts - before.spec_num_drafts
+    if drafts <= 0:
+        return ""
+    draft_tokens = now.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = now.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    earlier = before.spec_accepted_per_pos or [0] * len(now.spec_accepted_per_pos)
+    per_pos = ", ".join(f"{(a - b) / drafts:.2f}" for a, b in zip(
+        now.spec_accepted_per_pos, earlier, strict=True))
+    return (f", SpecDecoding: mean acceptance length {1 + accepted / drafts:.2f}, "
+            f"accepted {accepted} of {draft_tokens} draft tokens "
+            f"({accepted / max(draft_tokens, 1) * 100:.1f}%), per position {per_pos}")
 
 
 class RequestGroup:
