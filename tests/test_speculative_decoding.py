@@ -259,3 +259,25 @@ def test_the_cli_flag_is_vllms():
         ["serve", "--speculative-config", '{"method": "deepseek_mtp", '
          '"num_speculative_tokens": 3}'])
     assert engine_args_from(args).speculative_config == SpeculativeConfig("deepseek_mtp", 3)
+
+
+def test_stop_strings_and_n_samples_end_as_without_speculation(reference, monkeypatch):
+    """A stop string inside a run of accepted drafts ends the text where it ends without
+    speculation; two samples of one prompt each decode as one alone."""
+    plain = make_llm(None)
+    try:
+        text = plain.generate([PROMPTS[1]], GREEDY)[0].outputs[0].text
+        stop = text[len(text) // 2: len(text) // 2 + 2]
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop], n=2)
+        want = [(c.text, c.finish_reason) for c in
+                plain.generate([PROMPTS[1]], params)[0].outputs]
+    finally:
+        plain.shutdown()
+    llm = make_llm(3)
+    try:
+        oracle(reference, llm.engine.core.config.model.vocab_size, 10**9, monkeypatch)
+        got = [(c.text, c.finish_reason) for c in llm.generate([PROMPTS[1]], params)[0].outputs]
+        assert got == want and want[0][1] == "stop" and len(want) == 2
+        assert llm.engine.core.stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
