@@ -316,3 +316,41 @@ def test_sweep_with_the_triton_interpreter(tmp_path, capsys, dtype):
         plan = _results(record)[(2, 3, 20, 8, 1, "triton[num_splits=3]")]["plan"]
         assert " splits 3 (waves" in plan and "splits 1" in _results(record)[
             (2, 3, 20, 8, 1, "triton[num_splits=1]")]["plan"]
+
+
+def test_replay_times_the_recorded_steps_and_weighs_them_by_time(tmp_path, capsys):
+    """--replay builds one cell per picked step with that step's own lengths (evenly spaced
+    over the record, first and last included), gates and times each backend on them, and
+    prints each backend's time-weighted speed against the best peer."""
+    from mlaserve.bench.kernel_grid import replay_cells
+    from mlaserve.bench.kernel_report import BackendResult, CellResult
+    from mlaserve.engine.decode_record import DecodeStepRecorder
+
+    steps = [(1, [3 + i, 9, 1 + 2 * i]) for i in range(7)]
+    cells = replay_cells(steps, num_heads=2, block_size=8, max_steps=3)
+    assert [c.step for c in cells] == [0, 3, 6]
+    assert cells[1].seq_lens() == [6, 9, 7] and cells[1].kv_len == 9
+    assert cells[1].batch_size == 3 and "step3" in cells[1].label
+    with pytest.raises(ValueError, match="empty"):
+        replay_cells([], 2, 8, 3)
+
+    record = tmp_path / "steps.jsonl"
+    recorder = DecodeStepRecorder(record)
+    for q_len, lengths in steps:
+        recorder.record(lengths, q_len)
+    recorder.close()
+    rc, written = _sweep(tmp_path, "--backends", "torch", "--replay", str(record),
+                         "--replay-steps", "2")
+    assert rc == 0
+    assert [c["lengths"] for c in written["cells"]] == [[3, 9, 1], [9, 9, 13]]
+    assert all(r["status"] == "ok" for c in written["cells"] for r in c["results"])
+    assert "replay of" in capsys.readouterr().out
+
+    def cell(peer_s: float, own_s: float) -> CellResult:
+        result = CellResult(cells[0], 0, 0, None, 1)
+        result.results = [BackendResult("flashinfer", "ok", seconds=peer_s),
+                          BackendResult("triton", "ok", seconds=own_s)]
+        return result
+
+    summary = bench_kernel.replay_summary([cell(1.0, 2.0), cell(3.0, 2.0)], "p")
+    assert "  triton: 1.000" in summary  # (1 + 3) / (2 + 2), not the mean of 0.5 and 1.5

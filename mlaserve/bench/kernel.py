@@ -41,6 +41,7 @@ from mlaserve.bench.kernel_grid import (
     decode_flops,
     flag_cells,
     floor_seconds,
+    replay_cells,
 )
 from mlaserve.bench.kernel_report import (
     PEER_BACKENDS,
@@ -61,6 +62,7 @@ from mlaserve.bench.kernel_sweep import (
 from mlaserve.bench.kernel_timing import time_cpu, time_eager, time_graph
 from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import parse_dtype
+from mlaserve.engine.decode_record import read_decode_steps
 from mlaserve.kernels.testing import Ceilings, compare, measure_ceilings
 from mlaserve.option_values import KV_CACHE_DTYPE_NAMES
 
@@ -114,6 +116,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ragged", action="store_true",
                         help="also time each cell with its request lengths drawn from "
                              "q_len..kv_len (a ragged batch beside the uniform one)")
+    parser.add_argument("--replay", default=None, metavar="PATH",
+                        help="time the decode steps a server recorded (`mlaserve serve "
+                             "--record-decode-steps PATH`) instead of a grid: each step's own "
+                             "lengths, at the first of --heads and --block-sizes; reports each "
+                             "backend's time-weighted ratio to the best peer")
+    parser.add_argument("--replay-steps", type=int, default=24,
+                        help="steps of --replay timed, evenly spaced over the record")
     parser.add_argument("--sweep", default=None,
                         help="variants of the triton backend's plan, timed beside it: groups of "
                              "field=v1,v2 (an MLADecodeConfig field or num_splits), e.g. "
@@ -124,6 +133,10 @@ def grid_cells(args: argparse.Namespace) -> list[Cell]:
     """The cells the flags ask for."""
     given = [f"--{name.replace('_', '-')}" for name in GRID_FLAGS
              if getattr(args, name) is not None]
+    if getattr(args, "replay", None):
+        return replay_cells(read_decode_steps(args.replay), (args.heads or [16])[0],
+                            (args.block_sizes or GRID_DEFAULTS["block_sizes"])[0],
+                            args.replay_steps)
     if args.grid in PRESETS:
         if given:
             raise ValueError(f"--grid {args.grid} fixes the cells; drop {' '.join(given)}")
@@ -337,6 +350,23 @@ def _progress(index: int, total: int, cell_result: CellResult) -> str:
             + "".join(plans))
 
 
+def replay_summary(cell_results: list[CellResult], path: str) -> str:
+    """Each backend's time-weighted speed against the best peer over the replayed steps:
+    sum(best peer's time) / sum(its time), over the steps where both ran."""
+    lines = [f"replay of {path}, {len(cell_results)} steps, time-weighted speed vs the best "
+             "peer (above 1: faster):"]
+    backends = dict.fromkeys(r.backend for c in cell_results for r in c.results)
+    for backend in backends:
+        own = peer = 0.0
+        for cell_result in cell_results:
+            best = cell_result.best_peer_s()
+            result = next(r for r in cell_result.results if r.backend == backend)
+            if best and result.status == "ok" and result.seconds:
+                own, peer = own + result.seconds, peer + best
+        lines.append(f"  {backend}: {peer / own:.3f}" if own else f"  {backend}: n/a")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the sweep; 0 when every gated backend passed, 1 when one failed."""
     device = _resolve_device(args.device)
@@ -402,6 +432,8 @@ def run(args: argparse.Namespace) -> int:
             write_json(out / JSON_NAME, to_json(cell_results, header))
     print()
     print(format_table(cell_results))
+    if args.replay:
+        print(replay_summary(cell_results, args.replay))
     if out is not None:
         print(f"wrote {out / JSON_NAME}")
         try:

@@ -28,9 +28,15 @@ class Cell:
     block_size: int
     q_len: int = 1
     ragged: bool = False
+    # a served step's lengths (`replay_cells`): the batch as recorded, one length per request
+    lengths: tuple[int, ...] | None = None
+    step: int = -1  # the recorded step's index (a replayed cell)
 
     @property
     def label(self) -> str:
+        if self.lengths is not None:
+            return (f"H{self.num_heads} B{self.batch_size} kv{min(self.lengths)}..{self.kv_len} "
+                    f"blk{self.block_size} q{self.q_len} step{self.step}")
         kv = f"kv{self.q_len}..{self.kv_len}" if self.ragged else f"kv{self.kv_len}"
         return f"H{self.num_heads} B{self.batch_size} {kv} blk{self.block_size} q{self.q_len}"
 
@@ -40,17 +46,32 @@ class Cell:
 
     def seq_lens(self) -> list[int]:
         """The KV length of each request: kv_len, or drawn from q_len..kv_len when ragged (the
-        same draw for a cell in every run)."""
+        same draw for a cell in every run), or a replayed step's lengths."""
+        if self.lengths is not None:
+            return list(self.lengths)
         if not self.ragged:
             return [self.kv_len] * self.batch_size
         draw = random.Random(f"{self.batch_size}x{self.kv_len}x{self.q_len}")
         return [draw.randint(self.q_len, self.kv_len) for _ in range(self.batch_size)]
 
-    def sort_key(self) -> tuple[int, int, int, int, bool, int]:
+    def sort_key(self) -> tuple[int, int, int, int, bool, int, int]:
         """Table order: q_len, heads, batch, kv length, uniform before ragged, larger blocks
         first."""
         return (self.q_len, self.num_heads, self.batch_size, self.kv_len, self.ragged,
-                -self.block_size)
+                -self.block_size, self.step)
+
+
+def replay_cells(steps: list[tuple[int, list[int]]], num_heads: int, block_size: int,
+                 max_steps: int) -> list[Cell]:
+    """Cells of recorded decode steps (`engine.decode_record.read_decode_steps`): at most
+    `max_steps` of them, evenly spaced over the record (its first and last included), each
+    with its batch's own lengths."""
+    if not steps:
+        raise ValueError("the decode-step record is empty")
+    count = min(max_steps, len(steps))
+    picks = sorted({round(i * (len(steps) - 1) / max(count - 1, 1)) for i in range(count)})
+    return [Cell(num_heads, len(steps[i][1]), max(steps[i][1]), block_size, steps[i][0],
+                 lengths=tuple(steps[i][1]), step=i) for i in picks]
 
 
 def decode_bytes(cell: Cell, kv_lora_rank: int, rope_dim: int, element_size: int = 2) -> int:
