@@ -98,11 +98,11 @@ def test_anchor_preset_is_exactly_the_anchor_cells():
 
 def test_coverage_preset_adds_page_sizes_and_ragged_batches_to_the_anchor_grid():
     cells = coverage_cells()
-    assert set(anchor_cells()) < set(cells) and len(cells) == len(set(cells)) == 17 + 8 + 4
+    assert set(anchor_cells()) < set(cells) and len(cells) == len(set(cells)) == 17 + 8 + 10
     assert {c.block_size for c in cells if c.num_heads == 16} == {16, 32, 64, 128}
     ragged = [c for c in cells if c.ragged]
-    assert {(c.num_heads, c.batch_size) for c in ragged} == {(16, 64), (16, 512), (128, 64),
-                                                             (128, 512)}
+    assert {(c.num_heads, c.batch_size) for c in ragged} == {
+        (heads, batch) for heads in (16, 128) for batch in (16, 64, 128, 256, 512)}
     assert all(c.kv_len == 8192 and min(c.seq_lens()) >= 1 for c in ragged)
     assert bench_kernel.grid_cells(bench_kernel_args("--grid", "coverage")) == cells
     with pytest.raises(ValueError, match="--grid coverage fixes the cells; drop --heads"):

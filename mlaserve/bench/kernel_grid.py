@@ -120,10 +120,10 @@ def coverage_cells() -> list[Cell]:
 
     Block sizes 16, 32 and 128 at 16 heads x batch {1, 64, 512} x kv 4096 (block 64 is in the
     anchor grid), and ragged batches (lengths drawn from 1..8192) at heads {16, 128} x batch
-    {64, 512}, block 64.
+    {16, 64, 128, 256, 512}, block 64 (the table's plan line names each cell's split policy).
     """
     cells = set(anchor_cells())
     cells |= set(flag_cells([16], [1, 64, 512], [4096], [16, 32, 128], [1]))
     cells |= {Cell(heads, batch, 8192, 64, ragged=True) for heads in (16, 128)
-              for batch in (64, 512)}
+              for batch in (16, 64, 128, 256, 512)}
     return sorted(cells, key=Cell.sort_key)
