@@ -17,6 +17,15 @@ GPU (one H100 or H200, ~9 minutes in all):
     python scripts/train_demo_model.py --out /tmp/demo_model --device cuda --time-budget-min 6.5
 CPU smoke test (a minute or two):
     python scripts/train_demo_model.py --out /tmp/tiny --device cpu --steps 3 --tiny
+
+Multi-token prediction (--mtp-only --init CHECKPOINT): DeepSeek-V3's MTP module (the layer
+speculative decoding drafts with, scripts/demo_mtp.py) trained on the same mixture with the
+main model of CHECKPOINT frozen, and written into --out beside it (num_nextn_predict_layers 1;
+every main tensor as it was stored). The shipped demo model's MTP was trained this way, on the
+CPU (its README has the command): DeepSeek-V3 trains the module jointly with the trunk; with
+the trunk frozen the main model's outputs (and scores) are unchanged by construction.
+    python scripts/train_demo_model.py --mtp-only --init mlaserve/demo_model \
+        --out mlaserve/demo_model --device cpu --batch-size 16 --time-budget-min 20
 """
 
 import argparse
@@ -432,12 +441,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mc-letter-weight", type=float, default=MC_LETTER_WEIGHT,
                         help="loss weight of an arith_mc answer letter (see MC_LETTER_WEIGHT)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer width-64 model (tests)")
-    return parser.parse_args(argv)
+    parser.add_argument("--mtp-only", action="store_true",
+                        help="train only the multi-token-prediction module of --init's frozen "
+                             "model (scripts/demo_mtp.py) and write the checkpoint with it")
+    parser.add_argument("--init", default=None, help="the checkpoint --mtp-only starts from")
+    parser.add_argument("--mtp-depths", type=int, default=3,
+                        help="--mtp-only: chained drafts trained per position (speculative "
+                             "decoding's k), see scripts/demo_mtp.py")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch's CPU threads")
+    args = parser.parse_args(argv)
+    if args.mtp_only != (args.init is not None):
+        parser.error("--mtp-only and --init go together")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    if args.mtp_only:
+        return train_mtp_only(args, argv if argv is not None else sys.argv[1:])
     device = torch.device(args.device)
     if args.chat_check_count is None:
         args.chat_check_count = 200 if device.type == "cuda" else 0
@@ -513,6 +537,60 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     write_readme(out, argv if argv is not None else sys.argv[1:], num_params, step, train_s,
                  device, scores, args.final_eval_count, checks, args.chat_check_count)
     return scores
+
+
+def train_mtp_only(args: argparse.Namespace, argv: list[str]) -> dict[str, float]:
+    """--mtp-only: the MTP module of --init's frozen model, trained and saved (module
+    docstring); returns the last log window's loss and accuracy of each depth."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import demo_mtp
+    from transformers import AutoModelForCausalLM
+
+    device, init, out = torch.device(args.device), Path(args.init), Path(args.out)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(init))
+    main_model = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32).to(device)
+    mtp = demo_mtp.MTPModule(main_model)
+    balancer = ExpertBalancer(mtp)  # the MTP layer's router only (the main model is not in it)
+    print(f"MTP module: {sum(p.numel() for p in mtp.parameters()) / 1e6:.2f}M parameters, "
+          f"{args.mtp_depths} depths", flush=True)
+    workers = args.num_workers or 0
+    loader = DataLoader(TaskStream(tokenizer, args.seed, args.mc_letter_weight, args.batch_size),
+                        batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+    summary = demo_mtp.train(mtp, loader, args.steps, args.time_budget_min * 60, args.lr,
+                             args.warmup_steps, args.mtp_depths, balancer.step)
+    demo_mtp.save(mtp, init, out, MAX_BYTES)
+    print(f"wrote {out} after {summary['steps']} steps, {summary['seconds']:.0f} s", flush=True)
+    write_mtp_readme(out, argv, summary, device, args.batch_size)
+    return {f"loss_depth{d + 1}": v for d, v in enumerate(summary["loss"])}
+
+
+MTP_SECTION = "## Multi-token prediction (MTP)"
+
+
+def write_mtp_readme(out: Path, argv: list[str], summary: dict, device: torch.device,
+                     batch_size: int) -> None:
+    """The README's MTP section (replacing an earlier one): how the module was trained."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    depths = len(summary["loss"])
+    text = (out / "README.md").read_text() if (out / "README.md").exists() else ""
+    text = text.split("\n" + MTP_SECTION)[0].rstrip("\n")
+    lines = [
+        "", "", MTP_SECTION, "",
+        "Layer num_hidden_layers (`num_nextn_predict_layers: 1`, DeepSeek-V3's published "
+        "layout with its copies of the embedding and the LM head), the module that "
+        "`--speculative-config '{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": k}'` "
+        "drafts with. It was trained alone, on the training mixture above, with the main model "
+        "frozen: every main tensor is bit-identical to the checkpoint's before, so the scores "
+        "above are unchanged (DeepSeek-V3 trains the module jointly with the trunk). The loss is "
+        "DeepSeek-V3's MTP loss (cross entropy against the token after next over the answer "
+        f"tokens), at {depths} chained depths as speculative decoding applies the module "
+        "(scripts/demo_mtp.py). Made by:", "",
+        "    python scripts/train_demo_model.py " + " ".join(argv), "",
+        f"{summary['steps']} steps of {batch_size} sequences in {summary['seconds']:.0f} s on "
+        f"{where}, torch {torch.__version__}. Over the last {summary['window']} steps, by depth: "
+        "loss " + " / ".join(f"{v:.4f}" for v in summary["loss"]) + ", top-1 accuracy on the "
+        "answer tokens " + " / ".join(f"{v:.3f}" for v in summary["accuracy"]) + "."]
+    (out / "README.md").write_text(text + "\n".join(lines) + "\n")
 
 
 def write_readme(out: Path, argv: list[str], num_params: int, steps: int, train_s: float,

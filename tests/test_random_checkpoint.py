@@ -28,7 +28,9 @@ def test_it_holds_the_published_layout(random_dir):
     config = json.loads((path / "config.json").read_text())
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     experts = {k for k in index if ".mlp.experts." in k}
-    moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
+    # the MoE layers, the multi-token-prediction layer (index num_hidden_layers) among them
+    moe_layers = (config["num_hidden_layers"] + config["num_nextn_predict_layers"]
+                  - config["first_k_dense_replace"])
     assert len(experts) == moe_layers * config["n_routed_experts"] * 3
     key = "model.layers.1.mlp.experts.0.down_proj.weight"
     assert index[key] == "model-layers-00001.safetensors"

@@ -37,6 +37,11 @@ class EvalEngine:
     def close(self) -> None:
         """Free what the engine holds (model, workers, connections)."""
 
+    def spec_stats(self) -> dict | None:
+        """The speculative-decoding counters so far (num_drafts, num_draft_tokens,
+        num_accepted_tokens, accepted_per_pos), or None: the engine does not speculate."""
+        return None
+
 
 class TokenizedEngine(EvalEngine):
     """An in-process engine: text is tokenized here; subclasses work on token ids."""
@@ -79,7 +84,17 @@ class MlaserveEngine(TokenizedEngine):
 
         self.llm = LLM(**asdict(engine_args))
         self.label = f"mlaserve/{engine_args.attention_backend or 'auto'}"
+        self.speculative = engine_args.speculative_config is not None
         super().__init__(self.llm.tokenizer)
+
+    def spec_stats(self) -> dict | None:
+        if not self.speculative:
+            return None
+        stats = self.llm.engine.core.stats()
+        return {"num_drafts": stats.spec_num_drafts,
+                "num_draft_tokens": stats.spec_num_draft_tokens,
+                "num_accepted_tokens": stats.spec_num_accepted_tokens,
+                "accepted_per_pos": list(stats.spec_accepted_per_pos)}
 
     def generate_ids(self, prompts: list[list[int]], stop: list[str],
                      max_tokens: int) -> list[str]:

@@ -3,7 +3,9 @@
 Each column is one engine: mlaserve in process with one attention backend (`--attention-backend
 torch,triton` gives two columns), transformers (`--engine transformers`), or a server
 (`--base-url`). Columns after the first are compared with it question by question; the JSON
-output holds every question's score and prediction.
+output holds every question's score and prediction. With `--speculative-config`, a line per
+task and engine after the table gives the speculative-decoding counters of that task's
+requests (`spec_line`; also under "spec_decode" in the JSON).
 """
 
 import argparse
@@ -84,6 +86,33 @@ def format_table(results: dict[str, dict[str, TaskResult]]) -> str:
     return "\n".join(lines)
 
 
+def spec_delta(before: dict, after: dict) -> dict:
+    """The speculative-decoding counters between two `EvalEngine.spec_stats` readings, with
+    the mean acceptance length (1 + accepted / drafts, vLLM's; 0 without drafts) and the
+    acceptance rate of each draft position (accepted there / drafts)."""
+    earlier = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"])
+    delta = {key: after[key] - before[key]
+             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    delta["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], earlier,
+                                                       strict=True)]
+    drafts = delta["num_drafts"]
+    delta["mean_acceptance_length"] = 1 + delta["num_accepted_tokens"] / drafts if drafts else 0.0
+    delta["acceptance_per_pos"] = [a / drafts if drafts else 0.0
+                                   for a in delta["accepted_per_pos"]]
+    return delta
+
+
+def spec_line(label: str, task: str, spec: dict) -> str:
+    """One line of a task's speculative-decoding counters."""
+    if not spec["num_drafts"]:
+        return (f"{task} ({label}): speculative decoding: no drafts verified (no request "
+                "decoded past its first token)")
+    return (f"{task} ({label}): speculative decoding: {spec['num_drafts']} drafts, "
+            f"{spec['num_draft_tokens']} draft tokens, {spec['num_accepted_tokens']} accepted, "
+            f"mean acceptance length {spec['mean_acceptance_length']:.3f}, acceptance per "
+            "position " + ", ".join(f"{a:.3f}" for a in spec["acceptance_per_pos"]))
+
+
 def to_json(results: dict[str, dict[str, TaskResult]], meta: dict) -> dict:
     columns = list(results)
     first = results[columns[0]]
@@ -147,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; known: {', '.join(T.TASKS)}")
     results: dict[str, dict[str, TaskResult]] = {}
+    spec: dict[str, dict[str, dict]] = {}  # engines that speculate: task -> counters
     for factory in engines_from(args):
         engine = factory()
         try:
@@ -156,13 +186,19 @@ def run(args: argparse.Namespace) -> int:
             results[label] = {}
             for task in names:
                 print(f"{label}: {task}...", file=sys.stderr, flush=True)
+                before = engine.spec_stats()
                 results[label][task] = run_task(engine, task, args.limit, args.max_gen_tokens)
+                if before is not None:
+                    spec.setdefault(label, {})[task] = spec_delta(before, engine.spec_stats())
         finally:
             engine.close()
     print(format_table(results))
+    for label, by_task in spec.items():
+        for task, counters in by_task.items():
+            print(spec_line(label, task, counters))
     if args.output:
         meta = {"model": args.base_url or args.model or "demo_model", "limit": args.limit,
-                "tasks": names}
+                "tasks": names, **({"spec_decode": spec} if spec else {})}
         with open(args.output, "w") as f:
             json.dump(to_json(results, meta), f, indent=1)
     return 0
