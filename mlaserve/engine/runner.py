@@ -283,6 +283,8 @@ class ModelRunner:
         drafting = [r for r in samplers if speculates(r.params)]
         if not drafting:
             return pending
+        if pending.ready is not None:
+            pending.ready.synchronize()  # the plain samples' copy to the host
         sampled = dict(zip(pending.plain_ids, pending.sampled.tolist(), strict=True))
         next_ids: list[int] = [sampled[r.request_id] for r in decodes]
         last: dict[str, tuple[int, int]] = {r.request_id: (i, r.num_computed_tokens)
