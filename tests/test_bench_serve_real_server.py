@@ -76,3 +76,24 @@ def server_metrics(url: str) -> dict[str, float]:
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
+
+
+def test_bench_serve_reports_a_speculating_servers_acceptance(capsys):
+    """A server that speculates (the demo config with an MTP layer, dummy weights) publishes
+    vLLM's spec-decode counters, and `bench serve` prints and saves its run's acceptance from
+    them (the counters' growth over the run)."""
+    with RunningServer(load_format="dummy", max_model_len=256,
+                       hf_overrides={"num_nextn_predict_layers": 1, "num_hidden_layers": 2},
+                       speculative_config={"method": "mtp", "num_speculative_tokens": 2}
+                       ) as server:
+        result = asyncio.run(bench_serve.run_benchmark(bench_args(server.url)))
+        served = server_metrics(server.url)
+    out = capsys.readouterr().out
+    assert "Speculative Decoding" in out and "Acceptance length:" in out
+    drafts = served["vllm:spec_decode_num_drafts_total"]
+    assert result["spec_decode_num_drafts"] == drafts > 0  # the run's drafts: all of them
+    assert result["spec_decode_draft_tokens"] == served["vllm:spec_decode_num_draft_tokens_total"]
+    assert result["spec_decode_draft_tokens"] >= drafts
+    assert result["spec_decode_acceptance_length"] == pytest.approx(
+        1 + served["vllm:spec_decode_num_accepted_tokens_total"] / drafts)
+    assert result["output_lens"] == [8] * 12  # speculation changes no count

@@ -295,8 +295,12 @@ def test_cache_config_info_is_one_labelled_with_the_settings():
 
 
 def test_a_speculating_engine_publishes_vllms_spec_decode_counters_and_logs_them():
-    metrics = ServerMetrics("demo", clock=lambda: 0.0)
-    assert "spec_decode" not in metrics.render(SchedulerStats())  # not speculating
+    assert "spec_decode" not in ServerMetrics("demo").render(SchedulerStats())  # not speculating
+    metrics = ServerMetrics("demo", clock=lambda: 0.0, num_speculative_tokens=3)
+    before_any_step = metrics.render(SchedulerStats())
+    assert value(before_any_step, "vllm:spec_decode_num_drafts_total") == 0
+    assert value(before_any_step, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                 position="2") == 0
     stats = SchedulerStats(spec_num_drafts=10, spec_num_draft_tokens=30,
                            spec_num_accepted_tokens=18, spec_accepted_per_pos=[9, 6, 3])
     text = metrics.render(stats)

@@ -97,7 +97,9 @@ def create_app(engine_args: EngineArgs, served_model_name: str | Sequence[str] |
         served_model_name = [served_model_name]
     names = tuple(served_model_name or [engine_args.model or "mlaserve-demo"])
     state = ServerState(engine_args, names, api_key, options or ServerOptions())
-    state.metrics = ServerMetrics(names[0])
+    speculative = engine_args.speculative_config
+    state.metrics = ServerMetrics(names[0], num_speculative_tokens=0 if speculative is None
+                                  else speculative.num_speculative_tokens)
 
     app = FastAPI(title="mlaserve", version=__version__, lifespan=_lifespan)
     app.state.server = state

@@ -79,9 +79,10 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 class _SchedulerStatsCollector(Collector):
     """The core's gauges and cumulative counters, as of the SchedulerStats last given."""
 
-    def __init__(self, label_values: Sequence[str]) -> None:
+    def __init__(self, label_values: Sequence[str], num_speculative_tokens: int = 0) -> None:
         self.label_values = list(label_values)
         self.stats = SchedulerStats()
+        self.num_speculative_tokens = num_speculative_tokens  # k; 0: no spec-decode counters
 
     def _families(self, stats: SchedulerStats | None) -> list[Metric]:
         families: list[Metric] = []
@@ -109,7 +110,7 @@ class _SchedulerStatsCollector(Collector):
             if value is not None:
                 counter.add_metric(self.label_values, value)
             families.append(counter)
-        if stats is not None and stats.spec_accepted_per_pos:  # a speculating engine's
+        if stats is not None and self.num_speculative_tokens:  # a speculating engine's
             families += self._spec_families(stats)
         return families
 
@@ -129,7 +130,8 @@ class _SchedulerStatsCollector(Collector):
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.",
                                       labels=(*LABEL_NAMES, "position"))
-        for position, value in enumerate(stats.spec_accepted_per_pos):
+        accepted = stats.spec_accepted_per_pos or [0] * self.num_speculative_tokens  # no step yet
+        for position, value in enumerate(accepted):
             per_pos.add_metric([*self.label_values, str(position)], value)
         families.append(per_pos)
         return families
@@ -151,11 +153,12 @@ class ServerMetrics:
     """
 
     def __init__(self, model_name: str, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 num_speculative_tokens: int = 0) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         label_values = (model_name, "0")
-        self._scheduler = _SchedulerStatsCollector(label_values)
+        self._scheduler = _SchedulerStatsCollector(label_values, num_speculative_tokens)
         self.registry.register(self._scheduler)
 
         def counter(name: str, text: str) -> Counter:
