@@ -25,7 +25,8 @@ every main tensor as it was stored). The shipped demo model's MTP was trained th
 CPU (its README has the command): DeepSeek-V3 trains the module jointly with the trunk; with
 the trunk frozen the main model's outputs (and scores) are unchanged by construction.
     python scripts/train_demo_model.py --mtp-only --init mlaserve/demo_model \
-        --out mlaserve/demo_model --device cpu --batch-size 16 --time-budget-min 20
+        --out mlaserve/demo_model --device cpu --batch-size 16 --warmup-steps 50 \
+        --time-budget-min 20 --num-threads 2
 """
 
 import argparse
