@@ -53,7 +53,7 @@ def test_the_cache_keeps_the_first_measurement(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
     measured = []
 
-    def measure(shapes, device):
+    def measure(shapes, device, unquantized_inputs=()):
         measured.append(shapes)
         return ProductTable("NVIDIA H100", {s: ((8192, f"p{len(measured)}"),) for s in shapes})
 

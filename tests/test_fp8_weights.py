@@ -353,3 +353,15 @@ def test_a_models_fp8_product_shapes(aligned_pair):
     assert stacks.isdisjoint(linears)
     assert product_shapes(model) == linears | stacks
 
+
+
+def test_the_fp8_products_whose_input_no_kernel_quantizes(aligned_pair):
+    """o_proj reads attention's output as it is: its product is measured with the activation
+    quantization it pays; the norms and SiLU-and-mul quantize every other Linear's input."""
+    from mlaserve.model.fp8_linear import product_shapes, unquantized_input_shapes
+
+    model = _build(aligned_pair[0], "fp8", load_format="dummy")
+    o_proj = {tuple(layer.self_attn.o_proj.weight.shape) for layer in model.model.layers}
+    assert unquantized_input_shapes(model) == o_proj and o_proj <= product_shapes(model)
+    assert unquantized_input_shapes(_build(aligned_pair[0], "none", load_format="dummy")) \
+        == set()  # no FP8 Linears

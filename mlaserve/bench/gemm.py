@@ -122,7 +122,8 @@ def install_products(projs: list[Projection], products: str, device: torch.devic
         from mlaserve.kernels.fp8_product_choice import load_or_measure
 
         fp8_product_table.install(load_or_measure(
-            [(p.out_features, p.in_features) for p in projs], device))
+            [(p.out_features, p.in_features) for p in projs], device,
+            [(p.out_features, p.in_features) for p in projs if not p.producer_quantizes]))
 
 
 def bar_summary(rows: list[dict], min_library: float = 0.97, min_bf16_tokens: int = 16) -> str:

@@ -16,7 +16,7 @@ from mlaserve.kernels.fp8_product_table import ROW_BUCKETS, ProductTable, Shape
 logger = logging.getLogger(__name__)
 WEIGHT_ONLY_MAX_BUCKET = 64  # past this the weight-only product is never close
 CACHE_ENV = "MLASERVE_CACHE_DIR"  # default ~/.cache/mlaserve
-TABLE_VERSION = 1  # raise when a product changes, so that cached tables are measured again
+TABLE_VERSION = 2  # raise when a product changes, so that cached tables are measured again
 
 
 def candidate_paths(rows: int, out_features: int, in_features: int, *, sm90: bool,
@@ -59,9 +59,13 @@ def choose(shapes: Iterable[Shape], candidates: Callable[[int, int, int], list[s
     return paths
 
 
-def measure(shapes: Iterable[Shape], device: torch.device, repeats: int = 10) -> ProductTable:
+def measure(shapes: Iterable[Shape], device: torch.device, repeats: int = 10,
+            unquantized_inputs: Iterable[Shape] = ()) -> ProductTable:
     """Time every candidate of every shape and bucket on `device` (an sm_90 GPU or another
-    CUDA GPU) and keep the fastest."""
+    CUDA GPU) and keep the fastest. The w8a8 candidates of `unquantized_inputs` (shapes whose
+    layer gets its input in the model dtype: no producer quantizes it) are timed with the
+    activation quantization they then pay; the others on x quantized beforehand."""
+    with_quantization = set(unquantized_inputs)
     from mlaserve.kernels.fp8_activations import quantize_activations
     from mlaserve.kernels.fp8_blocks import QuantizedActivations, quantize_block_fp8
     from mlaserve.kernels.fp8_gemm import block_fp8_w8a8, fp8_weight_only_matmul
@@ -86,6 +90,9 @@ def measure(shapes: Iterable[Shape], device: torch.device, repeats: int = 10) ->
         x = torch.randn(rows, in_features, device=device, dtype=torch.bfloat16)
         if path == "weight-only":
             calls = [lambda w=w: fp8_weight_only_matmul(x, w, w_scales) for w in w_fp8s]
+        elif (out_features, in_features) in with_quantization:
+            calls = [lambda w=w: block_fp8_w8a8(QuantizedActivations(
+                *quantize_activations(x), x.dtype), w, w_scales, path) for w in w_fp8s]
         else:
             xq = QuantizedActivations(*quantize_activations(x), x.dtype)
             calls = [lambda w=w: block_fp8_w8a8(xq, w, w_scales, path) for w in w_fp8s]
@@ -102,30 +109,35 @@ def measure(shapes: Iterable[Shape], device: torch.device, repeats: int = 10) ->
     return ProductTable(torch.cuda.get_device_name(device), paths)
 
 
-def table_path(device_name: str, shapes: Iterable[Shape], deep_gemm: bool) -> Path:
+def table_path(device_name: str, shapes: Iterable[Shape], deep_gemm: bool,
+               unquantized_inputs: Iterable[Shape] = ()) -> Path:
     """Where the table of these shapes on this GPU model (with DeepGEMM or without) is kept;
     TABLE_VERSION changes with the products, so an older table is not read."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mlaserve")
     key = hashlib.sha256(json.dumps([TABLE_VERSION, device_name, deep_gemm,
-                                     sorted(set(shapes))]).encode()).hexdigest()
+                                     sorted(set(shapes)),
+                                     sorted(set(unquantized_inputs))]).encode()).hexdigest()
     return root / "fp8-products" / f"{key[:24]}.json"
 
 
-def load_or_measure(shapes: Iterable[Shape], device: torch.device) -> ProductTable:
+def load_or_measure(shapes: Iterable[Shape], device: torch.device,
+                    unquantized_inputs: Iterable[Shape] = ()) -> ProductTable:
     """The cached table of these shapes on this GPU model, else a measured one (then
     cached; a minute or more the first time, DeepGEMM compiling its kernels); a cache that
-    cannot be read or written is measured again, not an error."""
+    cannot be read or written is measured again, not an error. `unquantized_inputs`: as in
+    `measure`."""
     from mlaserve.kernels.fp8_gemm_deepgemm import load_deep_gemm
 
-    shapes = sorted(set(shapes))
-    path = table_path(torch.cuda.get_device_name(device), shapes, load_deep_gemm() is not None)
+    shapes, unquantized_inputs = sorted(set(shapes)), sorted(set(unquantized_inputs))
+    path = table_path(torch.cuda.get_device_name(device), shapes, load_deep_gemm() is not None,
+                      unquantized_inputs)
     try:
         return ProductTable.from_json(path.read_text())
     except (OSError, ValueError, KeyError, TypeError):
         pass
     logger.info("measuring the block-FP8 products of %d weight shapes on this GPU (once; "
                 "kept in %s)", len(shapes), path)
-    table = measure(shapes, device)
+    table = measure(shapes, device, unquantized_inputs=unquantized_inputs)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(table.to_json() + "\n")

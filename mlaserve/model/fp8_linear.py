@@ -145,3 +145,16 @@ def product_shapes(model: nn.Module) -> set[tuple[int, int]]:
                 shapes.add((weight.shape[0], weight.shape[1]))
     return shapes
 
+
+# The FP8 Linears whose input no kernel quantizes in the model: o_proj reads attention's output,
+# eh_proj (the MTP module's) a concatenation of two norms' outputs
+_UNQUANTIZED_INPUT_LINEARS = ("o_proj", "eh_proj")
+
+
+def unquantized_input_shapes(model: nn.Module) -> set[tuple[int, int]]:
+    """The weight shapes [N, K] of the FP8 Linears that get their input in the model dtype (a
+    w8a8 product there pays the activation quantization; `fp8_product_choice.measure`)."""
+    return {(m.weight.shape[0], m.weight.shape[1]) for name, m in model.named_modules()
+            if name.rsplit(".", 1)[-1] in _UNQUANTIZED_INPUT_LINEARS
+            and getattr(m, "weight_scale_inv", None) is not None
+            and getattr(m, "weight", None) is not None and m.weight.dtype == FP8_DTYPE}

@@ -54,7 +54,11 @@ from mlaserve.kernels.fp8_blocks import (
 )
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.fp8 import SCALE_SUFFIX, Fp8WeightSlice, keep_fp8_weights
-from mlaserve.model.fp8_linear import keep_linears_fp8, product_shapes
+from mlaserve.model.fp8_linear import (
+    keep_linears_fp8,
+    product_shapes,
+    unquantized_input_shapes,
+)
 from mlaserve.model.layers import RMSNorm, RotaryEmbedding
 from mlaserve.model.mtp import SHARED_COPIES as MTP_SHARED_COPIES
 from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards
@@ -428,4 +432,5 @@ def choose_fp8_products(model: DeepseekForCausalLM, device: torch.device) -> Non
     from mlaserve.kernels import fp8_product_table
     from mlaserve.kernels.fp8_product_choice import load_or_measure
 
-    fp8_product_table.install(load_or_measure(shapes, device))
+    fp8_product_table.install(load_or_measure(shapes, device,
+                                              unquantized_input_shapes(model) & shapes))
