@@ -11,8 +11,10 @@ loads on a GPU:
 x of M rows runs the path of the first bucket with M_i >= M (the last one past it). Each
 candidate (`candidate_paths`) is timed on random operands of the bucket's rows under CUDA-graph
 replay with L2-cold weights, the w8a8 products on x quantized beforehand (their producers
-quantize it, `fp8_linear.takes_quantized_input`), the weight-only product on x as it is; a
-candidate that fails on a shape is no candidate there.
+quantize it, `fp8_linear.takes_quantized_input`) or, for the shapes whose layer gets x in the
+model dtype (`fp8_linear.unquantized_input_shapes`: o_proj, eh_proj), with the quantization
+launch they then pay; the weight-only product on x as it is. A candidate that fails on a shape
+is no candidate there.
 
 A faster product must change nothing but speed, and two products round differently, so a
 choice left to timing noise would change outputs between runs: the table is measured once per
