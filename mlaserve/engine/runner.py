@@ -32,7 +32,7 @@ from mlaserve.engine.decode_record import DecodeStepRecorder
 from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
-from mlaserve.engine.spec_decode import DraftRows, Verified, draft, verify
+from mlaserve.engine.spec_decode import Verified, draft, draft_rows, verify
 from mlaserve.engine.speculative import speculates
 from mlaserve.engine.step_plan import StepPlan
 from mlaserve.engine.structured import GrammarBitmask
@@ -286,21 +286,9 @@ class ModelRunner:
         if pending.ready is not None:
             pending.ready.synchronize()  # the plain samples' copy to the host
         sampled = dict(zip(pending.plain_ids, pending.sampled.tolist(), strict=True))
-        next_ids: list[int] = [sampled[r.request_id] for r in decodes]
-        last: dict[str, tuple[int, int]] = {r.request_id: (i, r.num_computed_tokens)
-                                            for i, r in enumerate(decodes)}
-        for chunk, (request, count) in zip(prefill_chunks, prefills, strict=True):
-            start, known = request.num_computed_tokens, request.token_ids
-            next_ids += [known[p + 1] if p + 1 < len(known) else sampled[request.request_id]
-                         for p in range(start, start + count)]
-            last[request.request_id] = (chunk.token_start + count - 1, start + count - 1)
-        for chunk, request in zip(verify_chunks, verifies, strict=True):
-            emitted = pending.verified[request.request_id].tokens
-            next_ids += emitted + [0] * (chunk.num_tokens - len(emitted))  # fillers past it
-            last[request.request_id] = (chunk.token_start + len(emitted) - 1,
-                                        request.num_computed_tokens + len(emitted) - 1)
-        rows = DraftRows(next_ids, [last[r.request_id][0] for r in drafting],
-                         [last[r.request_id][1] for r in drafting])
+        rows = draft_rows(decodes, list(zip(prefill_chunks, prefills, strict=True)),
+                          list(zip(verify_chunks, verifies, strict=True)), sampled,
+                          pending.verified, drafting)
         tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
                        self.block_size, self.num_speculative_tokens, rows, hidden, positions,
                        drafting)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaserve.attention.metadata import AttentionMetadata
+from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.rejection_sampler import rejection_sample
 from mlaserve.engine.sampler import target_probs
@@ -90,6 +90,30 @@ class DraftRows:
     next_ids: list[int]  # the token after each row's position (a filler where unknown)
     last_rows: list[int]  # per speculating sampler: the row of its last computed position
     last_positions: list[int]  # that position
+
+
+def draft_rows(decodes: list[RunnerRequest],
+               prefills: list[tuple[PrefillChunk, tuple[RunnerRequest, int]]],
+               verifies: list[tuple[PrefillChunk, RunnerRequest]], sampled: dict[str, int],
+               verified: dict[str, Verified], drafting: list[RunnerRequest]) -> DraftRows:
+    """The MTP module's view of a step's token axis (plain decode rows, then the prefill chunks,
+    then the verify chunks): each row's next token, and each drafting request's last computed
+    row and position. sampled: the plain samplers' new tokens by request id."""
+    next_ids: list[int] = [sampled[r.request_id] for r in decodes]
+    last: dict[str, tuple[int, int]] = {r.request_id: (i, r.num_computed_tokens)
+                                        for i, r in enumerate(decodes)}
+    for chunk, (request, count) in prefills:
+        start, known = request.num_computed_tokens, request.token_ids
+        next_ids += [known[p + 1] if p + 1 < len(known) else sampled[request.request_id]
+                     for p in range(start, start + count)]
+        last[request.request_id] = (chunk.token_start + count - 1, start + count - 1)
+    for chunk, request in verifies:
+        emitted = verified[request.request_id].tokens
+        next_ids += emitted + [0] * (chunk.num_tokens - len(emitted))  # fillers past them
+        last[request.request_id] = (chunk.token_start + len(emitted) - 1,
+                                    request.num_computed_tokens + len(emitted) - 1)
+    return DraftRows(next_ids, [last[r.request_id][0] for r in drafting],
+                     [last[r.request_id][1] for r in drafting])
 
 
 def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
