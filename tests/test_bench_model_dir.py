@@ -2,7 +2,6 @@
 benchmarks carry a tokenizer of the config's vocabulary, so random prompts are drawn as from
 the published tokenizer: exact lengths, and no shared prefixes beyond chance."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,12 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from mlaserve.bench.serve_dataset import sample_random_requests
+from tests.scripts_util import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("make_bench_model_dir",
-                                               ROOT / "scripts/make_bench_model_dir.py")
-make_bench_model_dir = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_bench_model_dir)
+make_bench_model_dir = load_script("make_bench_model_dir")
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v2-lite"])

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from mlaserve import LLM, SamplingParams
 from mlaserve.engine.args import DEMO_MODEL_DIR
 from mlaserve.eval import tasks as T
+from tests.scripts_util import load_script
 
 NUM_QUESTIONS = 8
 K = 3
@@ -152,12 +153,7 @@ def test_the_training_module_computes_what_the_engine_serves(tmp_path):
 def test_mtp_only_training_smoke(tmp_path):
     """Two CPU steps of `--mtp-only` write --init's checkpoint with an MTP layer and the
     README's MTP section; the engine speculates with it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "train_demo_model", DEMO_MODEL_DIR.parent.parent / "scripts" / "train_demo_model.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_script("train_demo_model")
     losses = train.main(["--mtp-only", "--init", str(DEMO_MODEL_DIR), "--out", str(tmp_path),
                          "--device", "cpu", "--steps", "2", "--batch-size", "2",
                          "--warmup-steps", "1", "--mtp-depths", "2"])

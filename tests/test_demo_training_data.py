@@ -3,12 +3,10 @@ DeepSeek-V3 tool calls and tool results; the tokenizer's tool tokens and JSON pu
 example builders of the chat families (plain questions, JSON answers, tool calls) and the
 training stream's mixture."""
 
-import importlib.util
 import json
 import random
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +15,8 @@ from mlaserve.eval import chat_families as families
 from mlaserve.eval import tasks as T
 from mlaserve.server.tool_calls import get_tool_call_parser
 from mlaserve.server.tool_choice import constrained_tool_calls
+from tests.scripts_util import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 SEEDS = range(300)
 # the template before tools: BOS, a system message and a blank line, user and assistant turns
 OLD_TEMPLATE = (
@@ -38,11 +36,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def train():
-    spec = importlib.util.spec_from_file_location("train_demo_model",
-                                                  ROOT / "scripts" / "train_demo_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_demo_model")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """The arith_* task families, `mlaserve eval --tasks` and the demo-model training script."""
 
-import importlib.util
 import json
 import random
 import re
@@ -10,6 +9,7 @@ import pytest
 
 from mlaserve.cli import build_parser, main
 from mlaserve.eval import tasks as T
+from tests.scripts_util import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,11 +138,7 @@ def test_server_engine_matches_transformers(demo_server) -> None:
 
 
 def _train_script():
-    spec = importlib.util.spec_from_file_location("train_demo_model",
-                                                  ROOT / "scripts" / "train_demo_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_demo_model")
 
 
 def test_training_script_smoke(tmp_path) -> None:

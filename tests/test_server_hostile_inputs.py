@@ -13,7 +13,6 @@ API process and of the engine within a stated bound of where they were after war
 without tracebacks.
 """
 
-import importlib.util
 import re
 import threading
 from pathlib import Path
@@ -22,12 +21,10 @@ import msgspec
 import requests
 
 from mlaserve.engine.structured_config import StructuredOutputsConfig
+from tests.scripts_util import load_script
 from tests.server_util import engine_core_pids, free_port, is_alive
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("stall_bench", ROOT / "scripts/stall_bench.py")
-stall_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(stall_bench)
+stall_bench = load_script("stall_bench")
 
 # a constraint at max_alternatives compiles for about a second here (beside it, a yes/no choice
 # must be answered first)
