@@ -40,6 +40,7 @@ from mlaserve.model.loader import (
     _cut,
     _cuts,
     build_model,
+    checkpoint_name,
     checkpoint_tensor_shapes,
     load_weights,
 )
@@ -117,7 +118,7 @@ def _load(path) -> DeepseekForCausalLM:
 def _stored(tensors: dict[str, torch.Tensor], model: DeepseekForCausalLM,
             name: str) -> torch.Tensor:
     """The checkpoint tensor of parameter `name`: experts stacked as the loader stacks them."""
-    key = model.checkpoint_name(name)
+    key = checkpoint_name(model, name)
     prefix, _, stack = key.rpartition(".")
     if not prefix.endswith(".experts"):
         return tensors[key]
@@ -133,7 +134,7 @@ def test_the_mtp_layer_loads_into_the_module(mtp_checkpoint):
     assert config.is_moe_layer(NUM_LAYERS) and isinstance(model.mtp.mtp_block.mlp, MoE)
     v3 = dataclasses.replace(config, num_hidden_layers=61, first_k_dense_replace=3)
     assert v3.is_moe_layer(61)  # DeepSeek-V3's MTP layer is a MoE layer
-    assert model.mtp_layer_index == NUM_LAYERS and model.num_kv_cache_layers == NUM_LAYERS + 1
+    assert model.mtp.layer_idx == NUM_LAYERS and model.num_kv_cache_layers == NUM_LAYERS + 1
     params = dict(model.named_parameters())
     names = [n for n in params if n.startswith("mtp.")]
     assert "mtp.eh_proj.weight" in names and "mtp.mtp_block.mlp.experts.gate_up_proj" in names
@@ -355,7 +356,7 @@ def test_without_mtp_the_layer_is_skipped_and_a_config_without_it_is_refused(
         mtp_checkpoint, checkpoint_dir):
     path, _, tensors = mtp_checkpoint
     model = _build(path, with_mtp=False)
-    assert model.mtp is None and model.mtp_layer_index is None
+    assert model.mtp is None
     assert model.num_kv_cache_layers == NUM_LAYERS
     assert not any(name.startswith("mtp.") for name, _ in model.named_parameters())
     assert not any(key.startswith(MTP) for key in checkpoint_tensor_shapes(model))

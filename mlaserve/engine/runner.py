@@ -275,8 +275,8 @@ class ModelRunner:
         pending.sampling_ids = [r.request_id for r in samplers]
         pending.plain_ids = [r.request_id for r in plain]
         if verifies:
-            rows = torch.cat([torch.arange(c.token_start, c.token_start + c.num_tokens)
-                              for c in verify_chunks]).to(self.device)
+            rows = self.inputs.to_device([i for c in verify_chunks for i in range(
+                c.token_start, c.token_start + c.num_tokens)], torch.int64)
             outcomes = verify(verifies, self.model.compute_logits(hidden[rows]), self.inputs)
             pending.verified = {r.request_id: v for r, v in zip(verifies, outcomes,
                                                                  strict=True)}
@@ -462,12 +462,12 @@ def load_runner(config: EngineConfig, device: torch.device,
             captured its decode CUDA graphs; None: one process.
     """
     args = config.args
-    speculative = config.speculative is not None
     model = build_model(config.model, config.model_dir, device=device, dtype=config.dtype,
                         load_format=args.load_format, max_positions=config.max_model_len,
-                        quantization=args.quantization, seed=args.seed, with_mtp=speculative)
+                        quantization=args.quantization, seed=args.seed,
+                        with_mtp=config.speculative is not None)
     num_blocks = kv_blocks_for_memory(config.model, args, device, config.kv_cache_dtype,
-                                      config.model.num_hidden_layers + int(speculative))
+                                      model.num_kv_cache_layers)
     if agree_min is not None:
         num_blocks = agree_min(num_blocks)
     return ModelRunner(model, config, device, num_blocks, agree_min)

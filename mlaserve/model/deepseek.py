@@ -20,8 +20,6 @@ The small ops between the GEMMs (norms with the residual adds, rope, the latent 
 the building blocks of `mlaserve.model.layers`: fused Triton kernels on CUDA, torch on CPU.
 """
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,7 +45,6 @@ from mlaserve.model.layers import (
     RotaryEmbedding,
     write_latent_cache,
 )
-from mlaserve.model.mtp import PREFIX as MTP_PREFIX
 from mlaserve.model.mtp import MTPModule
 from mlaserve.model.parallel_linear import (
     ColumnParallelLinear,
@@ -57,8 +54,6 @@ from mlaserve.model.parallel_linear import (
     VocabParallelEmbedding,
     divide,
 )
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class MLAAttention(nn.Module):
@@ -438,10 +433,11 @@ class DeepseekForCausalLM(nn.Module):
     `tp`): this rank's shard of every split weight.
 
     With `with_mtp`, also the checkpoint's multi-token-prediction module as `mtp`
-    (`mlaserve.model.mtp.MTPModule`, layer index `mtp_layer_index` = num_hidden_layers, sharing
+    (`mlaserve.model.mtp.MTPModule`, layer index `mtp.layer_idx` = num_hidden_layers, sharing
     the embedding and the LM head; None without): `mtp(input_ids, positions, previous_hidden,
     kv_cache, meta)` gives its final normed hidden states, `compute_logits` their logits, and
-    the model needs `num_kv_cache_layers` latent caches, the last one the MTP layer's.
+    the model needs `num_kv_cache_layers` latent caches, the last one the MTP layer's (the
+    loader maps its parameter names to the checkpoint's, `loader.checkpoint_name`).
     """
 
     def __init__(self, config: ModelConfig, max_positions: int, with_mtp: bool = False) -> None:
@@ -463,31 +459,9 @@ class DeepseekForCausalLM(nn.Module):
                                  self.model.embed_tokens)
 
     @property
-    def mtp_layer_index(self) -> int | None:
-        """The MTP layer's index in the checkpoint and its cache's in the caches
-        (num_hidden_layers), or None without the MTP module."""
-        return None if self.mtp is None else self.mtp.layer_idx
-
-    @property
     def num_kv_cache_layers(self) -> int:
         """The latent caches the model needs: one per decoder layer, plus the MTP layer's."""
         return self.config.num_hidden_layers + (self.mtp is not None)
-
-    def checkpoint_name(self, name: str) -> str:
-        """A parameter's name (or a name under its module) -> the checkpoint tensor's name: the
-        same, but for the MTP module's (`MTPModule.checkpoint_name`)."""
-        if self.mtp is not None and name.startswith(MTP_PREFIX):
-            return self.mtp.checkpoint_name(name.removeprefix(MTP_PREFIX))
-        return name
-
-    def parameter_name(self, key: str) -> str | None:
-        """A checkpoint tensor's name -> the parameter it loads into, or None for the layers
-        the model does not hold (index >= num_hidden_layers, but the MTP module's) and the MTP
-        layer's copies of the embedding and the LM head."""
-        if self.mtp is not None and key.startswith(f"model.layers.{self.mtp.layer_idx}."):
-            return self.mtp.parameter_name(key)
-        layer = _LAYER.match(key)
-        return None if layer and int(layer.group(1)) >= self.config.num_hidden_layers else key
 
     def process_weights_after_loading(self) -> None:
         """Derive the run-time forms of the loaded weights: every submodule's

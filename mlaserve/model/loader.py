@@ -60,6 +60,7 @@ from mlaserve.model.fp8_linear import (
     unquantized_input_shapes,
 )
 from mlaserve.model.layers import RMSNorm, RotaryEmbedding
+from mlaserve.model.mtp import PREFIX as MTP_PREFIX
 from mlaserve.model.mtp import SHARED_COPIES as MTP_SHARED_COPIES
 from mlaserve.model.parallel_linear import ShardSpec, tensor_parallel_shards
 
@@ -101,6 +102,27 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def checkpoint_name(model: DeepseekForCausalLM, name: str) -> str:
+    """A parameter's name (or a name under its module) -> the checkpoint tensor's name: the
+    same, but for the MTP module's (`MTPModule.checkpoint_name`)."""
+    if model.mtp is not None and name.startswith(MTP_PREFIX):
+        return model.mtp.checkpoint_name(name.removeprefix(MTP_PREFIX))
+    return name
+
+
+def parameter_name(model: DeepseekForCausalLM, key: str) -> str | None:
+    """A checkpoint tensor's name -> the parameter it loads into, or None for the layers the
+    model does not hold (index >= num_hidden_layers, but the MTP module's) and the MTP layer's
+    copies of the embedding and the LM head."""
+    if model.mtp is not None and key.startswith(f"model.layers.{model.mtp.layer_idx}."):
+        return model.mtp.parameter_name(key)
+    layer = _LAYER.match(key)
+    return None if layer and int(layer.group(1)) >= model.config.num_hidden_layers else key
+
+
 def _expected_tensors(model: DeepseekForCausalLM
                       ) -> tuple[dict[str, tuple[str, int | None, str]], set[str]]:
     """Checkpoint name -> (parameter name, local expert index or None, part) for every tensor
@@ -115,13 +137,13 @@ def _expected_tensors(model: DeepseekForCausalLM
             for e in range(num_experts):
                 local = e - first
                 for part in parts:
-                    key = model.checkpoint_name(f"{prefix}.{e}.{part}.{suffix}")
+                    key = checkpoint_name(model, f"{prefix}.{e}.{part}.{suffix}")
                     if 0 <= local < param.shape[0]:
                         expected[key] = (name, local, part)
                     else:
                         elsewhere.add(key)
         else:
-            expected[model.checkpoint_name(name)] = (name, None, "")
+            expected[checkpoint_name(model, name)] = (name, None, "")
     return expected, elsewhere
 
 
@@ -140,7 +162,7 @@ def checkpoint_tensor_shapes(model: DeepseekForCausalLM) -> dict[str, tuple[int,
         shapes[key] = shape
     if model.mtp is not None:
         for name in MTP_SHARED_COPIES:
-            shapes[f"model.layers.{model.mtp_layer_index}.{name}"] = tuple(
+            shapes[f"model.layers.{model.mtp.layer_idx}.{name}"] = tuple(
                 params["model.embed_tokens.weight"].shape)
     return shapes
 
@@ -222,7 +244,7 @@ def load_weights(model: DeepseekForCausalLM, model_dir: Path) -> None:
             bar.update(1)
             if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in locations:
                 continue  # read with its weight (into its parameter if the model keeps FP8)
-            param_name = model.parameter_name(key)
+            param_name = parameter_name(model, key)
             if param_name is None:
                 continue  # multi-token-prediction layers (or their shared copies) not held
             if key.endswith("rotary_emb.inv_freq"):
