@@ -113,6 +113,20 @@ def test_stats_count_acceptance_per_position():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 7, 3)
     assert stats.accepted_per_pos == [2, 1, 0]
     assert stats.mean_acceptance_length == pytest.approx(2.0)
+    later = SpecDecodeStats([5, 3, 1], 5, 13, 9)
+    interval = later.since(stats)  # what the stats line and the eval report
+    assert (interval.num_drafts, interval.num_accepted_tokens) == (2, 6)
+    assert interval.accepted_per_pos == [3, 2, 1] and interval.mean_acceptance_length == 4.0
+    assert interval.acceptance_per_pos == [1.5, 1.0, 0.5]
+    assert SpecDecodeStats([2, 1], 4, 8, 3).since(SpecDecodeStats()).accepted_per_pos == [2, 1]
+    from mlaserve.eval.harness import spec_delta
+
+    delta = spec_delta({"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                        "accepted_per_pos": []},
+                       {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 18,
+                        "accepted_per_pos": [9, 6, 3]})
+    assert delta["mean_acceptance_length"] == pytest.approx(2.8)
+    assert delta["acceptance_per_pos"] == pytest.approx([0.9, 0.6, 0.3])
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

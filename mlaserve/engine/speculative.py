@@ -83,5 +83,20 @@ class SpecDecodeStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verification: 1 + accepted drafts (vLLM's definition)."""
+        """Tokens emitted per verification: 1 + accepted drafts (vLLM's definition); 0 without
+        drafts."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        """The share of verifications whose draft at each position was accepted."""
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
+
+    def since(self, earlier: "SpecDecodeStats") -> "SpecDecodeStats":
+        """The counts between an earlier reading of the same counters and this one (an
+        earlier reading before any step may have no positions yet)."""
+        before = earlier.accepted_per_pos or [0] * len(self.accepted_per_pos)
+        return SpecDecodeStats([a - b for a, b in zip(self.accepted_per_pos, before, strict=True)],
+                               self.num_drafts - earlier.num_drafts,
+                               self.num_draft_tokens - earlier.num_draft_tokens,
+                               self.num_accepted_tokens - earlier.num_accepted_tokens)

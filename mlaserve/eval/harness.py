@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
+from mlaserve.engine.speculative import SpecDecodeStats
 from mlaserve.eval import tasks as T
 from mlaserve.eval.engines import EvalEngine
 
@@ -90,16 +91,9 @@ def spec_delta(before: dict, after: dict) -> dict:
     """The speculative-decoding counters between two `EvalEngine.spec_stats` readings, with
     the mean acceptance length (1 + accepted / drafts, vLLM's; 0 without drafts) and the
     acceptance rate of each draft position (accepted there / drafts)."""
-    earlier = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"])
-    delta = {key: after[key] - before[key]
-             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    delta["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], earlier,
-                                                       strict=True)]
-    drafts = delta["num_drafts"]
-    delta["mean_acceptance_length"] = 1 + delta["num_accepted_tokens"] / drafts if drafts else 0.0
-    delta["acceptance_per_pos"] = [a / drafts if drafts else 0.0
-                                   for a in delta["accepted_per_pos"]]
-    return delta
+    spec = SpecDecodeStats(**after).since(SpecDecodeStats(**before))
+    return {**asdict(spec), "mean_acceptance_length": spec.mean_acceptance_length,
+            "acceptance_per_pos": spec.acceptance_per_pos}
 
 
 def spec_line(label: str, task: str, spec: dict) -> str:

@@ -46,6 +46,7 @@ from prometheus_client.registry import Collector
 
 from mlaserve.engine.core_client import FinishedRequestStats, IterationStats
 from mlaserve.engine.messages import SchedulerStats
+from mlaserve.engine.speculative import SpecDecodeStats
 
 LABEL_NAMES = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort")
@@ -319,17 +320,19 @@ class ServerMetrics:
         return line
 
 
+def _spec_counters(stats: SchedulerStats) -> SpecDecodeStats:
+    return SpecDecodeStats(stats.spec_accepted_per_pos, stats.spec_num_drafts,
+                           stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+
+
 def _spec_summary(before: SchedulerStats, now: SchedulerStats) -> str:
     """The stats line's speculative-decoding part over an interval with drafts (else "")."""
-    drafts = now.spec_num_drafts - before.spec_num_drafts
-    if drafts <= 0:
+    spec = _spec_counters(now).since(_spec_counters(before))
+    if spec.num_drafts <= 0:
         return ""
-    draft_tokens = now.spec_num_draft_tokens - before.spec_num_draft_tokens
-    accepted = now.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-    earlier = before.spec_accepted_per_pos or [0] * len(now.spec_accepted_per_pos)
-    per_pos = ", ".join(f"{(a - b) / drafts:.2f}" for a, b in zip(
-        now.spec_accepted_per_pos, earlier, strict=True))
-    return (f", SpecDecoding: mean acceptance length {1 + accepted / drafts:.2f}, "
+    accepted, draft_tokens = spec.num_accepted_tokens, spec.num_draft_tokens
+    per_pos = ", ".join(f"{rate:.2f}" for rate in spec.acceptance_per_pos)
+    return (f", SpecDecoding: mean acceptance length {spec.mean_acceptance_length:.2f}, "
             f"accepted {accepted} of {draft_tokens} draft tokens "
             f"({accepted / max(draft_tokens, 1) * 100:.1f}%), per position {per_pos}")
 
