@@ -18,8 +18,9 @@ One request never fails another. Everything a request carries is validated when 
 anyway, it is taken back (the scheduler's `retreat`: its tokens count as not computed, and its
 requests leave the runner's batch, to be sent afresh with the next plan), together with the
 step launched after it, which read its samples. Its requests then run again in halves, each half
-a step of its own, and a half that fails again is split again (`_rerun_apart`): a request fails,
-with the error, only when a step that carried it alone failed. A fault that does not repeat thus
+a step of its own, and a half that fails again is split again (`_rerun_apart`,
+step_recovery.py): a request fails, with the error, only when a step that carried it alone
+failed. A fault that does not repeat thus
 fails no request (they are retried, and finish as if nothing happened); a broken engine, whose
 every step fails, fails all of them.
 
@@ -51,7 +52,6 @@ import torch
 import torch.distributed
 
 from mlaserve.cache.block_pool import BlockPool
-from mlaserve.config import ModelConfig
 from mlaserve.distributed import get_tp_group
 from mlaserve.engine.args import EngineArgs
 from mlaserve.engine.data_parallel import Lockstep
@@ -66,7 +66,6 @@ from mlaserve.engine.messages import (
 from mlaserve.engine.request import (
     INT64_MIN,
     Request,
-    RequestStatus,
     SamplingParams,
     is_int,
     shown,
@@ -76,8 +75,9 @@ from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
 from mlaserve.engine.speculative import SpecDecodeStats, speculates
 from mlaserve.engine.step_plan import PlanBuilder, StepPlan
+from mlaserve.engine.step_recovery import StepRecovery
 from mlaserve.engine.structured import AcceptResult, GrammarBitmask, StructuredOutputManager
-from mlaserve.engine.tokenizer import load_tokenizer
+from mlaserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from mlaserve.engine.worker import ParallelEngineError, PlanBroadcast, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -85,16 +85,7 @@ logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.005  # how long an idle step waits for a grammar before polling the inbox
 
 
-def eos_token_ids(config: ModelConfig, tokenizer) -> list[int]:
-    """The model config's EOS ids, plus the tokenizer's if it names another; only ids inside
-    the model's vocabulary (others cannot be sampled, and min_tokens bans these ids by index)."""
-    ids = list(config.eos_token_ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return [i for i in ids if 0 <= i < config.vocab_size]
-
-
-class EngineCore:
+class EngineCore(StepRecovery):
     """Loads the model into a paged latent cache and runs scheduler steps over token ids."""
 
     def __init__(self, args: EngineArgs, replica: int = 0, store_port: int | None = None,
@@ -384,77 +375,6 @@ class EngineCore:
             self._take_back(batch)
             return self._rerun_apart(batch, exc)
         return self._apply(batch, result)
-
-    def _take_back(self, batch: ScheduledBatch) -> None:
-        """Undo a failed step: its tokens count as not computed and its requests give their
-        persistent-batch rows back (a failed launch may have half-written them)."""
-        self.scheduler.retreat(batch)
-        for request in batch.requests:
-            self.plans.release(request.request_id)
-
-    def _run_alone(self, batch: ScheduledBatch) -> list[EngineCoreOutput]:
-        """Launch a step, wait for it and apply it; if it fails, take it back and re-raise."""
-        try:
-            pending = self._launch(batch)
-            self.scheduler.advance(batch)
-            result = self.runner.collect(pending)
-        except Exception:
-            self._take_back(batch)
-            raise
-        return self._apply(batch, result)
-
-    def _rerun_apart(self, batch: ScheduledBatch, exc: Exception) -> list[EngineCoreOutput]:
-        """Find which requests of a failed step fail it, by bisection; the others go on.
-
-        The step's live requests run again in two halves, each as a step of its own that waits
-        for its result; a half that fails again is split again. A request fails (with the error
-        of the step that carried it alone) only when a step that carried it alone failed, so a
-        fault that does not repeat fails no request, and a broken engine (every step fails)
-        fails every request as before. KV slots that a failed step wrote are written again when
-        its tokens are recomputed.
-        """
-        if self.lockstep is not None:  # the other replicas' exchanges cannot pair up again
-            raise ParallelEngineError(
-                f"a step of {len(batch.requests)} request(s) failed on this expert-parallel "
-                f"replica ({type(exc).__name__}: {exc}); the replicas are out of step and the "
-                "engine stops") from exc
-        self._take_back(batch)
-        live = [r for r in batch.requests if self._is_running(r)]
-        if len(batch.requests) == 1:
-            return self._fail(live, exc)
-        if len(live) < len(batch.requests):
-            parts = [live]  # some finished meanwhile: the rest may not fail without them
-        else:
-            parts = [live[: len(live) // 2], live[len(live) // 2 :]]
-        outputs = []
-        for part in parts:
-            part = [r for r in part if self._is_running(r)]
-            if not part:
-                continue
-            sub_batch = batch.subset(part)
-            try:
-                outputs += self._run_alone(sub_batch)
-            except ParallelEngineError:
-                raise
-            except Exception as part_exc:  # noqa: BLE001 - narrowed down further
-                outputs += self._rerun_apart(sub_batch, part_exc)
-        return outputs
-
-    def _is_running(self, request: Request) -> bool:
-        return (self.requests.get(request.request_id) is request
-                and request.status == RequestStatus.RUNNING)
-
-    def _fail(self, requests: list[Request], exc: BaseException) -> list[EngineCoreOutput]:
-        """Finish requests whose step failed with them alone, with the error."""
-        outputs = []
-        error = f"{type(exc).__name__}: {exc}"
-        for request in requests:
-            logger.error("request %s failed: %s", request.request_id, error)
-            request.finish_reason = "abort"
-            self._finish(request)
-            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
-                                            error=error))
-        return outputs
 
     def _apply(self, batch: ScheduledBatch, result: StepResult) -> list[EngineCoreOutput]:
         """Append each sampled token, decide who stopped, and return the deltas."""

@@ -1,6 +1,7 @@
 """Loading a model's Hugging Face tokenizer, with errors that say which flag to change."""
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -8,6 +9,9 @@ try:  # how transformers >= 5 refuses a config.json field on its way to the toke
     from huggingface_hub.errors import StrictDataclassFieldValidationError as ConfigFieldError
 except ImportError:  # an older huggingface_hub: no such validation
     ConfigFieldError = ()  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from mlaserve.config import ModelConfig
 
 # Any of these in a directory means it carries a tokenizer that transformers can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -42,3 +46,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"cannot load the tokenizer in {directory} ({reason}); pass "
                          "--tokenizer DIR naming a directory with a tokenizer.json that "
                          "transformers loads") from None
+
+
+def eos_token_ids(config: "ModelConfig", tokenizer) -> list[int]:
+    """The model config's EOS ids, plus the tokenizer's if it names another; only ids inside
+    the model's vocabulary (others cannot be sampled, and min_tokens bans these ids by index)."""
+    ids = list(config.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return [i for i in ids if 0 <= i < config.vocab_size]
