@@ -91,6 +91,11 @@
 #                processes each, 128 warm-up requests before the timed run; RUNS defaults to 1
 #                here, as three of both caches may pass 10 minutes: repeat the stage into other
 #                dirs)
+#   fp8-moe-sweep
+#                the fused MoE's GPU tests, then `mlaserve bench moe --sweep` at MODELS (default
+#                v2-lite) with FP8 experts over TOKENS (default 1,16,64,256,1024,8192), the best
+#                configurations written into mlaserve/kernels/moe_configs (this GPU model's
+#                tuned file, which later stages of the same call read) and copied to OUT_DIR
 #   fp8-serve-v2-lite
 #                DeepSeek-V2-Lite (dummy bf16 weights) served as bf16 and with online FP8
 #                (`--quantization fp8 --kv-cache-dtype fp8`), one server each in the order of
@@ -123,7 +128,7 @@ set -uo pipefail
 
 STAGES="serve sweep kernel fp8-tests fp8-tests-gemm fp8-decode-sweep fp8-decode fp8-decode-wide
 fp8-decode-transposed fp8-gemm-gluon fp8-gemm-profile fp8-gemm-split fp8-weight-only fp8-gemm
-fp8-moe fp8-serve fp8-serve-v2-lite multi-parity multi-v2-lite multi-v3-tp8 multi-v3-dp8"
+fp8-moe fp8-moe-sweep fp8-serve fp8-serve-v2-lite multi-parity multi-v2-lite multi-v3-tp8 multi-v3-dp8"
 
 usage() {  # the comment block above, without its leading '# '
   sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed -E 's/^# ?//' >&2
@@ -262,7 +267,7 @@ fp8_stage() {  # fp8-STAGE, each documented above
   local runs=${RUNS:-3} variant=${VARIANT:-}
   local cells="--heads 16 --batch-sizes 64,128,512 --kv-lens 4096 --block-sizes 64 --backends triton"
   local pytest_gpu="python3 -m pytest -m gpu -q -rs -p no:cacheprovider"
-  local sweep wide rc run cache shapes weights
+  local sweep wide rc run cache shapes weights model
   gpu_info
   case ${stage#fp8-} in
     tests)
@@ -385,6 +390,20 @@ fp8_stage() {  # fp8-STAGE, each documented above
           --out "$out/moe-$weights.json" > "$out/moe-$weights.log" 2>&1
       done
       tail -12 "$out"/moe-*.log ;;
+    moe-sweep)
+      timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 4 \
+        tests/test_fused_moe_fp8.py tests/test_fused_moe.py tests/test_bench_moe_sweep.py \
+        > "$out/gpu_tests_moe.log" 2>&1
+      rc=$?; echo "moe tests rc=$rc"; tail -3 "$out/gpu_tests_moe.log"
+      [ "$rc" = 0 ] || return 1
+      for model in ${MODELS:-v2-lite}; do
+        timeout 400 python3 -m mlaserve bench moe --models "$model" --weights fp8 \
+          --impls triton,triton-swap --tokens "${TOKENS:-1,16,64,256,1024,8192}" --calls 10 \
+          --replays 5 --sweep --configs-dir mlaserve/kernels/moe_configs \
+          --out "$out/moe-sweep-$model.json" > "$out/moe-sweep-$model.log" 2>&1
+        echo "sweep $model rc=$?"; tail -25 "$out/moe-sweep-$model.log"
+      done
+      cp mlaserve/kernels/moe_configs/*.json "$out/" ;;
     gemm)
       for run in $(seq "$runs"); do
         timeout 150 python3 -m mlaserve bench gemm --models "${MODELS:-deepseek-v3}" \

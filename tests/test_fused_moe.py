@@ -8,6 +8,7 @@ run natively, in bfloat16 too, plus DeepSeek-V2-Lite's shape and a CUDA-graph re
 """
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -219,17 +220,45 @@ def test_float32_loop_is_the_reference():
     assert rel_err < 1e-6 and cos_gap < 1e-10
 
 
-def test_config_table_and_heuristic(monkeypatch):
+def test_config_table_and_heuristic(monkeypatch, tmp_path):
+    """The heuristic's block_m by rows per expert; then a tuned file of this GPU model (written
+    as `bench moe --sweep --configs-dir` writes it) wins for its weight format only."""
     v2_lite = dict(num_experts=64, hidden=2048, inter=1408, dtype=torch.bfloat16)
     block_ms = [moe_config(tokens * 6, **v2_lite).block_m for tokens in (1, 64, 256, 1024, 8192)]
     assert block_ms == [16, 16, 32, 64, 128]
     assert moe_config(6, **{**v2_lite, "dtype": torch.float32}).gate_up.block_k == 64
     decode, prefill = SMALL_TILES, moe_config(8192 * 6, **v2_lite)
-    monkeypatch.setitem(fused_moe.TUNED_CONFIGS, (64, 2048, 1408), {6: decode, 1536: prefill})
-    assert moe_config(48, **v2_lite) is decode  # 8x from 6, 32x from 1536
-    assert moe_config(1000, **v2_lite) is prefill
-    float32 = moe_config(48, **{**v2_lite, "dtype": torch.float32})  # not from the table
-    assert float32 == fused_moe.default_config(48, 64, torch.float32)
+    monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(fused_moe, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    fused_moe.tuned_configs.cache_clear()
+    path = fused_moe.tuned_config_path(64, 2048, 1408, "16-bit", "NVIDIA H100 80GB HBM3")
+    assert path == tmp_path / "E=64,D=2048,I=1408,weights=16-bit,NVIDIA_H100_80GB_HBM3.json"
+    path.write_text(json.dumps({"configs": {"6": dataclasses.asdict(decode),
+                                            "1536": dataclasses.asdict(prefill)}}))
+    gpu = dict(v2_lite, device=torch.device("cuda", 0))
+    try:
+        assert moe_config(48, **gpu) == decode  # 8x from 6, 32x from 1536
+        assert moe_config(1000, **gpu) == prefill
+        assert moe_config(48, **{**gpu, "dtype": torch.float16}) == decode  # 16-bit shares it
+        assert moe_config(48, **v2_lite) == fused_moe.default_config(48, 64, torch.bfloat16)
+        float32 = moe_config(48, **{**gpu, "dtype": torch.float32})  # never tuned
+        assert float32 == fused_moe.default_config(48, 64, torch.float32)
+        fp8 = dict(gpu, dtype=torch.float8_e4m3fn)  # another format: its own file, none here
+        assert moe_config(48, **fp8) == fused_moe.default_config(48, 64, torch.float8_e4m3fn)
+    finally:
+        fused_moe.tuned_configs.cache_clear()
+
+
+def test_shipped_tuned_configs_load_and_keep_fp8_block_k():
+    """Every tuned file in the package parses, and its FP8 entries keep block_k in a scale
+    block (the kernels refuse others)."""
+    for path in fused_moe.CONFIG_DIR.glob("*.json"):
+        body = json.loads(path.read_text())
+        configs = [fused_moe.config_from_json(entry) for entry in body["configs"].values()]
+        assert configs, path
+        if "weights=fp8" in path.name:
+            assert all(128 % c.gate_up.block_k == 0 and 128 % c.down.block_k == 0
+                       for c in configs), path
 
 
 def test_graph_capturable():

@@ -24,6 +24,7 @@ from mlaserve.kernels.fused_moe import (  # noqa: E402
     FusedMoEConfig,
     GemmTiles,
     fused_experts_triton,
+    gate_up_silu,
 )
 from mlaserve.kernels.moe import (  # noqa: E402
     W8A8_REFERENCE_TOLERANCES,
@@ -32,6 +33,7 @@ from mlaserve.kernels.moe import (  # noqa: E402
     fused_experts_w8a8_reference,
     reference_errors,
 )
+from mlaserve.kernels.moe_align import align_by_expert  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -62,6 +64,14 @@ SMALL_TILES = FusedMoEConfig(
 SWAPPED_TILES = FusedMoEConfig(
     block_m=16, gate_up=dataclasses.replace(SMALL_TILES.gate_up, swap_ab=True),
     down=dataclasses.replace(SMALL_TILES.down, swap_ab=True))
+
+# gate tiles one scale group wide: the gate kernel quantizes its activation in its epilogue
+EPILOGUE_TILES = FusedMoEConfig(
+    block_m=16, gate_up=dataclasses.replace(SMALL_TILES.gate_up, block_n=128),
+    down=SMALL_TILES.down)
+EPILOGUE_SWAPPED_TILES = FusedMoEConfig(
+    block_m=16, gate_up=dataclasses.replace(SWAPPED_TILES.gate_up, block_n=128),
+    down=SWAPPED_TILES.down)
 
 
 def make_fp8_inputs(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
@@ -97,8 +107,9 @@ def assert_within(out: torch.Tensor, ref: torch.Tensor, bounds: tuple[float, flo
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("config", [None, SMALL_TILES, SWAPPED_TILES],
-                         ids=["default", "small", "small-swapped"])
+@pytest.mark.parametrize(
+    "config", [None, SMALL_TILES, SWAPPED_TILES, EPILOGUE_TILES, EPILOGUE_SWAPPED_TILES],
+    ids=["default", "small", "small-swapped", "epilogue-quantized", "epilogue-swapped"])
 @pytest.mark.parametrize("shape", [(5, 256, 128, 4, 2), (3, 320, 256, 4, 2)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_triton_w8a8_matches_the_reference(shape, config, dtype) -> None:
@@ -131,6 +142,37 @@ def test_dispatch_runs_triton_and_the_bound_catches_a_dropped_block_or_pair() ->
         out = fused_experts_triton(**{**inputs, **wrong}, config=SMALL_TILES, shared_experts=1)
         rel_err, cos_gap = reference_errors(out, ref)
         assert rel_err > 3 * BOUNDS[0] and cos_gap > 10 * BOUNDS[1], (rel_err, cos_gap)
+
+
+@needs_triton
+@pytest.mark.parametrize("tiles", [EPILOGUE_TILES.gate_up, EPILOGUE_SWAPPED_TILES.gate_up],
+                         ids=["tiles", "swapped"])
+def test_gate_kernel_quantizes_its_activation_as_a_separate_launch_would(tiles) -> None:
+    """The epilogue's quantization (block_n = 128) against `quantize_activations` of the same
+    kernel's unquantized activation: the same FP8 bits and scales on every routed row (rows of
+    padding are not written). Zeroed rows (token 1's x) get scale 1, as the launch gives them."""
+    inputs = make_fp8_inputs(6, 320, 256, 4, 2)
+    inputs["x"][1] = 0
+    x_q, x_scales = quantize_activations(inputs["x"])
+    top_k = inputs["topk_ids"].shape[1]
+    alignment = align_by_expert(inputs["topk_ids"], inputs["gate_up_proj"].shape[0], 16)
+    scales = (x_scales, inputs["gate_up_scale_inv"])
+    fused = gate_up_silu(x_q, inputs["gate_up_proj"], alignment, top_k, tiles, scales,
+                         act_dtype=torch.float32, quantize_act=True)
+    plain = gate_up_silu(x_q, inputs["gate_up_proj"], alignment, top_k, tiles, scales,
+                         act_dtype=torch.float32)
+    want_values, want_scales = quantize_activations(plain)
+    routed = alignment.sorted_ids < inputs["topk_ids"].numel()
+    assert int(routed.sum()) == inputs["topk_ids"].numel()
+    assert fused.values.dtype == want_values.dtype == torch.float8_e4m3fn
+    assert torch.equal(fused.values[routed].view(torch.uint8),
+                       want_values[routed].view(torch.uint8))
+    assert torch.equal(fused.scales[routed], want_scales[routed])
+    token_one = (alignment.sorted_ids // top_k == 1) & routed
+    assert torch.all(fused.scales[token_one] == 1)
+    with pytest.raises(ValueError, match="block_n 128 only, not block_n 32"):
+        gate_up_silu(x_q, inputs["gate_up_proj"], alignment, top_k, SMALL_TILES.gate_up, scales,
+                     quantize_act=True)
 
 
 @needs_triton
@@ -212,3 +254,15 @@ def test_v2_lite_shape_bf16_w8a8_and_cuda_graph_replay() -> None:
     inputs["topk_weights"].copy_(torch.flip(inputs["topk_weights"], dims=[0]))
     graph.replay()
     torch.testing.assert_close(captured, torch.flip(eager, dims=[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [EPILOGUE_TILES, EPILOGUE_SWAPPED_TILES],
+                         ids=["tiles", "swapped"])
+def test_v2_lite_shape_epilogue_quantized_activation(config) -> None:
+    """V2-Lite's expert shape in bf16 with the activation quantized by the gate kernel (FP8
+    rounding on the GPU): within the w8a8 reference's bound."""
+    inputs = make_fp8_inputs(64, 2048, 1408, 8, 6)
+    inputs["x"] = inputs["x"].to(torch.bfloat16)
+    out = fused_experts_triton(**inputs, config=config, shared_experts=1)
+    assert_within(out, w8a8_reference(**inputs), W8A8_REFERENCE_TOLERANCES)

@@ -4,8 +4,7 @@ beside the torch grouped-GEMM path, under CUDA-graph replay.
 
 Usage (GPU): mlaserve bench moe [--models v2-lite,v3] [--tokens 1,2,...,8192]
     [--impls triton,triton-swap,grouped] [--weights bf16|fp8] [--calls 20] [--replays 10]
-    [--sweep]
-    [--out FILE.json]
+    [--sweep [--configs-dir DIR]] [--out FILE.json]
 
 Per model and token count T: random x, routing drawn uniformly (K distinct experts per token)
 with random positive weights, and `copies` copies of the expert weights so that consecutive calls
@@ -33,12 +32,14 @@ processes by up to ~10%: run it three times and report the range.
 --sweep also tries, per T, block_m in {16, 32, 64, 128} (up to 4x the mean rows per expert) and a
 few tile shapes for each of the two GEMM kernels, timed separately (the kernels are independent
 given block_m), checks each candidate's output, times the best pair end to end, and prints the
-best configuration per T as entries for `TUNED_CONFIGS` in mlaserve/kernels/fused_moe.py
-(`moe_sweep.py`).
+best configuration per T; --configs-dir DIR writes them into DIR's tuned file for this GPU model
+and weight format (`fused_moe.tuned_config_path`; the engine reads mlaserve/kernels/moe_configs),
+`moe_sweep.py`.
 """
 
 import argparse
 import math
+from pathlib import Path
 
 from mlaserve.arg_types import positive_int_list
 
@@ -64,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                         help="the experts' weights: bf16, or block-FP8 (Triton only)")
     parser.add_argument("--sweep", action="store_true", help="also search tile configurations")
+    parser.add_argument("--configs-dir", default=None,
+                        help="with --sweep: write the best configurations into this folder's "
+                             "tuned file for the GPU model (mlaserve/kernels/moe_configs is "
+                             "the one the engine reads)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -74,10 +79,12 @@ def _check_args(args: argparse.Namespace) -> None:
     for impl in args.impls:
         if impl not in IMPLS:
             raise ValueError(f"unknown or uncapturable implementation {impl!r}")
-    if args.weights == "fp8" and ("grouped" in args.impls or args.sweep):
+    if args.configs_dir and not args.sweep:
+        raise ValueError("--configs-dir writes what --sweep finds: add --sweep")
+    if args.weights == "fp8" and "grouped" in args.impls:
         raise ValueError("--weights fp8 times the Triton paths only (--impls "
-                         "triton,triton-swap), without --sweep: the grouped path would "
-                         "dequantize every expert per call")
+                         "triton,triton-swap): the grouped path would dequantize every expert "
+                         "per call")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         run_impl,
         time_impl,
     )
-    from mlaserve.bench.moe_sweep import print_tuned, sweep
+    from mlaserve.bench.moe_sweep import print_tuned, sweep, write_tuned
     from mlaserve.kernels.fused_moe import moe_config
     from mlaserve.kernels.testing import l2_bytes, measure_ceilings
 
@@ -128,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
             floor_s = max(case.weight_bytes() / ceilings.copy_bytes_per_s,
                           case.flops() / ceilings.matmul_flops_per_s)
             config = moe_config(case.num_pairs, shape.num_experts, shape.hidden, shape.inter,
-                                gate_up[0].dtype)
+                                gate_up[0].dtype, device)
             row = {"tokens": num_tokens, "num_pairs": case.num_pairs,
                    "weight_bytes": case.weight_bytes(), "flops": case.flops(),
                    "floor_us": floor_s * 1e6, "triton_config": dataclasses.asdict(config),
@@ -155,7 +162,10 @@ def run(args: argparse.Namespace) -> int:
               "copies rotated")
         print_table(rows, args.impls)
         if tuned:
-            print_tuned((shape.num_experts, shape.hidden, shape.inter), tuned)
+            print_tuned(tuned)
+        if tuned and args.configs_dir:
+            write_tuned(Path(args.configs_dir), (shape.num_experts, shape.hidden, shape.inter),
+                        gate_up[0].dtype, tuned)
         results["models"][name] = {"shape": dataclasses.asdict(shape), "weights": args.weights,
                                    "copies": len(gate_up), "rows": rows}
         del gate_up, down, scales

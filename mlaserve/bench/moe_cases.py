@@ -167,7 +167,7 @@ def run_impl(case: Case, impl: str, copy: int = 0) -> torch.Tensor:
                              impl=impl, **case.weights(copy))
     shape = case.shape
     config = moe_config(case.num_pairs, shape.num_experts, shape.hidden, shape.inter,
-                        case.gate_up[0].dtype)
+                        case.gate_up[0].dtype, case.x.device)
     config = dataclasses.replace(
         config, gate_up=dataclasses.replace(config.gate_up, swap_ab=True),
         down=dataclasses.replace(config.down, swap_ab=True))
@@ -184,7 +184,7 @@ def time_impl(case: Case, impl: str, calls: int, replays: int) -> float:
 
 def time_config(case: Case, config: FusedMoEConfig, calls: int, replays: int) -> float:
     def call(copy: int) -> torch.Tensor:
-        return fused_experts_triton(case.x, case.gate_up[copy], case.down[copy],
-                                    case.topk_weights, case.topk_ids, config=config)
+        return fused_experts_triton(case.x, topk_weights=case.topk_weights,
+                                    topk_ids=case.topk_ids, config=config, **case.weights(copy))
 
     return graph_seconds(call, len(case.gate_up), calls, replays)

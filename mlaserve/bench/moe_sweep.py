@@ -1,15 +1,23 @@
 """`mlaserve bench moe --sweep`: per token count, block_m and the tiles of each of the fused
 MoE's two GEMM kernels searched, each candidate's output checked, and the best configuration
-printed as `TUNED_CONFIGS` entries of mlaserve/kernels/fused_moe.py. Usage: `mlaserve bench moe
---help`."""
+written to the GPU model's tuned file (`fused_moe.tuned_config_path`). With FP8 weights the
+candidates keep block_k within a scale block, each is tried as stored and transposed
+(`swap_ab`), and the gate kernel's time includes the activation's quantization: in its epilogue
+where block_n is 128, else the separate launch. Usage: `mlaserve bench moe --help`."""
 
 import dataclasses
+import datetime
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import triton
 
-from mlaserve.bench.moe_cases import DTYPE, Case, check, graph_seconds, time_config
+from mlaserve.bench.moe_cases import Case, check, graph_seconds, time_config
+from mlaserve.kernels.fp8_activations import GROUP, quantize_activations
+from mlaserve.kernels.fp8_blocks import QuantizedActivations
 from mlaserve.kernels.fused_moe import (
     FusedMoEConfig,
     GemmTiles,
@@ -17,6 +25,8 @@ from mlaserve.kernels.fused_moe import (
     fused_experts_triton,
     gate_up_silu,
     moe_config,
+    tuned_config_path,
+    weight_format,
 )
 from mlaserve.kernels.moe_align import ExpertAlignment, align_by_expert
 
@@ -29,7 +39,35 @@ SWEEP_TILES_LARGE_M = [  # block_m 64 or 128
     (64, 64, 8, 4, 4), (64, 64, 8, 8, 4), (64, 128, 8, 8, 3), (128, 64, 8, 4, 4),
     (128, 64, 8, 8, 3), (128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (64, 64, 16, 4, 4),
 ]
+# FP8 weights: block_k at most one 128-wide scale block, more stages (each holds half the bytes
+# of a 16-bit one), 128-wide gate tiles (the epilogue quantizes the activation); each is also
+# tried transposed
+SWEEP_TILES_SMALL_M_FP8 = [
+    (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (128, 128, 1, 4, 3), (128, 128, 1, 4, 5),
+    (128, 128, 1, 8, 4),
+]
+SWEEP_TILES_LARGE_M_FP8 = [
+    (64, 128, 8, 4, 4), (128, 64, 8, 8, 4), (128, 128, 8, 4, 4), (128, 128, 8, 8, 3),
+    (256, 128, 8, 8, 3),
+]
 SWEEP_BLOCK_M = (16, 32, 64, 128)
+
+
+def _candidates(block_m: int, fp8: bool) -> list[GemmTiles]:
+    """The tiles tried for each GEMM kernel at this block_m."""
+    if not fp8:
+        return [_tiles(c) for c in (SWEEP_TILES_SMALL_M if block_m <= 32
+                                    else SWEEP_TILES_LARGE_M)]
+    space = SWEEP_TILES_SMALL_M_FP8 if block_m <= 32 else SWEEP_TILES_LARGE_M_FP8
+    return [dataclasses.replace(_tiles(c), swap_ab=swap) for c in space for swap in (False, True)]
+
+
+def _block_ms(rows_per_expert: float) -> list[int]:
+    """block_m tried: up to 4x the mean rows per expert (16 at least), and no block under 64
+    once experts average more than 64 rows (prefill: small blocks only add weight reads)."""
+    return [block_m for block_m in SWEEP_BLOCK_M
+            if block_m <= max(16, 4 * rows_per_expert)
+            and (rows_per_expert <= 64 or block_m >= 64)]
 
 
 def _tiles(candidate: tuple[int, int, int, int, int]) -> GemmTiles:
@@ -62,38 +100,51 @@ def sweep(case: Case, calls: int, replays: int) -> dict:
     """Best configuration for this T: per block_m, the fastest tiles of each kernel, then the
     fastest block_m end to end."""
     shape = case.shape
+    fp8 = case.scales is not None
     rows_per_expert = case.num_pairs / shape.num_experts
-    default = moe_config(case.num_pairs, shape.num_experts, shape.hidden, shape.inter, DTYPE)
+    default = moe_config(case.num_pairs, shape.num_experts, shape.hidden, shape.inter,
+                         case.gate_up[0].dtype, case.x.device)
     default_s = time_config(case, default, calls, replays)
     best: tuple[FusedMoEConfig, float] = (default, default_s)
-    for block_m in SWEEP_BLOCK_M:
-        if block_m > max(16, 4 * rows_per_expert):
-            continue
-        space = SWEEP_TILES_SMALL_M if block_m <= 32 else SWEEP_TILES_LARGE_M
-        candidates = [_tiles(c) for c in space]
+    # the kernels' inputs: with FP8 weights, x and the activation quantized as the path does
+    x, x_scales = quantize_activations(case.x) if fp8 else (case.x, None)
+    for block_m in _block_ms(rows_per_expert):
+        candidates = _candidates(block_m, fp8)
         base = dataclasses.replace(default, block_m=block_m)
         alignment = align_by_expert(case.topk_ids, shape.num_experts, block_m)
-        act = gate_up_silu(case.x, case.gate_up[0], alignment, shape.top_k, base.gate_up)
 
         def gate_kernel(tiles: GemmTiles, copy: int, alignment: ExpertAlignment = alignment):
-            return gate_up_silu(case.x, case.gate_up[copy], alignment, shape.top_k, tiles)
+            if not fp8:
+                return gate_up_silu(x, case.gate_up[copy], alignment, shape.top_k, tiles)
+            in_epilogue = tiles.block_n == GROUP
+            act = gate_up_silu(x, case.gate_up[copy], alignment, shape.top_k, tiles,
+                               (x_scales, case.scales[0]), act_dtype=case.x.dtype,
+                               quantize_act=in_epilogue)
+            if in_epilogue:
+                return act
+            return QuantizedActivations(*quantize_activations(act), case.x.dtype)
+
+        act = gate_kernel(base.gate_up, 0)
+        act, act_scales = (act.values, act.scales) if fp8 else (act, None)
 
         def down_kernel(tiles: GemmTiles, copy: int, alignment: ExpertAlignment = alignment,
-                        act: torch.Tensor = act):
-            return down_weighted(act, case.down[copy], case.topk_weights, alignment, tiles)
+                        act: torch.Tensor = act, act_scales: torch.Tensor | None = act_scales):
+            return down_weighted(act, case.down[copy], case.topk_weights, alignment, tiles,
+                                 None if act_scales is None else (act_scales, case.scales[1]),
+                                 out_dtype=case.x.dtype)
 
         print(f"    block_m {block_m}:")
         gate_up, gate_up_s = _best_tiles(
             case, candidates,
             lambda t, base=base: fused_experts_triton(
-                case.x, case.gate_up[0], case.down[0], case.topk_weights, case.topk_ids,
-                config=dataclasses.replace(base, gate_up=t)),
+                case.x, topk_weights=case.topk_weights, topk_ids=case.topk_ids,
+                config=dataclasses.replace(base, gate_up=t), **case.weights(0)),
             gate_kernel, calls, replays)
         down, down_s = _best_tiles(
             case, candidates,
             lambda t, base=base: fused_experts_triton(
-                case.x, case.gate_up[0], case.down[0], case.topk_weights, case.topk_ids,
-                config=dataclasses.replace(base, down=t)),
+                case.x, topk_weights=case.topk_weights, topk_ids=case.topk_ids,
+                config=dataclasses.replace(base, down=t), **case.weights(0)),
             down_kernel, calls, replays)
         if gate_up is None or down is None:
             continue
@@ -107,21 +158,30 @@ def sweep(case: Case, calls: int, replays: int) -> dict:
             default_s * 1e6}
 
 
-def _tiles_repr(tiles: GemmTiles) -> str:
-    return (f"GemmTiles(block_n={tiles.block_n}, block_k={tiles.block_k}, "
-            f"group_size_m={tiles.group_size_m}, num_warps={tiles.num_warps}, "
-            f"num_stages={tiles.num_stages})")
+def write_tuned(config_dir: Path, shape: tuple[int, int, int], weights: torch.dtype,
+                tuned: list[dict]) -> Path:
+    """The sweep's best configuration per T into this GPU model's tuned file
+    (`fused_moe.tuned_config_path`, which `moe_config` reads), with each one's time and the
+    default's."""
+    device_name = torch.cuda.get_device_name(0)
+    path = tuned_config_path(*shape, weight_format(weights), device_name, config_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {
+        "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
+        "measured": datetime.date.today().isoformat(), "by": "mlaserve bench moe --sweep",
+        "configs": {str(entry["num_pairs"]): dataclasses.asdict(entry["config"])
+                    for entry in tuned},
+        "us": {str(entry["num_pairs"]): {"tokens": entry["tokens"], "tuned": entry["us"],
+                                         "default": entry["default_us"]} for entry in tuned},
+    }
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
 
 
-def print_tuned(key: tuple[int, int, int], tuned: list[dict]) -> None:
-    """The sweep's best configurations as a `TUNED_CONFIGS` entry (lines within 100 columns)."""
-    print(f"\n# TUNED_CONFIGS entry for (E, D, I) = {key}, {torch.cuda.get_device_name(0)}, bf16")
-    print(f"{key}: {{")
+def print_tuned(tuned: list[dict]) -> None:
+    """The sweep's best configuration per T, its time and the default's."""
+    print("\nbest configuration per T (us: tuned, default):")
     for entry in tuned:
-        config = entry["config"]
-        print(f"    {entry['num_pairs']}: FusedMoEConfig(  # T={entry['tokens']}: "
-              f"{entry['us']:.1f} us, default {entry['default_us']:.1f} us")
-        print(f"        block_m={config.block_m},")
-        print(f"        gate_up={_tiles_repr(config.gate_up)},")
-        print(f"        down={_tiles_repr(config.down)}),")
-    print("},")
+        print(f"  T={entry['tokens']}: {entry['us']:.1f}, {entry['default_us']:.1f}: "
+              f"{entry['config']}")

@@ -25,23 +25,38 @@ Block-FP8 experts (w8a8, DeepSeek's format: float8_e4m3fn weights with a float32
 per token and 128-column group (`fp8_activations.quantize_activations`), every BLOCK_K step (BLOCK_K
 divides 128, so it lies in one scale block) is one FP8 `tl.dot` scaled by the rows' activation
 scales times the columns' weight scales (looked up per column, so any BLOCK_N works) and added to
-the float32 accumulator. The activation is stored in x's dtype before it is quantized, as in the
-16-bit path.
+the float32 accumulator. The activation is rounded to x's dtype before it is quantized, as in the
+16-bit path. Where the gate kernel's tiles are one scale group wide (block_n = 128), its epilogue
+quantizes the activation it computes (each row's amax over the tile's 128 columns) and stores FP8
+values and scales, so no launch of its own quantizes it; with other tiles `quantize_activations`
+does, between the two kernels. Both give the same bits.
 
 On CPU tensors the kernels run in Triton's interpreter (TRITON_INTERPRET=1, for tests), where
 `tl.dot` needs M, N, K >= 16 and is faithful in float32 and float16 only.
 """
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.fp8_activations import quantize_activations
-from mlaserve.kernels.fp8_blocks import BLOCK_SIZE
+from mlaserve.kernels.fp8_activations import GROUP, quantize_activations
+from mlaserve.kernels.fp8_blocks import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    FP8_MAX,
+    QuantizedActivations,
+    empty_quantized,
+)
 from mlaserve.kernels.moe_align import ExpertAlignment, align_by_expert
 from mlaserve.kernels.moe_common import check_fp8_experts
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -69,9 +84,49 @@ class FusedMoEConfig:
     down: GemmTiles
 
 
-# (num_experts, hidden_size, moe_intermediate_size) -> {T * K: config}, for 16-bit dtypes,
-# measured on an H200 by `mlaserve bench moe --sweep`; the nearest T * K (in ratio) wins.
-TUNED_CONFIGS: dict[tuple[int, int, int], dict[int, FusedMoEConfig]] = {}
+# Tuned configurations, one JSON file per expert shape, weight format and GPU model, written by
+# `mlaserve bench moe --sweep --configs-dir` (`tuned_config_path` names them): {T * K: config}.
+CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
+
+
+def weight_format(dtype: torch.dtype) -> str | None:
+    """The experts' weight format as the tuned files name it: "16-bit" (bfloat16 and float16
+    share tiles), "fp8" (block-FP8), None for float32 (never tuned)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return "16-bit"
+    return "fp8" if dtype == FP8_DTYPE else None
+
+
+def tuned_config_path(num_experts: int, hidden: int, inter: int, weights: str,
+                      device_name: str, config_dir: Path | None = None) -> Path:
+    """The file of tuned configurations for this shape, weight format and GPU model, in
+    config_dir (default `CONFIG_DIR`, the files the engine reads)."""
+    device = "".join(c if c.isalnum() or c in "-." else "_" for c in device_name)
+    return (config_dir or CONFIG_DIR) / f"E={num_experts},D={hidden},I={inter},weights={weights},{device}.json"
+
+
+def config_from_json(entry: dict) -> FusedMoEConfig:
+    """A configuration from its `dataclasses.asdict` form."""
+    return FusedMoEConfig(block_m=entry["block_m"], gate_up=GemmTiles(**entry["gate_up"]),
+                          down=GemmTiles(**entry["down"]))
+
+
+@functools.cache
+def tuned_configs(num_experts: int, hidden: int, inter: int, weights: str | None,
+                  device_name: str | None) -> dict[int, FusedMoEConfig]:
+    """{T * K: config} from this GPU model's tuned file, read once; empty without one."""
+    if weights is None or device_name is None:
+        return {}
+    path = tuned_config_path(num_experts, hidden, inter, weights, device_name)
+    if not path.exists():
+        return {}
+    return {int(num_pairs): config_from_json(entry)
+            for num_pairs, entry in json.loads(path.read_text())["configs"].items()}
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> FusedMoEConfig:
@@ -107,11 +162,14 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> Fuse
 
 
 def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int,
-               dtype: torch.dtype) -> FusedMoEConfig:
-    """The configuration for T * K = num_pairs pairs: the tuned table's entry for this shape
-    nearest in ratio to num_pairs (16-bit weights), else `default_config`. dtype: the weights'."""
-    tuned = TUNED_CONFIGS.get((num_experts, hidden, inter))
-    if tuned and dtype in (torch.float16, torch.bfloat16):
+               dtype: torch.dtype, device: torch.device | None = None) -> FusedMoEConfig:
+    """The configuration for T * K = num_pairs pairs: the entry nearest in ratio to num_pairs
+    of the tuned file for this shape, weight format (dtype: the weights') and device's GPU
+    model, else `default_config`."""
+    device_name = (_device_name(device.index or 0)
+                   if device is not None and device.type == "cuda" else None)
+    tuned = tuned_configs(num_experts, hidden, inter, weight_format(dtype), device_name)
+    if tuned:
         nearest = min(tuned, key=lambda n: max(n, num_pairs) / min(n, num_pairs))
         return tuned[nearest]
     return default_config(num_pairs, num_experts, dtype)
@@ -148,6 +206,24 @@ def _tile_offsets(row_offs, row_mask, col_offs, col_mask, SWAP_AB: tl.constexpr)
 
 
 @triton.jit
+def _quantize_rows(y, SWAP_AB: tl.constexpr):
+    """One scale group per row of a tile laid out as `_product` lays it out (y: the rows'
+    values over one group's 128 columns, float32): (y / scale clamped to +-FP8_MAX, scale
+    [BLOCK_M]) with scale = amax |y| / FP8_MAX (1 for an all-zero row), both divisions
+    correctly rounded: `fp8_activations.quantize_activations`' arithmetic."""
+    if SWAP_AB:
+        amax = tl.max(tl.abs(y), axis=0)
+    else:
+        amax = tl.max(tl.abs(y), axis=1)
+    scale = tl.where(amax > 0.0, tl.div_rn(amax, _FP8_MAX), 1.0)
+    if SWAP_AB:
+        y = tl.div_rn(y, scale[None, :])
+    else:
+        y = tl.div_rn(y, scale[:, None])
+    return tl.clamp(y, -_FP8_MAX, _FP8_MAX), scale
+
+
+@triton.jit
 def _tile_of_program(pid, num_m_blocks, num_n_blocks, GROUP_SIZE_M: tl.constexpr):
     """Program id -> (M-block, N-block): GROUP_SIZE_M M-blocks in a row share each N-block."""
     group_width = GROUP_SIZE_M * num_n_blocks
@@ -160,7 +236,8 @@ def _tile_of_program(pid, num_m_blocks, num_n_blocks, GROUP_SIZE_M: tl.constexpr
 def _gate_up_silu_kernel(
     x_ptr,  # [T, D]
     w_ptr,  # [E, 2I, D]: gate rows then up rows
-    act_ptr,  # [max_padded, I], out, unit column stride
+    act_ptr,  # [max_padded, I], out, unit column stride (QUANTIZE_ACT: the FP8 values)
+    act_scale_ptr,  # QUANTIZE_ACT: [max_padded, I / 128] float32, out, any strides
     x_scale_ptr,  # FP8: [T, ceil(D / 128)] float32, any strides
     w_scale_ptr,  # FP8: [E, 2I / 128, ceil(D / 128)] float32, unit column stride
     sorted_ids_ptr,  # [max_padded] int32
@@ -177,6 +254,8 @@ def _gate_up_silu_kernel(
     stride_wn,
     stride_wd,
     stride_am,
+    stride_asm,
+    stride_asg,
     stride_xst,
     stride_xsg,
     stride_wse,
@@ -189,6 +268,8 @@ def _gate_up_silu_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    QUANTIZE_ACT: tl.constexpr,  # BLOCK_N == 128: store the activation quantized
+    ACT_DTYPE: tl.constexpr,  # the activation's dtype (rounded to it before quantizing)
 ):
     pid_m, pid_n = _tile_of_program(tl.program_id(0), num_m_blocks, tl.cdiv(inter, BLOCK_N),
                                     GROUP_SIZE_M)
@@ -237,6 +318,9 @@ def _gate_up_silu_kernel(
         up_ptrs += BLOCK_K * stride_wd
     act = gate * tl.sigmoid(gate) * up
     offs, mask = _tile_offsets(rows * stride_am, valid, cols, cols < inter, SWAP_AB)
+    if QUANTIZE_ACT:
+        act, scale = _quantize_rows(act.to(ACT_DTYPE).to(tl.float32), SWAP_AB)
+        tl.store(act_scale_ptr + rows * stride_asm + pid_n * stride_asg, scale, mask=valid)
     tl.store(act_ptr + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
 
 
@@ -337,7 +421,8 @@ def _scale_args(scales: tuple[torch.Tensor, torch.Tensor] | None, dummy: torch.T
 def gate_up_silu(x: torch.Tensor, gate_up_proj: torch.Tensor, alignment: ExpertAlignment,
                  top_k: int, tiles: GemmTiles,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 act_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 act_dtype: torch.dtype | None = None, quantize_act: bool = False
+                 ) -> torch.Tensor | QuantizedActivations:
     """silu(x gate_e^T) * (x up_e^T) for every aligned row.
 
     Args:
@@ -345,26 +430,44 @@ def gate_up_silu(x: torch.Tensor, gate_up_proj: torch.Tensor, alignment: ExpertA
         scales: FP8 only (x and gate_up_proj float8_e4m3fn): x's per-token-group scales
             [T, ceil(D / 128)] and the weight's scales [E, 2I / 128, ceil(D / 128)], float32.
         act_dtype: the activation's dtype (default x's).
+        quantize_act: FP8 with tiles one scale group wide (block_n = 128) only: quantize the
+            activation in the kernel's epilogue, as `quantize_activations` would.
 
     Returns:
         [max_padded, I] in act_dtype; row r is pair sorted_ids[r]'s activation (rows of
-        padding are not written).
+        padding are not written). With quantize_act, `QuantizedActivations` of it instead
+        (values [max_padded, I], scales [max_padded, I / 128]).
     """
     num_tokens, hidden = x.shape
     inter = gate_up_proj.shape[1] // 2
     max_padded = alignment.sorted_ids.shape[0]
     num_m_blocks = alignment.expert_ids.shape[0]
-    act = torch.empty(max_padded, inter, dtype=act_dtype or x.dtype, device=x.device)
+    act_dtype = act_dtype or x.dtype
+    if quantize_act and (scales is None or tiles.block_n != GROUP):
+        raise ValueError(f"the gate kernel quantizes its activation with FP8 operands and "
+                         f"block_n {GROUP} only, not block_n {tiles.block_n}")
+    if quantize_act:
+        # float32 values off CUDA, rounded to FP8 by torch below (the interpreter's float8
+        # conversion is wrong: `fp8_activations`)
+        act = empty_quantized(max_padded, inter, act_dtype, x.device)
+        act_values, act_scales = act.values, act.scales
+    else:
+        act = act_values = torch.empty(max_padded, inter, dtype=act_dtype, device=x.device)
+        act_scales = x  # unused
     grid = (num_m_blocks * triton.cdiv(inter, tiles.block_n),)
     x_scales, w_scales, *scale_strides = _scale_args(scales, x)
     _gate_up_silu_kernel[grid](
-        x, gate_up_proj, act, x_scales, w_scales, alignment.sorted_ids, alignment.expert_ids,
-        alignment.num_padded, num_tokens * top_k, top_k, hidden, inter, num_m_blocks,
-        x.stride(0), x.stride(1), *gate_up_proj.stride(), act.stride(0), *scale_strides,
+        x, gate_up_proj, act_values, act_scales, x_scales, w_scales, alignment.sorted_ids,
+        alignment.expert_ids, alignment.num_padded, num_tokens * top_k, top_k, hidden, inter,
+        num_m_blocks, x.stride(0), x.stride(1), *gate_up_proj.stride(), act_values.stride(0),
+        *(act_scales.stride() if quantize_act else (0, 0)), *scale_strides,
         BLOCK_M=alignment.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_SIZE_M=tiles.group_size_m, EVEN_K=hidden % tiles.block_k == 0,
         DOT_PRECISION=_dot_precision(x.dtype), FP8=scales is not None, SWAP_AB=tiles.swap_ab,
+        QUANTIZE_ACT=quantize_act, ACT_DTYPE=_TL_DTYPES[act_dtype],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if quantize_act and act_values.dtype != FP8_DTYPE:
+        return QuantizedActivations(act_values.to(FP8_DTYPE), act_scales, act_dtype)
     return act
 
 
@@ -437,7 +540,7 @@ def fused_experts_triton(
         weighted output are rounded to x's dtype, the sum over K accumulates in float32.
         Five launches plus the sum, no host sync (CUDA-graph capturable); with FP8 weights x
         and the activation are also quantized per token and 128-column group
-        (`quantize_activations`).
+        (`quantize_activations`; the activation by the gate kernel where its block_n is 128).
     """
     fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     num_tokens, hidden = x.shape
@@ -452,7 +555,7 @@ def fused_experts_triton(
             f"{topk_weights.dtype} {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}")
     if config is None:
         config = moe_config(num_tokens * (top_k - shared_experts), num_experts - shared_experts,
-                            hidden, two_inter // 2, gate_up_proj.dtype)
+                            hidden, two_inter // 2, gate_up_proj.dtype, x.device)
     if fp8 and (BLOCK_SIZE[1] % config.gate_up.block_k or BLOCK_SIZE[1] % config.down.block_k):
         raise ValueError(f"FP8 experts need block_k dividing {BLOCK_SIZE[1]} (one scale block "
                          f"per K step), not {config.gate_up.block_k} / {config.down.block_k}")
@@ -462,9 +565,11 @@ def fused_experts_triton(
         return down_weighted(act, down_proj, topk_weights, alignment, config.down,
                              has_unrouted=has_unrouted).sum(dim=1)
     x_q, x_scales = quantize_activations(x)  # [T, D] fp8, [T, ceil(D / 128)]
+    in_epilogue = config.gate_up.block_n == GROUP  # the gate kernel quantizes its activation
     act = gate_up_silu(x_q, gate_up_proj, alignment, top_k, config.gate_up,
-                       (x_scales, gate_up_scale_inv), act_dtype=x.dtype)  # [max_padded, I]
-    act_q, act_scales = quantize_activations(act)  # [max_padded, I] fp8, [max_padded, I / 128]
+                       (x_scales, gate_up_scale_inv), act_dtype=x.dtype, quantize_act=in_epilogue)
+    # [max_padded, I] fp8, [max_padded, I / 128]
+    act_q, act_scales = (act.values, act.scales) if in_epilogue else quantize_activations(act)
     out = down_weighted(act_q, down_proj, topk_weights, alignment, config.down,
                         (act_scales, down_scale_inv), out_dtype=x.dtype,
                         has_unrouted=has_unrouted)  # [T, K, D]
