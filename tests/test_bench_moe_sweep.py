@@ -67,3 +67,27 @@ def test_fp8_sweep_checks_every_candidate_and_returns_one(monkeypatch):
     assert len(timed) == 2 * len(candidates)  # none failed its check: each kernel's all timed
     assert isinstance(best["config"], FusedMoEConfig) and best["config"] in configs[1:]
     assert best["config"].gate_up in candidates and best["config"].down in candidates
+
+
+def test_write_tuned_merges_into_the_file_the_engine_reads(monkeypatch, tmp_path):
+    """A second sweep over other T adds its entries and replaces those of the T it swept; the
+    file loads as `moe_config`'s table."""
+    from mlaserve.kernels import fused_moe
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Test GPU 1")
+    first, second = (fused_moe.default_config(n, 4, torch.float8_e4m3fn) for n in (6, 4096))
+    entry = dict(us=1.0, default_us=2.0)
+    moe_sweep.write_tuned(tmp_path, (4, 256, 128), torch.float8_e4m3fn,
+                          [dict(tokens=1, num_pairs=6, config=first, **entry),
+                           dict(tokens=8, num_pairs=48, config=first, **entry)])
+    path = moe_sweep.write_tuned(tmp_path, (4, 256, 128), torch.float8_e4m3fn,
+                                 [dict(tokens=8, num_pairs=48, config=second, **entry),
+                                  dict(tokens=2048, num_pairs=4096, config=second, **entry)])
+    assert path.name == "E=4,D=256,I=128,weights=fp8,Test_GPU_1.json"
+    monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
+    fused_moe.tuned_configs.cache_clear()
+    try:
+        table = fused_moe.tuned_configs(4, 256, 128, "fp8", "Test GPU 1")
+    finally:
+        fused_moe.tuned_configs.cache_clear()
+    assert table == {6: first, 48: second, 4096: second}

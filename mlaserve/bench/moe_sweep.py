@@ -43,8 +43,8 @@ SWEEP_TILES_LARGE_M = [  # block_m 64 or 128
 # of a 16-bit one), 128-wide gate tiles (the epilogue quantizes the activation); each is also
 # tried transposed
 SWEEP_TILES_SMALL_M_FP8 = [
-    (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (128, 128, 1, 4, 3), (128, 128, 1, 4, 5),
-    (128, 128, 1, 8, 4),
+    (32, 128, 1, 4, 4), (32, 128, 1, 4, 6), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6),
+    (128, 128, 1, 4, 3), (128, 128, 1, 4, 5), (128, 128, 1, 8, 4),
 ]
 SWEEP_TILES_LARGE_M_FP8 = [
     (64, 128, 8, 4, 4), (128, 64, 8, 8, 4), (128, 128, 8, 4, 4), (128, 128, 8, 8, 3),
@@ -161,19 +161,23 @@ def sweep(case: Case, calls: int, replays: int) -> dict:
 def write_tuned(config_dir: Path, shape: tuple[int, int, int], weights: torch.dtype,
                 tuned: list[dict]) -> Path:
     """The sweep's best configuration per T into this GPU model's tuned file
-    (`fused_moe.tuned_config_path`, which `moe_config` reads), with each one's time and the
-    default's."""
+    (`fused_moe.tuned_config_path`, which `moe_config` reads), with each one's time, the
+    default's and the day it was measured; entries of an existing file for other T stay."""
     device_name = torch.cuda.get_device_name(0)
     path = tuned_config_path(*shape, weight_format(weights), device_name, config_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {
-        "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
-        "measured": datetime.date.today().isoformat(), "by": "mlaserve bench moe --sweep",
-        "configs": {str(entry["num_pairs"]): dataclasses.asdict(entry["config"])
-                    for entry in tuned},
-        "us": {str(entry["num_pairs"]): {"tokens": entry["tokens"], "tuned": entry["us"],
-                                         "default": entry["default_us"]} for entry in tuned},
-    }
+    body = (json.loads(path.read_text()) if path.exists()
+            else {"device": device_name, "by": "mlaserve bench moe --sweep", "configs": {},
+                  "us": {}})
+    today = datetime.date.today().isoformat()
+    for entry in tuned:
+        body["configs"][str(entry["num_pairs"])] = dataclasses.asdict(entry["config"])
+        body["us"][str(entry["num_pairs"])] = {
+            "tokens": entry["tokens"], "tuned": round(entry["us"], 1),
+            "default": round(entry["default_us"], 1), "measured": today,
+            "torch": torch.__version__, "triton": triton.__version__}
+    for table in ("configs", "us"):
+        body[table] = dict(sorted(body[table].items(), key=lambda item: int(item[0])))
     path.write_text(json.dumps(body, indent=1) + "\n")
     print(f"wrote {path}")
     return path

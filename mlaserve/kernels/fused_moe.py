@@ -102,7 +102,8 @@ def tuned_config_path(num_experts: int, hidden: int, inter: int, weights: str,
     """The file of tuned configurations for this shape, weight format and GPU model, in
     config_dir (default `CONFIG_DIR`, the files the engine reads)."""
     device = "".join(c if c.isalnum() or c in "-." else "_" for c in device_name)
-    return (config_dir or CONFIG_DIR) / f"E={num_experts},D={hidden},I={inter},weights={weights},{device}.json"
+    name = f"E={num_experts},D={hidden},I={inter},weights={weights},{device}.json"
+    return (config_dir or CONFIG_DIR) / name
 
 
 def config_from_json(entry: dict) -> FusedMoEConfig:
