@@ -56,7 +56,7 @@ class EngineConfig:
     def mla_shape(self, device: torch.device) -> MLAShape:
         """The decode attention problem of one rank on `device`."""
         return _mla_shape(self.model, self.layout, self.args.block_size, self.dtype,
-                          self.kv_cache_dtype, device)
+                          self.kv_cache_dtype, device, self.speculative)
 
 
 def resolve_engine_config(args: EngineArgs, replica: int = 0) -> EngineConfig:
@@ -78,7 +78,8 @@ def resolve_engine_config(args: EngineArgs, replica: int = 0) -> EngineConfig:
         torch.cuda.set_device(first_device)
     kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     backend = select_backend(args.attention_backend, _mla_shape(
-        model, layout, args.block_size, dtype, kv_cache_dtype, first_device))
+        model, layout, args.block_size, dtype, kv_cache_dtype, first_device,
+        args.speculative_config))
     return EngineConfig(
         args=args, model_dir=model_dir, model=model, layout=layout, device=device, dtype=dtype,
         kv_cache_dtype=kv_cache_dtype, attention_backend=backend,
@@ -108,11 +109,14 @@ def check_speculative(args: EngineArgs, config: ModelConfig) -> None:
 
 
 def _mla_shape(model: ModelConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype,
-               kv_cache_dtype: torch.dtype, device: torch.device) -> MLAShape:
+               kv_cache_dtype: torch.dtype, device: torch.device,
+               speculative: SpeculativeConfig | None) -> MLAShape:
+    """Speculative decoding verifies k drafts as decode rows of q_len k + 1 (runner.py)."""
     return MLAShape(num_heads=model.num_attention_heads // layout.tensor_parallel_size,
                     kv_lora_rank=model.kv_lora_rank, qk_rope_head_dim=model.qk_rope_head_dim,
                     block_size=block_size, dtype=dtype, device=device,
-                    kv_cache_dtype=kv_cache_dtype)
+                    kv_cache_dtype=kv_cache_dtype,
+                    max_q_len=1 + (speculative.num_speculative_tokens if speculative else 0))
 
 
 def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:

@@ -198,15 +198,19 @@ class ModelRunner:
         eagerly with exchanges of that size."""
         inputs, block_size = self.inputs, self.block_size
         inputs.sync([*decodes, *(r for r, _ in prefills)])
-        verifies = [r for r in decodes if r.draft_token_ids]  # chunks after the prefills'
-        if verifies:
-            decodes = [r for r in decodes if not r.draft_token_ids]
+        decodes, prefills, verifies, q_len = self._speculative_layout(decodes, prefills)
         num_decodes = len(decodes)
-        # decode rows: persistent row, position, known input token, or its index among the
-        # previous step's samples (-1: known)
+        # decode rows (q_len per request): persistent row, position, known input token, or its
+        # index among the previous step's samples (-1: known)
         rows, positions, tokens, sources = [], [], [], []
         for request in decodes:
             position = request.num_computed_tokens
+            if q_len > 1:  # verifying its k drafts: its input token, then the drafts
+                rows += [request.row] * q_len
+                positions += range(position, position + q_len)
+                tokens += [request.token_ids[position], *request.draft_token_ids]
+                sources += [-1] * q_len
+                continue
             rows.append(request.row)
             positions.append(position)
             if position < request.num_tokens:
@@ -217,7 +221,7 @@ class ModelRunner:
                 sources.append(self._prev_sample_rows[request.request_id])
         hidden = None
         if self.decode_recorder is not None:
-            self.decode_recorder.record([position + 1 for position in positions])
+            self.decode_recorder.record([p + 1 for p in positions[q_len - 1::q_len]], q_len)
         width = max((len(r.block_ids) for r in decodes), default=0)
         if decodes:
             packed = inputs.to_device([rows, positions, tokens, sources], torch.int64)  # [4, d]
@@ -225,11 +229,12 @@ class ModelRunner:
             if any(s >= 0 for s in sources):
                 from_device = self._prev_sampled[decode_sources.clamp(min=0)]
                 decode_ids = torch.where(decode_sources >= 0, from_device, decode_ids)
-            table = inputs.block_table[decode_rows, :width]  # [d, width] int32
-            decode_slots = (table.gather(1, (decode_positions // block_size)[:, None])
+            row_tables = inputs.block_table[decode_rows, :width]  # [d * q_len, width] int32
+            decode_slots = (row_tables.gather(1, (decode_positions // block_size)[:, None])
                             .squeeze(1).long() * block_size + decode_positions % block_size)
-            seq_lens = (decode_positions + 1).to(torch.int32)
-        chunks, prefill_inputs = self._prefill_inputs(prefills, num_decodes, verifies)
+            table = row_tables[::q_len]  # [d, width]
+            seq_lens = (decode_positions[q_len - 1::q_len] + 1).to(torch.int32)  # [d]
+        chunks, prefill_inputs = self._prefill_inputs(prefills, num_decodes * q_len, verifies)
         # the MTP module reads the step's attention metadata: a speculating engine runs eagerly
         graph_size = None if chunks or self.num_speculative_tokens else self.graph_size(
             num_decodes, width)
@@ -244,41 +249,69 @@ class ModelRunner:
                 parts.append(prefill_inputs)
             input_ids, position_ids, slot_mapping = (torch.cat(p) for p in zip(*parts,
                                                                                   strict=True))
-            meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=num_decodes,
-                                     prefills=chunks)
-            like_graph = self.graph_size(num_decodes, width)
+            meta = AttentionMetadata(slot_mapping=slot_mapping,
+                                     num_decode_tokens=num_decodes * q_len, prefills=chunks)
+            like_graph = self.graph_size(num_decodes, width) if q_len == 1 else None
             if like_graph is not None:
                 # planned as the graph of this size was: no kernel compiles mid-serving
                 self.backend.plan_like_graph(table, seq_lens, like_graph)
             elif decodes:
-                self.backend.plan(table, seq_lens)
+                self.backend.plan(table, seq_lens, q_len)
             if decodes:
                 meta.decode_backend = self.backend
             hidden = self.model(input_ids, position_ids, self.kv_caches, meta,
                                 expert_capacity or None)
         if not self.num_speculative_tokens:
             return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
-        return self._speculate(decodes, prefills, verifies, samplers, grammar_bitmask, hidden,
-                               position_ids, meta, chunks)
+        return self._speculate(decodes, q_len, prefills, verifies, samplers, grammar_bitmask,
+                               hidden, position_ids, meta, chunks)
 
-    def _speculate(self, decodes: list[RunnerRequest], prefills: list[tuple[RunnerRequest, int]],
-                   verifies: list[RunnerRequest], samplers: list[RunnerRequest],
-                   grammar_bitmask: GrammarBitmask | None, hidden: torch.Tensor,
-                   positions: torch.Tensor, meta: AttentionMetadata,
+    def _speculative_layout(self, decodes: list[RunnerRequest],
+                            prefills: list[tuple[RunnerRequest, int]]
+                            ) -> tuple[list[RunnerRequest], list[tuple[RunnerRequest, int]],
+                                       list[RunnerRequest], int]:
+        """Where a step's decoding requests run: (decode rows' requests, prefill chunks,
+        verify chunks' requests, q_len of the decode rows). Without speculation every decode
+        is one row. A speculating engine verifies each request with all k drafts as k + 1
+        decode rows (the decode kernels' q_len > 1, one plan for all); then the plain decodes
+        beside them run as one-token chunks after the prefills, and requests verifying fewer
+        drafts (cut by max_tokens or the model length) as chunks after those."""
+        k = self.num_speculative_tokens
+        verifies = [r for r in decodes if 0 < len(r.draft_token_ids) < k]
+        full = [r for r in decodes if k and len(r.draft_token_ids) == k]
+        plain = [r for r in decodes if not r.draft_token_ids]
+        if not full:
+            return plain, prefills, verifies, 1
+        return full, [*prefills, *((r, 1) for r in plain)], verifies, k + 1
+
+    def _speculate(self, decodes: list[RunnerRequest], q_len: int,
+                   prefills: list[tuple[RunnerRequest, int]], verifies: list[RunnerRequest],
+                   samplers: list[RunnerRequest], grammar_bitmask: GrammarBitmask | None,
+                   hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    chunks: list[PrefillChunk]) -> PendingStep:
         """A speculating engine's sampling (spec_decode.py): the plain samplers as always, the
-        verifying requests' drafts checked, then the MTP module's drafts for the next step
-        (waiting on the host for the tokens emitted)."""
+        verifying requests' drafts checked (those in decode rows of q_len > 1, then those in
+        chunks), then the MTP module's drafts for the next step (waiting on the host for the
+        tokens emitted)."""
         prefill_chunks, verify_chunks = chunks[:len(prefills)], chunks[len(prefills):]
-        plain = [r for r in samplers if not r.draft_token_ids]
-        pending = self._sample(decodes, prefills, plain, grammar_bitmask, hidden, prefill_chunks)
+        plain_decodes, full = (decodes, []) if q_len == 1 else ([], decodes)
+        plain_ids = {r.request_id for r in samplers if not r.draft_token_ids}
+        # in the order of their rows: the plain decode rows, then the chunks
+        plain = [r for r in (*plain_decodes, *(r for r, _ in prefills))
+                 if r.request_id in plain_ids]
+        pending = self._sample(plain_decodes, prefills, plain, grammar_bitmask, hidden,
+                               prefill_chunks)
         pending.sampling_ids = [r.request_id for r in samplers]
         pending.plain_ids = [r.request_id for r in plain]
-        if verifies:
-            rows = self.inputs.to_device([i for c in verify_chunks for i in range(
-                c.token_start, c.token_start + c.num_tokens)], torch.int64)
-            outcomes = verify(verifies, self.model.compute_logits(hidden[rows]), self.inputs)
-            pending.verified = {r.request_id: v for r, v in zip(verifies, outcomes,
+        # each verifying request's rows: (first row, rows), decode groups then chunks
+        spans = [(i * q_len, q_len) for i in range(len(full))]
+        spans += [(c.token_start, c.num_tokens) for c in verify_chunks]
+        verifying = [*full, *verifies]
+        if verifying:
+            rows = self.inputs.to_device([i for first, count in spans
+                                          for i in range(first, first + count)], torch.int64)
+            outcomes = verify(verifying, self.model.compute_logits(hidden[rows]), self.inputs)
+            pending.verified = {r.request_id: v for r, v in zip(verifying, outcomes,
                                                                  strict=True)}
         drafting = [r for r in samplers if speculates(r.params)]
         if not drafting:
@@ -286,9 +319,10 @@ class ModelRunner:
         if pending.ready is not None:
             pending.ready.synchronize()  # the plain samples' copy to the host
         sampled = dict(zip(pending.plain_ids, pending.sampled.tolist(), strict=True))
-        rows = draft_rows(decodes, list(zip(prefill_chunks, prefills, strict=True)),
-                          list(zip(verify_chunks, verifies, strict=True)), sampled,
-                          pending.verified, drafting)
+        rows = draft_rows(hidden.shape[0], plain_decodes,
+                          list(zip(prefill_chunks, prefills, strict=True)),
+                          [(*span, r) for span, r in zip(spans, verifying, strict=True)],
+                          sampled, pending.verified, drafting)
         tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
                        self.block_size, self.num_speculative_tokens, rows, hidden, positions,
                        drafting)

@@ -1,15 +1,17 @@
 """The runner's side of speculative decoding with the MTP module (speculative.py): verifying a
 step's drafts and drafting the next step's.
 
-A step's token axis holds, after its plain decode rows and its prefill chunks, one chunk per
-verifying request: its next input token at position n, then its d drafts at n + 1 .. n + d, run
-like a prefill chunk over the cached context (so the main model's logits at all d + 1
-positions come out of the one forward). `verify` turns those logits into the tokens emitted:
-the target distribution at each position (`sampler.target_probs`, the request's temperature and
-filters), then `rejection_sampler.rejection_sample` with greedy drafts. Its randomness is a
-pure function of (request seed, position), as plain sampling's: the acceptance uniforms from
-`seeded_uniform` of a salted seed, the recovery / bonus draw from the plain sampler's own
-noise at that position.
+A verifying request's rows are its next input token at position n, then its d drafts at
+n + 1 .. n + d, so the main model's logits at all d + 1 positions come out of the one forward.
+Requests verifying all k drafts take k + 1 decode rows each (the decode kernels' q_len > 1, one
+plan for the batch), the plain decodes beside them one-token chunks after the prefills; a
+request verifying fewer (its drafts cut by max_tokens or the model length) takes a chunk of its
+own over the cached context, after those (runner.py, `_speculative_layout`). `verify` turns
+those logits into the tokens emitted: the target distribution at each position
+(`sampler.target_probs`, the request's temperature and filters), then
+`rejection_sampler.rejection_sample` with greedy drafts. Its randomness is a pure function of
+(request seed, position), as plain sampling's: the acceptance uniforms from `seeded_uniform` of
+a salted seed, the recovery / bonus draw from the plain sampler's own noise at that position.
 
 `draft` then runs the MTP module over every token row of the step, with the token that follows
 each row's position (the prompt's next token, the token just sampled, or for a verify chunk the
@@ -92,25 +94,36 @@ class DraftRows:
     last_positions: list[int]  # that position
 
 
-def draft_rows(decodes: list[RunnerRequest],
+def draft_rows(num_rows: int, decodes: list[RunnerRequest],
                prefills: list[tuple[PrefillChunk, tuple[RunnerRequest, int]]],
-               verifies: list[tuple[PrefillChunk, RunnerRequest]], sampled: dict[str, int],
+               verifies: list[tuple[int, int, RunnerRequest]], sampled: dict[str, int],
                verified: dict[str, Verified], drafting: list[RunnerRequest]) -> DraftRows:
-    """The MTP module's view of a step's token axis (plain decode rows, then the prefill chunks,
-    then the verify chunks): each row's next token, and each drafting request's last computed
-    row and position. sampled: the plain samplers' new tokens by request id."""
-    next_ids: list[int] = [sampled[r.request_id] for r in decodes]
-    last: dict[str, tuple[int, int]] = {r.request_id: (i, r.num_computed_tokens)
-                                        for i, r in enumerate(decodes)}
+    """The MTP module's view of a step's num_rows token rows: each row's next token, and each
+    drafting request's last computed row and position.
+
+    Args:
+        decodes: the plain decode rows' requests (row i: decodes[i]).
+        prefills: each prefill chunk (plain decodes beside verifying rows among them) and its
+            (request, tokens).
+        verifies: each verifying request's rows (first row, rows, request): decode rows of
+            q_len k + 1 or a chunk.
+        sampled: the plain samplers' new tokens by request id.
+    """
+    next_ids = [0] * num_rows  # fillers where unknown (past a rejection)
+    last: dict[str, tuple[int, int]] = {}
+    for i, request in enumerate(decodes):
+        next_ids[i] = sampled[request.request_id]
+        last[request.request_id] = (i, request.num_computed_tokens)
     for chunk, (request, count) in prefills:
         start, known = request.num_computed_tokens, request.token_ids
-        next_ids += [known[p + 1] if p + 1 < len(known) else sampled[request.request_id]
-                     for p in range(start, start + count)]
+        next_ids[chunk.token_start:chunk.token_start + count] = [
+            known[p + 1] if p + 1 < len(known) else sampled[request.request_id]
+            for p in range(start, start + count)]
         last[request.request_id] = (chunk.token_start + count - 1, start + count - 1)
-    for chunk, request in verifies:
+    for first, _, request in verifies:
         emitted = verified[request.request_id].tokens
-        next_ids += emitted + [0] * (chunk.num_tokens - len(emitted))  # fillers past them
-        last[request.request_id] = (chunk.token_start + len(emitted) - 1,
+        next_ids[first:first + len(emitted)] = emitted
+        last[request.request_id] = (first + len(emitted) - 1,
                                     request.num_computed_tokens + len(emitted) - 1)
     return DraftRows(next_ids, [last[r.request_id][0] for r in drafting],
                      [last[r.request_id][1] for r in drafting])
