@@ -97,20 +97,21 @@ def test_graph_forward_equals_eager_forward(backend: str) -> None:
 class _EagerReplay:
     """Stands in for a captured graph on CPU: replay re-runs the forward into the output."""
 
-    def __init__(self, graphs: DecodeGraphs, batch_size: int, output: torch.Tensor) -> None:
-        self.graphs, self.batch_size, self.output = graphs, batch_size, output
+    def __init__(self, graphs: DecodeGraphs, batch_size: int, q_len: int,
+                 output: torch.Tensor) -> None:
+        self.graphs, self.batch_size, self.q_len, self.output = graphs, batch_size, q_len, output
 
     def replay(self) -> None:
         # a real graph keeps the kernels' arguments of its capture: restore that plan
-        self.graphs.backend.plan_for_capture(self.batch_size)
+        self.graphs.backend.plan_for_capture(self.batch_size, self.q_len)
         with torch.inference_mode():
-            self.output.copy_(self.graphs._forward(self.batch_size))
+            self.output.copy_(self.graphs._forward(self.batch_size, self.q_len))
 
 
 class _CPUDecodeGraphs(DecodeGraphs):
-    def _record(self, batch_size: int):
-        output = self._forward(batch_size).clone()
-        return _EagerReplay(self, batch_size, output), output
+    def _record(self, batch_size: int, q_len: int):
+        output = self._forward(batch_size, q_len).clone()
+        return _EagerReplay(self, batch_size, q_len, output), output
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -122,7 +123,7 @@ def test_static_buffers_padding_and_scratch_slot_on_cpu(backend: str) -> None:
     runner = llm.engine.runner
     graphs = _CPUDecodeGraphs(runner.model, runner.kv_caches, runner.backend, max_batch_size=6,
                               max_blocks_per_seq=8, scratch_slot=64 * 4)
-    assert sorted(graphs.graphs) == [1, 2, 4, 6]
+    assert sorted(graphs.graphs) == [(1, 1), (1, 2), (1, 4), (1, 6)]
     generator = torch.Generator().manual_seed(0)
     for cache in runner.kv_caches:
         cache.copy_(torch.randn(cache.shape, generator=generator))
@@ -144,6 +145,40 @@ def test_static_buffers_padding_and_scratch_slot_on_cpu(backend: str) -> None:
         with torch.inference_mode():
             eager = runner.model(ids, positions, runner.kv_caches, meta)
         torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_q_len_graphs_replay_request_major_rows_on_cpu() -> None:
+    """Graphs of 3 rows per request (a speculating engine's verification): n requests' rows
+    replayed through a padded size equal the eager forward planned with q_len 3; padded rows
+    write only the scratch slot."""
+    llm = LLM(device="cpu", attention_backend="torch", block_size=4, num_kv_blocks=64)
+    runner = llm.engine.runner
+    graphs = _CPUDecodeGraphs(runner.model, runner.kv_caches, runner.backend, max_batch_size=4,
+                              max_blocks_per_seq=8, scratch_slot=64 * 4, q_lens=(1, 3))
+    assert sorted(graphs.graphs) == [(1, 1), (1, 2), (1, 4), (3, 1), (3, 2), (3, 4)]
+    generator = torch.Generator().manual_seed(1)
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    n, q_len = 3, 3
+    seq_lens = torch.tensor([5, 17, 30], dtype=torch.int32)
+    table = torch.randperm(64, generator=generator)[: n * 8].view(n, 8).int()
+    positions = (seq_lens.long()[:, None] - q_len + torch.arange(q_len)).flatten()  # [n * 3]
+    rows = table.long().repeat_interleave(q_len, dim=0)
+    slots = rows.gather(1, (positions // 4)[:, None]).squeeze(1) * 4 + positions % 4
+    ids = torch.randint(0, 450, (n * q_len,), generator=generator)
+    before = [cache.clone() for cache in runner.kv_caches]
+    with torch.inference_mode():
+        replayed = graphs.run(ids, positions, slots, table, seq_lens, q_len=q_len).clone()
+    assert replayed.shape[0] == n * q_len and graphs.num_replays == 1
+    for old, cache in zip(before, runner.kv_caches, strict=True):
+        changed = (old != cache).any(-1).flatten().nonzero().flatten()
+        assert set(changed.tolist()) <= set(slots.tolist()) | {64 * 4}
+    runner.backend.plan(table, seq_lens, q_len)
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=n * q_len,
+                             decode_backend=runner.backend)
+    with torch.inference_mode():
+        eager = runner.model(ids, positions, runner.kv_caches, meta)
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_engine_with_replayed_decode_equals_eager_on_cpu() -> None:

@@ -168,6 +168,37 @@ def test_accepted_drafts_leave_the_output_as_it_was(k, wrong_every, options, ref
         llm.shutdown()
 
 
+def test_verification_replays_decode_graphs_of_q_len_k_plus_1(reference, monkeypatch):
+    """With decode graphs (the CPU stand-in of tests/test_cuda_graphs.py) a speculating engine
+    replays the q_len k + 1 graphs for its verification steps, the MTP module drafting from
+    the replayed hidden states, and decodes as without speculation."""
+    from tests.test_cuda_graphs import _CPUDecodeGraphs
+
+    k = 2
+    llm = make_llm(k)
+    try:
+        runner = llm.engine.runner
+        runner.graphs = _CPUDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
+                                         max_batch_size=4, max_blocks_per_seq=8,
+                                         scratch_slot=runner.num_blocks * runner.block_size,
+                                         q_lens=(1, k + 1))
+        replayed = Counter()
+        run_graph = runner.graphs.run
+
+        def counting_run(*args, **kwargs):
+            replayed[kwargs.get("q_len", args[6] if len(args) > 6 else 1)] += 1
+            return run_graph(*args, **kwargs)
+
+        monkeypatch.setattr(runner.graphs, "run", counting_run)
+        oracle(reference, llm.engine.core.config.model.vocab_size, 3, monkeypatch)
+        prompts = [tuple(llm.tokenizer.encode(p)) for p in PROMPTS[:3]]
+        assert run(llm, PROMPTS[:3], GREEDY) == [reference[p][len(p):] for p in prompts]
+        assert replayed[k + 1] > 0
+        assert llm.engine.core.stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
 def test_a_prompt_cached_by_an_earlier_request_decodes_the_same(reference, monkeypatch):
     llm = make_llm(2)
     try:
@@ -294,5 +325,26 @@ def test_stop_strings_and_n_samples_end_as_without_speculation(reference, monkey
         got = [(c.text, c.finish_reason) for c in llm.generate([PROMPTS[1]], params)[0].outputs]
         assert got == want and want[0][1] == "stop" and len(want) == 2
         assert llm.engine.core.stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_speculation_replays_verify_graphs_and_equals_no_speculation():
+    """On a GPU in float32 (no near-ties from bfloat16 rounding): the decode CUDA graphs of q_len
+    k + 1 capture and replay, and greedy outputs equal decoding without speculation."""
+    options = dict(load_format="dummy", hf_overrides=OVERRIDES, device="cuda", dtype="float32",
+                   block_size=16, num_kv_blocks=256)
+    plain = LLM(**options)
+    try:
+        want = run(plain, PROMPTS, GREEDY)
+    finally:
+        plain.shutdown()
+    llm = LLM(**options, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    try:
+        assert run(llm, PROMPTS, GREEDY) == want
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and (4, 1) in graphs.graphs and graphs.num_replays > 0
+        assert llm.engine.core.stats().spec_num_drafts > 0
     finally:
         llm.shutdown()

@@ -13,6 +13,10 @@ Static state the graphs read, refilled before each replay:
 Steps with prefill chunks, more than the largest graph's requests, or a block table wider than
 `max_seq_len_to_capture` allows run eagerly.
 
+A speculating engine also captures each size with q_len = k + 1 rows per request (its drafts'
+verification, the decode kernels' q_len > 1): rows are request-major, so n requests fill the
+first n * q_len rows.
+
 Under expert parallelism a graph's MoE exchanges carry its batch size in rows per rank, so a
 replica replays the graph whose size is the step's agreed capacity (`Lockstep.agree_capacity`),
 and replicas with no batch join the same exchanges eagerly.
@@ -43,12 +47,13 @@ class DecodeGraphs:
 
     def __init__(self, model: DeepseekForCausalLM, kv_caches: list[torch.Tensor],
                  backend: MLABackend, max_batch_size: int, max_blocks_per_seq: int,
-                 scratch_slot: int) -> None:
+                 scratch_slot: int, q_lens: tuple[int, ...] = (1,)) -> None:
         """
         Args:
             kv_caches: the per-layer caches [num_blocks, block_size, L + R].
             max_blocks_per_seq: block-table width the graphs cover.
             scratch_slot: a cache slot no request owns (padded rows write their latents there).
+            q_lens: rows per request of the graphs captured (each at every batch size).
         """
         device = kv_caches[0].device
         self.model = model
@@ -56,47 +61,54 @@ class DecodeGraphs:
         self.backend = backend
         self.max_blocks_per_seq = max_blocks_per_seq
         self.scratch_slot = scratch_slot
-        self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
-        self.slots = torch.full((max_batch_size,), scratch_slot, dtype=torch.int64,
-                                device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.q_lens = q_lens
+        max_rows = max_batch_size * max(q_lens)
+        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.int64, device=device)
+        # by (q_len, batch size)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None  # the memory pool all graphs share
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.num_replays = 0
         self.sizes = capture_sizes(max_batch_size)  # ascending
         backend.init_graph_buffers(max_batch_size, max_blocks_per_seq)
         self._capture_all(self.sizes)
 
-    def _forward(self, batch_size: int) -> torch.Tensor:
-        meta = AttentionMetadata(slot_mapping=self.slots[:batch_size],
-                                 num_decode_tokens=batch_size, decode_backend=self.backend)
-        return self.model(self.input_ids[:batch_size], self.positions[:batch_size],
-                          self.kv_caches, meta)
+    def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
+        rows = batch_size * q_len
+        meta = AttentionMetadata(slot_mapping=self.slots[:rows], num_decode_tokens=rows,
+                                 decode_backend=self.backend)
+        return self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, meta)
 
     @torch.inference_mode()
     def _capture_all(self, sizes: list[int]) -> None:
         started = time.perf_counter()
-        for batch_size in sorted(sizes, reverse=True):  # largest first: later ones reuse its pool
-            self.backend.plan_for_capture(batch_size)
-            self.graphs[batch_size], self.outputs[batch_size] = self._record(batch_size)
+        # largest first: later ones reuse its pool
+        for q_len in sorted(self.q_lens, reverse=True):
+            for batch_size in sorted(sizes, reverse=True):
+                self.backend.plan_for_capture(batch_size, q_len)
+                key = (q_len, batch_size)
+                self.graphs[key], self.outputs[key] = self._record(batch_size, q_len)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch 1..%d, up to %d blocks per sequence) "
-                    "in %.1f s", len(sizes), max(sizes), self.max_blocks_per_seq,
+        logger.info("captured %d decode CUDA graphs (batch 1..%d, q_len %s, up to %d blocks per "
+                    "sequence) in %.1f s", len(self.graphs), max(sizes),
+                    ", ".join(map(str, self.q_lens)), self.max_blocks_per_seq,
                     time.perf_counter() - started)
 
-    def _record(self, batch_size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture the forward of `batch_size` rows: (graph, its static output [rows, D])."""
+    def _record(self, batch_size: int, q_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the forward of batch_size x q_len rows: (graph, its static output
+        [rows, D])."""
         # Compile and initialise outside the capture, on a side stream as torch recommends.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(batch_size)
+            self._forward(batch_size, q_len)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            output = self._forward(batch_size)
+            output = self._forward(batch_size, q_len)
         self._pool = graph.pool()
         return graph, output
 
@@ -109,27 +121,29 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor,
-            batch_size: int | None = None) -> torch.Tensor:
-        """Replay the decode forward for n requests.
+            batch_size: int | None = None, q_len: int = 1) -> torch.Tensor:
+        """Replay the decode forward for n requests of q_len rows each.
 
         Args:
-            input_ids, positions, slots: [n] int64 on the device.
+            input_ids, positions, slots: [n * q_len] int64 on the device, request-major.
             block_table: [n, width] int32, width <= max_blocks_per_seq; seq_lens: [n] int32.
             batch_size: the captured size to replay (>= n; under expert parallelism the rows
                 every replica exchanges); None: the smallest that holds n.
+            q_len: one of the captured `q_lens`.
 
         Returns:
-            The final hidden states [n, D] (a view of the graph's static output, valid until
-            the next replay).
+            The final hidden states [n * q_len, D] (a view of the graph's static output, valid
+            until the next replay).
         """
-        n = input_ids.shape[0]
+        n = block_table.shape[0]
+        rows = n * q_len
         batch_size = self.padded_size(n) if batch_size is None else batch_size
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
-        self.slots[n:batch_size].fill_(self.scratch_slot)
-        self.backend.plan_for_replay(block_table, seq_lens,
+        self.input_ids[:rows].copy_(input_ids)
+        self.positions[:rows].copy_(positions)
+        self.slots[:rows].copy_(slots)
+        self.slots[rows:batch_size * q_len].fill_(self.scratch_slot)
+        self.backend.plan_for_replay(block_table, seq_lens, q_len,
                                      graph_batch_size=batch_size)  # rows n.. get length 0
-        self.graphs[batch_size].replay()
+        self.graphs[q_len, batch_size].replay()
         self.num_replays += 1
-        return self.outputs[batch_size][:n]
+        return self.outputs[q_len, batch_size][:rows]

@@ -133,7 +133,9 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     model, self.kv_caches, self.backend, config.cuda_graph_batch_size,
                     max_blocks_per_seq=-(-config.max_seq_len_to_capture // block_size),
-                    scratch_slot=num_blocks * block_size)
+                    scratch_slot=num_blocks * block_size,
+                    q_lens=(1, 1 + self.num_speculative_tokens) if self.num_speculative_tokens
+                    else (1,))
             except Exception:  # noqa: BLE001 - graphs are an optimisation; eager still works
                 logger.exception("decode CUDA-graph capture failed; every step runs eagerly "
                                  "(pass --enforce-eager to skip the capture)")
@@ -235,14 +237,18 @@ class ModelRunner:
             table = row_tables[::q_len]  # [d, width]
             seq_lens = (decode_positions[q_len - 1::q_len] + 1).to(torch.int32)  # [d]
         chunks, prefill_inputs = self._prefill_inputs(prefills, num_decodes * q_len, verifies)
-        # the MTP module reads the step's attention metadata: a speculating engine runs eagerly
-        graph_size = None if chunks or self.num_speculative_tokens else self.graph_size(
-            num_decodes, width)
+        graph_size = None if chunks else self.graph_size(num_decodes, width)
         if expert_capacity and graph_size is not None:  # the graph's rows are the exchanges'
             graph_size = expert_capacity if expert_capacity in self.graphs.sizes else None
         if graph_size is not None:
             hidden = self.graphs.run(decode_ids, decode_positions, decode_slots, table,
-                                     seq_lens, graph_size)
+                                     seq_lens, graph_size, q_len)
+            if self.num_speculative_tokens:  # the MTP module reads the step's metadata
+                position_ids = decode_positions
+                meta = AttentionMetadata(slot_mapping=decode_slots,
+                                         num_decode_tokens=num_decodes * q_len, prefills=[])
+                self.backend.plan_like_graph(table, seq_lens, graph_size, q_len)
+                meta.decode_backend = self.backend
         else:
             parts = [] if not decodes else [(decode_ids, decode_positions, decode_slots)]
             if prefill_inputs is not None:
@@ -251,10 +257,10 @@ class ModelRunner:
                                                                                   strict=True))
             meta = AttentionMetadata(slot_mapping=slot_mapping,
                                      num_decode_tokens=num_decodes * q_len, prefills=chunks)
-            like_graph = self.graph_size(num_decodes, width) if q_len == 1 else None
+            like_graph = self.graph_size(num_decodes, width)
             if like_graph is not None:
                 # planned as the graph of this size was: no kernel compiles mid-serving
-                self.backend.plan_like_graph(table, seq_lens, like_graph)
+                self.backend.plan_like_graph(table, seq_lens, like_graph, q_len)
             elif decodes:
                 self.backend.plan(table, seq_lens, q_len)
             if decodes:
