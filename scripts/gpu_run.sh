@@ -24,6 +24,16 @@
 #                256" BENCH_TIMEOUT=600 CONFIG=benchmarks/configs/deepseek-v2-lite.json
 #                (SERVE_ARGS is split on spaces: write JSON without them,
 #                '{"num_hidden_layers":8}')
+#   spec OUT_DIR
+#                speculative decoding with the MTP module (GPU tests first): per model, one
+#                server without speculation and one with --speculative-config k=K (default 3),
+#                RUNS (default 1) of each, alternating; against each, bench serve at
+#                concurrency 1 and 16. The demo model (bf16, its trained MTP layer) on its
+#                held-out arith_chat questions (`--dataset-name custom`, answers to EOS, up to 64
+#                tokens); then, unless MODELS leaves it out, the V3 config with 4 layers (dummy
+#                FP8 weights, dummy MTP: drafts rarely accepted, so its rows give the verify
+#                step's cost) on random 512 in / 128 out. The servers' metrics give the drafts'
+#                acceptance. env: MODELS="demo v3" K=3 RUNS=1
 #   sweep OUT_DIR
 #                the throughput-latency front: per attention backend (BACKENDS default
 #                "triton flashinfer") one server on dummy weights of CONFIG (V2-Lite), warmed
@@ -126,7 +136,7 @@
 #        for three), BACKENDS. NVLink multicast stays off (a shared host can lose its GPUs to it).
 set -uo pipefail
 
-STAGES="serve sweep kernel fp8-tests fp8-tests-gemm fp8-decode-sweep fp8-decode fp8-decode-wide
+STAGES="serve spec sweep kernel fp8-tests fp8-tests-gemm fp8-decode-sweep fp8-decode fp8-decode-wide
 fp8-decode-transposed fp8-gemm-gluon fp8-gemm-profile fp8-gemm-split fp8-weight-only fp8-gemm
 fp8-moe fp8-moe-sweep fp8-serve fp8-serve-v2-lite multi-parity multi-v2-lite multi-v3-tp8 multi-v3-dp8"
 
@@ -236,6 +246,58 @@ sweep_stage() {
     grep -E "^(Maximum request concurrency|Output token throughput|Median TPOT)" \
       "$out/sweep-$backend.log"
     kill -TERM $server; wait $server
+  done
+}
+
+spec_stage() {  # the `spec` stage, documented above
+  local k=${K:-3} runs=${RUNS:-1} model variant run conc log server label
+  local spec="{\"method\":\"deepseek_mtp\",\"num_speculative_tokens\":$k}"
+  gpu_info
+  timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+    tests/test_speculative_decoding.py tests/test_cuda_graphs.py > "$out/gpu_tests_spec.log" 2>&1
+  echo "spec GPU tests rc=$?"; tail -3 "$out/gpu_tests_spec.log"
+  python3 -c "import json
+from mlaserve.eval.tasks import doc_to_text, heldout_docs
+for doc in heldout_docs('arith_gen', 200):
+    print(json.dumps({'prompt': doc_to_text('arith_gen', doc)}))" > /tmp/arith.jsonl
+  python3 scripts/make_bench_model_dir.py benchmarks/configs/deepseek-v3.json /tmp/v3-dummy
+  for model in ${MODELS:-demo v3}; do
+    for run in $(seq "$runs"); do
+      for variant in plain "mtp$k"; do
+        local args=(--port 8000 --max-num-seqs 64)
+        [ "$variant" != plain ] && args+=(--speculative-config "$spec")
+        if [ "$model" = demo ]; then
+          args+=(--dtype bfloat16)
+        else
+          args=(/tmp/v3-dummy --load-format dummy --hf-overrides '{"num_hidden_layers":4}'
+                --block-size 64 "${args[@]}")
+        fi
+        log="$out/serve-$model-$variant-$run.log"
+        python3 -m mlaserve serve "${args[@]}" > "$log" 2>&1 &
+        server=$!
+        for _ in $(seq 600); do
+          curl -sf localhost:8000/health > /dev/null && break
+          kill -0 $server 2> /dev/null || break
+          sleep 1
+        done
+        for conc in 1 16; do
+          label="$model-$variant-c$conc-$run"
+          if [ "$model" = demo ]; then
+            set -- --dataset-name custom --dataset-path /tmp/arith.jsonl --custom-output-len 64
+          else
+            set -- --dataset-name random --random-input-len 512 --random-output-len 128 \
+              --ignore-eos
+          fi
+          timeout 200 python3 -m mlaserve bench serve --backend openai \
+            --base-url http://127.0.0.1:8000 --num-prompts $((conc * 8)) \
+            --max-concurrency "$conc" --label "$label" "$@" > "$out/bench-$label.txt" 2>&1
+          echo "$label: $(grep -hE '^(Output token throughput|Median TPOT|Acceptance length)' \
+            "$out/bench-$label.txt" | tr -s ' ' | tr '\n' ';')"
+        done
+        curl -s localhost:8000/metrics | grep -E "^vllm:spec_decode" > "$out/metrics-$model-$variant-$run.txt"
+        kill -TERM $server; wait $server
+      done
+    done
   done
 }
 
@@ -486,6 +548,7 @@ multi_stage() {  # multi-STAGE, each documented above
 
 case $stage in
   serve) gpu_info; serve_bench "$out" "${1:-triton flashinfer}" "${2:-1}" ;;
+  spec) spec_stage ;;
   sweep) sweep_stage ;;
   kernel) kernel_stage ;;
   fp8-*) fp8_stage ;;
