@@ -12,10 +12,12 @@ cache; sampled outputs (temperature 0.8, top-p) must follow the same distributio
 from collections import Counter
 
 import pytest
+import torch
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.engine import runner as runner_module
 from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.request import StructuredOutputs
 from mlaserve.engine.speculative import SpecDecodeStats, SpeculativeConfig, speculates
 from mlaserve.model.deepseek import DeepseekForCausalLM
@@ -62,7 +64,7 @@ def oracle(reference: dict, vocab_size: int, wrong_every: int, monkeypatch) -> l
     proposed = []
 
     def draft(model, mtp_cache, meta, backend, inputs, block_size, k, rows, hidden, positions,
-              samplers):
+              samplers, graphs=None):
         drafts = []
         for request, last in zip(samplers, rows.last_positions, strict=True):
             full = reference[tuple(request.prompt_token_ids)]
@@ -197,6 +199,52 @@ def test_verification_replays_decode_graphs_of_q_len_k_plus_1(reference, monkeyp
         assert llm.engine.core.stats().spec_num_accepted_tokens > 0
     finally:
         llm.shutdown()
+
+
+def test_drafting_graphs_propose_the_eager_drafts():
+    """The demo model's trained MTP layer (drafts mostly accepted), k = 3: with the decode and
+    drafting graphs (the CPU stand-ins) every draft and every output equals the eager engine's,
+    and the drafting graphs replay."""
+    from tests.test_cuda_graphs import _CPUDecodeGraphs, _EagerReplay
+
+    class CPUDraftGraphs(DraftGraphs):
+        def _record(self, batch_size: int):
+            output = tuple(t.clone() for t in self._forward(batch_size))
+            return _DraftReplay(self, batch_size, 1, output), output
+
+    class _DraftReplay(_EagerReplay):
+        def replay(self) -> None:
+            self.graphs.backend.plan_for_capture(self.batch_size)
+            with torch.inference_mode():
+                for out, new in zip(self.output, self.graphs._forward(self.batch_size),
+                                    strict=True):
+                    out.copy_(new)
+
+    prompts = ["What is 12 + 30?", "What is 48 + 35 - 17?", "Compute 7 * 8."]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    outcomes = []
+    for graphs in (False, True):
+        llm = LLM(device="cpu", attention_backend="torch", num_kv_blocks=256,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        try:
+            runner = llm.engine.runner
+            if graphs:
+                scratch = runner.num_blocks * runner.block_size
+                runner.graphs = _CPUDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
+                                                 max_batch_size=4, max_blocks_per_seq=8,
+                                                 scratch_slot=scratch, q_lens=(1, 4))
+                runner.draft_graphs = CPUDraftGraphs(runner.model, runner.mtp_cache,
+                                                     runner.backend, runner.graphs.sizes, 8,
+                                                     scratch)
+            texts = run(llm, prompts, params)
+            stats = llm.engine.core.spec_stats
+            outcomes.append((texts, stats.accepted_per_pos, stats.num_drafts))
+            if graphs:
+                assert runner.draft_graphs.num_replays > 0 and runner.graphs.num_replays > 0
+        finally:
+            llm.shutdown()
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][1][2] > 0  # third drafts accepted: the recursive passes drafted well
 
 
 def test_a_prompt_cached_by_an_earlier_request_decodes_the_same(reference, monkeypatch):

@@ -112,6 +112,11 @@ class DecodeGraphs:
         self._pool = graph.pool()
         return graph, output
 
+    @property
+    def pool(self) -> object:
+        """The memory pool the graphs share (later captures of the step may share it)."""
+        return self._pool
+
     def covers(self, batch_size: int, table_width: int) -> bool:
         return batch_size <= self.sizes[-1] and table_width <= self.max_blocks_per_seq
 

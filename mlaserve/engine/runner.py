@@ -29,6 +29,7 @@ from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.distributed import get_tp_group
 from mlaserve.engine.cuda_graphs import DecodeGraphs
 from mlaserve.engine.decode_record import DecodeStepRecorder
+from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
@@ -142,6 +143,16 @@ class ModelRunner:
                 torch.cuda.synchronize()
             if agree_min is not None:
                 self.graphs = graphs_on_every_rank(self.graphs, agree_min)
+        # speculative decoding with k > 1: the MTP module's recursive passes replay graphs too
+        self.draft_graphs: DraftGraphs | None = None
+        if self.graphs is not None and self.num_speculative_tokens > 1:
+            try:
+                self.draft_graphs = DraftGraphs(
+                    model, self.mtp_cache, self.backend, self.graphs.sizes,
+                    self.graphs.max_blocks_per_seq, num_blocks * block_size, self.graphs.pool)
+            except Exception:  # noqa: BLE001 - as the decode graphs: eager drafting still works
+                logger.exception("MTP drafting CUDA-graph capture failed; drafts run eagerly")
+                torch.cuda.synchronize()
         # the decode batches served, for the kernel benchmark's replay (rank 0 records)
         self.decode_recorder = (DecodeStepRecorder(config.args.record_decode_steps)
                                 if config.args.record_decode_steps and self.tp.rank == 0
@@ -331,7 +342,7 @@ class ModelRunner:
                           sampled, pending.verified, drafting)
         tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
                        self.block_size, self.num_speculative_tokens, rows, hidden, positions,
-                       drafting)
+                       drafting, self.draft_graphs)
         pending.drafts = {r.request_id: t for r, t in zip(drafting, tokens, strict=True)}
         return pending
 

@@ -20,8 +20,9 @@ positions writes again) and the main model's hidden state of the row, over the M
 latent cache with the step's attention metadata; the MTP logits at each speculating request's
 last computed position give its first draft (argmax). For k > 1 the module runs again, a
 decode row per request, on its own previous output and draft, at the next positions (their
-cache slots are the scheduler's lookahead). This version waits for the emitted tokens on the
-host between the two (speculating engines do not pipeline steps).
+cache slots are the scheduler's lookahead), replaying a captured CUDA graph per pass where the
+engine has them (draft_graphs.py). This version waits for the emitted tokens on the host
+between the two (speculating engines do not pipeline steps).
 """
 
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
+from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.rejection_sampler import rejection_sample
 from mlaserve.engine.sampler import target_probs
@@ -132,7 +134,7 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
 def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
           inputs: PersistentBatch, block_size: int, num_speculative_tokens: int,
           rows: DraftRows, hidden: torch.Tensor, positions: torch.Tensor,
-          samplers: list[RunnerRequest]) -> list[list[int]]:
+          samplers: list[RunnerRequest], graphs: DraftGraphs | None = None) -> list[list[int]]:
     """k greedy drafts per speculating sampler ([num_samplers][k] token ids).
 
     Args:
@@ -140,6 +142,7 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
         mtp_cache: the MTP layer's latent cache.
         meta: the step's attention metadata (its slots and chunks are the MTP layer's too).
         hidden: [T, D] the main model's output over the step's rows; positions: [T] int64.
+        graphs: captured recursive passes (k > 1), replayed where they cover the batch.
     """
     device = hidden.device
     next_ids = inputs.to_device(rows.next_ids, torch.int64)  # [T]
@@ -149,17 +152,25 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
     token = model.compute_logits(previous).argmax(dim=-1)  # [S]
     drafts = [token]
     if num_speculative_tokens > 1:
-        table = inputs.block_table[torch.tensor([r.row for r in samplers], device=device)]
+        width = max(len(r.block_ids) for r in samplers)
+        table = inputs.block_table[torch.tensor([r.row for r in samplers], device=device),
+                                   :width]  # [S, width]
         position = torch.tensor(rows.last_positions, device=device) + 1  # [S]
+        replay = graphs is not None and graphs.covers(len(samplers), width)
         for _ in range(num_speculative_tokens - 1):
             slots = (table.gather(1, (position // block_size)[:, None]).squeeze(1).long()
                      * block_size + position % block_size)
-            backend.plan(table, (position + 1).to(torch.int32))
-            step_meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(samplers),
-                                          prefills=[])
-            step_meta.decode_backend = backend
-            previous = model.mtp(token, position, previous, mtp_cache, step_meta)
-            token = model.compute_logits(previous).argmax(dim=-1)
+            seq_lens = (position + 1).to(torch.int32)
+            if replay:  # the graph's outputs are overwritten by its next replay: keep a copy
+                token, previous = graphs.run(token, position, previous, slots, table, seq_lens)
+                token = token.clone()
+            else:
+                backend.plan(table, seq_lens)
+                step_meta = AttentionMetadata(slot_mapping=slots,
+                                              num_decode_tokens=len(samplers), prefills=[])
+                step_meta.decode_backend = backend
+                previous = model.mtp(token, position, previous, mtp_cache, step_meta)
+                token = model.compute_logits(previous).argmax(dim=-1)
             drafts.append(token)
             position = position + 1
     return torch.stack(drafts, dim=1).tolist()
