@@ -393,6 +393,7 @@ def test_gpu_speculation_replays_verify_graphs_and_equals_no_speculation():
         assert run(llm, PROMPTS, GREEDY) == want
         graphs = llm.engine.runner.graphs
         assert graphs is not None and (4, 1) in graphs.graphs and graphs.num_replays > 0
+        assert llm.engine.runner.draft_graphs.num_replays > 0
         assert llm.engine.core.stats().spec_num_drafts > 0
     finally:
         llm.shutdown()
