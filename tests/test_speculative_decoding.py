@@ -100,7 +100,8 @@ def test_the_config_takes_vllms_spelling_and_refuses_what_it_cannot_serve():
 
 def test_which_requests_speculate():
     assert speculates(SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.1))
-    for params in [SamplingParams(presence_penalty=0.5), SamplingParams(logprobs=2),
+    assert speculates(SamplingParams(logprobs=2))
+    for params in [SamplingParams(presence_penalty=0.5),
                    SamplingParams(repetition_penalty=1.2), SamplingParams(min_tokens=3),
                    SamplingParams(logit_bias={5: 1.0}),
                    SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+"))]:
@@ -261,7 +262,8 @@ def test_a_prompt_cached_by_an_earlier_request_decodes_the_same(reference, monke
 
 
 def test_requests_that_do_not_speculate_are_served_as_without_it(reference):
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1,
+                            repetition_penalty=1.1)
     plain = make_llm(None)
     try:
         want = plain.generate(PROMPTS[:2], params)
@@ -273,6 +275,33 @@ def test_requests_that_do_not_speculate_are_served_as_without_it(reference):
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert all(o.outputs[0].logprobs for o in got)
         assert llm.engine.core.stats().spec_num_drafts == 0
+    finally:
+        llm.shutdown()
+
+
+def test_logprobs_of_every_emitted_token_equal_those_without_speculation(reference,
+                                                                          monkeypatch):
+    """A request asking for logprobs speculates: every token of a verified run (accepted
+    drafts and the bonus) gets its entry, the token's and the top 2 logprobs as a step without
+    speculation reports them."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    plain = make_llm(None)
+    try:
+        want = plain.generate(PROMPTS[:3], params)
+    finally:
+        plain.shutdown()
+    llm = make_llm(3)
+    try:
+        oracle(reference, llm.engine.core.config.model.vocab_size, 5, monkeypatch)
+        got = llm.generate(PROMPTS[:3], params)
+        assert llm.engine.core.stats().spec_num_accepted_tokens > 0
+        for g, w in zip(got, want, strict=True):
+            g, w = g.outputs[0], w.outputs[0]
+            assert g.token_ids == w.token_ids and len(g.logprobs) == len(g.token_ids)
+            for entry, expected, token in zip(g.logprobs, w.logprobs, g.token_ids, strict=True):
+                assert set(entry) == set(expected) and token in entry
+                for t in entry:
+                    assert abs(entry[t] - expected[t]) < 1e-4, (t, entry, expected)
     finally:
         llm.shutdown()
 

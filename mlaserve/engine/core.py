@@ -402,9 +402,10 @@ class EngineCore(StepRecovery):
             request.num_scheduled_drafts = 0
             request.draft_token_ids = result.drafts.get(request_id, [])
             logprobs = None
-            if request.logprobs is not None:
-                logprobs = [result.logprobs[request_id]]
-                request.logprobs.append(logprobs[0])
+            if request.logprobs is not None:  # one entry per token emitted
+                logprobs = [result.logprobs[request_id],
+                            *result.more_logprobs.get(request_id, ())][:len(tokens)]
+                request.logprobs.extend(logprobs)
             error = None
             if request.params.structured_outputs is not None:
                 error = self._advance_grammar(request, token)

@@ -33,7 +33,13 @@ from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
-from mlaserve.engine.spec_decode import Verified, draft, draft_rows, verify
+from mlaserve.engine.spec_decode import (
+    Verified,
+    draft,
+    draft_rows,
+    emitted_logprobs,
+    verify,
+)
 from mlaserve.engine.speculative import speculates
 from mlaserve.engine.step_plan import StepPlan
 from mlaserve.engine.structured import GrammarBitmask
@@ -57,6 +63,7 @@ class StepResult:
     more_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_rejected: dict[str, int] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +81,8 @@ class PendingStep:
     plain_ids: list[str] = field(default_factory=list)
     verified: dict[str, Verified] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # verified requests that asked for logprobs: one {token: logprob} per token emitted
+    verified_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -327,9 +336,12 @@ class ModelRunner:
         if verifying:
             rows = self.inputs.to_device([i for first, count in spans
                                           for i in range(first, first + count)], torch.int64)
-            outcomes = verify(verifying, self.model.compute_logits(hidden[rows]), self.inputs)
+            logits = self.model.compute_logits(hidden[rows])  # [sum(d_r + 1), V]
+            outcomes = verify(verifying, logits, self.inputs)
             pending.verified = {r.request_id: v for r, v in zip(verifying, outcomes,
                                                                  strict=True)}
+            pending.verified_logprobs = emitted_logprobs(verifying, outcomes, logits,
+                                                         self.inputs)
         drafting = [r for r in samplers if speculates(r.params)]
         if not drafting:
             return pending
@@ -465,6 +477,9 @@ class ModelRunner:
             for request_id, outcome in verified.items():
                 result.more_tokens[request_id] = outcome.tokens[1:]
                 result.num_rejected[request_id] = outcome.num_drafts + 1 - len(outcome.tokens)
+            for request_id, entries in pending.verified_logprobs.items():
+                result.logprobs[request_id] = entries[0]
+                result.more_logprobs[request_id] = entries[1:]
             result.drafts = pending.drafts
         if pending.logprobs is not None:
             samplers, chosen, values, ids = pending.logprobs

@@ -33,7 +33,7 @@ from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.rejection_sampler import rejection_sample
-from mlaserve.engine.sampler import target_probs
+from mlaserve.engine.sampler import target_probs, top_logprobs
 from mlaserve.kernels.sampling import SEED_MASK, seeded_uniform
 
 ACCEPT_SALT = 0x5EED_ACCE  # the acceptance uniforms' stream, apart from the sampler's noise
@@ -85,6 +85,35 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
     tokens, emitted = rejection_sample(target, drafts, num_drafts, uniform, noise)
     tokens, emitted = tokens.tolist(), emitted.tolist()
     return [Verified(row[:m], c - 1) for row, m, c in zip(tokens, emitted, counts, strict=True)]
+
+
+def emitted_logprobs(requests: list[RunnerRequest], outcomes: list[Verified],
+                     logits: torch.Tensor, inputs: PersistentBatch
+                     ) -> dict[str, list[dict[int, float]]]:
+    """For the verified requests that ask for logprobs: {token: logprob} per token emitted,
+    the token's and the top `logprobs` of the model's raw distribution at its position (as a
+    step without speculation reports them). logits: as `verify` took them."""
+    starts = torch.tensor([0, *(len(r.draft_token_ids) + 1 for r in requests)]).cumsum(0)
+    wanting = [(r, o, int(s)) for r, o, s in zip(requests, outcomes, starts.tolist(),
+                                                 strict=False) if r.params.logprobs is not None]
+    if not wanting:
+        return {}
+    rows = inputs.to_device([s + j for _, o, s in wanting for j in range(len(o.tokens))],
+                            torch.int64)
+    targets = inputs.to_device([t for _, o, _ in wanting for t in o.tokens], torch.int64)
+    k = max(r.params.logprobs for r, _, _ in wanting)
+    chosen, values, ids = (t.tolist() for t in top_logprobs(
+        logits[rows].log_softmax(dim=-1), targets, k))
+    out, i = {}, 0
+    for request, outcome, _ in wanting:
+        n, entries = request.params.logprobs, []
+        for token in outcome.tokens:
+            entry = dict(zip(ids[i][:n], values[i][:n], strict=True))
+            entry[token] = chosen[i]
+            entries.append(entry)
+            i += 1
+        out[request.request_id] = entries
+    return out
 
 
 @dataclass

@@ -10,9 +10,10 @@ rule (`rejection_sampler.py`) keeps an accepted prefix and emits one more token,
 output is distributed exactly as without speculation (greedy: identical).
 
 Which requests speculate (`speculates`): those whose next-token distribution depends only on
-the logits and their own temperature / top-k / top-p / min-p. A request with penalties, a
-logit bias, min_tokens, a structured-output grammar or logprobs decodes one token a step as
-without speculation (its output is the same either way; only its speed differs).
+the logits and their own temperature / top-k / top-p / min-p (logprobs are reported for every
+token emitted, from the verification's logits). A request with penalties, a logit bias,
+min_tokens or a structured-output grammar decodes one token a step as without speculation (its
+output is the same either way; only its speed differs).
 """
 
 from dataclasses import dataclass, field
@@ -58,8 +59,7 @@ def speculates(params: SamplingParams) -> bool:
     """Whether a request with these parameters drafts and verifies (module docstring)."""
     return not (params.presence_penalty or params.frequency_penalty
                 or params.repetition_penalty != 1.0 or params.logit_bias
-                or params.min_tokens or params.structured_outputs is not None
-                or params.logprobs is not None)
+                or params.min_tokens or params.structured_outputs is not None)
 
 
 @dataclass
