@@ -176,6 +176,28 @@ def test_gate_kernel_quantizes_its_activation_as_a_separate_launch_would(tiles) 
 
 
 @needs_triton
+def test_x_quantized_by_its_producer_gives_the_same_output() -> None:
+    """x quantized by the norm before the MoE (`x_quantized`, as `fused_add_rms_norm(...,
+    keep_rows=True)` gives it) is read instead of quantizing x again: the same output, bit for
+    bit; the weight-only paths read x and ignore it."""
+    from mlaserve.kernels.fused_norm_rope import fused_add_rms_norm
+
+    inputs = make_fp8_inputs(5, 320, 256, 4, 2)
+    residual = torch.randn(5, 320, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    weight = torch.ones(320, device=DEVICE)
+    both, _ = fused_add_rms_norm(inputs["x"].clone(), residual, weight, 1e-6, quantize=True,
+                                 keep_rows=True)
+    inputs["x"] = both.rows
+    want = fused_experts_triton(**inputs, config=SMALL_TILES, shared_experts=1)
+    got = fused_experts_triton(**inputs, config=SMALL_TILES, shared_experts=1,
+                               x_quantized=both.quantized)
+    assert torch.equal(got, want)
+    loop = fused_experts(**inputs, impl="loop", shared_experts=1)
+    assert torch.equal(fused_experts(**inputs, impl="loop", shared_experts=1,
+                                     x_quantized=both.quantized), loop)
+
+
+@needs_triton
 def test_activation_scales_are_read_in_either_layout(monkeypatch) -> None:
     """CUDA's `quantize_activations` writes M-major scales [T, G] (strides (1, T) for T a
     multiple of 4), the CPU's row-major ones: the kernels read both by their strides, to the
@@ -266,3 +288,30 @@ def test_v2_lite_shape_epilogue_quantized_activation(config) -> None:
     inputs["x"] = inputs["x"].to(torch.bfloat16)
     out = fused_experts_triton(**inputs, config=config, shared_experts=1)
     assert_within(out, w8a8_reference(**inputs), W8A8_REFERENCE_TOLERANCES)
+
+
+@pytest.mark.gpu
+def test_moe_input_quantized_by_the_norm_changes_no_output(monkeypatch) -> None:
+    """The demo model quantized online (FP8 experts, w8a8 through Triton): its MoE input
+    quantized by the norm before it (one launch for the router's rows and the experts' FP8
+    rows) gives the same greedy tokens and prompt logprobs as the MoE quantizing it itself."""
+    from mlaserve import LLM, SamplingParams
+    from mlaserve.model import deepseek
+
+    params = SamplingParams(max_tokens=16, temperature=0, prompt_logprobs=1)
+    prompts = ["What is 12 + 30?", "Tell me a story about a cat."]
+    outputs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(deepseek, "runs_w8a8", lambda x, gate_up: False)
+        llm = LLM(device="cuda", dtype="bfloat16", quantization="fp8")
+        try:
+            moe = next(m for m in llm.engine.runner.model.modules()
+                       if isinstance(m, deepseek.MoE))
+            probe = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)
+            assert moe.quantizes_input(probe) == fused
+            outputs.append([(o.outputs[0].token_ids, o.prompt_logprobs)
+                            for o in llm.generate(prompts, params)])
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]

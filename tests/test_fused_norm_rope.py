@@ -30,6 +30,7 @@ from mlaserve.kernels.fp8_blocks import (  # noqa: E402
     FP8_DTYPE,
     FP8_MAX,
     QuantizedActivations,
+    QuantizedWithRows,
     scales_column_stride,
 )
 from mlaserve.kernels.fused import force_fused_kernels  # noqa: E402
@@ -137,6 +138,26 @@ def test_add_and_norm_quantized_updates_the_residual_and_leaves_x(
     assert new_residual is residual_in and torch.equal(new_residual, dense_residual)
     assert torch.equal(x_in, x)  # the normed rows go to the quantized output only
     _assert_quantizes(quantized, dense)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_and_norm_keeping_the_rows_stores_both_in_one_launch(dtype: torch.dtype) -> None:
+    """keep_rows (the MoE's input: rows for its router, quantized rows for its experts): x
+    holds the normed rows as without quantize, and the quantized rows are those of quantize
+    alone, bit for bit."""
+    x = _randn(5, 320, dtype=dtype, seed=5)
+    residual = _randn(5, 320, dtype=dtype, seed=6)
+    weight = _randn(320, dtype=dtype, seed=7)
+    dense, dense_residual = fused_add_rms_norm(x.clone(), residual.clone(), weight, EPS)
+    alone, _ = fused_add_rms_norm(x.clone(), residual.clone(), weight, EPS, quantize=True)
+    x_in = x.clone()
+    both, new_residual = fused_add_rms_norm(x_in, residual.clone(), weight, EPS, quantize=True,
+                                            keep_rows=True)
+    assert isinstance(both, QuantizedWithRows) and both.rows is x_in
+    assert torch.equal(both.rows, dense) and torch.equal(new_residual, dense_residual)
+    assert torch.equal(both.quantized.values.float(), alone.values.float())
+    assert torch.equal(both.quantized.scales, alone.scales)
+    _assert_quantizes(both.quantized, dense)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -141,6 +141,15 @@ class QuantizedActivations:
         return dequantize_block_fp8(self.values, self.scales, block_size=ACTIVATION_BLOCK)
 
 
+@dataclass(frozen=True)
+class QuantizedWithRows:
+    """Activations a consumer reads both ways: the rows in their dtype (e.g. the MoE's router)
+    and quantized for its w8a8 products (the MoE's experts), written by one producer."""
+
+    rows: torch.Tensor  # [M, K] in the activations' dtype
+    quantized: QuantizedActivations  # of the same rows
+
+
 def scales_column_stride(rows: int) -> int:
     """The column stride of M-major activation scales [rows, G]: rows rounded up to 4 floats
     (16 bytes), what the sm_90 GEMM's TMA copy of a K block's scales needs."""

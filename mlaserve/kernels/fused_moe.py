@@ -521,6 +521,7 @@ def fused_experts_triton(
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
     has_unrouted: bool = False,
+    x_quantized: QuantizedActivations | None = None,
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's experts e = ids_k.
 
@@ -535,6 +536,8 @@ def fused_experts_triton(
         config: tiles; `moe_config` when None, chosen from the routed experts' rows (the last
             `shared_experts` experts, which every token takes, are left out of that choice).
             With FP8 weights both block_k divide 128.
+        x_quantized: FP8 weights: x quantized per token and 128 columns by its producer (the
+            norm before the MoE), read instead of quantizing x here.
 
     Returns:
         [T, D] in x's dtype. Matmuls accumulate in float32; the activation and each pair's
@@ -565,7 +568,10 @@ def fused_experts_triton(
         act = gate_up_silu(x, gate_up_proj, alignment, top_k, config.gate_up)
         return down_weighted(act, down_proj, topk_weights, alignment, config.down,
                              has_unrouted=has_unrouted).sum(dim=1)
-    x_q, x_scales = quantize_activations(x)  # [T, D] fp8, [T, ceil(D / 128)]
+    if x_quantized is None:
+        x_q, x_scales = quantize_activations(x)  # [T, D] fp8, [T, ceil(D / 128)]
+    else:  # off CUDA the producer's values are float32, unrounded (`fp8_activations`)
+        x_q, x_scales = x_quantized.values.to(FP8_DTYPE), x_quantized.scales
     in_epilogue = config.gate_up.block_n == GROUP  # the gate kernel quantizes its activation
     act = gate_up_silu(x_q, gate_up_proj, alignment, top_k, config.gate_up,
                        (x_scales, gate_up_scale_inv), act_dtype=x.dtype, quantize_act=in_epilogue)

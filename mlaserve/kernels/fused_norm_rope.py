@@ -35,7 +35,12 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.fp8_activations import GROUP, store_quantized_groups
-from mlaserve.kernels.fp8_blocks import FP8_MAX, QuantizedActivations, empty_quantized
+from mlaserve.kernels.fp8_blocks import (
+    FP8_MAX,
+    QuantizedActivations,
+    QuantizedWithRows,
+    empty_quantized,
+)
 from mlaserve.kernels.interpreter import prepare_launch
 
 
@@ -111,6 +116,7 @@ def _rms_norm_kernel(
     QUANTIZE: tl.constexpr,  # store the rows quantized per 128 columns, not out
     FP8_MAX: tl.constexpr,
     GROUP: tl.constexpr,
+    STORE_ROWS: tl.constexpr = False,  # with QUANTIZE: store out too
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
@@ -128,7 +134,7 @@ def _rms_norm_kernel(
         store_quantized_groups(groups, values_ptr, scales_ptr, row, 0, n_cols, stride_values,
                                stride_scale_row, stride_scale_group, GROUPS=BLOCK_N // GROUP,
                                GROUP=GROUP, FP8_MAX=FP8_MAX)
-    else:
+    if STORE_ROWS or not QUANTIZE:
         tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
 
 
@@ -158,8 +164,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool =
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float, quantize: bool = False
-                       ) -> tuple[torch.Tensor | QuantizedActivations, torch.Tensor]:
+                       eps: float, quantize: bool = False, keep_rows: bool = False
+                       ) -> tuple[torch.Tensor | QuantizedActivations | QuantizedWithRows,
+                                  torch.Tensor]:
     """The decoder's residual stream step, one launch, both tensors updated in place.
 
     residual <- x + residual: the sum in float32, rounded once to residual's dtype (what torch's
@@ -172,10 +179,13 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         weight: [N].
         quantize: leave x as it is and return the normalised rows quantized for a w8a8
             product (`rms_norm`).
+        keep_rows: with quantize, store the normalised rows in x as well (one launch for a
+            consumer that reads both, the MoE's router and its w8a8 experts).
 
     Returns:
         (x, residual): the same tensors, now holding the normalised rows and the new stream;
-        with quantize, (the quantized rows, residual).
+        with quantize, (the quantized rows, residual), or with keep_rows too
+        (`QuantizedWithRows` of x and the quantized rows, residual).
     """
     num_tokens, n_cols = x.shape
     _check_rows("x", x, n_cols)
@@ -185,18 +195,22 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                          f"{x.dtype} {tuple(x.shape)}")
     out = empty_quantized(num_tokens, n_cols, x.dtype, x.device) if quantize else x
     if num_tokens:
-        _launch_rms_norm(x, residual, weight, out, eps, add_residual=True)
+        _launch_rms_norm(x, residual, weight, out, eps, add_residual=True,
+                         keep_rows=quantize and keep_rows)
+    if quantize and keep_rows:
+        return QuantizedWithRows(x, out), residual
     return out, residual
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      out: torch.Tensor | QuantizedActivations, eps: float,
-                     add_residual: bool) -> None:
+                     add_residual: bool, keep_rows: bool = False) -> None:
+    """keep_rows (with quantized out): the rows in x's dtype are stored into x as well."""
     prepare_launch(x)
     num_tokens, n_cols = x.shape
     block = triton.next_power_of_2(n_cols)
     quantized = isinstance(out, QuantizedActivations)
-    if quantized:  # the rows in whole 128-column groups; nothing stored in x's dtype
+    if quantized:  # the rows in whole 128-column groups; in x's dtype only with keep_rows
         block = max(block, GROUP)
         out, values, scales = x, out.values, out.scales
     else:
@@ -205,7 +219,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
         x, residual, weight, out, values, scales, n_cols, eps, x.stride(0), residual.stride(0),
         out.stride(0), values.stride(0), scales.stride(0), scales.stride(-1), BLOCK_N=block,
         ADD_RESIDUAL=add_residual, QUANTIZE=quantized, FP8_MAX=FP8_MAX, GROUP=GROUP,
-        num_warps=_norm_warps(block))
+        STORE_ROWS=keep_rows, num_warps=_norm_warps(block))
 
 
 @triton.jit

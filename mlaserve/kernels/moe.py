@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from mlaserve.kernels.fp8_blocks import (
     ACTIVATION_BLOCK,
+    FP8_DTYPE,
+    QuantizedActivations,
     dequantize_block_fp8,
     quantize_block_fp8,
 )
@@ -119,6 +121,13 @@ def moe_graph_capturable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type != "cuda" or _triton_available() or dtype == torch.bfloat16
 
 
+def runs_w8a8(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
+    """Whether `fused_experts(impl="auto")` runs these experts w8a8 (block-FP8 weights through
+    Triton on CUDA), reading x quantized: then its producer may quantize x for it."""
+    return (x.device.type == "cuda" and gate_up_proj.dtype == FP8_DTYPE
+            and _triton_available())
+
+
 def fused_experts(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -130,6 +139,7 @@ def fused_experts(
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
     has_unrouted: bool = False,
+    x_quantized: QuantizedActivations | None = None,
 ) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e = ids_k.
 
@@ -152,6 +162,8 @@ def fused_experts(
         has_unrouted: some ids are -1, pairs that add nothing (expert parallelism gives each
             rank every token, with -1 for the experts other ranks hold). Only "triton" needs to
             be told (it then zeroes the pairs' outputs before writing the routed ones).
+        x_quantized: x quantized by its producer (`runs_w8a8` says when to ask for it), which
+            the w8a8 path reads instead of quantizing x; the other paths read x.
 
     Returns:
         [T, D] in x's dtype.
@@ -168,7 +180,8 @@ def fused_experts(
                                     shared_experts=shared_experts,
                                     gate_up_scale_inv=gate_up_scale_inv,
                                     down_scale_inv=down_scale_inv,
-                                    has_unrouted=has_unrouted)  # checks its inputs
+                                    has_unrouted=has_unrouted,
+                                    x_quantized=x_quantized)  # checks its inputs
     fp8 = check_fp8_experts(x, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     if fp8 and impl in ("grouped", "loop"):  # weight-only: dequantize, compute in float32
         gate_up_proj = dequantize_block_fp8(gate_up_proj, gate_up_scale_inv)  # [E, 2I, D]

@@ -33,9 +33,10 @@ from mlaserve.kernels.fp8_blocks import (
     BLOCK_SIZE,
     FP8_DTYPE,
     QuantizedActivations,
+    QuantizedWithRows,
     scale_shape,
 )
-from mlaserve.kernels.moe import ExpertChoice, fused_experts, select_experts
+from mlaserve.kernels.moe import ExpertChoice, fused_experts, runs_w8a8, select_experts
 from mlaserve.model.expert_parallel import expert_parallel_moe
 from mlaserve.model.fp8_linear import keep_linear_fp8
 from mlaserve.model.layers import (
@@ -275,8 +276,11 @@ class MoE(nn.Module):
         self.num_shared_experts = 0  # folded into the stacks after loading
 
     def quantizes_input(self, x: torch.Tensor) -> bool:
-        """False: the router reads x in the model dtype, and the fused MoE quantizes it."""
-        return False
+        """Whether the norm before should quantize x as well as store it (the router reads the
+        rows, the w8a8 experts the quantized rows: `QuantizedWithRows`): block-FP8 experts
+        that `fused_experts` runs w8a8, on this rank's own tokens (under expert parallelism
+        the rows are gathered first, and quantized after)."""
+        return not self.ep.communicates and runs_w8a8(x, self.gate_up_stack)
 
     def keep_experts_fp8(self, prefix: str, tp_size: int) -> None:
         """Keep the routed and shared experts block-FP8 where `RoutedExperts.keep_fp8` can
@@ -318,14 +322,20 @@ class MoE(nn.Module):
         self.shared_experts = None
         self.num_shared_experts = num_shared
 
-    def forward(self, x: torch.Tensor, expert_capacity: int | None = None) -> torch.Tensor:
-        """x [T, D] -> [T, D]. expert_capacity: under expert parallelism, the rows per rank of
-        the step's exchanges (`expert_parallel_moe`; None: T)."""
+    def forward(self, x: torch.Tensor | QuantizedWithRows,
+                expert_capacity: int | None = None) -> torch.Tensor:
+        """x [T, D] (with its quantized rows where `quantizes_input` asked) -> [T, D].
+        expert_capacity: under expert parallelism, the rows per rank of the step's exchanges
+        (`expert_parallel_moe`; None: T)."""
+        x_quantized = None
+        if isinstance(x, QuantizedWithRows):
+            x, x_quantized = x.rows, x.quantized
         if self.ep.communicates:
             return self._forward_expert_parallel(x, expert_capacity)
         topk_weights, topk_ids = self.gate(x, self.num_shared_experts)  # [T, K + S]
         out = fused_experts(x, self.gate_up_stack, self.down_stack, topk_weights, topk_ids,
-                            shared_experts=self.num_shared_experts, **self._scales())
+                            shared_experts=self.num_shared_experts, x_quantized=x_quantized,
+                            **self._scales())
         return self.tp.all_reduce(out)  # this rank's I columns of each expert: a partial sum
 
     def _scales(self) -> dict[str, torch.Tensor | None]:
@@ -409,7 +419,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, quantize)
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(
-            hidden, residual, self.mlp.quantizes_input(hidden))
+            hidden, residual, self.mlp.quantizes_input(hidden),
+            keep_rows=isinstance(self.mlp, MoE))
         if isinstance(self.mlp, MoE):
             return self.mlp(hidden, expert_capacity), residual
         return self.mlp(hidden), residual

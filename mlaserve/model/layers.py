@@ -24,6 +24,7 @@ from mlaserve.kernels.fp8_blocks import (
     ACTIVATION_BLOCK,
     BLOCK_SIZE,
     QuantizedActivations,
+    QuantizedWithRows,
     quantize_block_fp8,
     saturating_cast,
 )
@@ -54,14 +55,18 @@ class RMSNorm(nn.Module):
             return _kernels().rms_norm(x, self.weight, self.eps, quantize=quantize)
         return _quantized(self._normalize(x)) if quantize else self._normalize(x)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, quantize: bool = False
-                     ) -> tuple[torch.Tensor | QuantizedActivations, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, quantize: bool = False,
+                     keep_rows: bool = False
+                     ) -> tuple[torch.Tensor | QuantizedActivations | QuantizedWithRows,
+                                torch.Tensor]:
         """One step of the residual stream: (norm(x + residual), x + residual).
 
         Args:
             x: [T, N] a sublayer's output.
             residual: [T, N] the stream before that sublayer, in x's dtype.
             quantize: return norm(x + residual) quantized for a w8a8 product.
+            keep_rows: with quantize, return the rows in x's dtype too (`QuantizedWithRows`,
+                for the MoE: its router reads the rows, its experts the quantized ones).
 
         Returns:
             (normed, residual) [T, N] in x's dtype. The sum is rounded to x's dtype once and
@@ -71,10 +76,13 @@ class RMSNorm(nn.Module):
         """
         if use_fused_kernels(x):
             return _kernels().fused_add_rms_norm(x, residual, self.weight, self.eps,
-                                                 quantize=quantize)
+                                                 quantize=quantize, keep_rows=keep_rows)
         residual = x + residual
         normed = self._normalize(residual)
-        return _quantized(normed) if quantize else normed, residual
+        if not quantize:
+            return normed, residual
+        quantized = _quantized(normed)
+        return QuantizedWithRows(normed, quantized) if keep_rows else quantized, residual
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
