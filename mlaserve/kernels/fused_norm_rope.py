@@ -17,7 +17,9 @@ weights, so each of these ops is one launch:
 The norms and `silu_and_mul` feed the model's Linears. Where a Linear runs a w8a8 block-FP8
 product, they can quantize their output for it as they store it (`quantize=True`: a
 `QuantizedActivations` of FP8 values and 1 x 128 scales, `fp8_activations`) instead of storing
-it in x's dtype for a quantization launch to read again; the bits are the same.
+it in x's dtype for a quantization launch to read again; the bits are the same. The norm before
+a w8a8 MoE stores both (`keep_rows`): the rows for its router, the quantized rows for its
+experts.
 
 Numerics follow the torch code in `mlaserve.model.layers` (HF DeepSeek): the math is float32,
 and results are rounded where that code rounds them (stated per function). Rotary angles are the
