@@ -279,6 +279,32 @@ def test_requests_that_do_not_speculate_are_served_as_without_it(reference):
         llm.shutdown()
 
 
+def test_a_grammar_constrained_request_stays_valid_beside_speculating_ones(reference):
+    """A regex-constrained request served by a speculating engine, batched with requests that
+    speculate: its output matches the regex and equals the output without speculation (it
+    decodes one token a step: `speculates`), and the others still speculate."""
+    import re
+
+    constrained = SamplingParams(max_tokens=8, temperature=0,
+                                 structured_outputs=StructuredOutputs(regex="(ab|ba)+c"))
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    params = [constrained, GREEDY, GREEDY]
+    plain = make_llm(None)
+    try:
+        want = plain.generate(prompts, params)
+    finally:
+        plain.shutdown()
+    llm = make_llm(2)
+    try:
+        got = llm.generate(prompts, params)
+        text = got[0].outputs[0].text
+        assert re.fullmatch(r"(ab|ba)+c?", text), text
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert llm.engine.core.stats().spec_num_drafts > 0  # the others speculated
+    finally:
+        llm.shutdown()
+
+
 def test_logprobs_of_every_emitted_token_equal_those_without_speculation(reference,
                                                                           monkeypatch):
     """A request asking for logprobs speculates: every token of a verified run (accepted
