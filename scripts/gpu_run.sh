@@ -176,6 +176,10 @@ start_server() {  # model backend log serve_args: a server on port 8000, up or d
   python3 -m mlaserve serve "$1" --load-format dummy $4 --attention-backend "$2" --port 8000 \
     --log-level info > "$3" 2>&1 &
   server=$!
+  await_health
+}
+
+await_health() {  # until the server on port 8000 ($server) answers /health or exits (600 s)
   for _ in $(seq 600); do
     curl -sf localhost:8000/health > /dev/null && break
     kill -0 $server 2> /dev/null || break
@@ -275,11 +279,7 @@ for doc in heldout_docs('arith_gen', 200):
         log="$out/serve-$model-$variant-$run.log"
         python3 -m mlaserve serve "${args[@]}" > "$log" 2>&1 &
         server=$!
-        for _ in $(seq 600); do
-          curl -sf localhost:8000/health > /dev/null && break
-          kill -0 $server 2> /dev/null || break
-          sleep 1
-        done
+        await_health
         for conc in 1 16; do
           label="$model-$variant-c$conc-$run"
           if [ "$model" = demo ]; then

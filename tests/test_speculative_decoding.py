@@ -44,6 +44,15 @@ def run(llm: LLM, prompts: list, params: SamplingParams | list) -> list[list[int
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
+def generate_without_speculation(prompts: list, params: SamplingParams | list) -> list:
+    """The request outputs of an engine that does not speculate (the comparisons' baseline)."""
+    plain = make_llm(None)
+    try:
+        return plain.generate(prompts, params)
+    finally:
+        plain.shutdown()
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[tuple[int, ...], list[int]]:
     """Greedy outputs without speculation, by prompt token ids (the prompt's ids + outputs)."""
@@ -264,11 +273,7 @@ def test_a_prompt_cached_by_an_earlier_request_decodes_the_same(reference, monke
 def test_requests_that_do_not_speculate_are_served_as_without_it(reference):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1,
                             repetition_penalty=1.1)
-    plain = make_llm(None)
-    try:
-        want = plain.generate(PROMPTS[:2], params)
-    finally:
-        plain.shutdown()
+    want = generate_without_speculation(PROMPTS[:2], params)
     llm = make_llm(2)
     try:
         got = llm.generate(PROMPTS[:2], params)
@@ -289,11 +294,7 @@ def test_a_grammar_constrained_request_stays_valid_beside_speculating_ones(refer
                                  structured_outputs=StructuredOutputs(regex="(ab|ba)+c"))
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
     params = [constrained, GREEDY, GREEDY]
-    plain = make_llm(None)
-    try:
-        want = plain.generate(prompts, params)
-    finally:
-        plain.shutdown()
+    want = generate_without_speculation(prompts, params)
     llm = make_llm(2)
     try:
         got = llm.generate(prompts, params)
@@ -311,11 +312,7 @@ def test_logprobs_of_every_emitted_token_equal_those_without_speculation(referen
     drafts and the bonus) gets its entry, the token's and the top 2 logprobs as a step without
     speculation reports them."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
-    plain = make_llm(None)
-    try:
-        want = plain.generate(PROMPTS[:3], params)
-    finally:
-        plain.shutdown()
+    want = generate_without_speculation(PROMPTS[:3], params)
     llm = make_llm(3)
     try:
         oracle(reference, llm.engine.core.config.model.vocab_size, 5, monkeypatch)

@@ -25,6 +25,8 @@ and replicas with no batch join the same exchanges eagerly.
 import bisect
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +35,7 @@ from mlaserve.attention.metadata import AttentionMetadata
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -40,6 +43,21 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     sizes = [s for s in (1, 2, 4) if s < max_batch_size]
     sizes += list(range(8, max_batch_size, 8))
     return sorted(set(sizes + [max_batch_size]))
+
+
+def capture(forward: Callable[[], T], pool: object | None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """(graph, its static output) of forward(), captured in `pool` (None: a new one) after one
+    run outside the capture, on a side stream as torch recommends (compiles and first-call
+    initialisation happen there)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = forward()
+    return graph, output
 
 
 class DecodeGraphs:
@@ -100,15 +118,7 @@ class DecodeGraphs:
     def _record(self, batch_size: int, q_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the forward of batch_size x q_len rows: (graph, its static output
         [rows, D])."""
-        # Compile and initialise outside the capture, on a side stream as torch recommends.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(batch_size, q_len)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self._forward(batch_size, q_len)
+        graph, output = capture(lambda: self._forward(batch_size, q_len), self._pool)
         self._pool = graph.pool()
         return graph, output
 

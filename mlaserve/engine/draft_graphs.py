@@ -19,6 +19,7 @@ import torch
 
 from mlaserve.attention.base import MLABackend
 from mlaserve.attention.metadata import AttentionMetadata
+from mlaserve.engine.cuda_graphs import capture
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -77,14 +78,7 @@ class DraftGraphs:
 
     def _record(self, batch_size: int
                 ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(batch_size)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self._forward(batch_size)
+        graph, output = capture(lambda: self._forward(batch_size), self._pool)
         self._pool = graph.pool()
         return graph, output
 
