@@ -109,12 +109,11 @@ def test_the_config_takes_vllms_spelling_and_refuses_what_it_cannot_serve():
 
 def test_which_requests_speculate():
     assert speculates(SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.1))
-    assert speculates(SamplingParams(logprobs=2))
-    for params in [SamplingParams(presence_penalty=0.5),
+    for params in [SamplingParams(logprobs=2), SamplingParams(presence_penalty=0.5),
                    SamplingParams(repetition_penalty=1.2), SamplingParams(min_tokens=3),
-                   SamplingParams(logit_bias={5: 1.0}),
-                   SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+"))]:
-        assert not speculates(params)
+                   SamplingParams(logit_bias={5: 1.0})]:
+        assert speculates(params)
+    assert not speculates(SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+")))
 
 
 def test_stats_count_acceptance_per_position():
@@ -270,16 +269,25 @@ def test_a_prompt_cached_by_an_earlier_request_decodes_the_same(reference, monke
         llm.shutdown()
 
 
-def test_requests_that_do_not_speculate_are_served_as_without_it(reference):
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1,
-                            repetition_penalty=1.1)
-    want = generate_without_speculation(PROMPTS[:2], params)
-    llm = make_llm(2)
+def test_penalties_bias_and_min_tokens_count_the_drafts_before_each_position(monkeypatch):
+    """Requests with penalties, a logit bias and min_tokens speculate: the verification counts
+    the drafts before each position as generated, so with drafts that are mostly right (an
+    oracle of the penalised outputs) the greedy outputs equal those without speculation."""
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                             repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                             frequency_penalty=1.5, logit_bias={7: 2.0}),
+              SamplingParams(max_tokens=16, temperature=0, min_tokens=8,
+                             frequency_penalty=0.8)]
+    want = generate_without_speculation(PROMPTS[:3], params)
+    penalised = {tuple(o.prompt_token_ids): list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                 for o in want}
+    llm = make_llm(3)
     try:
-        got = llm.generate(PROMPTS[:2], params)
+        oracle(penalised, llm.engine.core.config.model.vocab_size, 4, monkeypatch)
+        got = llm.generate(PROMPTS[:3], params)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-        assert all(o.outputs[0].logprobs for o in got)
-        assert llm.engine.core.stats().spec_num_drafts == 0
+        assert llm.engine.core.stats().spec_num_accepted_tokens >= 3 * 8
     finally:
         llm.shutdown()
 

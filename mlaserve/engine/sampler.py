@@ -173,8 +173,9 @@ def _pairs(rows_of_ids: list[list[int]], device: torch.device
             torch.tensor(flat, dtype=torch.int64, device=device))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] float32 -> token ids [N] int64."""
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] float32 after the rows' penalties, logit bias, min_tokens bans and
+    grammar masks: what `sample` and `target_probs` draw from."""
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
     if batch.bias is not None:
@@ -184,6 +185,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.allowed is not None:
         logits = apply_token_bitmask(logits, *batch.allowed)
+    return logits
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] float32 -> token ids [N] int64."""
+    logits = processed_logits(logits, batch)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     if not batch.needs_filter:
@@ -238,10 +245,10 @@ def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] float32 -> [N, V] float32, the distribution `sample` draws each row from:
-    one-hot at the argmax for a greedy row, else the tempered, filtered softmax. For rows
-    without penalties, bias, bans or grammar masks (what speculating requests are:
-    `speculative.speculates`); speculative decoding verifies drafts against it."""
+    """logits [N, V] float32 -> [N, V] float32, the distribution `sample` draws each row from
+    (after `processed_logits`): one-hot at the argmax for a greedy row, else the tempered,
+    filtered softmax. Speculative decoding verifies drafts against it."""
+    logits = processed_logits(logits, batch)
     greedy = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     if batch.all_greedy:
         return greedy

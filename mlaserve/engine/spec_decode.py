@@ -8,7 +8,8 @@ plan for the batch), the plain decodes beside them one-token chunks after the pr
 request verifying fewer (its drafts cut by max_tokens or the model length) takes a chunk of its
 own over the cached context, after those (runner.py, `_speculative_layout`). `verify` turns
 those logits into the tokens emitted: the target distribution at each position
-(`sampler.target_probs`, the request's temperature and filters), then
+(`sampler.target_probs`: the request's penalties, logit bias, min_tokens, temperature and
+filters, with the drafts before the position counted as generated: `AheadOfDrafts`), then
 `rejection_sampler.rejection_sample` with greedy drafts. Its randomness is a pure function of
 (request seed, position), as plain sampling's: the acceptance uniforms from `seeded_uniform` of
 a salted seed, the recovery / bonus draw from the plain sampler's own noise at that position.
@@ -47,6 +48,30 @@ class Verified:
     num_drafts: int
 
 
+class AheadOfDrafts:
+    """A verifying request as the sampler sees it at a draft position: the drafts before it
+    count as generated (penalties, min_tokens), as they will be if accepted; everything else
+    is the request's."""
+
+    def __init__(self, request: RunnerRequest, drafts: list[int]) -> None:
+        self.request, self.drafts = request, drafts
+
+    def __getattr__(self, name: str):
+        return getattr(self.request, name)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.drafts
+
+    @property
+    def num_output_tokens_total(self) -> int:
+        return self.request.num_output_tokens_total + len(self.drafts)
+
+    @property
+    def num_total_tokens(self) -> int:
+        return self.request.num_total_tokens + len(self.drafts)
+
+
 def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: PersistentBatch
            ) -> list[Verified]:
     """The tokens each verifying request emits.
@@ -64,7 +89,8 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
     positions = [r.num_computed_tokens + 1 + i for r, c in zip(requests, counts, strict=True)
                  for i in range(c)]
     packed = inputs.to_device([rows, positions], torch.int64)  # [2, R]
-    repeated = [r for r, c in zip(requests, counts, strict=True) for _ in range(c)]
+    repeated = [AheadOfDrafts(r, r.draft_token_ids[:i])
+                for r, c in zip(requests, counts, strict=True) for i in range(c)]
     batch = inputs.sampling_batch(repeated, packed[0], packed[1])
     probs = target_probs(logits, batch)  # [R, V]
     vocab = logits.shape[-1]

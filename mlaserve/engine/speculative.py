@@ -9,11 +9,12 @@ that computes the request's next position (its k + 1 positions as one chunk), an
 rule (`rejection_sampler.py`) keeps an accepted prefix and emits one more token, so that the
 output is distributed exactly as without speculation (greedy: identical).
 
-Which requests speculate (`speculates`): those whose next-token distribution depends only on
-the logits and their own temperature / top-k / top-p / min-p (logprobs are reported for every
-token emitted, from the verification's logits). A request with penalties, a logit bias,
-min_tokens or a structured-output grammar decodes one token a step as without speculation (its
-output is the same either way; only its speed differs).
+Which requests speculate (`speculates`): every one but those with a structured-output grammar.
+The verification's target distributions apply each request's penalties, logit bias and
+min_tokens with its drafts before a position counted as generated, and logprobs are reported
+for every token emitted, from the verification's logits. A request with a grammar decodes one
+token a step as without speculation (its output is the same either way; only its speed
+differs).
 """
 
 from dataclasses import dataclass, field
@@ -57,9 +58,7 @@ class SpeculativeConfig:
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these parameters drafts and verifies (module docstring)."""
-    return not (params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0 or params.logit_bias
-                or params.min_tokens or params.structured_outputs is not None)
+    return params.structured_outputs is None
 
 
 @dataclass
