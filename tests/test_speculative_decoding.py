@@ -111,9 +111,14 @@ def test_which_requests_speculate():
     assert speculates(SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.1))
     for params in [SamplingParams(logprobs=2), SamplingParams(presence_penalty=0.5),
                    SamplingParams(repetition_penalty=1.2), SamplingParams(min_tokens=3),
-                   SamplingParams(logit_bias={5: 1.0})]:
+                   SamplingParams(logit_bias={5: 1.0}),
+                   SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+"))]:
         assert speculates(params)
-    assert not speculates(SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+")))
+    for params in [SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+",
+                                                                       after_token_id=5)),
+                   SamplingParams(min_tokens=2,
+                                  structured_outputs=StructuredOutputs(regex="[ab]+"))]:
+        assert not speculates(params)
 
 
 def test_stats_count_acceptance_per_position():
@@ -292,26 +297,41 @@ def test_penalties_bias_and_min_tokens_count_the_drafts_before_each_position(mon
         llm.shutdown()
 
 
-def test_a_grammar_constrained_request_stays_valid_beside_speculating_ones(reference):
-    """A regex-constrained request served by a speculating engine, batched with requests that
-    speculate: its output matches the regex and equals the output without speculation (it
-    decodes one token a step: `speculates`), and the others still speculate."""
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_grammar_constrained_request_speculates_and_stays_valid(k, monkeypatch):
+    """A regex-constrained request speculates beside unconstrained ones: its mask at each
+    verified position is the grammar's state after the drafts before it, so drafts that are
+    mostly right (an oracle of the output without speculation, every third one off by one,
+    which the grammar may refuse) are accepted where the grammar and the model agree, and the
+    output matches the regex and equals the output without speculation."""
     import re
 
-    constrained = SamplingParams(max_tokens=8, temperature=0,
-                                 structured_outputs=StructuredOutputs(regex="(ab|ba)+c"))
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
-    params = [constrained, GREEDY, GREEDY]
-    want = generate_without_speculation(prompts, params)
-    llm = make_llm(2)
-    try:
-        got = llm.generate(prompts, params)
-        text = got[0].outputs[0].text
-        assert re.fullmatch(r"(ab|ba)+c?", text), text
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-        assert llm.engine.core.stats().spec_num_drafts > 0  # the others speculated
-    finally:
-        llm.shutdown()
+    from mlaserve.engine.structured import StructuredOutputManager
+
+    constrained = SamplingParams(max_tokens=12, temperature=0,
+                                 structured_outputs=StructuredOutputs(regex="((ab|ba)+c)+"))
+    walk = StructuredOutputManager._draft_bitmask
+    walks = []
+    monkeypatch.setattr(StructuredOutputManager, "_draft_bitmask",
+                        lambda self, *args: walks.append(1) or walk(self, *args))
+    for prompts, params in (([PROMPTS[0]], [constrained]),  # alone: its own acceptance
+                            (PROMPTS[:3], [constrained, GREEDY, GREEDY])):
+        want = generate_without_speculation(prompts, params)
+        outputs = {tuple(o.prompt_token_ids): list(o.prompt_token_ids)
+                   + list(o.outputs[0].token_ids) for o in want}
+        llm = make_llm(k)
+        walks.clear()
+        try:
+            oracle(outputs, llm.engine.core.config.model.vocab_size, 3, monkeypatch)
+            got = llm.generate(prompts, params)
+            text = got[0].outputs[0].text
+            assert re.fullmatch(r"((ab|ba)+c)*(ab|ba)*[abc]?", text), text
+            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids
+                                                             for o in want]
+            stats = llm.engine.core.stats()
+            assert walks and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        finally:
+            llm.shutdown()
 
 
 def test_logprobs_of_every_emitted_token_equal_those_without_speculation(reference,

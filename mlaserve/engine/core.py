@@ -393,7 +393,8 @@ class EngineCore(StepRecovery):
             if live.get(request_id) is not request:
                 continue  # aborted or finished while this step ran
             first = not request.output_token_ids
-            tokens = self._emitted(request, [token, *result.more_tokens.get(request_id, ())])
+            tokens, error = self._emitted(request,
+                                          [token, *result.more_tokens.get(request_id, ())])
             if request_id in result.num_rejected:
                 self.spec_stats.observe(request.num_scheduled_drafts,
                                         request.num_scheduled_drafts
@@ -406,9 +407,6 @@ class EngineCore(StepRecovery):
                 logprobs = [result.logprobs[request_id],
                             *result.more_logprobs.get(request_id, ())][:len(tokens)]
                 request.logprobs.extend(logprobs)
-            error = None
-            if request.params.structured_outputs is not None:
-                error = self._advance_grammar(request, token)
             output = EngineCoreOutput(
                 request.request_id, tokens, logprobs,
                 prompt_logprobs=request.prompt_logprobs if first else None,
@@ -421,15 +419,18 @@ class EngineCore(StepRecovery):
                 self._finish(request)
         return outputs
 
-    def _emitted(self, request: Request, tokens: list[int]) -> list[int]:
+    def _emitted(self, request: Request, tokens: list[int]) -> tuple[list[int], str | None]:
         """Append a step's tokens (one, or a verified run of them under speculative decoding)
-        up to the first that ends the request; returns those appended."""
+        up to the first that ends the request, advancing its grammar by each; returns those
+        appended and the grammar's error, if it refused one."""
+        constrained = request.params.structured_outputs is not None
         for count, token in enumerate(tokens, 1):
             request.output_token_ids.append(token)
             self._check_stop(request, token)
+            error = self._advance_grammar(request, token) if constrained else None
             if request.finish_reason is not None:
-                return tokens[:count]
-        return tokens
+                return tokens[:count], error
+        return tokens, None
 
     def _advance_grammar(self, request: Request, token: int) -> str | None:
         """Advance the request's grammar by its new token; a completed grammar ends the request

@@ -36,6 +36,9 @@ class RunnerRequest:
     __slots__ = ("request_id", "prompt_token_ids", "params", "sample_seed", "eos_token_ids",
                  "token_ids", "num_computed_tokens", "num_output_placeholders", "block_ids",
                  "num_prompt_logprobs", "row", "num_synced_blocks", "draft_token_ids")
+    # the drafts between the known tokens and the position sampled (speculative decoding's
+    # verification rows: `spec_decode.AheadOfDrafts`); a step's own sampling: none
+    num_drafts_ahead = 0
 
     def __init__(self, new: NewRequest) -> None:
         self.request_id = new.request_id
@@ -170,8 +173,8 @@ class PersistentBatch:
         allowed = None
         if grammar_bitmask is not None:
             row_of = grammar_bitmask.row_of
-            constrained = [(i, row_of[r.request_id]) for i, r in enumerate(requests)
-                           if r.request_id in row_of]
+            constrained = [(i, row_of[r.request_id] + r.num_drafts_ahead)
+                           for i, r in enumerate(requests) if r.request_id in row_of]
             if constrained:
                 bitmask = grammar_bitmask.bitmask
                 mask_rows = [m for _, m in constrained]

@@ -64,7 +64,10 @@ def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor,
         # p = q exactly leaves nothing, but then the draft is never rejected: keep p there
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_last)
         p_last = torch.where(rejected[:, None], residual, p_last)
-    last = (p_last / noise[arange, num_accepted]).argmax(dim=-1)  # [N], an exponential race
+    # an exponential race; Exp(1) noise can be 0 (a uniform that rounds to 1), and a token p
+    # leaves out (filtered, masked by a grammar) must not win it as 0 / 0
+    race = torch.where(p_last > 0, p_last / noise[arange, num_accepted], 0.0)
+    last = race.argmax(dim=-1)  # [N]
     positions = torch.arange(k + 1, device=draft_ids.device)[None, :]  # [1, k + 1]
     drafts = torch.cat([draft_ids, draft_ids.new_full((rows, 1), -1)], dim=1)  # [N, k + 1]
     tokens = torch.where(positions < num_accepted[:, None], drafts,

@@ -337,7 +337,7 @@ class ModelRunner:
             rows = self.inputs.to_device([i for first, count in spans
                                           for i in range(first, first + count)], torch.int64)
             logits = self.model.compute_logits(hidden[rows])  # [sum(d_r + 1), V]
-            outcomes = verify(verifying, logits, self.inputs)
+            outcomes = verify(verifying, logits, self.inputs, grammar_bitmask)
             pending.verified = {r.request_id: v for r, v in zip(verifying, outcomes,
                                                                  strict=True)}
             pending.verified_logprobs = emitted_logprobs(verifying, outcomes, logits,

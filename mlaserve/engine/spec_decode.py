@@ -35,6 +35,7 @@ from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.rejection_sampler import rejection_sample
 from mlaserve.engine.sampler import target_probs, top_logprobs
+from mlaserve.engine.structured import GrammarBitmask
 from mlaserve.kernels.sampling import SEED_MASK, seeded_uniform
 
 ACCEPT_SALT = 0x5EED_ACCE  # the acceptance uniforms' stream, apart from the sampler's noise
@@ -71,9 +72,13 @@ class AheadOfDrafts:
     def num_total_tokens(self) -> int:
         return self.request.num_total_tokens + len(self.drafts)
 
+    @property
+    def num_drafts_ahead(self) -> int:
+        return len(self.drafts)
 
-def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: PersistentBatch
-           ) -> list[Verified]:
+
+def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: PersistentBatch,
+           grammar_bitmask: GrammarBitmask | None = None) -> list[Verified]:
     """The tokens each verifying request emits.
 
     Args:
@@ -81,6 +86,7 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
             position n_r = num_computed_tokens.
         logits: [sum(d_r + 1), V] float32, the main model's logits at n_r .. n_r + d_r, request
             after request.
+        grammar_bitmask: the step's grammar masks (a constrained request: one per position).
     """
     k = max(len(r.draft_token_ids) for r in requests)
     counts = [len(r.draft_token_ids) + 1 for r in requests]
@@ -91,7 +97,7 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
     packed = inputs.to_device([rows, positions], torch.int64)  # [2, R]
     repeated = [AheadOfDrafts(r, r.draft_token_ids[:i])
                 for r, c in zip(requests, counts, strict=True) for i in range(c)]
-    batch = inputs.sampling_batch(repeated, packed[0], packed[1])
+    batch = inputs.sampling_batch(repeated, packed[0], packed[1], grammar_bitmask)
     probs = target_probs(logits, batch)  # [R, V]
     vocab = logits.shape[-1]
     # [N, k + 1, V] target distributions and noise, rows past a request's d_r + 1 padded

@@ -9,12 +9,14 @@ that computes the request's next position (its k + 1 positions as one chunk), an
 rule (`rejection_sampler.py`) keeps an accepted prefix and emits one more token, so that the
 output is distributed exactly as without speculation (greedy: identical).
 
-Which requests speculate (`speculates`): every one but those with a structured-output grammar.
-The verification's target distributions apply each request's penalties, logit bias and
-min_tokens with its drafts before a position counted as generated, and logprobs are reported
-for every token emitted, from the verification's logits. A request with a grammar decodes one
-token a step as without speculation (its output is the same either way; only its speed
-differs).
+Which requests speculate (`speculates`): the verification's target distributions apply each
+request's penalties, logit bias, min_tokens and structured-output grammar with its drafts before
+a position counted as generated (a grammar's mask at each position is its state after those
+drafts; `StructuredOutputManager.grammar_bitmask`), and logprobs are reported for every token
+emitted, from the verification's logits. Two kinds of request decode one token a step as
+without speculation (the same output; only the speed differs): a grammar that starts after a
+token (`after_token_id`: the drafts may hold that token), and a grammar with min_tokens (its
+"must end" rule reads the mask of the next position only).
 """
 
 from dataclasses import dataclass, field
@@ -58,7 +60,8 @@ class SpeculativeConfig:
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these parameters drafts and verifies (module docstring)."""
-    return params.structured_outputs is None
+    constraint = params.structured_outputs
+    return constraint is None or (constraint.after_token_id is None and not params.min_tokens)
 
 
 @dataclass

@@ -88,7 +88,8 @@ class GrammarBitmask:
     """One step's token masks for its constrained sampling rows, built on the host.
 
     row_of: request id -> its row in `bitmask`, for the requests whose next token is
-    constrained. bitmask: [M, ceil(V / 32)] int32; bit j of word w allows token 32 * w + j.
+    constrained (a request verifying d drafts: the first of its d + 1 rows, one per position).
+    bitmask: [M, ceil(V / 32)] int32; bit j of word w allows token 32 * w + j.
     must_end: ids of the requests whose mask allows only the grammar's stop tokens (its end):
     min_tokens does not ban those there.
     """
@@ -161,7 +162,7 @@ class StructuredOutputRequest:
         if self.matcher is None:
             import xgrammar as xgr
 
-            self.matcher = xgr.GrammarMatcher(self.compiled)
+            self.matcher = xgr.GrammarMatcher(self.compiled)  # rolls back any number of tokens
         return self.matcher
 
 
@@ -375,7 +376,11 @@ class StructuredOutputManager:
     def grammar_bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
         """The bitmask of the requests whose next token is constrained, or None if none is.
 
-        Every token of these requests must be known (accepted) on the host.
+        Every token of these requests must be known (accepted) on the host. A request verifying
+        d drafts (speculative decoding) gets d + 1 consecutive rows from `row_of`: the mask of
+        each position after the drafts before it. Past a draft the grammar refuses, the rows
+        repeat the last mask (the verification rejects that draft, so no later position is
+        sampled).
         """
         constrained = []
         for request in requests:
@@ -386,6 +391,9 @@ class StructuredOutputManager:
             return None
         import xgrammar as xgr
 
+        drafts = [r.draft_token_ids[:r.num_scheduled_drafts] for r, _ in constrained]
+        if any(drafts):
+            return self._draft_bitmask(constrained, drafts)
         shape = xgr.get_bitmask_shape(len(constrained), self.vocab_size)
         bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
         matchers = [m for _, m in constrained]
@@ -405,6 +413,37 @@ class StructuredOutputManager:
                 must_end.add(request.request_id)
         return GrammarBitmask({r.request_id: i for i, (r, _) in enumerate(constrained)},
                               bitmask, must_end)
+
+    def _draft_bitmask(self, constrained: list[tuple[Request, "xgrammar.GrammarMatcher"]],
+                       drafts: list[list[int]]) -> GrammarBitmask:
+        """`grammar_bitmask` for a step in which some constrained requests verify drafts: each
+        matcher walks its drafts, filling a row per position, and rolls back."""
+        import xgrammar as xgr
+
+        firsts = [0]
+        for draft in drafts:
+            firsts.append(firsts[-1] + len(draft) + 1)
+        shape = xgr.get_bitmask_shape(firsts[-1], self.vocab_size)
+        bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
+        for (_, matcher), draft, first in zip(constrained, drafts, firsts, strict=False):
+            matcher.fill_next_token_bitmask(bitmask, first)
+            walked = 0  # drafts the matcher took; past a refused one it takes no more
+            for i, token in enumerate(draft, 1):
+                if walked == i - 1 and not matcher.is_terminated() \
+                        and matcher.accept_token(token):
+                    walked = i
+                    matcher.fill_next_token_bitmask(bitmask, first + i)
+                else:  # refused: later positions are never sampled
+                    bitmask[first + i] = bitmask[first + i - 1]
+            if walked:
+                matcher.rollback(walked)
+        must_end = set()
+        for (request, _), first in zip(constrained, firsts, strict=False):
+            if request.num_output_tokens_total < request.params.min_tokens \
+                    and not bool((bitmask[first] & ~self._stop_words).any()):
+                must_end.add(request.request_id)
+        return GrammarBitmask({r.request_id: first for (r, _), first
+                               in zip(constrained, firsts, strict=False)}, bitmask, must_end)
 
     def accept_token(self, request: Request, token: int) -> str:
         """Advance the request's matcher by a generated token (an `AcceptResult` value)."""
