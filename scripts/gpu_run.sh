@@ -33,7 +33,9 @@
 #                tokens); then, unless MODELS leaves it out, the V3 config with 4 layers (dummy
 #                FP8 weights, dummy MTP: drafts rarely accepted, so its rows give the verify
 #                step's cost) on random 512 in / 128 out. The servers' metrics give the drafts'
-#                acceptance. env: MODELS="demo v3" K=3 RUNS=1
+#                acceptance. First, `mlaserve bench step` on the demo config (dummy weights) at
+#                batch 1 and 16 with and without drafting: the verify step's time over the
+#                plain step's. env: MODELS="demo v3" K=3 RUNS=1
 #   sweep OUT_DIR
 #                the throughput-latency front: per attention backend (BACKENDS default
 #                "triton flashinfer") one server on dummy weights of CONFIG (V2-Lite), warmed
@@ -260,6 +262,15 @@ spec_stage() {  # the `spec` stage, documented above
   timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
     tests/test_speculative_decoding.py tests/test_cuda_graphs.py > "$out/gpu_tests_spec.log" 2>&1
   echo "spec GPU tests rc=$?"; tail -3 "$out/gpu_tests_spec.log"
+  for batch in 1 16; do  # the verify step's cost over the plain step's (dummy weights)
+    for variant in plain "mtp$k"; do
+      set --
+      [ "$variant" != plain ] && set -- --speculative-config "$spec"
+      timeout 150 python3 -m mlaserve bench step mlaserve/demo_model --batch "$batch" \
+        --prompt-len 256 --steps 64 "$@" > "$out/step-demo-b$batch-$variant.txt" 2>&1
+      grep -h "^decode step" "$out/step-demo-b$batch-$variant.txt"
+    done
+  done
   python3 -c "import json
 from mlaserve.eval.tasks import doc_to_text, heldout_docs
 for doc in heldout_docs('arith_gen', 200):

@@ -22,6 +22,8 @@ under cProfile, and the top functions.
 
 import argparse
 
+from mlaserve.arg_types import json_object
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `mlaserve bench step` flags."""
@@ -45,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Linear weights and experts)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="as `mlaserve serve --kv-cache-dtype` (GPU profile)")
+    parser.add_argument("--speculative-config", type=json_object, default=None,
+                        help="as `mlaserve serve --speculative-config` (GPU profile): a step "
+                             "verifies and drafts; the report adds the tokens a step emits")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     profile_steps(args.model, args.backend or "triton", args.batch, args.prompt_len,
                   args.steps or 32, args.block_size, args.out, args.enforce_eager,
-                  args.quantization, args.kv_cache_dtype)
+                  args.quantization, args.kv_cache_dtype, args.speculative_config)
     return 0
 
 

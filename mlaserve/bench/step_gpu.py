@@ -83,15 +83,18 @@ def profile_prefill(core: EngineCore, rng: random.Random, prompt_len: int) -> li
 
 def profile_steps(model: str, backend: str, batch: int, prompt_len: int, steps: int,
                   block_size: int, out: str | None, enforce_eager: bool,
-                  quantization: str = "auto", kv_cache_dtype: str = "auto") -> None:
+                  quantization: str = "auto", kv_cache_dtype: str = "auto",
+                  speculative_config: dict | None = None) -> None:
     """Build the engine core, prefill, time and profile decode steps, then profile a prefill;
-    print the report and write it to out/profile-BACKEND-bBATCH[-wQUANT][-kvDTYPE].txt where
-    out is given."""
+    print the report and write it to out/profile-BACKEND-bBATCH[-wQUANT][-kvDTYPE][-mtpK].txt
+    where out is given. With speculative_config a step verifies and drafts (the dummy MTP
+    layer's drafts are rarely accepted: the step's cost, not its yield)."""
     started = time.perf_counter()
     core = EngineCore(EngineArgs(model=model, load_format="dummy", block_size=block_size,
                                  max_num_seqs=batch, attention_backend=backend,
                                  enforce_eager=enforce_eager, quantization=quantization,
-                                 kv_cache_dtype=kv_cache_dtype))
+                                 kv_cache_dtype=kv_cache_dtype,
+                                 speculative_config=speculative_config))
     print(f"engine built in {time.perf_counter() - started:.1f} s "
           f"(backend {core.info.attention_backend})")
     rng = random.Random(0)
@@ -112,12 +115,13 @@ def profile_steps(model: str, backend: str, batch: int, prompt_len: int, steps: 
     torch.cuda.synchronize()
 
     started = time.perf_counter()
+    emitted = 0
     for _ in range(steps):
-        core.step()
+        emitted += sum(len(output.new_token_ids) for output in core.step())
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - started) / steps * 1e3
-    print(f"decode step at batch {batch} (pipelined, wall): {wall_ms:.2f} ms "
-          f"= {batch / wall_ms * 1e3:.0f} tok/s")
+    print(f"decode step at batch {batch} (pipelined unless speculating, wall): {wall_ms:.2f} ms"
+          f", {emitted / steps:.1f} tokens a step = {emitted / steps / wall_ms * 1e3:.0f} tok/s")
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
@@ -146,7 +150,9 @@ def profile_steps(model: str, backend: str, batch: int, prompt_len: int, steps: 
     if out:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
+        k = (speculative_config or {}).get("num_speculative_tokens", "auto")
         suffix = "".join(f"-{tag}{value}" for tag, value in (("w", quantization),
-                                                                ("kv", kv_cache_dtype))
+                                                                ("kv", kv_cache_dtype),
+                                                                ("mtp", k))
                          if value != "auto")
         (folder / f"profile-{backend}-b{batch}{suffix}.txt").write_text(report + "\n")
