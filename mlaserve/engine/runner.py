@@ -34,6 +34,7 @@ from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
 from mlaserve.engine.spec_decode import (
+    ReplayedStep,
     Verified,
     draft,
     draft_rows,
@@ -152,13 +153,14 @@ class ModelRunner:
                 torch.cuda.synchronize()
             if agree_min is not None:
                 self.graphs = graphs_on_every_rank(self.graphs, agree_min)
-        # speculative decoding with k > 1: the MTP module's recursive passes replay graphs too
+        # speculative decoding: the MTP module's drafting passes replay graphs too
         self.draft_graphs: DraftGraphs | None = None
-        if self.graphs is not None and self.num_speculative_tokens > 1:
+        if self.graphs is not None and self.num_speculative_tokens:
             try:
                 self.draft_graphs = DraftGraphs(
                     model, self.mtp_cache, self.backend, self.graphs.sizes,
-                    self.graphs.max_blocks_per_seq, num_blocks * block_size, self.graphs.pool)
+                    self.graphs.max_blocks_per_seq, num_blocks * block_size,
+                    self.graphs.q_lens, self.graphs.pool)
             except Exception:  # noqa: BLE001 - as the decode graphs: eager drafting still works
                 logger.exception("MTP drafting CUDA-graph capture failed; drafts run eagerly")
                 torch.cuda.synchronize()
@@ -258,12 +260,14 @@ class ModelRunner:
             seq_lens = (decode_positions[q_len - 1::q_len] + 1).to(torch.int32)  # [d]
         chunks, prefill_inputs = self._prefill_inputs(prefills, num_decodes * q_len, verifies)
         graph_size = None if chunks else self.graph_size(num_decodes, width)
+        replayed = None  # for the drafting graphs' first pass
         if expert_capacity and graph_size is not None:  # the graph's rows are the exchanges'
             graph_size = expert_capacity if expert_capacity in self.graphs.sizes else None
         if graph_size is not None:
             hidden = self.graphs.run(decode_ids, decode_positions, decode_slots, table,
                                      seq_lens, graph_size, q_len)
             if self.num_speculative_tokens:  # the MTP module reads the step's metadata
+                replayed = ReplayedStep(table, seq_lens, q_len)
                 position_ids = decode_positions
                 meta = AttentionMetadata(slot_mapping=decode_slots,
                                          num_decode_tokens=num_decodes * q_len, prefills=[])
@@ -290,7 +294,7 @@ class ModelRunner:
         if not self.num_speculative_tokens:
             return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
         return self._speculate(decodes, q_len, prefills, verifies, samplers, grammar_bitmask,
-                               hidden, position_ids, meta, chunks)
+                               hidden, position_ids, meta, chunks, replayed)
 
     def _speculative_layout(self, decodes: list[RunnerRequest],
                             prefills: list[tuple[RunnerRequest, int]]
@@ -314,7 +318,7 @@ class ModelRunner:
                    prefills: list[tuple[RunnerRequest, int]], verifies: list[RunnerRequest],
                    samplers: list[RunnerRequest], grammar_bitmask: GrammarBitmask | None,
                    hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                   chunks: list[PrefillChunk]) -> PendingStep:
+                   chunks: list[PrefillChunk], replayed: ReplayedStep | None) -> PendingStep:
         """A speculating engine's sampling (spec_decode.py): the plain samplers as always, the
         verifying requests' drafts checked (those in decode rows of q_len > 1, then those in
         chunks), then the MTP module's drafts for the next step (waiting on the host for the
@@ -354,7 +358,7 @@ class ModelRunner:
                           sampled, pending.verified, drafting)
         tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
                        self.block_size, self.num_speculative_tokens, rows, hidden, positions,
-                       drafting, self.draft_graphs)
+                       drafting, self.draft_graphs, replayed)
         pending.drafts = {r.request_id: t for r, t in zip(drafting, tokens, strict=True)}
         return pending
 

@@ -192,10 +192,21 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
                      [last[r.request_id][1] for r in drafting])
 
 
+@dataclass
+class ReplayedStep:
+    """A step whose forward replayed a decode graph: its n requests' block table [n, width]
+    int32, lengths [n] int32 and rows per request, for the drafting graphs' first pass."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    q_len: int
+
+
 def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
           inputs: PersistentBatch, block_size: int, num_speculative_tokens: int,
           rows: DraftRows, hidden: torch.Tensor, positions: torch.Tensor,
-          samplers: list[RunnerRequest], graphs: DraftGraphs | None = None) -> list[list[int]]:
+          samplers: list[RunnerRequest], graphs: DraftGraphs | None = None,
+          replayed: ReplayedStep | None = None) -> list[list[int]]:
     """k greedy drafts per speculating sampler ([num_samplers][k] token ids).
 
     Args:
@@ -203,14 +214,22 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
         mtp_cache: the MTP layer's latent cache.
         meta: the step's attention metadata (its slots and chunks are the MTP layer's too).
         hidden: [T, D] the main model's output over the step's rows; positions: [T] int64.
-        graphs: captured recursive passes (k > 1), replayed where they cover the batch.
+        graphs: captured drafting passes, replayed where they cover the batch: the first where
+            the step's forward replayed a decode graph (`replayed`), the recursive ones.
     """
     device = hidden.device
     next_ids = inputs.to_device(rows.next_ids, torch.int64)  # [T]
-    mtp_hidden = model.mtp(next_ids, positions, hidden, mtp_cache, meta)  # [T, D]
     last = torch.tensor(rows.last_rows, device=device)
-    previous = mtp_hidden[last]  # [S, D]
-    token = model.compute_logits(previous).argmax(dim=-1)  # [S]
+    if replayed is not None and graphs is not None and graphs.covers(
+            *replayed.block_table.shape, replayed.q_len):
+        token, previous = graphs.run(next_ids, positions, hidden, meta.slot_mapping,
+                                     replayed.block_table, replayed.seq_lens, last,
+                                     replayed.q_len)
+        token = token.clone()  # the outputs are overwritten by the graph's next replay
+    else:
+        mtp_hidden = model.mtp(next_ids, positions, hidden, mtp_cache, meta)  # [T, D]
+        previous = mtp_hidden[last]  # [S, D]
+        token = model.compute_logits(previous).argmax(dim=-1)  # [S]
     drafts = [token]
     if num_speculative_tokens > 1:
         width = max(len(r.block_ids) for r in samplers)
@@ -222,7 +241,7 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
             slots = (table.gather(1, (position // block_size)[:, None]).squeeze(1).long()
                      * block_size + position % block_size)
             seq_lens = (position + 1).to(torch.int32)
-            if replay:  # the graph's outputs are overwritten by its next replay: keep a copy
+            if replay:
                 token, previous = graphs.run(token, position, previous, slots, table, seq_lens)
                 token = token.clone()
             else:
