@@ -487,3 +487,22 @@ def test_gpu_speculation_replays_verify_graphs_and_equals_no_speculation():
         assert llm.engine.core.stats().spec_num_drafts > 0
     finally:
         llm.shutdown()
+
+
+def test_a_speculating_engine_records_its_verification_steps_with_their_q_len(tmp_path,
+                                                                               monkeypatch,
+                                                                               reference):
+    """`--record-decode-steps` under speculation: a verification step is a decode of q_len
+    k + 1 (what `bench kernel --replay` times), each length counting the drafts."""
+    from mlaserve.engine.decode_record import read_decode_steps
+
+    path = tmp_path / "steps.jsonl"
+    llm = make_llm(2, record_decode_steps=str(path))
+    try:
+        oracle(reference, llm.engine.core.config.model.vocab_size, 4, monkeypatch)
+        run(llm, PROMPTS[:2], GREEDY)
+    finally:
+        llm.shutdown()
+    steps = read_decode_steps(path)
+    verifying = [lens for q_len, lens in steps if q_len == 3]
+    assert verifying and all(n >= 3 for lens in verifying for n in lens)
