@@ -30,12 +30,13 @@
 #                RUNS (default 1) of each, alternating; against each, bench serve at
 #                concurrency 1 and 16. The demo model (bf16, its trained MTP layer) on its
 #                held-out arith_chat questions (`--dataset-name custom`, answers to EOS, up to 64
-#                tokens); then, unless MODELS leaves it out, the V3 config with 4 layers (dummy
-#                FP8 weights, dummy MTP: drafts rarely accepted, so its rows give the verify
-#                step's cost) on random 512 in / 128 out. The servers' metrics give the drafts'
-#                acceptance. First, `mlaserve bench step` on the demo config (dummy weights) at
-#                batch 1 and 16 with and without drafting: the verify step's time over the
-#                plain step's. env: MODELS="demo v3" K=3 RUNS=1
+#                tokens); with MODELS=v3 (a call of its own: two V3 loads take minutes) the V3
+#                config with 4 layers instead (dummy FP8 weights, dummy MTP: drafts rarely
+#                accepted, so its rows give the verify step's cost) on random 512 in / 128 out.
+#                The servers' metrics give the drafts' acceptance. First, `mlaserve bench step`
+#                on the demo config (dummy weights) at batch 1 and 16 with and without
+#                drafting: the verify step's time over the plain step's. env: MODELS=demo K=3
+#                RUNS=1
 #   sweep OUT_DIR
 #                the throughput-latency front: per attention backend (BACKENDS default
 #                "triton flashinfer") one server on dummy weights of CONFIG (V2-Lite), warmed
@@ -276,7 +277,7 @@ from mlaserve.eval.tasks import doc_to_text, heldout_docs
 for doc in heldout_docs('arith_gen', 200):
     print(json.dumps({'prompt': doc_to_text('arith_gen', doc)}))" > /tmp/arith.jsonl
   python3 scripts/make_bench_model_dir.py benchmarks/configs/deepseek-v3.json /tmp/v3-dummy
-  for model in ${MODELS:-demo v3}; do
+  for model in ${MODELS:-demo}; do
     for run in $(seq "$runs"); do
       for variant in plain "mtp$k"; do
         local args=(--port 8000 --max-num-seqs 64)
