@@ -114,9 +114,9 @@
 #                (`--quantization fp8 --kv-cache-dtype fp8`), one server each in the order of
 #                ORDER (default "bf16 fp8 bf16"; "fp8 bf16 fp8" in the next call makes three of
 #                each), pages of 64 tokens: the `serve` stage's workload (512 x 1024 / 1024 at
-#                concurrency 256, then 8 prompts of one user); the first server records its
-#                decode steps into decode-steps-VARIANT.jsonl (for `mlaserve bench kernel
-#                --replay`)
+#                concurrency 256, then 8 prompts of one user); with RECORD=1 the first server
+#                records its decode steps into decode-steps-VARIANT.jsonl (for `mlaserve bench
+#                kernel --replay`)
 #   env: RUNS=3, TOKENS (fp8-gemm: a comma list), VARIANT (a --sweep spec, default none), SHAPES
 #        (fp8-gemm-profile), CACHES (fp8-serve), LAYERS=8 (what an H200's memory holds with room
 #        for the cache; 6 on an H100: each MoE layer's experts are 11.3 GB in FP8)
@@ -499,8 +499,10 @@ $cache --block-size 64 --max-num-seqs 256" \
         i=$((i + 1))
         quant=""
         [ "$variant" = fp8 ] && quant="--quantization fp8 --kv-cache-dtype fp8"
-        # the first server records its decode steps (`bench kernel --replay`)
-        [ $i = 1 ] && quant="$quant --record-decode-steps $out/decode-steps-$variant.jsonl"
+        # with RECORD=1 the first server records its decode steps (`bench kernel --replay`;
+        # the recording servers served 3-10% below the others)
+        [ $i = 1 ] && [ "${RECORD:-0}" = 1 ] && \
+          quant="$quant --record-decode-steps $out/decode-steps-$variant.jsonl"
         # pages of 64: the FP8 cache's transposed pass takes whole 64-token tiles (at 32 the
         # slower converter pass runs: benchmarks/fp8/README.md, the V2-Lite step profile)
         PROMPTS=512 CONC=256 SINGLE_PROMPTS=8 SINGLE_OUT=256 BENCH_TIMEOUT=170 \
