@@ -26,7 +26,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,7 +60,91 @@ def capture(forward: Callable[[], T], pool: object | None) -> tuple[torch.cuda.C
     return graph, output
 
 
-class DecodeGraphs:
+class GraphLadder:
+    """Captured forwards of one kind, one per (q_len, padded batch size), sharing static inputs
+    (token ids, positions and cache slots [max batch * max q_len]; rows past n * q_len: stale
+    ids and positions, the scratch slot) and the backend's static block table and lengths
+    (`plan_for_replay`: rows past n get length 0). Subclasses set what their forward reads,
+    then call this constructor, which captures."""
+
+    what = "decode"  # for the log line
+
+    def __init__(self, model: DeepseekForCausalLM, backend: MLABackend, sizes: list[int],
+                 q_lens: tuple[int, ...], max_blocks_per_seq: int, scratch_slot: int,
+                 device: torch.device, pool: object | None = None) -> None:
+        self.model = model
+        self.backend = backend
+        self.sizes = sizes  # ascending
+        self.q_lens = q_lens
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.scratch_slot = scratch_slot
+        max_rows = sizes[-1] * max(q_lens)
+        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.int64, device=device)
+        # by (q_len, batch size)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], Any] = {}
+        self._pool = pool  # the memory pool all graphs share
+        self.num_replays = 0
+        self._capture_all()
+
+    def _forward(self, batch_size: int, q_len: int) -> Any:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        started = time.perf_counter()
+        # largest first: later ones reuse its pool
+        for q_len in sorted(self.q_lens, reverse=True):
+            for batch_size in reversed(self.sizes):
+                self.backend.plan_for_capture(batch_size, q_len)
+                key = (q_len, batch_size)
+                self.graphs[key], self.outputs[key] = self._record(batch_size, q_len)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        logger.info("captured %d %s CUDA graphs (batch 1..%d, q_len %s, up to %d blocks per "
+                    "sequence) in %.1f s", len(self.graphs), self.what, self.sizes[-1],
+                    ", ".join(map(str, self.q_lens)), self.max_blocks_per_seq,
+                    time.perf_counter() - started)
+
+    def _record(self, batch_size: int, q_len: int) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """Capture the forward of batch_size x q_len rows: (graph, its static output)."""
+        graph, output = capture(lambda: self._forward(batch_size, q_len), self._pool)
+        self._pool = graph.pool()
+        return graph, output
+
+    @property
+    def pool(self) -> object:
+        """The memory pool the graphs share (later captures of the step may share it)."""
+        return self._pool
+
+    def covers(self, batch_size: int, table_width: int, q_len: int = 1) -> bool:
+        return (q_len in self.q_lens and batch_size <= self.sizes[-1]
+                and table_width <= self.max_blocks_per_seq)
+
+    def padded_size(self, batch_size: int) -> int:
+        """The captured batch size that runs `batch_size` requests: the smallest one >= it."""
+        return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                block_table: torch.Tensor, seq_lens: torch.Tensor, batch_size: int,
+                q_len: int) -> Any:
+        """Fill the shared static inputs for block_table's n requests, replay the graph of
+        (q_len, batch_size) and return its static output (valid until its next replay)."""
+        rows = block_table.shape[0] * q_len
+        self.input_ids[:rows].copy_(input_ids)
+        self.positions[:rows].copy_(positions)
+        self.slots[:rows].copy_(slots)
+        self.slots[rows:batch_size * q_len].fill_(self.scratch_slot)
+        self.backend.plan_for_replay(block_table, seq_lens, q_len,
+                                     graph_batch_size=batch_size)  # rows n.. get length 0
+        self.graphs[q_len, batch_size].replay()
+        self.num_replays += 1
+        return self.outputs[q_len, batch_size]
+
+
+class DecodeGraphs(GraphLadder):
     """Captured decode forwards for a fixed model, caches and backend."""
 
     def __init__(self, model: DeepseekForCausalLM, kv_caches: list[torch.Tensor],
@@ -73,66 +157,16 @@ class DecodeGraphs:
             scratch_slot: a cache slot no request owns (padded rows write their latents there).
             q_lens: rows per request of the graphs captured (each at every batch size).
         """
-        device = kv_caches[0].device
-        self.model = model
         self.kv_caches = kv_caches
-        self.backend = backend
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.scratch_slot = scratch_slot
-        self.q_lens = q_lens
-        max_rows = max_batch_size * max(q_lens)
-        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.int64, device=device)
-        # by (q_len, batch size)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None  # the memory pool all graphs share
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.num_replays = 0
-        self.sizes = capture_sizes(max_batch_size)  # ascending
         backend.init_graph_buffers(max_batch_size, max_blocks_per_seq)
-        self._capture_all(self.sizes)
+        super().__init__(model, backend, capture_sizes(max_batch_size), q_lens,
+                         max_blocks_per_seq, scratch_slot, kv_caches[0].device)
 
     def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
         rows = batch_size * q_len
         meta = AttentionMetadata(slot_mapping=self.slots[:rows], num_decode_tokens=rows,
                                  decode_backend=self.backend)
         return self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, meta)
-
-    @torch.inference_mode()
-    def _capture_all(self, sizes: list[int]) -> None:
-        started = time.perf_counter()
-        # largest first: later ones reuse its pool
-        for q_len in sorted(self.q_lens, reverse=True):
-            for batch_size in sorted(sizes, reverse=True):
-                self.backend.plan_for_capture(batch_size, q_len)
-                key = (q_len, batch_size)
-                self.graphs[key], self.outputs[key] = self._record(batch_size, q_len)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch 1..%d, q_len %s, up to %d blocks per "
-                    "sequence) in %.1f s", len(self.graphs), max(sizes),
-                    ", ".join(map(str, self.q_lens)), self.max_blocks_per_seq,
-                    time.perf_counter() - started)
-
-    def _record(self, batch_size: int, q_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture the forward of batch_size x q_len rows: (graph, its static output
-        [rows, D])."""
-        graph, output = capture(lambda: self._forward(batch_size, q_len), self._pool)
-        self._pool = graph.pool()
-        return graph, output
-
-    @property
-    def pool(self) -> object:
-        """The memory pool the graphs share (later captures of the step may share it)."""
-        return self._pool
-
-    def covers(self, batch_size: int, table_width: int) -> bool:
-        return batch_size <= self.sizes[-1] and table_width <= self.max_blocks_per_seq
-
-    def padded_size(self, batch_size: int) -> int:
-        """The captured batch size that runs `batch_size` requests: the smallest one >= it."""
-        return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -151,14 +185,7 @@ class DecodeGraphs:
             until the next replay).
         """
         n = block_table.shape[0]
-        rows = n * q_len
         batch_size = self.padded_size(n) if batch_size is None else batch_size
-        self.input_ids[:rows].copy_(input_ids)
-        self.positions[:rows].copy_(positions)
-        self.slots[:rows].copy_(slots)
-        self.slots[rows:batch_size * q_len].fill_(self.scratch_slot)
-        self.backend.plan_for_replay(block_table, seq_lens, q_len,
-                                     graph_batch_size=batch_size)  # rows n.. get length 0
-        self.graphs[q_len, batch_size].replay()
-        self.num_replays += 1
-        return self.outputs[q_len, batch_size][:rows]
+        output = self._replay(input_ids, positions, slots, block_table, seq_lens, batch_size,
+                              q_len)
+        return output[:n * q_len]

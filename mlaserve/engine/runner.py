@@ -267,12 +267,11 @@ class ModelRunner:
             hidden = self.graphs.run(decode_ids, decode_positions, decode_slots, table,
                                      seq_lens, graph_size, q_len)
             if self.num_speculative_tokens:  # the MTP module reads the step's metadata
-                replayed = ReplayedStep(table, seq_lens, q_len)
+                replayed = ReplayedStep(table, seq_lens, q_len, graph_size)
                 position_ids = decode_positions
                 meta = AttentionMetadata(slot_mapping=decode_slots,
-                                         num_decode_tokens=num_decodes * q_len, prefills=[])
-                self.backend.plan_like_graph(table, seq_lens, graph_size, q_len)
-                meta.decode_backend = self.backend
+                                         num_decode_tokens=num_decodes * q_len, prefills=[],
+                                         decode_backend=self.backend)
         else:
             parts = [] if not decodes else [(decode_ids, decode_positions, decode_slots)]
             if prefill_inputs is not None:

@@ -27,6 +27,7 @@ between the two (speculating engines do not pipeline steps).
 """
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -125,9 +126,9 @@ def emitted_logprobs(requests: list[RunnerRequest], outcomes: list[Verified],
     """For the verified requests that ask for logprobs: {token: logprob} per token emitted,
     the token's and the top `logprobs` of the model's raw distribution at its position (as a
     step without speculation reports them). logits: as `verify` took them."""
-    starts = torch.tensor([0, *(len(r.draft_token_ids) + 1 for r in requests)]).cumsum(0)
-    wanting = [(r, o, int(s)) for r, o, s in zip(requests, outcomes, starts.tolist(),
-                                                 strict=False) if r.params.logprobs is not None]
+    starts = accumulate((len(r.draft_token_ids) + 1 for r in requests[:-1]), initial=0)
+    wanting = [(r, o, s) for r, o, s in zip(requests, outcomes, starts, strict=True)
+               if r.params.logprobs is not None]
     if not wanting:
         return {}
     rows = inputs.to_device([s + j for _, o, s in wanting for j in range(len(o.tokens))],
@@ -195,11 +196,13 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
 @dataclass
 class ReplayedStep:
     """A step whose forward replayed a decode graph: its n requests' block table [n, width]
-    int32, lengths [n] int32 and rows per request, for the drafting graphs' first pass."""
+    int32, lengths [n] int32, rows per request and the graph's batch size, for the drafting
+    graphs' first pass (or the eager pass, planned as that graph was)."""
 
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     q_len: int
+    graph_size: int
 
 
 def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
@@ -212,7 +215,8 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
     Args:
         model: the main model, with its MTP module (`model.mtp`).
         mtp_cache: the MTP layer's latent cache.
-        meta: the step's attention metadata (its slots and chunks are the MTP layer's too).
+        meta: the step's attention metadata (its slots and chunks are the MTP layer's too;
+            its decode backend planned, unless the step replayed a graph: `replayed`).
         hidden: [T, D] the main model's output over the step's rows; positions: [T] int64.
         graphs: captured drafting passes, replayed where they cover the batch: the first where
             the step's forward replayed a decode graph (`replayed`), the recursive ones.
@@ -227,6 +231,9 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
                                      replayed.q_len)
         token = token.clone()  # the outputs are overwritten by the graph's next replay
     else:
+        if replayed is not None:  # the replay left the backend planned for its graph only
+            backend.plan_like_graph(replayed.block_table, replayed.seq_lens,
+                                    replayed.graph_size, replayed.q_len)
         mtp_hidden = model.mtp(next_ids, positions, hidden, mtp_cache, meta)  # [T, D]
         previous = mtp_hidden[last]  # [S, D]
         token = model.compute_logits(previous).argmax(dim=-1)  # [S]

@@ -42,6 +42,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -406,12 +407,17 @@ class StructuredOutputManager:
             if batch_matcher is None:
                 batch_matcher = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
             batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
-        must_end = set()
-        for row, (request, _) in enumerate(constrained):
-            if request.num_output_tokens_total < request.params.min_tokens \
-                    and not bool((bitmask[row] & ~self._stop_words).any()):
-                must_end.add(request.request_id)
-        return GrammarBitmask({r.request_id: i for i, (r, _) in enumerate(constrained)},
+        return self._with_must_end([r for r, _ in constrained], range(len(constrained)),
+                                   bitmask)
+
+    def _with_must_end(self, requests: list[Request], rows: Sequence[int],
+                       bitmask: torch.Tensor) -> GrammarBitmask:
+        """The `GrammarBitmask` of requests whose next-position masks are these rows, with
+        `must_end` read from those rows."""
+        must_end = {request.request_id for request, row in zip(requests, rows, strict=True)
+                    if request.num_output_tokens_total < request.params.min_tokens
+                    and not bool((bitmask[row] & ~self._stop_words).any())}
+        return GrammarBitmask({r.request_id: row for r, row in zip(requests, rows, strict=True)},
                               bitmask, must_end)
 
     def _draft_bitmask(self, constrained: list[tuple[Request, "xgrammar.GrammarMatcher"]],
@@ -425,7 +431,7 @@ class StructuredOutputManager:
             firsts.append(firsts[-1] + len(draft) + 1)
         shape = xgr.get_bitmask_shape(firsts[-1], self.vocab_size)
         bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
-        for (_, matcher), draft, first in zip(constrained, drafts, firsts, strict=False):
+        for (_, matcher), draft, first in zip(constrained, drafts, firsts[:-1], strict=True):
             matcher.fill_next_token_bitmask(bitmask, first)
             walked = 0  # drafts the matcher took; past a refused one it takes no more
             for i, token in enumerate(draft, 1):
@@ -437,13 +443,7 @@ class StructuredOutputManager:
                     bitmask[first + i] = bitmask[first + i - 1]
             if walked:
                 matcher.rollback(walked)
-        must_end = set()
-        for (request, _), first in zip(constrained, firsts, strict=False):
-            if request.num_output_tokens_total < request.params.min_tokens \
-                    and not bool((bitmask[first] & ~self._stop_words).any()):
-                must_end.add(request.request_id)
-        return GrammarBitmask({r.request_id: first for (r, _), first
-                               in zip(constrained, firsts, strict=False)}, bitmask, must_end)
+        return self._with_must_end([r for r, _ in constrained], firsts[:-1], bitmask)
 
     def accept_token(self, request: Request, token: int) -> str:
         """Advance the request's matcher by a generated token (an `AcceptResult` value)."""
