@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 from mlaserve.bench import moe_sweep  # noqa: E402
 from mlaserve.bench.moe_cases import MoEShape, check, make_case  # noqa: E402
 from mlaserve.kernels.fp8_blocks import quantize_block_fp8  # noqa: E402
-from mlaserve.kernels.fused_moe import FusedMoEConfig, fused_experts_triton  # noqa: E402
+from mlaserve.kernels.fused_moe import fused_experts_triton  # noqa: E402
+from mlaserve.kernels.fused_moe_config import FusedMoEConfig  # noqa: E402
 from mlaserve.kernels.moe import fused_experts_w8a8_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -72,10 +73,10 @@ def test_fp8_sweep_checks_every_candidate_and_returns_one(monkeypatch):
 def test_write_tuned_merges_into_the_file_the_engine_reads(monkeypatch, tmp_path):
     """A second sweep over other T adds its entries and replaces those of the T it swept; the
     file loads as `moe_config`'s table."""
-    from mlaserve.kernels import fused_moe
+    from mlaserve.kernels import fused_moe_config
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Test GPU 1")
-    first, second = (fused_moe.default_config(n, 4, torch.float8_e4m3fn) for n in (6, 4096))
+    first, second = (fused_moe_config.default_config(n, 4, torch.float8_e4m3fn) for n in (6, 4096))
     entry = dict(us=1.0, default_us=2.0)
     moe_sweep.write_tuned(tmp_path, (4, 256, 128), torch.float8_e4m3fn,
                           [dict(tokens=1, num_pairs=6, config=first, **entry),
@@ -84,10 +85,10 @@ def test_write_tuned_merges_into_the_file_the_engine_reads(monkeypatch, tmp_path
                                  [dict(tokens=8, num_pairs=48, config=second, **entry),
                                   dict(tokens=2048, num_pairs=4096, config=second, **entry)])
     assert path.name == "E=4,D=256,I=128,weights=fp8,Test_GPU_1.json"
-    monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
-    fused_moe.tuned_configs.cache_clear()
+    monkeypatch.setattr(fused_moe_config, "CONFIG_DIR", tmp_path)
+    fused_moe_config.tuned_configs.cache_clear()
     try:
-        table = fused_moe.tuned_configs(4, 256, 128, "fp8", "Test GPU 1")
+        table = fused_moe_config.tuned_configs(4, 256, 128, "fp8", "Test GPU 1")
     finally:
-        fused_moe.tuned_configs.cache_clear()
+        fused_moe_config.tuned_configs.cache_clear()
     assert table == {6: first, 48: second, 4096: second}

@@ -17,11 +17,11 @@ import torch
 ON_GPU = torch.cuda.is_available()
 pytest.importorskip("triton")
 
-from mlaserve.kernels import fused_moe  # noqa: E402
-from mlaserve.kernels.fused_moe import (  # noqa: E402
+from mlaserve.kernels import fused_moe_config  # noqa: E402
+from mlaserve.kernels.fused_moe import fused_experts_triton  # noqa: E402
+from mlaserve.kernels.fused_moe_config import (  # noqa: E402
     FusedMoEConfig,
     GemmTiles,
-    fused_experts_triton,
     moe_config,
 )
 from mlaserve.kernels.moe import (  # noqa: E402
@@ -228,10 +228,10 @@ def test_config_table_and_heuristic(monkeypatch, tmp_path):
     assert block_ms == [16, 16, 32, 64, 128]
     assert moe_config(6, **{**v2_lite, "dtype": torch.float32}).gate_up.block_k == 64
     decode, prefill = SMALL_TILES, moe_config(8192 * 6, **v2_lite)
-    monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
-    monkeypatch.setattr(fused_moe, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
-    fused_moe.tuned_configs.cache_clear()
-    path = fused_moe.tuned_config_path(64, 2048, 1408, "16-bit", "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(fused_moe_config, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(fused_moe_config, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    fused_moe_config.tuned_configs.cache_clear()
+    path = fused_moe_config.tuned_config_path(64, 2048, 1408, "16-bit", "NVIDIA H100 80GB HBM3")
     assert path == tmp_path / "E=64,D=2048,I=1408,weights=16-bit,NVIDIA_H100_80GB_HBM3.json"
     path.write_text(json.dumps({"configs": {"6": dataclasses.asdict(decode),
                                             "1536": dataclasses.asdict(prefill)}}))
@@ -240,21 +240,21 @@ def test_config_table_and_heuristic(monkeypatch, tmp_path):
         assert moe_config(48, **gpu) == decode  # 8x from 6, 32x from 1536
         assert moe_config(1000, **gpu) == prefill
         assert moe_config(48, **{**gpu, "dtype": torch.float16}) == decode  # 16-bit shares it
-        assert moe_config(48, **v2_lite) == fused_moe.default_config(48, 64, torch.bfloat16)
+        assert moe_config(48, **v2_lite) == fused_moe_config.default_config(48, 64, torch.bfloat16)
         float32 = moe_config(48, **{**gpu, "dtype": torch.float32})  # never tuned
-        assert float32 == fused_moe.default_config(48, 64, torch.float32)
+        assert float32 == fused_moe_config.default_config(48, 64, torch.float32)
         fp8 = dict(gpu, dtype=torch.float8_e4m3fn)  # another format: its own file, none here
-        assert moe_config(48, **fp8) == fused_moe.default_config(48, 64, torch.float8_e4m3fn)
+        assert moe_config(48, **fp8) == fused_moe_config.default_config(48, 64, torch.float8_e4m3fn)
     finally:
-        fused_moe.tuned_configs.cache_clear()
+        fused_moe_config.tuned_configs.cache_clear()
 
 
 def test_shipped_tuned_configs_load_and_keep_fp8_block_k():
     """Every tuned file in the package parses, and its FP8 entries keep block_k in a scale
     block (the kernels refuse others)."""
-    for path in fused_moe.CONFIG_DIR.glob("*.json"):
+    for path in fused_moe_config.CONFIG_DIR.glob("*.json"):
         body = json.loads(path.read_text())
-        configs = [fused_moe.config_from_json(entry) for entry in body["configs"].values()]
+        configs = [fused_moe_config.config_from_json(entry) for entry in body["configs"].values()]
         assert configs, path
         if "weights=fp8" in path.name:
             assert all(128 % c.gate_up.block_k == 0 and 128 % c.down.block_k == 0

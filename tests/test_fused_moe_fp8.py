@@ -20,12 +20,8 @@ from mlaserve.kernels.fp8_blocks import (  # noqa: E402
     dequantize_block_fp8,
     quantize_block_fp8,
 )
-from mlaserve.kernels.fused_moe import (  # noqa: E402
-    FusedMoEConfig,
-    GemmTiles,
-    fused_experts_triton,
-    gate_up_silu,
-)
+from mlaserve.kernels.fused_moe import fused_experts_triton, gate_up_silu  # noqa: E402
+from mlaserve.kernels.fused_moe_config import FusedMoEConfig, GemmTiles  # noqa: E402
 from mlaserve.kernels.moe import (  # noqa: E402
     W8A8_REFERENCE_TOLERANCES,
     fused_experts,

@@ -33,8 +33,8 @@ processes by up to ~10%: run it three times and report the range.
 few tile shapes for each of the two GEMM kernels, timed separately (the kernels are independent
 given block_m), checks each candidate's output, times the best pair end to end, and prints the
 best configuration per T; --configs-dir DIR writes them into DIR's tuned file for this GPU model
-and weight format (`fused_moe.tuned_config_path`; the engine reads mlaserve/kernels/moe_configs),
-`moe_sweep.py`.
+and weight format (`fused_moe_config.tuned_config_path`; the engine reads
+mlaserve/kernels/moe_configs), `moe_sweep.py`.
 """
 
 import argparse
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         time_impl,
     )
     from mlaserve.bench.moe_sweep import print_tuned, sweep, write_tuned
-    from mlaserve.kernels.fused_moe import moe_config
+    from mlaserve.kernels.fused_moe_config import moe_config
     from mlaserve.kernels.testing import l2_bytes, measure_ceilings
 
     if not torch.cuda.is_available():

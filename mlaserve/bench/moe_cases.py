@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from mlaserve.kernels.fp8_blocks import quantize_block_fp8
-from mlaserve.kernels.fused_moe import FusedMoEConfig, fused_experts_triton, moe_config
+from mlaserve.kernels.fused_moe import fused_experts_triton
+from mlaserve.kernels.fused_moe_config import FusedMoEConfig, moe_config
 from mlaserve.kernels.moe import (
     REFERENCE_TOLERANCES,
     W8A8_REFERENCE_TOLERANCES,

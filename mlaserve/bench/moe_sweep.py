@@ -1,6 +1,6 @@
 """`mlaserve bench moe --sweep`: per token count, block_m and the tiles of each of the fused
 MoE's two GEMM kernels searched, each candidate's output checked, and the best configuration
-written to the GPU model's tuned file (`fused_moe.tuned_config_path`). With FP8 weights the
+written to the GPU model's tuned file (`fused_moe_config.tuned_config_path`). With FP8 weights the
 candidates keep block_k within a scale block, each is tried as stored and transposed
 (`swap_ab`), and the gate kernel's time includes the activation's quantization: in its epilogue
 where block_n is 128, else the separate launch. Usage: `mlaserve bench moe --help`."""
@@ -18,12 +18,10 @@ import triton
 from mlaserve.bench.moe_cases import Case, check, graph_seconds, time_config
 from mlaserve.kernels.fp8_activations import GROUP, quantize_activations
 from mlaserve.kernels.fp8_blocks import QuantizedActivations
-from mlaserve.kernels.fused_moe import (
+from mlaserve.kernels.fused_moe import down_weighted, fused_experts_triton, gate_up_silu
+from mlaserve.kernels.fused_moe_config import (
     FusedMoEConfig,
     GemmTiles,
-    down_weighted,
-    fused_experts_triton,
-    gate_up_silu,
     moe_config,
     tuned_config_path,
     weight_format,
@@ -161,7 +159,7 @@ def sweep(case: Case, calls: int, replays: int) -> dict:
 def write_tuned(config_dir: Path, shape: tuple[int, int, int], weights: torch.dtype,
                 tuned: list[dict]) -> Path:
     """The sweep's best configuration per T into this GPU model's tuned file
-    (`fused_moe.tuned_config_path`, which `moe_config` reads), with each one's time, the
+    (`fused_moe_config.tuned_config_path`, which `moe_config` reads), with each one's time, the
     default's and the day it was measured; entries of an existing file for other T stay."""
     device_name = torch.cuda.get_device_name(0)
     path = tuned_config_path(*shape, weight_format(weights), device_name, config_dir)
