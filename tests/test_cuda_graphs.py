@@ -206,7 +206,7 @@ def test_engine_with_replayed_decode_equals_eager_on_cpu() -> None:
 def test_graphs_run_only_if_every_tensor_parallel_rank_captured_them() -> None:
     """A rank's graphs replay its collectives: if one rank could not capture (it reports 0 to
     the ranks' minimum), every rank runs eagerly."""
-    from mlaserve.engine.runner import graphs_on_every_rank
+    from mlaserve.engine.step_graphs import graphs_on_every_rank
 
     captured = object()  # this rank's graphs
     reported = []

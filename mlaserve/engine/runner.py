@@ -27,9 +27,7 @@ import torch
 
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.distributed import get_tp_group
-from mlaserve.engine.cuda_graphs import DecodeGraphs
 from mlaserve.engine.decode_record import DecodeStepRecorder
-from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
@@ -42,9 +40,9 @@ from mlaserve.engine.spec_decode import (
     verify,
 )
 from mlaserve.engine.speculative import speculates
+from mlaserve.engine.step_graphs import capture_step_graphs
 from mlaserve.engine.step_plan import StepPlan
 from mlaserve.engine.structured import GrammarBitmask
-from mlaserve.kernels.moe import moe_graph_capturable
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.loader import build_model
 
@@ -130,40 +128,9 @@ class ModelRunner:
         self.backend = config.attention_backend(config.mla_shape(device),
                                                 model_config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
-        self.graphs: DecodeGraphs | None = None
-        wants_graphs = (config.cuda_graph_batch_size > 0 and device.type == "cuda"
-                        and self.backend.capabilities.supports_cuda_graphs)
-        has_moe = any(model_config.is_moe_layer(i)
-                      for i in range(model_config.num_hidden_layers))
-        if wants_graphs and has_moe and not moe_graph_capturable(device, config.dtype):
-            logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
-                           "the experts with a host sync (grouped GEMMs are bfloat16 only); "
-                           "use --dtype bfloat16 for graphs", config.dtype)
-        elif wants_graphs:
-            try:
-                self.graphs = DecodeGraphs(
-                    model, self.kv_caches, self.backend, config.cuda_graph_batch_size,
-                    max_blocks_per_seq=-(-config.max_seq_len_to_capture // block_size),
-                    scratch_slot=num_blocks * block_size,
-                    q_lens=(1, 1 + self.num_speculative_tokens) if self.num_speculative_tokens
-                    else (1,))
-            except Exception:  # noqa: BLE001 - graphs are an optimisation; eager still works
-                logger.exception("decode CUDA-graph capture failed; every step runs eagerly "
-                                 "(pass --enforce-eager to skip the capture)")
-                torch.cuda.synchronize()
-            if agree_min is not None:
-                self.graphs = graphs_on_every_rank(self.graphs, agree_min)
-        # speculative decoding: the MTP module's drafting passes replay graphs too
-        self.draft_graphs: DraftGraphs | None = None
-        if self.graphs is not None and self.num_speculative_tokens:
-            try:
-                self.draft_graphs = DraftGraphs(
-                    model, self.mtp_cache, self.backend, self.graphs.sizes,
-                    self.graphs.max_blocks_per_seq, num_blocks * block_size,
-                    self.graphs.q_lens, self.graphs.pool)
-            except Exception:  # noqa: BLE001 - as the decode graphs: eager drafting still works
-                logger.exception("MTP drafting CUDA-graph capture failed; drafts run eagerly")
-                torch.cuda.synchronize()
+        self.graphs, self.draft_graphs = capture_step_graphs(
+            model, self.kv_caches, self.mtp_cache, self.backend, config, device, num_blocks,
+            agree_min)
         # the decode batches served, for the kernel benchmark's replay (rank 0 records)
         self.decode_recorder = (DecodeStepRecorder(config.args.record_decode_steps)
                                 if config.args.record_decode_steps and self.tp.rank == 0
@@ -504,20 +471,6 @@ class ModelRunner:
                 entries.append(entry)
             result.prompt_logprobs[request.request_id] = entries
         return result
-
-
-def graphs_on_every_rank(graphs: DecodeGraphs | None,
-                         agree_min: Callable[[int], int]) -> DecodeGraphs | None:
-    """This rank's captured graphs if every tensor-parallel rank captured its own, else None
-    (a collective: every rank calls it once, after its capture). A graph replays its rank's
-    collectives, and every rank replays the same graph at the same step (each decides from
-    the same step description), so either all ranks run graphs or none does."""
-    if agree_min(int(graphs is not None)):
-        return graphs
-    if graphs is not None:
-        logger.warning("decode CUDA graphs are off: another tensor-parallel rank could not "
-                       "capture them (its log says why)")
-    return None
 
 
 def load_runner(config: EngineConfig, device: torch.device,

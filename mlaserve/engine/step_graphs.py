@@ -1,0 +1,81 @@
+"""Which CUDA graphs a runner captures, decided once at start-up.
+
+Decode graphs (`cuda_graphs.DecodeGraphs`) when the device is CUDA, the engine is not eager,
+the backend can be captured and the MoE runs without a host sync; under tensor parallelism only
+if every rank captured its own (`graphs_on_every_rank`). A speculating engine's decode graphs
+also cover the verification's q_len k + 1, and its MTP drafting passes get graphs of their own
+(`draft_graphs.DraftGraphs`) in the same memory pool. A capture that fails leaves that kind of
+step eager and is logged.
+"""
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from mlaserve.attention.base import MLABackend
+from mlaserve.engine.cuda_graphs import DecodeGraphs
+from mlaserve.engine.draft_graphs import DraftGraphs
+from mlaserve.engine.engine_config import EngineConfig
+from mlaserve.kernels.moe import moe_graph_capturable
+from mlaserve.model.deepseek import DeepseekForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor],
+                        mtp_cache: torch.Tensor | None, backend: MLABackend,
+                        config: EngineConfig, device: torch.device, num_blocks: int,
+                        agree_min: Callable[[int], int] | None
+                        ) -> tuple[DecodeGraphs | None, DraftGraphs | None]:
+    """(decode graphs, drafting graphs), either None where not captured. num_blocks: the
+    cache's blocks past which its scratch block lies; agree_min: as `ModelRunner`'s."""
+    model_config, block_size = config.model, config.args.block_size
+    k = 0 if config.speculative is None else config.speculative.num_speculative_tokens
+    scratch_slot = num_blocks * block_size
+    wants_graphs = (config.cuda_graph_batch_size > 0 and device.type == "cuda"
+                    and backend.capabilities.supports_cuda_graphs)
+    has_moe = any(model_config.is_moe_layer(i) for i in range(model_config.num_hidden_layers))
+    if wants_graphs and has_moe and not moe_graph_capturable(device, config.dtype):
+        logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
+                       "the experts with a host sync (grouped GEMMs are bfloat16 only); "
+                       "use --dtype bfloat16 for graphs", config.dtype)
+        return None, None
+    if not wants_graphs:
+        return None, None
+    graphs = None
+    try:
+        graphs = DecodeGraphs(
+            model, kv_caches, backend, config.cuda_graph_batch_size,
+            max_blocks_per_seq=-(-config.max_seq_len_to_capture // block_size),
+            scratch_slot=scratch_slot, q_lens=(1, 1 + k) if k else (1,))
+    except Exception:  # noqa: BLE001 - graphs are an optimisation; eager still works
+        logger.exception("decode CUDA-graph capture failed; every step runs eagerly "
+                         "(pass --enforce-eager to skip the capture)")
+        torch.cuda.synchronize()
+    if agree_min is not None:
+        graphs = graphs_on_every_rank(graphs, agree_min)
+    if graphs is None or not k:
+        return graphs, None
+    try:
+        return graphs, DraftGraphs(model, mtp_cache, backend, graphs.sizes,
+                                   graphs.max_blocks_per_seq, scratch_slot, graphs.q_lens,
+                                   graphs.pool)
+    except Exception:  # noqa: BLE001 - as the decode graphs: eager drafting still works
+        logger.exception("MTP drafting CUDA-graph capture failed; drafts run eagerly")
+        torch.cuda.synchronize()
+        return graphs, None
+
+
+def graphs_on_every_rank(graphs: DecodeGraphs | None,
+                         agree_min: Callable[[int], int]) -> DecodeGraphs | None:
+    """This rank's captured graphs if every tensor-parallel rank captured its own, else None
+    (a collective: every rank calls it once, after its capture). A graph replays its rank's
+    collectives, and every rank replays the same graph at the same step (each decides from
+    the same step description), so either all ranks run graphs or none does."""
+    if agree_min(int(graphs is not None)):
+        return graphs
+    if graphs is not None:
+        logger.warning("decode CUDA graphs are off: another tensor-parallel rank could not "
+                       "capture them (its log says why)")
+    return None
