@@ -25,10 +25,11 @@ from mlaserve.kernels.fp8_blocks import (
     quantize_block_fp8,
 )
 from mlaserve.model import loader
-from mlaserve.model.deepseek import DeepseekForCausalLM, MoE
+from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
 from mlaserve.model.fp8_linear import linear
 from mlaserve.model.loader import _cut, _cuts, build_model
+from mlaserve.model.moe_layer import MoE
 from mlaserve.model.parallel_linear import ShardSpec
 from tests.conftest import CHECKPOINTS, write_checkpoint
 

@@ -292,18 +292,18 @@ def test_moe_input_quantized_by_the_norm_changes_no_output(monkeypatch) -> None:
     quantized by the norm before it (one launch for the router's rows and the experts' FP8
     rows) gives the same greedy tokens and prompt logprobs as the MoE quantizing it itself."""
     from mlaserve import LLM, SamplingParams
-    from mlaserve.model import deepseek
+    from mlaserve.model import moe_layer
 
     params = SamplingParams(max_tokens=16, temperature=0, prompt_logprobs=1)
     prompts = ["What is 12 + 30?", "Tell me a story about a cat."]
     outputs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(deepseek, "runs_w8a8", lambda x, gate_up: False)
+            monkeypatch.setattr(moe_layer, "runs_w8a8", lambda x, gate_up: False)
         llm = LLM(device="cuda", dtype="bfloat16", quantization="fp8")
         try:
             moe = next(m for m in llm.engine.runner.model.modules()
-                       if isinstance(m, deepseek.MoE))
+                       if isinstance(m, moe_layer.MoE))
             probe = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)
             assert moe.quantizes_input(probe) == fused
             outputs.append([(o.outputs[0].token_ids, o.prompt_logprobs)

@@ -36,7 +36,7 @@ def test_shared_experts_folded_into_the_stacks_equal_the_shared_mlp():
     """MoE.process_weights_after_loading appends the shared MLP's column blocks as experts
     E .. E + S - 1; the layer's output must equal routed experts + shared MLP computed apart."""
     from mlaserve.config import ModelConfig
-    from mlaserve.model.deepseek import MoE
+    from mlaserve.model.moe_layer import MoE
     from tests.conftest import BASE
 
     config = ModelConfig.from_dict({

@@ -34,7 +34,7 @@ from mlaserve.distributed import (
     parallel_state,
 )
 from mlaserve.kernels.fp8_blocks import FP8_DTYPE, FP8_MAX, quantize_block_fp8
-from mlaserve.model.deepseek import DeepseekForCausalLM, MoE
+from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
 from mlaserve.model.loader import (
     _cut,
@@ -44,6 +44,7 @@ from mlaserve.model.loader import (
     checkpoint_tensor_shapes,
     load_weights,
 )
+from mlaserve.model.moe_layer import MoE
 from mlaserve.model.mtp import SHARED_COPIES
 from mlaserve.model.random_checkpoint import write_random_checkpoint
 from tests.conftest import CHECKPOINTS, write_checkpoint

@@ -15,8 +15,8 @@ from mlaserve.distributed import expert_parallel, parallel_state
 from mlaserve.distributed.expert_parallel import ExpertParallelGroup
 from mlaserve.distributed.parallel_state import TensorParallelGroup
 from mlaserve.kernels.moe import REFERENCE_TOLERANCES, fused_experts_loop, reference_errors
-from mlaserve.model.deepseek import MoE
 from mlaserve.model.loader import build_model
+from mlaserve.model.moe_layer import MoE
 from tests.conftest import BASE
 
 pytestmark = pytest.mark.gpu
