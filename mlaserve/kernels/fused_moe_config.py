@@ -120,8 +120,10 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int,
     """The configuration for T * K = num_pairs pairs: the entry nearest in ratio to num_pairs
     of the tuned file for this shape, weight format (dtype: the weights') and device's GPU
     model, else `default_config`."""
-    device_name = (_device_name(device.index or 0)
-                   if device is not None and device.type == "cuda" else None)
+    device_name = None
+    if device is not None and device.type == "cuda":
+        device_name = _device_name(torch.cuda.current_device() if device.index is None
+                                   else device.index)
     tuned = tuned_configs(num_experts, hidden, inter, weight_format(dtype), device_name)
     if tuned:
         nearest = min(tuned, key=lambda n: max(n, num_pairs) / min(n, num_pairs))
