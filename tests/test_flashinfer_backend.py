@@ -261,20 +261,26 @@ def test_wrapper_adapter_on_the_cpu(cpu_flashinfer, q_len):
 
 
 def test_wrapper_graph_hooks_on_the_cpu(cpu_flashinfer):
+    """A wrapper per captured (batch size, q_len): a speculating engine captures q_len 1 and
+    k + 1 at each batch size, and each replay re-plans the wrapper its graph was captured with."""
     block, max_blocks = 4, 4
     backend = cpu_flashinfer("fa3", num_heads=2, block_size=block, dtype=torch.float32, q_len=2)
     backend.init_graph_buffers(8, max_blocks)
     for batch_size in (4, 8):
-        backend.plan_for_capture(batch_size, 2)
+        for q_len in (1, 2):
+            backend.plan_for_capture(batch_size, q_len)
     wrappers = backend.kernel.graph_wrappers
-    assert sorted(wrappers) == [4, 8]
+    assert sorted(wrappers) == [(4, 1), (4, 2), (8, 1), (8, 2)]
+    assert len({id(wrapper) for wrapper in wrappers.values()}) == 4
     for seed, (lengths, graph_batch) in enumerate([([5, 9, 2], 4), ([16, 3, 7, 2, 11], 8),
                                                    ([2, 2, 2, 2], 4)]):
         q, cache, table, seq_lens, ref_o, ref_lse = make_case(lengths, block, 2, 2,
                                                               torch.float32,
                                                               torch.device("cpu"), seed=seed)
+        backend.plan_for_replay(table, seq_lens, 1)
+        assert backend.kernel.wrapper is wrappers[graph_batch, 1]
         backend.plan_for_replay(table, seq_lens, 2)
-        assert backend.kernel.wrapper is wrappers[graph_batch]
+        assert backend.kernel.wrapper is wrappers[graph_batch, 2]
         assert backend.graph_seq_lens[len(lengths):].eq(0).all()
         padded = torch.zeros(graph_batch * 2, 2, 576)
         padded[: len(lengths) * 2] = q
@@ -284,6 +290,9 @@ def test_wrapper_graph_hooks_on_the_cpu(cpu_flashinfer):
     with pytest.raises(RuntimeError, match="no graph was planned for a batch of 9"):
         backend.plan_for_replay(torch.zeros(9, 1, dtype=torch.int32),
                                 torch.ones(9, dtype=torch.int32), 2)
+    with pytest.raises(RuntimeError, match="batch of 3 at q_len 3"):
+        backend.plan_for_replay(torch.zeros(3, 1, dtype=torch.int32),
+                                torch.ones(3, dtype=torch.int32), 3)
 
 
 @pytest.mark.parametrize("block", [32, 64])
@@ -431,3 +440,41 @@ def test_cuda_graph_capture_and_replay(num_heads, q_len):
         assert bool((o[real:] == 0).all()), "padded rows (length 0) must give 0"
         if lse is not None:
             assert bool(torch.isneginf(lse[real:]).all()), "padded rows must give lse -inf"
+
+
+@gpu
+def test_graphs_of_two_query_lengths_at_one_batch_size():
+    """A speculating engine's ladders: q_len 1 and 4 captured at batch 4, replayed in turn,
+    each against the float32 reference after the other's plan."""
+    block, max_blocks, pool_blocks, num_heads, batch = 64, 12, 160, 16, 4
+    backend = FlashInferMLABackend(shape_for(num_heads=num_heads, block_size=block, q_len=4),
+                                   SCALE)
+    backend.init_graph_buffers(batch, max_blocks)
+    q_static = torch.zeros(batch * 4, num_heads, 576, dtype=torch.bfloat16, device="cuda")
+    pool = torch.zeros(pool_blocks, block, 576, dtype=torch.bfloat16, device="cuda")
+    graphs = {}
+    for q_len in (1, 4):
+        backend.plan_for_capture(batch, q_len)
+        rows = q_static[: batch * q_len]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            backend.run(rows, pool)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = backend.run(rows, pool)
+        graphs[q_len] = (graph, result)
+    for seed, q_len in enumerate((4, 1, 4, 1)):
+        lengths = [700, 5, 129, 64][: 3 + seed % 2]
+        q, cache, table, seq_lens, ref_o, ref_lse = make_case(
+            lengths, block, num_heads, q_len, torch.bfloat16, torch.device("cuda"), seed=seed)
+        pool[: cache.shape[0]].copy_(cache)
+        q_static.zero_()
+        q_static[: q.shape[0]].copy_(q)
+        backend.plan_for_replay(table, seq_lens, q_len)
+        graph, result = graphs[q_len]
+        graph.replay()
+        torch.cuda.synchronize()
+        real = len(lengths) * q_len
+        assert_matches(result[:real], None, ref_o, ref_lse, torch.bfloat16)

@@ -22,12 +22,14 @@ LSE: FlashInfer returns log2(sum exp) of the scaled scores; it is converted to t
 themselves (an empty KV range leaves m = -inf), and eager steps also overwrite those rows
 explicitly (the host knows them from the plan, so it costs nothing when there are none).
 
-CUDA graphs (wrapper path): FlashInfer's graph mode needs one wrapper per batch size whose index
-buffers never move. `init_graph_buffers()` allocates static indptr / indices / length buffers for
-the largest batch; each captured batch size gets a wrapper over views of them (and its own 8 MiB
-plan buffer); the 128 MiB float workspace is shared. `plan_for_replay()` copies the new block
-table and lengths into the static buffers and re-plans the wrapper of the smallest captured batch
-size >= the batch (rows past the batch get length 0): the graph replayed next must be that one.
+CUDA graphs (wrapper path): FlashInfer's graph mode needs one wrapper per captured shape whose
+index buffers never move. `init_graph_buffers()` allocates static indptr / indices / length
+buffers for the largest batch; each captured (batch size, q_len) gets a wrapper over views of them
+(and its own 8 MiB plan buffer, whose offsets its graph bakes in: a speculating engine's q_len
+1 and k + 1 graphs of one batch size never share one); the 128 MiB float workspace is shared.
+`plan_for_replay()` copies the new block table and lengths into the static buffers and re-plans
+the wrapper of the smallest captured batch size >= the batch at that q_len (rows past the batch
+get length 0): the graph replayed next must be that one.
 """
 
 import importlib.util
@@ -203,7 +205,7 @@ def _clear_empty_rows(rows: torch.Tensor | None, o: torch.Tensor, lse: torch.Ten
 
 
 class _WrapperPath:
-    """`BatchMLAPagedAttentionWrapper` (fa3 / fa2): eager wrapper plus one per graph batch size."""
+    """`BatchMLAPagedAttentionWrapper` (fa3 / fa2): eager wrapper plus one per graph shape."""
 
     def __init__(self, owner: FlashInferMLABackend, wrapper_backend: str) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
@@ -213,7 +215,7 @@ class _WrapperPath:
         self.wrapper_backend = wrapper_backend
         self.workspace = shared_workspace(owner.shape.device, "wrapper")
         self.eager_wrapper = BatchMLAPagedAttentionWrapper(self.workspace, backend=wrapper_backend)
-        self.graph_wrappers: dict[int, Any] = {}
+        self.graph_wrappers: dict[tuple[int, int], Any] = {}  # by (batch size, q_len)
         self.wrapper: Any = None  # the wrapper planned for the current step
         self.empty_rows: torch.Tensor | None = None
 
@@ -266,8 +268,8 @@ class _WrapperPath:
                                             dtype=torch.int32, device=device)
         self.graph_wrappers = {}
 
-    def _graph_wrapper(self, batch_size: int) -> Any:
-        wrapper = self.graph_wrappers.get(batch_size)
+    def _graph_wrapper(self, batch_size: int, q_len: int) -> Any:
+        wrapper = self.graph_wrappers.get((batch_size, q_len))
         if wrapper is None:
             wrapper = self.wrapper_cls(
                 self.workspace, use_cuda_graph=True,
@@ -276,28 +278,31 @@ class _WrapperPath:
                 kv_indices=self.graph_kv_indices,
                 kv_len_arr=self.graph_kv_len[:batch_size],
                 backend=self.wrapper_backend)
-            self.graph_wrappers[batch_size] = wrapper
+            self.graph_wrappers[batch_size, q_len] = wrapper
         return wrapper
 
     def plan_for_capture(self, batch_size: int, q_len: int) -> None:
         if not hasattr(self, "graph_kv_indices"):
             raise RuntimeError("init_graph_buffers() must be called before planning for graphs")
         owner = self.owner
-        self._plan_wrapper(self._graph_wrapper(batch_size), owner.graph_block_table[:batch_size],
+        self._plan_wrapper(self._graph_wrapper(batch_size, q_len),
+                           owner.graph_block_table[:batch_size],
                            owner.graph_seq_lens[:batch_size], q_len, eager=False)
 
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         q_len: int, graph_batch_size: int | None = None) -> None:
         batch = block_table.shape[0]
-        captured = [size for size in self.graph_wrappers
-                    if size >= batch and graph_batch_size in (None, size)]
+        captured = [size for size, planned_q_len in self.graph_wrappers
+                    if planned_q_len == q_len and size >= batch
+                    and graph_batch_size in (None, size)]
         if not captured:
-            raise RuntimeError(f"no graph was planned for a batch of {batch} (planned: "
-                               f"{sorted(self.graph_wrappers)}, asked: {graph_batch_size})")
+            raise RuntimeError(f"no graph was planned for a batch of {batch} at q_len {q_len} "
+                               f"(planned (batch, q_len): {sorted(self.graph_wrappers)}, asked: "
+                               f"{graph_batch_size})")
         graph_batch = min(captured)
         owner = self.owner
         owner._copy_graph_inputs(block_table, seq_lens)
-        self._plan_wrapper(self.graph_wrappers[graph_batch],
+        self._plan_wrapper(self.graph_wrappers[graph_batch, q_len],
                            owner.graph_block_table[:graph_batch],
                            owner.graph_seq_lens[:graph_batch], q_len, eager=False)
 
