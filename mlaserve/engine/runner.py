@@ -20,6 +20,8 @@ the other ranks on the data plane (see `_sample`).
 """
 
 import logging
+import resource
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -473,6 +475,19 @@ class ModelRunner:
         return result
 
 
+def log_load(model: DeepseekForCausalLM, device: torch.device, seconds: float) -> None:
+    """One line on the load: its time, the weights' size on the device, and the peaks (the
+    GPU's allocator since the load began, this process's resident host memory so far)."""
+    gib = 1 << 30
+    weights = sum(t.numel() * t.element_size()
+                  for t in (*model.parameters(), *model.buffers())) / gib
+    host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB
+    device_peak = (f", peak {torch.cuda.max_memory_allocated(device) / gib:.2f} GiB on the GPU"
+                   if device.type == "cuda" else "")
+    logger.info("model loaded in %.1f s: %.2f GiB of weights on %s%s, host peak %.2f GiB",
+                seconds, weights, device, device_peak, host_peak)
+
+
 def load_runner(config: EngineConfig, device: torch.device,
                 agree_min: Callable[[int], int] | None = None) -> ModelRunner:
     """Load this rank's model (its shard under tensor parallelism) onto `device` and size its
@@ -484,10 +499,14 @@ def load_runner(config: EngineConfig, device: torch.device,
             captured its decode CUDA graphs; None: one process.
     """
     args = config.args
+    started = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model = build_model(config.model, config.model_dir, device=device, dtype=config.dtype,
                         load_format=args.load_format, max_positions=config.max_model_len,
                         quantization=args.quantization, seed=args.seed,
                         with_mtp=config.speculative is not None)
+    log_load(model, device, time.perf_counter() - started)
     num_blocks = kv_blocks_for_memory(config.model, args, device, config.kv_cache_dtype,
                                       model.num_kv_cache_layers)
     if agree_min is not None:
