@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.config import ModelConfig
 from mlaserve.engine import runner as runner_module
-from mlaserve.engine.args import EngineArgs
+from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
 from mlaserve.engine.draft_graphs import DraftGraphs
+from mlaserve.engine.engine_config import check_speculative
 from mlaserve.engine.request import StructuredOutputs
 from mlaserve.engine.speculative import SpecDecodeStats, SpeculativeConfig, speculates
 from mlaserve.model.deepseek import DeepseekForCausalLM
@@ -105,6 +107,15 @@ def test_the_config_takes_vllms_spelling_and_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="no MTP module"):  # (the demo model has one)
         LLM(load_format="dummy", device="cpu", speculative_config={"method": "mtp"},
             hf_overrides={"num_nextn_predict_layers": 0})
+    with pytest.raises(ValueError, match="one GPU per replica"):
+        LLM(load_format="dummy", device="cpu", speculative_config={"method": "mtp"},
+            tensor_parallel_size=2)
+    demo = ModelConfig.from_pretrained(DEMO_MODEL_DIR)
+    with pytest.raises(ValueError, match="one GPU per replica"):
+        check_speculative(EngineArgs(speculative_config={"method": "mtp"}, data_parallel_size=2,
+                                     enable_expert_parallel=True), demo)
+    check_speculative(EngineArgs(speculative_config={"method": "mtp"}, data_parallel_size=2),
+                      demo)  # replicas of their own: each speculates
 
 
 def test_which_requests_speculate():
@@ -506,3 +517,41 @@ def test_a_speculating_engine_records_its_verification_steps_with_their_q_len(tm
     steps = read_decode_steps(path)
     verifying = [lens for q_len, lens in steps if q_len == 3]
     assert verifying and all(n >= 3 for lens in verifying for n in lens)
+
+
+def test_data_parallel_replicas_each_speculate():
+    """`serve --data-parallel-size 2 --speculative-config` (replicas without expert
+    parallelism are engines of their own): concurrent greedy completions of the demo model
+    equal one process's without speculation, and /metrics sums both replicas' drafts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    from tests.test_server_lifecycle import serve, stop
+
+    prompts = [f"What is {a} + {b}?" for a, b in [(12, 30), (7, 5), (40, 41), (3, 9)]]
+    plain = LLM(device="cpu", num_kv_blocks=64, block_size=16)
+    try:
+        want = [o.outputs[0].text for o in plain.generate(
+            prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+    finally:
+        plain.shutdown()
+
+    proc, url = serve("--data-parallel-size", "2", "--speculative-config",
+                      '{"method": "mtp", "num_speculative_tokens": 2}')
+    try:
+        def complete(prompt: str) -> str:
+            r = requests.post(url + "/v1/completions", json={
+                "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+                timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts)) == want
+        metrics = requests.get(url + "/metrics", timeout=10).text
+        drafts = [float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("vllm:spec_decode_num_drafts_total")]
+        assert drafts and drafts[0] > 0, metrics[:2000]
+    finally:
+        stop(proc)

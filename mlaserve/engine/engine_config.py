@@ -95,17 +95,18 @@ def resolve_engine_config(args: EngineArgs, replica: int = 0) -> EngineConfig:
 
 def check_speculative(args: EngineArgs, config: ModelConfig) -> None:
     """ValueError, saying what to change, unless speculative decoding (if asked) can run: the
-    checkpoint has an MTP module, and the engine is one process (one rank, one replica)."""
+    checkpoint has an MTP module, and each replica is one process (one rank; replicas without
+    expert parallelism are engines of their own, each speculating alone)."""
     if args.speculative_config is None:
         return
     if config.num_nextn_predict_layers < 1:
         raise ValueError("speculative_config asks for MTP drafting, but the model's config.json "
                          "has no MTP module (num_nextn_predict_layers is 0): serve a DeepSeek-V3 "
                          "/ R1 checkpoint with its MTP layer, or leave --speculative-config out")
-    if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
-        raise ValueError("speculative decoding runs on one GPU (tensor_parallel_size and "
-                         "data_parallel_size 1) in this version; leave --speculative-config out "
-                         "to serve in parallel")
+    if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
+        raise ValueError("speculative decoding runs on one GPU per replica (tensor_parallel_size "
+                         "1, data parallelism without --enable-expert-parallel) in this "
+                         "version; leave --speculative-config out to serve in parallel")
 
 
 def _mla_shape(model: ModelConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype,
