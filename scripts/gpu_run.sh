@@ -36,7 +36,7 @@
 #                The servers' metrics give the drafts' acceptance. First, `mlaserve bench step`
 #                on the demo config (dummy weights) at batch 1 and 16 with and without
 #                drafting: the verify step's time over the plain step's. env: MODELS=demo K=3
-#                RUNS=1
+#                RUNS=1 PRELUDE=1 (0: straight to the servers, no GPU tests or bench step)
 #   sweep OUT_DIR
 #                the throughput-latency front: per attention backend (BACKENDS default
 #                "triton flashinfer") one server on dummy weights of CONFIG (V2-Lite), warmed
@@ -257,13 +257,16 @@ sweep_stage() {
 }
 
 spec_stage() {  # the `spec` stage, documented above
-  local k=${K:-3} runs=${RUNS:-1} model variant run conc log server label
+  local k=${K:-3} runs=${RUNS:-1} model variant run conc log server label batches
   local spec="{\"method\":\"deepseek_mtp\",\"num_speculative_tokens\":$k}"
   gpu_info
-  timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-    tests/test_speculative_decoding.py tests/test_cuda_graphs.py > "$out/gpu_tests_spec.log" 2>&1
-  echo "spec GPU tests rc=$?"; tail -3 "$out/gpu_tests_spec.log"
-  for batch in 1 16; do  # the verify step's cost over the plain step's (dummy weights)
+  [ "${PRELUDE:-1}" = 1 ] || batches=""
+  [ "${PRELUDE:-1}" = 1 ] && {
+    timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+      tests/test_speculative_decoding.py tests/test_cuda_graphs.py > "$out/gpu_tests_spec.log" 2>&1
+    echo "spec GPU tests rc=$?"; tail -3 "$out/gpu_tests_spec.log"
+  }
+  for batch in ${batches-1 16}; do  # the verify step's cost over the plain step's (dummy weights)
     for variant in plain "mtp$k"; do
       set --
       [ "$variant" != plain ] && set -- --speculative-config "$spec"
