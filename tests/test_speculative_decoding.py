@@ -77,7 +77,7 @@ def oracle(reference: dict, vocab_size: int, wrong_every: int, monkeypatch) -> l
     def draft(model, mtp_cache, meta, backend, inputs, block_size, k, rows, hidden, positions,
               samplers, graphs=None, replayed=None):
         drafts = []
-        for request, last in zip(samplers, rows.last_positions, strict=True):
+        for request, last in zip(samplers, rows.last_positions.tolist(), strict=True):
             full = reference[tuple(request.prompt_token_ids)]
             # known after this step: tokens up to index last + 1; drafts for last + 2 ..
             ids = [full[i] if i < len(full) else 0 for i in range(last + 2, last + 2 + k)]
@@ -85,7 +85,7 @@ def oracle(reference: dict, vocab_size: int, wrong_every: int, monkeypatch) -> l
                    for j, t in enumerate(ids)]
             proposed.append(ids)
             drafts.append(ids)
-        return drafts
+        return torch.tensor(drafts, dtype=torch.int64, device=hidden.device).view(-1, k)
 
     monkeypatch.setattr(runner_module, "draft", draft)
     return proposed

@@ -34,7 +34,9 @@ from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
 from mlaserve.engine.spec_decode import (
+    EmittedLogprobs,
     ReplayedStep,
+    Verification,
     Verified,
     draft,
     draft_rows,
@@ -76,14 +78,15 @@ class PendingStep:
     prompt_logprobs: list[tuple[RunnerRequest, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor]] = field(default_factory=list)
     ready: torch.cuda.Event | None = None
-    # speculative decoding (known on the host at launch): the plan's sampler ids in order, the
-    # plain samplers' ids (the rows of `sampled`), the verified requests' outcomes, the drafts
+    # speculative decoding: the plan's sampler ids in order, the plain samplers' ids (the rows
+    # of `sampled`); host copies of the verification (the verifying requests' ids, tokens
+    # [N, k + 1], counts [N], draft counts), of the logprobs of verified positions, and of the
+    # drafts [S', k] of the drafting samplers (their ids)
     sampling_ids: list[str] = field(default_factory=list)
     plain_ids: list[str] = field(default_factory=list)
-    verified: dict[str, Verified] = field(default_factory=dict)
-    drafts: dict[str, list[int]] = field(default_factory=dict)
-    # verified requests that asked for logprobs: one {token: logprob} per token emitted
-    verified_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    verified: tuple[list[str], torch.Tensor, torch.Tensor, list[int]] | None = None
+    verified_logprobs: EmittedLogprobs | None = None
+    drafts: tuple[list[str], torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -289,8 +292,8 @@ class ModelRunner:
                    chunks: list[PrefillChunk], replayed: ReplayedStep | None) -> PendingStep:
         """A speculating engine's sampling (spec_decode.py): the plain samplers as always, the
         verifying requests' drafts checked (those in decode rows of q_len > 1, then those in
-        chunks), then the MTP module's drafts for the next step (waiting on the host for the
-        tokens emitted)."""
+        chunks), then the MTP module's drafts for the next step, all on the device: the
+        results reach the host when the step is collected."""
         prefill_chunks, verify_chunks = chunks[:len(prefills)], chunks[len(prefills):]
         plain_decodes, full = (decodes, []) if q_len == 1 else ([], decodes)
         plain_ids = {r.request_id for r in samplers if not r.draft_token_ids}
@@ -305,29 +308,31 @@ class ModelRunner:
         spans = [(i * q_len, q_len) for i in range(len(full))]
         spans += [(c.token_start, c.num_tokens) for c in verify_chunks]
         verifying = [*full, *verifies]
+        verification = None
         if verifying:
             rows = self.inputs.to_device([i for first, count in spans
                                           for i in range(first, first + count)], torch.int64)
             logits = self.model.compute_logits(hidden[rows])  # [sum(d_r + 1), V]
-            outcomes = verify(verifying, logits, self.inputs, grammar_bitmask)
-            pending.verified = {r.request_id: v for r, v in zip(verifying, outcomes,
-                                                                 strict=True)}
-            pending.verified_logprobs = emitted_logprobs(verifying, outcomes, logits,
+            verification = verify(verifying, logits, self.inputs, grammar_bitmask)
+            pending.verified = ([r.request_id for r in verifying], *verification.to_host(),
+                                verification.num_drafts)
+            pending.verified_logprobs = emitted_logprobs(verifying, verification, logits,
                                                          self.inputs)
         drafting = [r for r in samplers if speculates(r.params)]
-        if not drafting:
-            return pending
-        if pending.ready is not None:
-            pending.ready.synchronize()  # the plain samples' copy to the host
-        sampled = dict(zip(pending.plain_ids, pending.sampled.tolist(), strict=True))
-        rows = draft_rows(hidden.shape[0], plain_decodes,
-                          list(zip(prefill_chunks, prefills, strict=True)),
-                          [(*span, r) for span, r in zip(spans, verifying, strict=True)],
-                          sampled, pending.verified, drafting)
-        tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
-                       self.block_size, self.num_speculative_tokens, rows, hidden, positions,
-                       drafting, self.draft_graphs, replayed)
-        pending.drafts = {r.request_id: t for r, t in zip(drafting, tokens, strict=True)}
+        if drafting:
+            rows = draft_rows(hidden.shape[0], plain_decodes,
+                              list(zip(prefill_chunks, prefills, strict=True)),
+                              [(*span, r) for span, r in zip(spans, verifying, strict=True)],
+                              self._prev_sampled if plain else None, pending.plain_ids,
+                              verification, drafting, self.inputs)
+            tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
+                           self.block_size, self.num_speculative_tokens, rows, hidden,
+                           positions, drafting, self.draft_graphs, replayed)  # [S', k]
+            pending.drafts = ([r.request_id for r in drafting],
+                              tokens.to("cpu", non_blocking=True))
+        if self.device.type == "cuda":  # after the verification's and drafts' copies
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
         return pending
 
     def _prefill_inputs(self, prefills: list[tuple[RunnerRequest, int]], row0: int,
@@ -443,16 +448,24 @@ class ModelRunner:
         result = StepResult(pending.sampled.tolist(), {}, {})
         if pending.sampling_ids:  # a speculating engine's step: the plan's samplers in order
             plain = dict(zip(pending.plain_ids, result.sampled, strict=True))
-            verified = pending.verified
+            verified: dict[str, Verified] = {}
+            if pending.verified is not None:
+                request_ids, tokens, emitted, num_drafts = pending.verified
+                verified = dict(zip(request_ids, Verification.outcomes(tokens, emitted,
+                                                                       num_drafts),
+                                    strict=True))
             result.sampled = [plain[i] if i in plain else verified[i].tokens[0]
                               for i in pending.sampling_ids]
             for request_id, outcome in verified.items():
                 result.more_tokens[request_id] = outcome.tokens[1:]
                 result.num_rejected[request_id] = outcome.num_drafts + 1 - len(outcome.tokens)
-            for request_id, entries in pending.verified_logprobs.items():
-                result.logprobs[request_id] = entries[0]
-                result.more_logprobs[request_id] = entries[1:]
-            result.drafts = pending.drafts
+            if pending.verified_logprobs is not None:
+                for request_id, entries in pending.verified_logprobs.entries(verified).items():
+                    result.logprobs[request_id] = entries[0]
+                    result.more_logprobs[request_id] = entries[1:]
+            if pending.drafts is not None:
+                request_ids, drafts = pending.drafts
+                result.drafts = dict(zip(request_ids, drafts.tolist(), strict=True))
         if pending.logprobs is not None:
             samplers, chosen, values, ids = pending.logprobs
             chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()

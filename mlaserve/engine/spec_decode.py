@@ -22,8 +22,11 @@ latent cache with the step's attention metadata; the MTP logits at each speculat
 last computed position give its first draft (argmax). For k > 1 the module runs again, a
 decode row per request, on its own previous output and draft, at the next positions (their
 cache slots are the scheduler's lookahead), replaying a captured CUDA graph per pass where the
-engine has them (draft_graphs.py). This version waits for the emitted tokens on the host
-between the two (speculating engines do not pipeline steps).
+engine has them (draft_graphs.py). Verification and drafting stay on the device: the emitted
+tokens, their counts and the drafts reach the host with the step's other copies when it is
+collected (`Verification`, `EmittedLogprobs`), so a speculating step is enqueued whole without a
+host wait. The next step is scheduled once they have landed (speculating engines do not
+pipeline steps).
 """
 
 from dataclasses import dataclass
@@ -44,10 +47,35 @@ ACCEPT_SALT = 0x5EED_ACCE  # the acceptance uniforms' stream, apart from the sam
 
 @dataclass
 class Verified:
-    """One verifying request's outcome: the tokens emitted (1 .. d + 1) and its d drafts."""
+    """One verifying request's outcome on the host: the tokens emitted (1 .. d + 1) and its d
+    drafts."""
 
     tokens: list[int]
     num_drafts: int
+
+
+@dataclass
+class Verification:
+    """A step's verification, left on the device until the step is collected: N verifying
+    requests' emitted tokens [N, k + 1] int64 (-1 past each one's count), their counts [N]
+    int64, and each one's draft count (host)."""
+
+    tokens: torch.Tensor
+    emitted: torch.Tensor
+    num_drafts: list[int]
+
+    def to_host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start the copies of tokens and counts to the host (valid once the step's event
+        completes)."""
+        return (self.tokens.to("cpu", non_blocking=True),
+                self.emitted.to("cpu", non_blocking=True))
+
+    @staticmethod
+    def outcomes(tokens: torch.Tensor, emitted: torch.Tensor, num_drafts: list[int]
+                 ) -> list[Verified]:
+        """The host copies of `to_host` as one `Verified` per request."""
+        return [Verified(row[:m], d) for row, m, d in zip(tokens.tolist(), emitted.tolist(),
+                                                          num_drafts, strict=True)]
 
 
 class AheadOfDrafts:
@@ -79,8 +107,8 @@ class AheadOfDrafts:
 
 
 def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: PersistentBatch,
-           grammar_bitmask: GrammarBitmask | None = None) -> list[Verified]:
-    """The tokens each verifying request emits.
+           grammar_bitmask: GrammarBitmask | None = None) -> Verification:
+    """The tokens each verifying request emits, on the device (no host wait).
 
     Args:
         requests: the verifying requests, each with `draft_token_ids` (d_r >= 1) and its input
@@ -116,81 +144,129 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
                            for i in range(k)], dim=1)  # [N, k]
     num_drafts = inputs.to_device([c - 1 for c in counts], torch.int64)
     tokens, emitted = rejection_sample(target, drafts, num_drafts, uniform, noise)
-    tokens, emitted = tokens.tolist(), emitted.tolist()
-    return [Verified(row[:m], c - 1) for row, m, c in zip(tokens, emitted, counts, strict=True)]
+    return Verification(tokens, emitted, [c - 1 for c in counts])
 
 
-def emitted_logprobs(requests: list[RunnerRequest], outcomes: list[Verified],
-                     logits: torch.Tensor, inputs: PersistentBatch
-                     ) -> dict[str, list[dict[int, float]]]:
-    """For the verified requests that ask for logprobs: {token: logprob} per token emitted,
-    the token's and the top `logprobs` of the model's raw distribution at its position (as a
-    step without speculation reports them). logits: as `verify` took them."""
-    starts = accumulate((len(r.draft_token_ids) + 1 for r in requests[:-1]), initial=0)
-    wanting = [(r, o, s) for r, o, s in zip(requests, outcomes, starts, strict=True)
+@dataclass
+class EmittedLogprobs:
+    """The verified requests that ask for logprobs, with the top-`logprobs` entries at every
+    one of their d + 1 positions (host copies, valid once the step's event completes): the
+    chosen token's logprob [R], the top values [R, n] and ids [R, n], request after request."""
+
+    requests: list[RunnerRequest]
+    chosen: torch.Tensor
+    values: torch.Tensor
+    ids: torch.Tensor
+
+    def entries(self, outcomes: dict[str, Verified]) -> dict[str, list[dict[int, float]]]:
+        """{token: logprob} per token each request emitted (its first len(tokens) positions)."""
+        chosen, values, ids = self.chosen.tolist(), self.values.tolist(), self.ids.tolist()
+        out, start = {}, 0
+        for request in self.requests:
+            outcome, n = outcomes[request.request_id], request.params.logprobs
+            entries = []
+            for j, token in enumerate(outcome.tokens):
+                entry = dict(zip(ids[start + j][:n], values[start + j][:n], strict=True))
+                entry[token] = chosen[start + j]
+                entries.append(entry)
+            out[request.request_id] = entries
+            start += outcome.num_drafts + 1
+        return out
+
+
+def emitted_logprobs(requests: list[RunnerRequest], verification: Verification,
+                     logits: torch.Tensor, inputs: PersistentBatch) -> EmittedLogprobs | None:
+    """For the verified requests that ask for logprobs: the token's and the top `logprobs` of
+    the model's raw distribution at each of their positions (as a step without speculation
+    reports them), copied to the host without waiting; the tokens emitted pick which of them
+    are reported (`EmittedLogprobs.entries`). logits: as `verify` took them."""
+    starts = accumulate((d + 1 for d in verification.num_drafts[:-1]), initial=0)
+    wanting = [(i, r, s) for i, (r, s) in enumerate(zip(requests, starts, strict=True))
                if r.params.logprobs is not None]
     if not wanting:
-        return {}
-    rows = inputs.to_device([s + j for _, o, s in wanting for j in range(len(o.tokens))],
-                            torch.int64)
-    targets = inputs.to_device([t for _, o, _ in wanting for t in o.tokens], torch.int64)
-    k = max(r.params.logprobs for r, _, _ in wanting)
-    chosen, values, ids = (t.tolist() for t in top_logprobs(
+        return None
+    counts = [verification.num_drafts[i] + 1 for i, _, _ in wanting]
+    rows = inputs.to_device([s + j for (_, _, s), c in zip(wanting, counts, strict=True)
+                             for j in range(c)], torch.int64)
+    index = inputs.to_device([[i, j] for (i, _, _), c in zip(wanting, counts, strict=True)
+                              for j in range(c)], torch.int64)  # [R, 2]
+    targets = verification.tokens[index[:, 0], index[:, 1]].clamp(min=0)  # -1: not emitted
+    k = max(r.params.logprobs for _, r, _ in wanting)
+    chosen, values, ids = (t.to("cpu", non_blocking=True) for t in top_logprobs(
         logits[rows].log_softmax(dim=-1), targets, k))
-    out, i = {}, 0
-    for request, outcome, _ in wanting:
-        n, entries = request.params.logprobs, []
-        for token in outcome.tokens:
-            entry = dict(zip(ids[i][:n], values[i][:n], strict=True))
-            entry[token] = chosen[i]
-            entries.append(entry)
-            i += 1
-        out[request.request_id] = entries
-    return out
+    return EmittedLogprobs([r for _, r, _ in wanting], chosen, values, ids)
 
 
 @dataclass
 class DraftRows:
-    """The step's token axis as the MTP module reads it (host lists, one entry per row)."""
+    """The step's token axis as the MTP module reads it, on the device: each row's next token
+    [T] int64 (a filler where unknown), and per speculating sampler the row [S] and position
+    [S] int64 of its last computed token."""
 
-    next_ids: list[int]  # the token after each row's position (a filler where unknown)
-    last_rows: list[int]  # per speculating sampler: the row of its last computed position
-    last_positions: list[int]  # that position
+    next_ids: torch.Tensor
+    last_rows: torch.Tensor
+    last_positions: torch.Tensor
 
 
 def draft_rows(num_rows: int, decodes: list[RunnerRequest],
                prefills: list[tuple[PrefillChunk, tuple[RunnerRequest, int]]],
-               verifies: list[tuple[int, int, RunnerRequest]], sampled: dict[str, int],
-               verified: dict[str, Verified], drafting: list[RunnerRequest]) -> DraftRows:
-    """The MTP module's view of a step's num_rows token rows: each row's next token, and each
-    drafting request's last computed row and position.
+               verifies: list[tuple[int, int, RunnerRequest]], sampled: torch.Tensor | None,
+               plain_ids: list[str], verification: Verification | None,
+               drafting: list[RunnerRequest], inputs: PersistentBatch) -> DraftRows:
+    """The MTP module's view of a step's num_rows token rows, built on the device from the
+    step's samples and verification (no host wait): each row's next token, and each drafting
+    request's last computed row and position.
 
     Args:
         decodes: the plain decode rows' requests (row i: decodes[i]).
         prefills: each prefill chunk (plain decodes beside verifying rows among them) and its
             (request, tokens).
         verifies: each verifying request's rows (first row, rows, request): decode rows of
-            q_len k + 1 or a chunk.
-        sampled: the plain samplers' new tokens by request id.
+            q_len k + 1 or a chunk, in the verification's order.
+        sampled: [P] int64 the plain samplers' new tokens, in the order of `plain_ids` (None
+            without plain samplers).
     """
-    next_ids = [0] * num_rows  # fillers where unknown (past a rejection)
+    host_next = [0] * num_rows  # fillers where unknown (past a rejection)
+    sample_rows, sample_sources = [], []  # rows whose next token is a plain sample
+    plain_index = {request_id: i for i, request_id in enumerate(plain_ids)}
+    # per request id: (row, position) of its last computed token, before the emitted count
     last: dict[str, tuple[int, int]] = {}
     for i, request in enumerate(decodes):
-        next_ids[i] = sampled[request.request_id]
+        sample_rows.append(i)
+        sample_sources.append(plain_index[request.request_id])
         last[request.request_id] = (i, request.num_computed_tokens)
     for chunk, (request, count) in prefills:
         start, known = request.num_computed_tokens, request.token_ids
-        next_ids[chunk.token_start:chunk.token_start + count] = [
-            known[p + 1] if p + 1 < len(known) else sampled[request.request_id]
-            for p in range(start, start + count)]
+        for p in range(start, start + count):
+            if p + 1 < len(known):
+                host_next[chunk.token_start + p - start] = known[p + 1]
+            else:
+                sample_rows.append(chunk.token_start + p - start)
+                sample_sources.append(plain_index[request.request_id])
         last[request.request_id] = (chunk.token_start + count - 1, start + count - 1)
-    for first, _, request in verifies:
-        emitted = verified[request.request_id].tokens
-        next_ids[first:first + len(emitted)] = emitted
-        last[request.request_id] = (first + len(emitted) - 1,
-                                    request.num_computed_tokens + len(emitted) - 1)
-    return DraftRows(next_ids, [last[r.request_id][0] for r in drafting],
-                     [last[r.request_id][1] for r in drafting])
+    verify_rows, verify_index = [], []  # rows of verified tokens, and (request, offset)
+    verifying: dict[str, int] = {}
+    for v, (first, count, request) in enumerate(verifies):
+        verify_rows += range(first, first + count)
+        verify_index += [[v, j] for j in range(count)]
+        verifying[request.request_id] = v
+        last[request.request_id] = (first - 1, request.num_computed_tokens - 1)
+    lists = [host_next, sample_rows, sample_sources, verify_rows]
+    next_ids, rows, sources, v_rows = (inputs.to_device(x, torch.int64) for x in lists)
+    if sample_rows:
+        next_ids[rows] = sampled[sources]
+    if verify_rows:
+        index = inputs.to_device(verify_index, torch.int64)  # [Rv, 2]
+        # past a request's emitted tokens: -1, a filler like any other (clamped to a token)
+        next_ids[v_rows] = verification.tokens[index[:, 0], index[:, 1]].clamp(min=0)
+    base = inputs.to_device([[last[r.request_id][0] for r in drafting],
+                             [last[r.request_id][1] for r in drafting],
+                             [verifying.get(r.request_id, -1) for r in drafting]],
+                            torch.int64)  # [3, S]
+    which = base[2]
+    emitted = (torch.zeros_like(which) if verification is None else torch.where(
+        which >= 0, verification.emitted[which.clamp(min=0)], 0))  # [S]
+    return DraftRows(next_ids, base[0] + emitted, base[1] + emitted)
 
 
 @dataclass
@@ -209,8 +285,8 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
           inputs: PersistentBatch, block_size: int, num_speculative_tokens: int,
           rows: DraftRows, hidden: torch.Tensor, positions: torch.Tensor,
           samplers: list[RunnerRequest], graphs: DraftGraphs | None = None,
-          replayed: ReplayedStep | None = None) -> list[list[int]]:
-    """k greedy drafts per speculating sampler ([num_samplers][k] token ids).
+          replayed: ReplayedStep | None = None) -> torch.Tensor:
+    """k greedy drafts per speculating sampler ([S, k] int64 on the device; no host wait).
 
     Args:
         model: the main model, with its MTP module (`model.mtp`).
@@ -222,8 +298,7 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
             the step's forward replayed a decode graph (`replayed`), the recursive ones.
     """
     device = hidden.device
-    next_ids = inputs.to_device(rows.next_ids, torch.int64)  # [T]
-    last = torch.tensor(rows.last_rows, device=device)
+    next_ids, last = rows.next_ids, rows.last_rows  # [T], [S]
     if replayed is not None and graphs is not None and graphs.covers(
             *replayed.block_table.shape, replayed.q_len):
         token, previous = graphs.run(next_ids, positions, hidden, meta.slot_mapping,
@@ -242,7 +317,7 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
         width = max(len(r.block_ids) for r in samplers)
         table = inputs.block_table[torch.tensor([r.row for r in samplers], device=device),
                                    :width]  # [S, width]
-        position = torch.tensor(rows.last_positions, device=device) + 1  # [S]
+        position = rows.last_positions + 1  # [S]
         replay = graphs is not None and graphs.covers(len(samplers), width)
         for _ in range(num_speculative_tokens - 1):
             slots = (table.gather(1, (position // block_size)[:, None]).squeeze(1).long()
@@ -260,4 +335,4 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
                 token = model.compute_logits(previous).argmax(dim=-1)
             drafts.append(token)
             position = position + 1
-    return torch.stack(drafts, dim=1).tolist()
+    return torch.stack(drafts, dim=1)
