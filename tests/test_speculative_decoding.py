@@ -408,6 +408,66 @@ def test_rejected_positions_give_their_whole_blocks_back():
     assert pool.num_free_blocks == 32 - 3
 
 
+def test_blocks_given_back_after_a_rejection_leave_the_runners_tables_too():
+    """A rejection gives a block back, and the next step takes another in its place: the
+    runners must drop the old block id (another request may own it now) and take the new
+    one, so their tables equal the scheduler's."""
+    from mlaserve.cache.block_pool import BlockPool
+    from mlaserve.config import SchedulerConfig
+    from mlaserve.engine.request import Request
+    from mlaserve.engine.scheduler import Scheduler
+    from mlaserve.engine.step_plan import PlanBuilder
+
+    pool = BlockPool(32, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=64), pool, num_speculative_tokens=3)
+    plans = PlanBuilder()
+    request = Request("r", None, list(range(7)), SamplingParams(max_tokens=20), 0,
+                      speculates=True)
+    scheduler.add(request)
+    runner_blocks: list[int] = []  # as RunnerRequest.update keeps them
+
+    def step(num_rejected: int) -> None:
+        batch = scheduler.schedule()
+        plan = plans.plan(batch.decodes, batch.prefills, batch.sampling_requests)
+        (scheduled,) = [*plan.decodes, *plan.prefills]
+        if scheduled.num_kept_blocks >= 0:
+            del runner_blocks[scheduled.num_kept_blocks:]
+        runner_blocks.extend(scheduled.new_block_ids)
+        assert runner_blocks == request.block_ids
+        scheduler.advance(batch)
+        emitted = 1 + request.num_scheduled_drafts - num_rejected
+        request.output_token_ids.extend([5] * emitted)
+        scheduler.land(request, num_rejected)
+        request.draft_token_ids = [1, 2, 3]
+
+    step(0)  # the prompt: 3 blocks
+    step(3)  # 4 blocks for its step, 3 kept after every draft is rejected
+    assert len(request.block_ids) == 3
+    step(0)  # a fourth block again, another id than the one given back
+    step(2)
+    step(0)
+
+
+def test_many_requests_in_a_tight_pool_decode_as_without_speculation():
+    """Eight requests in 40 blocks of 4 tokens, k = 3 and dummy drafts (most rejected): blocks
+    given back after rejections go straight to other requests (and preemption), and every
+    greedy output still equals decoding without speculation."""
+    prompts = [[5 + i, 9, 17, 33 + i, 2, 77][: 3 + i % 4] for i in range(8)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    outputs = {}
+    for k in (None, 3):
+        llm = make_llm(k, block_size=4, num_kv_blocks=40)
+        try:
+            outputs[k] = run(llm, prompts, params)
+            stats = llm.engine.core.stats()
+        finally:
+            llm.shutdown()
+    assert outputs[3] == outputs[None]
+    assert stats.num_preemptions > 0 and stats.spec_num_draft_tokens > \
+        stats.spec_num_accepted_tokens
+
+
 def _sharpened(monkeypatch, factor: float) -> None:
     """Scale the dummy model's logits so that its next-token distributions have a few likely
     tokens (dummy weights give nearly uniform ones, under which no test could tell a biased

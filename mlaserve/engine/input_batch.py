@@ -60,6 +60,10 @@ class RunnerRequest:
         self.num_computed_tokens = scheduled.num_computed_tokens
         self.token_ids.extend(scheduled.new_token_ids)
         self.num_output_placeholders = scheduled.num_output_placeholders
+        kept = scheduled.num_kept_blocks
+        if kept >= 0:  # blocks given back (rejected drafts): their ids are not its own now
+            del self.block_ids[kept:]
+            self.num_synced_blocks = min(self.num_synced_blocks, kept)
         self.block_ids.extend(scheduled.new_block_ids)
         self.num_prompt_logprobs = scheduled.num_prompt_logprobs
         self.draft_token_ids = scheduled.draft_token_ids

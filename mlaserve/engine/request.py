@@ -318,6 +318,9 @@ class Request:
     speculates: bool = False
     draft_token_ids: list[int] = field(default_factory=list)
     num_scheduled_drafts: int = 0
+    # the fewest blocks it held since its last plan where rejected drafts gave blocks back
+    # (the runners drop their ids past it: step_plan.py); None where none were given back
+    num_blocks_kept: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # when the core received it
     first_scheduled_time: float | None = None  # when a step first computed any of its tokens
     logprobs: Logprobs | None = None

@@ -124,6 +124,7 @@ class Scheduler:
         self.pool.free_blocks(request.block_ids[::-1])  # tail first onto the LRU list
         request.block_ids = []
         request.num_registered_blocks = 0
+        request.num_blocks_kept = None  # it leaves the runners' batch: they drop every id
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -281,6 +282,8 @@ class Scheduler:
             if len(request.block_ids) > keep:
                 self.pool.free_blocks(request.block_ids[keep:][::-1])  # tail first
                 del request.block_ids[keep:]
+                kept = request.num_blocks_kept
+                request.num_blocks_kept = keep if kept is None else min(kept, keep)
         self.cache_computed_blocks(request)
 
     def finish(self, request: Request) -> None:

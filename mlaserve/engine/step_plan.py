@@ -5,8 +5,9 @@ turns it into a `StepPlan`, which names requests by id and carries only what cha
 previous plan: the requests that left the runners' batch (finished, aborted, preempted, or taken
 back after a failed step), the requests that join it (prompt ids, sampling parameters, seed,
 EOS ids), and for each scheduled request its computed tokens, its new tokens this step, the
-output ids and block ids the runners have not seen yet and its placeholders (tokens sampled on
-the device, not yet known on the host); then which requests sample, in logits-row order.
+output ids and block ids the runners have not seen yet (after how many of the ids they hold to
+keep, where rejected drafts gave blocks back) and its placeholders (tokens sampled on the
+device, not yet known on the host); then which requests sample, in logits-row order.
 
 A `ModelRunner` (runner.py) keeps its own state per request id from the plans it executes. In
 one process the core hands each plan to its runner as it is; under tensor parallelism it also
@@ -45,6 +46,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # a decode's drafts that this step verifies (speculative decoding): its input tokens after
     # its own, at the positions after it
     draft_token_ids: list[int] = msgspec.field(default_factory=list)
+    # blocks given back since the last plan (rejected drafts): the runners keep their first
+    # num_kept_blocks block ids before taking new_block_ids; -1: keep all
+    num_kept_blocks: int = -1
 
 
 class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -124,6 +128,10 @@ class PlanBuilder:
                 request.request_id, request.prompt_token_ids, request.params,
                 request.sample_seed, list(request.eos_token_ids)))
         outputs, blocks = request.output_token_ids, request.block_ids
+        num_kept_blocks = -1
+        if request.num_blocks_kept is not None:  # the ids past it may be other requests' now
+            num_kept_blocks = sent[1] = min(sent[1], request.num_blocks_kept)
+            request.num_blocks_kept = None
         if len(blocks) < sent[1]:
             raise RuntimeError(f"request {request.request_id} lost blocks without leaving the "
                                "runners' batch")
@@ -131,6 +139,6 @@ class PlanBuilder:
             request.request_id, request.num_computed_tokens, num_new_tokens,
             outputs[sent[0]:], request.num_output_placeholders, blocks[sent[1]:],
             -1 if request.prompt_logprobs is None else len(request.prompt_logprobs),
-            draft_token_ids or [])
+            draft_token_ids or [], num_kept_blocks)
         sent[0], sent[1] = len(outputs), len(blocks)
         return scheduled
