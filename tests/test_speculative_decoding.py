@@ -107,15 +107,13 @@ def test_the_config_takes_vllms_spelling_and_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="no MTP module"):  # (the demo model has one)
         LLM(load_format="dummy", device="cpu", speculative_config={"method": "mtp"},
             hf_overrides={"num_nextn_predict_layers": 0})
-    with pytest.raises(ValueError, match="one GPU per replica"):
-        LLM(load_format="dummy", device="cpu", speculative_config={"method": "mtp"},
-            tensor_parallel_size=2)
     demo = ModelConfig.from_pretrained(DEMO_MODEL_DIR)
-    with pytest.raises(ValueError, match="one GPU per replica"):
+    with pytest.raises(ValueError, match="does not run with --enable-expert-parallel"):
         check_speculative(EngineArgs(speculative_config={"method": "mtp"}, data_parallel_size=2,
                                      enable_expert_parallel=True), demo)
-    check_speculative(EngineArgs(speculative_config={"method": "mtp"}, data_parallel_size=2),
-                      demo)  # replicas of their own: each speculates
+    for parallel in [dict(data_parallel_size=2), dict(tensor_parallel_size=2),
+                     dict(data_parallel_size=2, tensor_parallel_size=2)]:
+        check_speculative(EngineArgs(speculative_config={"method": "mtp"}, **parallel), demo)
 
 
 def test_which_requests_speculate():

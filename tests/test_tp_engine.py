@@ -201,3 +201,30 @@ def test_serve_tp2_stops_with_a_clear_error_when_a_worker_is_killed():
         assert wait_gone([core_pid, worker_pid]) == []
     finally:
         stop(proc)
+
+
+def test_tp2_speculates_as_one_process():
+    """`LLM(tensor_parallel_size=2, speculative_config=...)` on the demo model (its trained MTP
+    layer, k = 2): rank 0 verifies and broadcasts the emitted tokens, both ranks draft. Greedy
+    outputs equal one process without speculation through chunked prefills and preemptions;
+    sampled, penalised and constrained requests equal one speculating process's."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    engine = dict(ENGINE, block_size=4, num_kv_blocks=14)
+    prompts = [f"What is {a} + {b}?" for a, b in [(12, 30), (7, 5), (40, 41)]]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    results = {}
+    for tp, speculative in [(1, None), (1, spec), (2, spec)]:
+        llm = LLM(None, tensor_parallel_size=tp, speculative_config=speculative, **engine)
+        try:
+            results[tp, speculative is not None] = (
+                [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)],
+                [o.outputs[0].token_ids for o in llm.generate(prompts, MIXED)],
+                llm.engine.core.stats())
+        finally:
+            llm.shutdown()
+        assert not dist.is_initialized()
+    plain, one, two = results[1, False], results[1, True], results[2, True]
+    assert two[0] == plain[0] == one[0]
+    assert two[1] == one[1]
+    assert two[2].spec_num_accepted_tokens == one[2].spec_num_accepted_tokens > 0
+    assert two[2].num_preemptions == one[2].num_preemptions > 0

@@ -95,18 +95,19 @@ def resolve_engine_config(args: EngineArgs, replica: int = 0) -> EngineConfig:
 
 def check_speculative(args: EngineArgs, config: ModelConfig) -> None:
     """ValueError, saying what to change, unless speculative decoding (if asked) can run: the
-    checkpoint has an MTP module, and each replica is one process (one rank; replicas without
-    expert parallelism are engines of their own, each speculating alone)."""
+    checkpoint has an MTP module, and no expert parallelism (replicas without it are engines
+    of their own, each speculating alone, on one rank or under tensor parallelism)."""
     if args.speculative_config is None:
         return
     if config.num_nextn_predict_layers < 1:
         raise ValueError("speculative_config asks for MTP drafting, but the model's config.json "
                          "has no MTP module (num_nextn_predict_layers is 0): serve a DeepSeek-V3 "
                          "/ R1 checkpoint with its MTP layer, or leave --speculative-config out")
-    if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
-        raise ValueError("speculative decoding runs on one GPU per replica (tensor_parallel_size "
-                         "1, data parallelism without --enable-expert-parallel) in this "
-                         "version; leave --speculative-config out to serve in parallel")
+    if args.enable_expert_parallel:
+        raise ValueError("speculative decoding does not run with --enable-expert-parallel in "
+                         "this version (tensor parallelism and data-parallel replicas without "
+                         "expert parallelism do); leave --speculative-config out to serve with "
+                         "expert parallelism")
 
 
 def _mla_shape(model: ModelConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype,

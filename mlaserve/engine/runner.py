@@ -293,7 +293,10 @@ class ModelRunner:
         """A speculating engine's sampling (spec_decode.py): the plain samplers as always, the
         verifying requests' drafts checked (those in decode rows of q_len > 1, then those in
         chunks), then the MTP module's drafts for the next step, all on the device: the
-        results reach the host when the step is collected."""
+        results reach the host when the step is collected. Under tensor parallelism rank 0
+        verifies (it holds the sampling state) and broadcasts the emitted tokens, and every
+        rank drafts (the module's passes are collectives; their logits, gathered whole on every
+        rank, give every rank the same argmax)."""
         prefill_chunks, verify_chunks = chunks[:len(prefills)], chunks[len(prefills):]
         plain_decodes, full = (decodes, []) if q_len == 1 else ([], decodes)
         plain_ids = {r.request_id for r in samplers if not r.draft_token_ids}
@@ -312,12 +315,22 @@ class ModelRunner:
         if verifying:
             rows = self.inputs.to_device([i for first, count in spans
                                           for i in range(first, first + count)], torch.int64)
-            logits = self.model.compute_logits(hidden[rows])  # [sum(d_r + 1), V]
-            verification = verify(verifying, logits, self.inputs, grammar_bitmask)
-            pending.verified = ([r.request_id for r in verifying], *verification.to_host(),
-                                verification.num_drafts)
-            pending.verified_logprobs = emitted_logprobs(verifying, verification, logits,
-                                                         self.inputs)
+            logits = self.model.compute_logits(hidden[rows], dst=0)  # [sum(d_r + 1), V]
+            if self.tp.rank == 0:
+                verification = verify(verifying, logits, self.inputs, grammar_bitmask)
+                pending.verified = ([r.request_id for r in verifying],
+                                    *verification.to_host(), verification.num_drafts)
+                pending.verified_logprobs = emitted_logprobs(verifying, verification, logits,
+                                                             self.inputs)
+            else:  # the drafting passes need the emitted tokens: rank 0's, broadcast
+                num_drafts = [len(r.draft_token_ids) for r in verifying]
+                verification = Verification(
+                    torch.empty(len(verifying), max(num_drafts) + 1, dtype=torch.int64,
+                                device=self.device),
+                    torch.empty(len(verifying), dtype=torch.int64, device=self.device),
+                    num_drafts)
+            self.tp.broadcast(verification.tokens, src=0)  # [N, k + 1] int64
+            self.tp.broadcast(verification.emitted, src=0)  # [N] int64
         drafting = [r for r in samplers if speculates(r.params)]
         if drafting:
             rows = draft_rows(hidden.shape[0], plain_decodes,
@@ -446,7 +459,8 @@ class ModelRunner:
         if pending.ready is not None:
             pending.ready.synchronize()
         result = StepResult(pending.sampled.tolist(), {}, {})
-        if pending.sampling_ids:  # a speculating engine's step: the plan's samplers in order
+        if pending.sampling_ids and self.tp.rank == 0:  # a speculating engine's step (rank 0
+            # verifies; the other ranks' results are not read): the plan's samplers in order
             plain = dict(zip(pending.plain_ids, result.sampled, strict=True))
             verified: dict[str, Verified] = {}
             if pending.verified is not None:

@@ -57,14 +57,19 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         graphs = graphs_on_every_rank(graphs, agree_min)
     if graphs is None or not k:
         return graphs, None
+    draft_graphs = None
     try:
-        return graphs, DraftGraphs(model, mtp_cache, backend, graphs.sizes,
+        draft_graphs = DraftGraphs(model, mtp_cache, backend, graphs.sizes,
                                    graphs.max_blocks_per_seq, scratch_slot, graphs.q_lens,
                                    graphs.pool)
     except Exception:  # noqa: BLE001 - as the decode graphs: eager drafting still works
         logger.exception("MTP drafting CUDA-graph capture failed; drafts run eagerly")
         torch.cuda.synchronize()
-        return graphs, None
+    if agree_min is not None and not agree_min(int(draft_graphs is not None)):
+        # a replayed pass pads its rows, an eager one does not: the ranks' collectives
+        # would differ in size, so every rank replays or none does
+        draft_graphs = None
+    return graphs, draft_graphs
 
 
 def graphs_on_every_rank(graphs: DecodeGraphs | None,
