@@ -400,7 +400,7 @@ def test_rejected_positions_give_their_whole_blocks_back():
     scheduler.advance(batch)
     assert request.num_computed_tokens == 11
     request.output_token_ids.append(9)  # every draft rejected: one token emitted
-    scheduler.land(request, num_rejected=3)
+    scheduler.land(request, num_drafts=3, num_rejected=3)
     assert request.num_computed_tokens == 8  # positions 0..7
     assert len(request.block_ids) == 3  # 9 tokens + 2 lookahead fit 3 blocks
     assert pool.num_free_blocks == 32 - 3
@@ -436,7 +436,7 @@ def test_blocks_given_back_after_a_rejection_leave_the_runners_tables_too():
         scheduler.advance(batch)
         emitted = 1 + request.num_scheduled_drafts - num_rejected
         request.output_token_ids.extend([5] * emitted)
-        scheduler.land(request, num_rejected)
+        scheduler.land(request, batch.verified_drafts["r"] if batch.decodes else 0, num_rejected)
         request.draft_token_ids = [1, 2, 3]
 
     step(0)  # the prompt: 3 blocks
@@ -613,3 +613,48 @@ def test_data_parallel_replicas_each_speculate():
         assert drafts and drafts[0] > 0, metrics[:2000]
     finally:
         stop(proc)
+
+
+@pytest.mark.parametrize("where", [None, "launch", "collect"])
+def test_speculating_steps_are_pipelined_and_survive_a_transient_fault(where, monkeypatch):
+    """The demo model (its trained MTP layer, k = 3): a step is scheduled before the one in
+    flight lands, verifying that step's drafts from the device with its positions corrected
+    by its rejections there, and greedy outputs equal decoding without speculation. A fault
+    at the fifth launch (or collect, with the next step already launched on its drafts) is
+    taken back and re-run: the outputs stay the same."""
+    prompts = [f"What is {a} + {b}?" for a, b in [(12, 30), (7, 5), (40, 41)]]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(device="cpu")
+    try:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    finally:
+        plain.shutdown()
+    from_device = []
+    original = runner_module.ModelRunner._from_previous_launch
+
+    def counted(self, *args):
+        found = original(self, *args)
+        from_device.append(found is not None)
+        return found
+
+    monkeypatch.setattr(runner_module.ModelRunner, "_from_previous_launch", counted)
+    llm = LLM(device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    try:
+        runner = llm.engine.runner
+        if where is not None:
+            calls, method = [], getattr(runner, where)
+
+            def fail_fifth_call(*args):
+                calls.append(1)
+                if len(calls) == 5:
+                    raise RuntimeError("transient fault")
+                return method(*args)
+
+            monkeypatch.setattr(runner, where, fail_fifth_call)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        stats = llm.engine.core.stats()
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert sum(from_device) >= 5  # the steady state: drafts verified straight from the device
+    assert stats.spec_num_accepted_tokens > stats.spec_num_drafts  # well above one per step

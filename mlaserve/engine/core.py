@@ -11,7 +11,10 @@ runner executes, on this rank and, under tensor parallelism, on every other rank
 `step()` is pipelined on a GPU: it launches step N and, while the device runs it, finishes step
 N - 1 on the host (its sampled ids arrive in pinned memory) and returns that step's outputs. The
 runner feeds step N's decode rows the ids that step N - 1 sampled straight from the device, so the
-host never waits for the device to build a step. See runner.py for the mechanics.
+host never waits for the device to build a step. See runner.py for the mechanics. Speculating
+steps are pipelined too: the next step verifies the drafts the one in flight leaves on the
+device (spec_decode.py); requests with penalties, a grammar or (speculating) min_tokens make
+the core land the step in flight first (`_needs_known_tokens`).
 
 One request never fails another. Everything a request carries is validated when it is added
 (`messages.validate_prompt`), so no parameter can make a batched step raise. If a step fails
@@ -235,10 +238,9 @@ class EngineCore(StepRecovery):
         """Launch the next step and return the outputs of the one before it (see the module
         docstring); with nothing left to launch, wait for the step in flight."""
         outputs = self._fail_uncompiled()
-        if self._in_flight is not None and (self.num_speculative_tokens
-                                            or self._needs_known_tokens(self._in_flight[0])):
+        if self._in_flight is not None and self._needs_known_tokens(self._in_flight[0]):
             # penalties count every generated token; a grammar's next mask needs its last token;
-            # a speculating step needs the drafts and the tokens emitted by the one before
+            # under speculation min_tokens needs the count of tokens before each position
             outputs += self._land_in_flight()
         batch = self.scheduler.schedule()
         if batch.is_empty and self._in_flight is None and self.structured.has_compiling:
@@ -335,9 +337,11 @@ class EngineCore(StepRecovery):
                 f"an empty expert-parallel step failed ({type(exc).__name__}: {exc}); the "
                 "replicas are out of step") from exc
 
-    @staticmethod
-    def _needs_known_tokens(batch: ScheduledBatch) -> bool:
+    def _needs_known_tokens(self, batch: ScheduledBatch) -> bool:
+        """Whether the next step needs this one's tokens on the host before it is scheduled."""
+        speculating = bool(self.num_speculative_tokens)
         return any(needs_penalties(r.params) or r.params.structured_outputs is not None
+                   or (speculating and r.params.min_tokens > len(r.output_token_ids))
                    for r in batch.sampling_requests)
 
     def _fail_uncompiled(self) -> list[EngineCoreOutput]:
@@ -389,19 +393,20 @@ class EngineCore(StepRecovery):
             self.scheduler.cache_computed_blocks(request)
         for request, token in zip(batch.sampling_requests, result.sampled, strict=True):
             request_id = request.request_id
-            self.scheduler.land(request, result.num_rejected.get(request_id, 0))
+            num_drafts = batch.verified_drafts.get(request_id, 0)
+            self.scheduler.land(request, num_drafts, result.num_rejected.get(request_id, 0))
             if live.get(request_id) is not request:
                 continue  # aborted or finished while this step ran
             first = not request.output_token_ids
             tokens, error = self._emitted(request,
                                           [token, *result.more_tokens.get(request_id, ())])
             if request_id in result.num_rejected:
-                self.spec_stats.observe(request.num_scheduled_drafts,
-                                        request.num_scheduled_drafts
-                                        - result.num_rejected[request_id],
+                self.spec_stats.observe(num_drafts,
+                                        num_drafts - result.num_rejected[request_id],
                                         self.num_speculative_tokens)
-            request.num_scheduled_drafts = 0
-            request.draft_token_ids = result.drafts.get(request_id, [])
+            # a step launched after this one verifies these drafts on the device already
+            request.draft_token_ids = ([] if request.num_output_placeholders
+                                       else result.drafts.get(request_id, []))
             logprobs = None
             if request.logprobs is not None:  # one entry per token emitted
                 logprobs = [result.logprobs[request_id],

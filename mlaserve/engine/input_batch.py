@@ -35,7 +35,8 @@ class RunnerRequest:
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "sample_seed", "eos_token_ids",
                  "token_ids", "num_computed_tokens", "num_output_placeholders", "block_ids",
-                 "num_prompt_logprobs", "row", "num_synced_blocks", "draft_token_ids")
+                 "num_prompt_logprobs", "row", "num_synced_blocks", "draft_token_ids",
+                 "num_device_drafts")
     # the drafts between the known tokens and the position sampled (speculative decoding's
     # verification rows: `spec_decode.AheadOfDrafts`); a step's own sampling: none
     num_drafts_ahead = 0
@@ -54,6 +55,7 @@ class RunnerRequest:
         self.row: int | None = None  # in the persistent batch
         self.num_synced_blocks = 0  # block ids already in that row's device block table
         self.draft_token_ids: list[int] = []  # the drafts this step verifies (speculation)
+        self.num_device_drafts = 0  # or how many the previous launch left on the device
 
     def update(self, scheduled: ScheduledRequest) -> None:
         """Take a plan's news of this request."""
@@ -67,6 +69,12 @@ class RunnerRequest:
         self.block_ids.extend(scheduled.new_block_ids)
         self.num_prompt_logprobs = scheduled.num_prompt_logprobs
         self.draft_token_ids = scheduled.draft_token_ids
+        self.num_device_drafts = scheduled.num_device_drafts
+
+    @property
+    def num_drafts(self) -> int:
+        """The drafts this step verifies, known on the host or left on the device."""
+        return len(self.draft_token_ids) or self.num_device_drafts
 
     @property
     def num_tokens(self) -> int:

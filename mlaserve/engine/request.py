@@ -310,14 +310,20 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    # tokens sampled by a step still on the device (pipelined steps): counted, not yet known
+    # tokens sampled by a step still on the device (pipelined steps): counted, not yet known;
+    # under speculative decoding also the drafts such steps verify, counted as if accepted
+    # (the most the steps can emit; `Scheduler.land` takes the rejected ones back)
     num_output_placeholders: int = 0
+    num_draft_placeholders: int = 0
     # speculative decoding (engine/speculative.py): whether this request drafts, the MTP
     # module's drafts of its next tokens (known, not verified), and how many of them the
     # launched step verifies
     speculates: bool = False
     draft_token_ids: list[int] = field(default_factory=list)
     num_scheduled_drafts: int = 0
+    # the scheduled step verifies drafts its predecessor left on the device (pipelined: that
+    # step had not landed when this one was scheduled); num_scheduled_drafts counts them
+    drafts_on_device: bool = False
     # the fewest blocks it held since its last plan where rejected drafts gave blocks back
     # (the runners drop their ids past it: step_plan.py); None where none were given back
     num_blocks_kept: int | None = None
@@ -351,12 +357,14 @@ class Request:
 
     @property
     def num_total_tokens(self) -> int:
-        """Known tokens plus those sampled on the device but not yet seen by the host."""
-        return self.num_tokens + self.num_output_placeholders
+        """Known tokens plus those sampled (or verified drafts) on the device but not yet seen
+        by the host."""
+        return self.num_tokens + self.num_output_placeholders + self.num_draft_placeholders
 
     @property
     def num_output_tokens_total(self) -> int:
-        return len(self.output_token_ids) + self.num_output_placeholders
+        return (len(self.output_token_ids) + self.num_output_placeholders
+                + self.num_draft_placeholders)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -34,7 +34,9 @@ from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
 from mlaserve.engine.spec_decode import (
+    DeviceDrafts,
     EmittedLogprobs,
+    FromDevice,
     ReplayedStep,
     Verification,
     Verified,
@@ -117,6 +119,8 @@ class ModelRunner:
         # the previous launch's sampled ids [S] on the device, and each sampler's row in it
         self._prev_sampled: torch.Tensor | None = None
         self._prev_sample_rows: dict[str, int] = {}
+        # speculative decoding: the previous launch's drafts and newest tokens on the device
+        self._prev_drafts: DeviceDrafts | None = None
         shape = (num_blocks + 1, block_size, model_config.kv_cache_dim)
         # Unused slots are never read unmasked (every attention path masks keys past a
         # request's length, and unused pages may hold NaN), so the CPU cache is left
@@ -204,8 +208,11 @@ class ModelRunner:
             if q_len > 1:  # verifying its k drafts: its input token, then the drafts
                 rows += [request.row] * q_len
                 positions += range(position, position + q_len)
-                tokens += [request.token_ids[position], *request.draft_token_ids]
                 sources += [-1] * q_len
+                if request.num_device_drafts:  # all from the previous launch (see below)
+                    tokens += [0] * q_len
+                else:
+                    tokens += [request.token_ids[position], *request.draft_token_ids]
                 continue
             rows.append(request.row)
             positions.append(position)
@@ -225,6 +232,8 @@ class ModelRunner:
             if any(s >= 0 for s in sources):
                 from_device = self._prev_sampled[decode_sources.clamp(min=0)]
                 decode_ids = torch.where(decode_sources >= 0, from_device, decode_ids)
+            from_previous = self._from_previous_launch(decodes, decode_ids, decode_positions,
+                                                       q_len)
             row_tables = inputs.block_table[decode_rows, :width]  # [d * q_len, width] int32
             decode_slots = (row_tables.gather(1, (decode_positions // block_size)[:, None])
                             .squeeze(1).long() * block_size + decode_positions % block_size)
@@ -265,7 +274,27 @@ class ModelRunner:
         if not self.num_speculative_tokens:
             return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
         return self._speculate(decodes, q_len, prefills, verifies, samplers, grammar_bitmask,
-                               hidden, position_ids, meta, chunks, replayed)
+                               hidden, position_ids, meta, chunks, replayed,
+                               from_previous if decodes else None)
+
+    def _from_previous_launch(self, decodes: list[RunnerRequest], decode_ids: torch.Tensor,
+                              decode_positions: torch.Tensor, q_len: int) -> FromDevice | None:
+        """Decode rows of requests that verify drafts the previous launch left on the device
+        (it had not landed when this step was scheduled): their input tokens become that
+        launch's newest token and drafts, and their positions move back by its rejections
+        (in place, in decode_ids and decode_positions [d * q_len]). None when there are
+        none."""
+        at = [i for i, r in enumerate(decodes) if r.num_device_drafts]
+        if not at:
+            return None
+        newest, rejected, drafts = self._prev_drafts.take([decodes[i].request_id for i in at],
+                                                          self.inputs)
+        index = self.inputs.to_device(at, torch.int64)
+        decode_ids.view(-1, q_len)[index] = torch.cat([newest[:, None], drafts], dim=1)
+        decode_positions.view(-1, q_len)[index] -= rejected[:, None]
+        corrections = torch.zeros(len(decodes), dtype=torch.int64, device=self.device)
+        corrections[index] = rejected
+        return FromDevice(index, drafts, corrections)
 
     def _speculative_layout(self, decodes: list[RunnerRequest],
                             prefills: list[tuple[RunnerRequest, int]]
@@ -278,9 +307,9 @@ class ModelRunner:
         beside them run as one-token chunks after the prefills, and requests verifying fewer
         drafts (cut by max_tokens or the model length) as chunks after those."""
         k = self.num_speculative_tokens
-        verifies = [r for r in decodes if 0 < len(r.draft_token_ids) < k]
-        full = [r for r in decodes if k and len(r.draft_token_ids) == k]
-        plain = [r for r in decodes if not r.draft_token_ids]
+        verifies = [r for r in decodes if 0 < r.num_drafts < k]
+        full = [r for r in decodes if k and r.num_drafts == k]
+        plain = [r for r in decodes if not r.num_drafts]
         if not full:
             return plain, prefills, verifies, 1
         return full, [*prefills, *((r, 1) for r in plain)], verifies, k + 1
@@ -289,7 +318,8 @@ class ModelRunner:
                    prefills: list[tuple[RunnerRequest, int]], verifies: list[RunnerRequest],
                    samplers: list[RunnerRequest], grammar_bitmask: GrammarBitmask | None,
                    hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                   chunks: list[PrefillChunk], replayed: ReplayedStep | None) -> PendingStep:
+                   chunks: list[PrefillChunk], replayed: ReplayedStep | None,
+                   from_previous: FromDevice | None) -> PendingStep:
         """A speculating engine's sampling (spec_decode.py): the plain samplers as always, the
         verifying requests' drafts checked (those in decode rows of q_len > 1, then those in
         chunks), then the MTP module's drafts for the next step, all on the device: the
@@ -299,7 +329,7 @@ class ModelRunner:
         rank, give every rank the same argmax)."""
         prefill_chunks, verify_chunks = chunks[:len(prefills)], chunks[len(prefills):]
         plain_decodes, full = (decodes, []) if q_len == 1 else ([], decodes)
-        plain_ids = {r.request_id for r in samplers if not r.draft_token_ids}
+        plain_ids = {r.request_id for r in samplers if not r.num_drafts}
         # in the order of their rows: the plain decode rows, then the chunks
         plain = [r for r in (*plain_decodes, *(r for r, _ in prefills))
                  if r.request_id in plain_ids]
@@ -312,18 +342,23 @@ class ModelRunner:
         spans += [(c.token_start, c.num_tokens) for c in verify_chunks]
         verifying = [*full, *verifies]
         verification = None
+        if from_previous is not None and verifies:  # corrections for every verifying request
+            from_previous.corrections = torch.cat([from_previous.corrections, torch.zeros(
+                len(verifies), dtype=torch.int64, device=self.device)])
+        corrections = None if from_previous is None else from_previous.corrections
         if verifying:
             rows = self.inputs.to_device([i for first, count in spans
                                           for i in range(first, first + count)], torch.int64)
             logits = self.model.compute_logits(hidden[rows], dst=0)  # [sum(d_r + 1), V]
             if self.tp.rank == 0:
-                verification = verify(verifying, logits, self.inputs, grammar_bitmask)
+                verification = verify(verifying, logits, self.inputs, grammar_bitmask,
+                                      from_previous)
                 pending.verified = ([r.request_id for r in verifying],
                                     *verification.to_host(), verification.num_drafts)
                 pending.verified_logprobs = emitted_logprobs(verifying, verification, logits,
                                                              self.inputs)
             else:  # the drafting passes need the emitted tokens: rank 0's, broadcast
-                num_drafts = [len(r.draft_token_ids) for r in verifying]
+                num_drafts = [r.num_drafts for r in verifying]
                 verification = Verification(
                     torch.empty(len(verifying), max(num_drafts) + 1, dtype=torch.int64,
                                 device=self.device),
@@ -337,12 +372,14 @@ class ModelRunner:
                               list(zip(prefill_chunks, prefills, strict=True)),
                               [(*span, r) for span, r in zip(spans, verifying, strict=True)],
                               self._prev_sampled if plain else None, pending.plain_ids,
-                              verification, drafting, self.inputs)
+                              verification, drafting, self.inputs, corrections)
             tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
                            self.block_size, self.num_speculative_tokens, rows, hidden,
                            positions, drafting, self.draft_graphs, replayed)  # [S', k]
             pending.drafts = ([r.request_id for r in drafting],
                               tokens.to("cpu", non_blocking=True))
+        # for the next launch, if it is scheduled before this one lands
+        self._prev_drafts = rows.for_next_launch(drafting, tokens) if drafting else None
         if self.device.type == "cuda":  # after the verification's and drafts' copies
             pending.ready = torch.cuda.Event()
             pending.ready.record()

@@ -27,8 +27,10 @@ budget, to max_tokens and to max_model_len), and a speculating request owns bloc
 `num_speculative_tokens - 1` positions past its step's tokens, which the MTP module's later
 drafts write. When the step lands, the positions of rejected drafts count as not computed again
 (`land`'s `num_rejected`), and whole blocks past the request's tokens and lookahead go back to
-the pool. Steps are not pipelined then: the drafts of a step are known before the next one is
-scheduled.
+the pool. Pipelined, a request whose step is still on the device verifies the k drafts that
+step makes (`drafts_on_device`: the runner takes them, its next input token and its rejected
+count from the device) or, where k do not fit, waits a step; until a step lands its drafts
+count as accepted (`num_draft_placeholders`: the most it can emit).
 
 A waiting request for which `waits_for_grammar` holds (its structured-output grammar is still
 compiling, see structured.py) is skipped: it keeps its place in the queue, and the requests
@@ -56,6 +58,9 @@ class ScheduledBatch:
     # whose chunk reaches the end of their known tokens)
     sampling_requests: list[Request] = field(default_factory=list)
     is_advanced: bool = False  # counted by `Scheduler.advance` (and not taken back since)
+    # speculative decoding: the drafts each decode verifies, by request id (the requests'
+    # num_scheduled_drafts when scheduled; a later schedule overwrites those)
+    verified_drafts: dict[str, int] = field(default_factory=dict)
     # token masks of the constrained sampling requests (filled by the core before launch)
     grammar_bitmask: GrammarBitmask | None = None
 
@@ -68,13 +73,21 @@ class ScheduledBatch:
         return [*self.decodes, *(r for r, _ in self.prefills)]
 
     def subset(self, requests: list[Request]) -> "ScheduledBatch":
-        """The same work for only `requests` (each keeps its token count and row order)."""
+        """The same work for only `requests` (each keeps its token count and row order), to run
+        again after the step was taken back: a decode that was to verify drafts a step before
+        it left on the device (a step taken back too, or landed since) decodes its next token
+        alone instead."""
         keep = set(requests)  # Requests hash by identity
+        decodes = [r for r in self.decodes if r in keep]
+        for request in decodes:
+            if request.drafts_on_device:
+                request.drafts_on_device, request.num_scheduled_drafts = False, 0
         return ScheduledBatch(
-            decodes=[r for r in self.decodes if r in keep],
+            decodes=decodes,
             prefills=[(r, n) for r, n in self.prefills if r in keep],
             sampling_requests=[r for r in self.sampling_requests if r in keep],
-            grammar_bitmask=self.grammar_bitmask)  # rows found by request id
+            grammar_bitmask=self.grammar_bitmask,  # rows found by request id
+            verified_drafts={r.request_id: r.num_scheduled_drafts for r in decodes})
 
 
 class Scheduler:
@@ -100,10 +113,11 @@ class Scheduler:
         """Positions past a step's tokens that the MTP module's drafts of the step write."""
         return max(self.num_speculative_tokens - 1, 0) if request.speculates else 0
 
-    def _num_drafts(self, request: Request, budget: int) -> int:
-        """How many of a decoding request's drafts its step verifies: as many as fit the token
-        budget beside its own token, and emit no token past max_tokens or max_model_len."""
-        return max(0, min(len(request.draft_token_ids), budget - 1,
+    def _num_drafts(self, request: Request, budget: int, available: int) -> int:
+        """How many of a decoding request's `available` drafts its step verifies: as many as
+        fit the token budget beside its own token, and emit no token past max_tokens or
+        max_model_len."""
+        return max(0, min(available, budget - 1,
                           request.params.max_tokens - request.num_output_tokens_total - 1,
                           self.config.max_model_len - 1 - request.num_total_tokens))
 
@@ -152,9 +166,18 @@ class Scheduler:
             if remaining <= 0:
                 continue
             count = min(remaining, budget)
-            request.num_scheduled_drafts = 0
-            if remaining == 1 and request.draft_token_ids:
-                request.num_scheduled_drafts = self._num_drafts(request, budget)
+            request.num_scheduled_drafts, request.drafts_on_device = 0, False
+            if remaining == 1 and request.num_output_placeholders and request.speculates:
+                # its step in flight drafts k tokens on the device: verify them all (decode
+                # rows of q_len k + 1), or wait a step for them to land
+                k = self.num_speculative_tokens
+                if self._num_drafts(request, budget, k) < k:
+                    continue
+                request.num_scheduled_drafts, request.drafts_on_device = k, True
+                count += k
+            elif remaining == 1 and request.draft_token_ids:
+                request.num_scheduled_drafts = self._num_drafts(
+                    request, budget, len(request.draft_token_ids))
                 count += request.num_scheduled_drafts
             while not self._reserve(request, count):
                 victim = next(r for r in reversed(self.running) if r not in scheduled)
@@ -241,10 +264,13 @@ class Scheduler:
                 or request.num_total_tokens >= self.config.max_model_len)
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """Count a launched step's tokens as computed and its samples as placeholders."""
+        """Count a launched step's tokens as computed and its samples (and verified drafts,
+        as if accepted) as placeholders."""
         batch.is_advanced = True
         for request in batch.decodes:
-            request.num_computed_tokens += 1 + request.num_scheduled_drafts
+            drafts = batch.verified_drafts[request.request_id] = request.num_scheduled_drafts
+            request.num_computed_tokens += 1 + drafts
+            request.num_draft_placeholders += drafts
         for request, count in batch.prefills:
             request.num_computed_tokens += count
         for request in batch.sampling_requests:
@@ -260,19 +286,23 @@ class Scheduler:
             return
         batch.is_advanced = False
         for request in batch.decodes:
+            drafts = batch.verified_drafts[request.request_id]
+            request.num_draft_placeholders -= drafts
             if request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens -= 1 + request.num_scheduled_drafts
+                request.num_computed_tokens -= 1 + drafts
         for request, count in batch.prefills:
             if request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens -= count
         for request in batch.sampling_requests:
             request.num_output_placeholders -= 1
 
-    def land(self, request: Request, num_rejected: int = 0) -> None:
-        """One placeholder of the request became known tokens (or was dropped); num_rejected of
-        the drafts its step verified were rejected: their positions count as not computed, and
-        whole blocks past the request's tokens and lookahead go back to the pool."""
+    def land(self, request: Request, num_drafts: int = 0, num_rejected: int = 0) -> None:
+        """One placeholder of the request (and the num_drafts drafts its step verified) became
+        known tokens (or was dropped); num_rejected of those drafts were rejected: their
+        positions count as not computed, and whole blocks past the request's tokens and
+        lookahead go back to the pool."""
         request.num_output_placeholders -= 1
+        request.num_draft_placeholders -= num_drafts
         if request.status != RequestStatus.RUNNING:
             return
         if num_rejected:

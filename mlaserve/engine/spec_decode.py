@@ -25,8 +25,10 @@ cache slots are the scheduler's lookahead), replaying a captured CUDA graph per 
 engine has them (draft_graphs.py). Verification and drafting stay on the device: the emitted
 tokens, their counts and the drafts reach the host with the step's other copies when it is
 collected (`Verification`, `EmittedLogprobs`), so a speculating step is enqueued whole without a
-host wait. The next step is scheduled once they have landed (speculating engines do not
-pipeline steps).
+host wait. Steps are pipelined: the next one may be scheduled before this one lands, and then
+verifies the drafts this one leaves on the device (`DeviceDrafts`: each drafting request's
+newest token, drafts and rejected count); the host counted every draft as accepted, and the
+runner moves those requests' positions back by their rejections (`FromDevice`).
 """
 
 from dataclasses import dataclass
@@ -78,6 +80,30 @@ class Verification:
                                                           num_drafts, strict=True)]
 
 
+@dataclass
+class DeviceDrafts:
+    """What a speculating launch leaves on the device for the next one, scheduled before it
+    lands (pipelined steps): per drafting request (`rows`: its row in these tensors by id),
+    its newest token [S] int64 (the next step's input), how many of the drafts it verified
+    were rejected [S] int64 (the host counted them as accepted: the next step's positions
+    move back by that many) and its k drafts [S, k] int64."""
+
+    rows: dict[str, int]
+    last_tokens: torch.Tensor
+    rejected: torch.Tensor
+    drafts: torch.Tensor
+
+    def take(self, request_ids: list[str], inputs: PersistentBatch
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(newest tokens [n], rejected counts [n], drafts [n, k]) of these requests."""
+        missing = [i for i in request_ids if i not in self.rows]
+        if missing:
+            raise RuntimeError(f"requests {missing} verify drafts that the previous launch did "
+                               "not make")
+        index = inputs.to_device([self.rows[i] for i in request_ids], torch.int64)
+        return self.last_tokens[index], self.rejected[index], self.drafts[index]
+
+
 class AheadOfDrafts:
     """A verifying request as the sampler sees it at a draft position: the drafts before it
     count as generated (penalties, min_tokens), as they will be if accepted; everything else
@@ -106,27 +132,47 @@ class AheadOfDrafts:
         return len(self.drafts)
 
 
+@dataclass
+class FromDevice:
+    """The verifying requests whose drafts the previous launch left on the device: their
+    indices among the step's verifying requests [n] int64, those drafts [n, k] int64 and the
+    corrections of their host positions [N] int64 (for every verifying request: how far the
+    previous step's rejections move its positions back; 0 for the others)."""
+
+    index: torch.Tensor
+    drafts: torch.Tensor
+    corrections: torch.Tensor
+
+
 def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: PersistentBatch,
-           grammar_bitmask: GrammarBitmask | None = None) -> Verification:
+           grammar_bitmask: GrammarBitmask | None = None,
+           from_device: FromDevice | None = None) -> Verification:
     """The tokens each verifying request emits, on the device (no host wait).
 
     Args:
-        requests: the verifying requests, each with `draft_token_ids` (d_r >= 1) and its input
-            position n_r = num_computed_tokens.
+        requests: the verifying requests, each with d_r >= 1 drafts (`num_drafts`: known on
+            the host, or left on the device by the previous launch: `from_device`) and its
+            input position n_r = num_computed_tokens (less its correction there).
         logits: [sum(d_r + 1), V] float32, the main model's logits at n_r .. n_r + d_r, request
             after request.
         grammar_bitmask: the step's grammar masks (a constrained request: one per position).
     """
-    k = max(len(r.draft_token_ids) for r in requests)
-    counts = [len(r.draft_token_ids) + 1 for r in requests]
+    k = max(r.num_drafts for r in requests)
+    counts = [r.num_drafts + 1 for r in requests]
     # per logits row: its request's persistent row and the index of the token it samples
     rows = [r.row for r, c in zip(requests, counts, strict=True) for _ in range(c)]
     positions = [r.num_computed_tokens + 1 + i for r, c in zip(requests, counts, strict=True)
                  for i in range(c)]
     packed = inputs.to_device([rows, positions], torch.int64)  # [2, R]
+    positions = packed[1]
+    if from_device is not None:  # the host counted the previous step's drafts as accepted
+        positions = positions - from_device.corrections.repeat_interleave(
+            inputs.to_device(counts, torch.int64))
+    # the drafts before each position count as generated (penalties, min_tokens: requests
+    # with those verify drafts known on the host)
     repeated = [AheadOfDrafts(r, r.draft_token_ids[:i])
                 for r, c in zip(requests, counts, strict=True) for i in range(c)]
-    batch = inputs.sampling_batch(repeated, packed[0], packed[1], grammar_bitmask)
+    batch = inputs.sampling_batch(repeated, packed[0], positions, grammar_bitmask)
     probs = target_probs(logits, batch)  # [R, V]
     vocab = logits.shape[-1]
     # [N, k + 1, V] target distributions and noise, rows past a request's d_r + 1 padded
@@ -138,6 +184,8 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
     noise = -torch.log(seeded_uniform(batch.seeds, batch.positions, vocab))[gather]  # Exp(1)
     drafts = inputs.to_device([r.draft_token_ids + [0] * (k - len(r.draft_token_ids))
                                for r in requests], torch.int64)  # [N, k]
+    if from_device is not None:
+        drafts[from_device.index] = from_device.drafts
     first_rows = gather[:, 0]
     salted = (batch.seeds[first_rows] ^ ACCEPT_SALT) & SEED_MASK
     uniform = torch.stack([seeded_uniform(salted, batch.positions[first_rows] + i, 1)[:, 0]
@@ -201,18 +249,29 @@ def emitted_logprobs(requests: list[RunnerRequest], verification: Verification,
 class DraftRows:
     """The step's token axis as the MTP module reads it, on the device: each row's next token
     [T] int64 (a filler where unknown), and per speculating sampler the row [S] and position
-    [S] int64 of its last computed token."""
+    [S] int64 of its last computed token and how many of the drafts it verified this step
+    were rejected [S] int64."""
 
     next_ids: torch.Tensor
     last_rows: torch.Tensor
     last_positions: torch.Tensor
+    rejected: torch.Tensor
+
+    def for_next_launch(self, drafting: list[RunnerRequest], drafts: torch.Tensor
+                        ) -> DeviceDrafts:
+        """What the next launch reads if it comes before this one lands: each drafting
+        request's newest token (the one after its last computed position), rejected count and
+        drafts [S, k]."""
+        return DeviceDrafts({r.request_id: i for i, r in enumerate(drafting)},
+                            self.next_ids[self.last_rows], self.rejected, drafts)
 
 
 def draft_rows(num_rows: int, decodes: list[RunnerRequest],
                prefills: list[tuple[PrefillChunk, tuple[RunnerRequest, int]]],
                verifies: list[tuple[int, int, RunnerRequest]], sampled: torch.Tensor | None,
                plain_ids: list[str], verification: Verification | None,
-               drafting: list[RunnerRequest], inputs: PersistentBatch) -> DraftRows:
+               drafting: list[RunnerRequest], inputs: PersistentBatch,
+               corrections: torch.Tensor | None = None) -> DraftRows:
     """The MTP module's view of a step's num_rows token rows, built on the device from the
     step's samples and verification (no host wait): each row's next token, and each drafting
     request's last computed row and position.
@@ -225,6 +284,8 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
             q_len k + 1 or a chunk, in the verification's order.
         sampled: [P] int64 the plain samplers' new tokens, in the order of `plain_ids` (None
             without plain samplers).
+        corrections: [N] int64 per verifying request, how far the previous step's rejections
+            move its host positions back (`FromDevice`); None: nowhere.
     """
     host_next = [0] * num_rows  # fillers where unknown (past a rejection)
     sample_rows, sample_sources = [], []  # rows whose next token is a plain sample
@@ -264,9 +325,16 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
                              [verifying.get(r.request_id, -1) for r in drafting]],
                             torch.int64)  # [3, S]
     which = base[2]
-    emitted = (torch.zeros_like(which) if verification is None else torch.where(
-        which >= 0, verification.emitted[which.clamp(min=0)], 0))  # [S]
-    return DraftRows(next_ids, base[0] + emitted, base[1] + emitted)
+    if verification is None:
+        return DraftRows(next_ids, base[0], base[1], torch.zeros_like(which))
+    verifying_index = which.clamp(min=0)
+    emitted = torch.where(which >= 0, verification.emitted[verifying_index], 0)  # [S]
+    positions = base[1] + emitted
+    if corrections is not None:
+        positions = positions - torch.where(which >= 0, corrections[verifying_index], 0)
+    drafted = inputs.to_device(verification.num_drafts, torch.int64)  # [N]
+    rejected = torch.where(which >= 0, drafted[verifying_index] + 1 - emitted, 0)
+    return DraftRows(next_ids, base[0] + emitted, positions, rejected)
 
 
 @dataclass

@@ -44,8 +44,11 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     new_block_ids: list[int] = msgspec.field(default_factory=list)  # block ids not sent yet
     num_prompt_logprobs: int = -1  # prompt positions scored so far (the core's); -1: none asked
     # a decode's drafts that this step verifies (speculative decoding): its input tokens after
-    # its own, at the positions after it
+    # its own, at the positions after it; or, pipelined, how many drafts the previous launch
+    # left on the device (they, the input token before them, and how many of the previous
+    # step's drafts were rejected, which moves these positions back, come from there)
     draft_token_ids: list[int] = msgspec.field(default_factory=list)
+    num_device_drafts: int = 0
     # blocks given back since the last plan (rejected drafts): the runners keep their first
     # num_kept_blocks block ids before taking new_block_ids; -1: keep all
     num_kept_blocks: int = -1
@@ -104,7 +107,9 @@ class PlanBuilder:
         new_requests: list[NewRequest] = []
         plan = StepPlan(self._finished, new_requests,
                         [self._scheduled(r, 1 + r.num_scheduled_drafts, new_requests,
-                                         r.draft_token_ids[:r.num_scheduled_drafts])
+                                         [] if r.drafts_on_device
+                                         else r.draft_token_ids[:r.num_scheduled_drafts],
+                                         r.num_scheduled_drafts if r.drafts_on_device else 0)
                          for r in decodes],
                         [self._scheduled(r, n, new_requests) for r, n in prefills],
                         [r.request_id for r in sampling], expert_capacity=expert_capacity)
@@ -120,7 +125,8 @@ class PlanBuilder:
 
     def _scheduled(self, request: Request, num_new_tokens: int,
                    new_requests: list[NewRequest],
-                   draft_token_ids: list[int] | None = None) -> ScheduledRequest:
+                   draft_token_ids: list[int] | None = None,
+                   num_device_drafts: int = 0) -> ScheduledRequest:
         sent = self._sent.get(request.request_id)
         if sent is None:
             sent = self._sent[request.request_id] = [0, 0]
@@ -137,8 +143,10 @@ class PlanBuilder:
                                "runners' batch")
         scheduled = ScheduledRequest(
             request.request_id, request.num_computed_tokens, num_new_tokens,
-            outputs[sent[0]:], request.num_output_placeholders, blocks[sent[1]:],
+            outputs[sent[0]:],
+            request.num_output_placeholders + request.num_draft_placeholders,
+            blocks[sent[1]:],
             -1 if request.prompt_logprobs is None else len(request.prompt_logprobs),
-            draft_token_ids or [], num_kept_blocks)
+            draft_token_ids or [], num_device_drafts, num_kept_blocks)
         sent[0], sent[1] = len(outputs), len(blocks)
         return scheduled
