@@ -4,8 +4,10 @@ to replay (`read_decode_steps` reads them back).
 One JSON line per step that decodes, `{"q_len": 1, "seq_lens": [L_1, ..., L_B]}`: the query
 rows per request and each decoding request's length including the token of this step (the
 `seq_lens` the decode kernel reads). The runner of rank 0 records from the host-side positions it
-already has (no device sync). The file stops growing at `max_bytes` (one INFO line says so), so a
-long-running server cannot fill its disk; a path that cannot be written fails the start.
+already has (no device sync): under pipelined speculation a verification's lengths count the
+previous step's drafts as accepted (up to k more than the kernel reads). The file stops
+growing at `max_bytes` (one INFO line says so), so a long-running server cannot fill its disk;
+a path that cannot be written fails the start.
 """
 
 import json
