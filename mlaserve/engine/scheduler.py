@@ -86,8 +86,7 @@ class ScheduledBatch:
             decodes=decodes,
             prefills=[(r, n) for r, n in self.prefills if r in keep],
             sampling_requests=[r for r in self.sampling_requests if r in keep],
-            grammar_bitmask=self.grammar_bitmask,  # rows found by request id
-            verified_drafts={r.request_id: r.num_scheduled_drafts for r in decodes})
+            grammar_bitmask=self.grammar_bitmask)  # rows found by request id
 
 
 class Scheduler:
