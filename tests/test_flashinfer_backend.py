@@ -393,6 +393,23 @@ def test_fa2_peer(q_len):
     assert_matches(o, lse, ref_o, ref_lse, torch.bfloat16)
 
 
+def capture(backend, batch_size: int, q_len: int, q_static: torch.Tensor, pool: torch.Tensor,
+            want_lse: bool) -> tuple:
+    """Plan the graph of (batch_size, q_len), warm it up on a side stream and capture it:
+    (graph, its output) over the first batch_size * q_len rows of q_static."""
+    backend.plan_for_capture(batch_size, q_len)
+    rows = q_static[: batch_size * q_len]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.run(rows, pool, return_lse=want_lse)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = backend.run(rows, pool, return_lse=want_lse)
+    return graph, result
+
+
 @gpu
 @pytest.mark.parametrize(("num_heads", "q_len"), [(16, 1), (128, 1), (16, 2)])
 def test_cuda_graph_capture_and_replay(num_heads, q_len):
@@ -407,17 +424,7 @@ def test_cuda_graph_capture_and_replay(num_heads, q_len):
     want_lse = PATH != "trtllm-gen"
     graphs = {}
     for batch_size in (4, 8):
-        backend.plan_for_capture(batch_size, q_len)
-        rows = q_static[: batch_size * q_len]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            backend.run(rows, pool, return_lse=want_lse)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = backend.run(rows, pool, return_lse=want_lse)
-        graphs[batch_size] = (graph, result)
+        graphs[batch_size] = capture(backend, batch_size, q_len, q_static, pool, want_lse)
     replays = [([700, 1, 64], 4), ([65, 300, 0, 129, 63], 8), ([5, 9, 760, 2, 2, 2, 2, 2], 8),
                ([2], 4)]
     for seed, (lengths, graph_batch) in enumerate(replays):
@@ -454,17 +461,7 @@ def test_graphs_of_two_query_lengths_at_one_batch_size():
     pool = torch.zeros(pool_blocks, block, 576, dtype=torch.bfloat16, device="cuda")
     graphs = {}
     for q_len in (1, 4):
-        backend.plan_for_capture(batch, q_len)
-        rows = q_static[: batch * q_len]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            backend.run(rows, pool)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = backend.run(rows, pool)
-        graphs[q_len] = (graph, result)
+        graphs[q_len] = capture(backend, batch, q_len, q_static, pool, False)
     for seed, q_len in enumerate((4, 1, 4, 1)):
         lengths = [700, 5, 129, 64][: 3 + seed % 2]
         q, cache, table, seq_lens, ref_o, ref_lse = make_case(
