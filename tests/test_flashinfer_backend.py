@@ -410,6 +410,19 @@ def capture(backend, batch_size: int, q_len: int, q_static: torch.Tensor, pool: 
     return graph, result
 
 
+def replay(backend, graph, q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+           seq_lens: torch.Tensor, q_len: int, q_static: torch.Tensor,
+           pool: torch.Tensor) -> None:
+    """Copy a case's queries and cache into the captured buffers, re-plan for its table and
+    lengths, replay the graph and wait for it."""
+    pool[: cache.shape[0]].copy_(cache)
+    q_static.zero_()
+    q_static[: q.shape[0]].copy_(q)
+    backend.plan_for_replay(table, seq_lens, q_len)
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 @gpu
 @pytest.mark.parametrize(("num_heads", "q_len"), [(16, 1), (128, 1), (16, 2)])
 def test_cuda_graph_capture_and_replay(num_heads, q_len):
@@ -433,13 +446,8 @@ def test_cuda_graph_capture_and_replay(num_heads, q_len):
             lengths, block, num_heads, q_len, torch.bfloat16, torch.device("cuda"), seed=seed)
         assert cache.shape[0] <= pool_blocks and table.shape[1] <= max_blocks
         pool.fill_(float("nan"))
-        pool[: cache.shape[0]].copy_(cache)
-        q_static.zero_()
-        q_static[: q.shape[0]].copy_(q)
-        backend.plan_for_replay(table, seq_lens, q_len)
         graph, result = graphs[graph_batch]
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(backend, graph, q, cache, table, seq_lens, q_len, q_static, pool)
         o, lse = result if want_lse else (result, None)
         real = len(lengths) * q_len
         assert_matches(o[:real], None if lse is None else lse[:real], ref_o, ref_lse,
@@ -466,12 +474,7 @@ def test_graphs_of_two_query_lengths_at_one_batch_size():
         lengths = [700, 5, 129, 64][: 3 + seed % 2]
         q, cache, table, seq_lens, ref_o, ref_lse = make_case(
             lengths, block, num_heads, q_len, torch.bfloat16, torch.device("cuda"), seed=seed)
-        pool[: cache.shape[0]].copy_(cache)
-        q_static.zero_()
-        q_static[: q.shape[0]].copy_(q)
-        backend.plan_for_replay(table, seq_lens, q_len)
         graph, result = graphs[q_len]
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(backend, graph, q, cache, table, seq_lens, q_len, q_static, pool)
         real = len(lengths) * q_len
         assert_matches(result[:real], None, ref_o, ref_lse, torch.bfloat16)
