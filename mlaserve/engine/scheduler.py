@@ -205,7 +205,8 @@ class Scheduler:
                 break  # preempted with a token still on the device: recompute once it lands
             # prompt logprobs need every position's logits, so those requests skip the cache
             uses_cache = request.num_computed_tokens == 0 and request.params.prompt_logprobs is None
-            request.num_scheduled_drafts = 0  # a prompt (or a recompute) has no drafts
+            # a prompt (or a recompute) has no drafts
+            request.num_scheduled_drafts, request.drafts_on_device = 0, False
             if uses_cache and self._next_block_in_progress(request, in_progress):
                 skipped.append(self.waiting.popleft())
                 continue
