@@ -353,17 +353,20 @@ def test_a_grammar_constrained_request_speculates_and_stays_valid(k, monkeypatch
             llm.shutdown()
 
 
+@pytest.mark.parametrize("budget", [None, 16])
 def test_logprobs_of_every_emitted_token_equal_those_without_speculation(reference,
-                                                                          monkeypatch):
+                                                                          monkeypatch, budget):
     """A request asking for logprobs speculates: every token of a verified run (accepted
     drafts and the bonus) gets its entry, the token's and the top 2 logprobs as a step without
-    speculation reports them."""
+    speculation reports them. With a budget of 16 tokens a step the long prompt's last chunk
+    samples its first token beside requests that verify."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
-    want = generate_without_speculation(PROMPTS[:3], params)
-    llm = make_llm(3)
+    prompts = PROMPTS if budget else PROMPTS[:3]
+    want = generate_without_speculation(prompts, params)
+    llm = make_llm(3, **({"max_num_batched_tokens": budget} if budget else {}))
     try:
         oracle(reference, llm.engine.core.config.model.vocab_size, 5, monkeypatch)
-        got = llm.generate(PROMPTS[:3], params)
+        got = llm.generate(prompts, params)
         assert llm.engine.core.stats().spec_num_accepted_tokens > 0
         for g, w in zip(got, want, strict=True):
             g, w = g.outputs[0], w.outputs[0]

@@ -73,12 +73,13 @@ from mlaserve.engine.request import (
     is_int,
     shown,
 )
-from mlaserve.engine.runner import PendingStep, StepResult, load_runner
+from mlaserve.engine.runner import load_runner
 from mlaserve.engine.sampler import needs_penalties
 from mlaserve.engine.scheduler import ScheduledBatch, Scheduler
 from mlaserve.engine.speculative import SpecDecodeStats, speculates
 from mlaserve.engine.step_plan import PlanBuilder, StepPlan
 from mlaserve.engine.step_recovery import StepRecovery
+from mlaserve.engine.step_results import PendingStep, StepResult
 from mlaserve.engine.structured import AcceptResult, GrammarBitmask, StructuredOutputManager
 from mlaserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from mlaserve.engine.worker import ParallelEngineError, PlanBroadcast, WorkerGroup
@@ -431,7 +432,7 @@ class EngineCore(StepRecovery):
         constrained = request.params.structured_outputs is not None
         for count, token in enumerate(tokens, 1):
             request.output_token_ids.append(token)
-            self._check_stop(request, token)
+            request.check_stop(token, self.max_model_len)
             error = self._advance_grammar(request, token) if constrained else None
             if request.finish_reason is not None:
                 return tokens[:count], error
@@ -449,17 +450,6 @@ class EngineCore(StepRecovery):
             request.finish_reason = "abort"
             return error
         return None
-
-    def _check_stop(self, request: Request, token: int) -> None:
-        params = request.params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens and token in params.stop_token_ids:
-            request.finish_reason, request.stop_reason = "stop", token
-        elif (not params.ignore_eos and num_output >= params.min_tokens
-              and token in request.eos_token_ids):
-            request.finish_reason = "stop"
-        elif num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            request.finish_reason = "length"
 
     def check_workers(self) -> None:
         """Raise ParallelEngineError if a worker failed or died (an idle core learns it here

@@ -355,6 +355,18 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def check_stop(self, token: int, max_model_len: int) -> None:
+        """Set finish_reason (and stop_reason) if its newest output `token` ends it: a stop
+        token or EOS once min_tokens are out, max_tokens, or the model length."""
+        params, num_output = self.params, len(self.output_token_ids)
+        if num_output >= params.min_tokens and token in params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif (not params.ignore_eos and num_output >= params.min_tokens
+              and token in self.eos_token_ids):
+            self.finish_reason = "stop"
+        elif num_output >= params.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+
     @property
     def num_total_tokens(self) -> int:
         """Known tokens plus those sampled (or verified drafts) on the device but not yet seen

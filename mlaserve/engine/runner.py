@@ -23,7 +23,6 @@ import logging
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -35,11 +34,9 @@ from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.sampler import sample, top_logprobs
 from mlaserve.engine.spec_decode import (
     DeviceDrafts,
-    EmittedLogprobs,
     FromDevice,
     ReplayedStep,
     Verification,
-    Verified,
     draft,
     draft_rows,
     emitted_logprobs,
@@ -48,47 +45,12 @@ from mlaserve.engine.spec_decode import (
 from mlaserve.engine.speculative import speculates
 from mlaserve.engine.step_graphs import capture_step_graphs
 from mlaserve.engine.step_plan import StepPlan
+from mlaserve.engine.step_results import PendingStep, StepResult, collect_results
 from mlaserve.engine.structured import GrammarBitmask
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.loader import build_model
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    """What a step produced, on the host."""
-
-    sampled: list[int]  # one new token id per request of the plan's `sampling`, in order
-    logprobs: dict[str, dict[int, float]]  # request id -> {token: logprob} of the new token
-    prompt_logprobs: dict[str, list[dict[int, float]]]  # request id -> entries in order
-    # speculative decoding: request id -> the tokens a verifying request emits after its
-    # first (its accepted drafts past the first token, and the bonus or recovered one), how
-    # many of its verified drafts were rejected, and each speculating sampler's next drafts
-    more_tokens: dict[str, list[int]] = field(default_factory=dict)
-    num_rejected: dict[str, int] = field(default_factory=dict)
-    drafts: dict[str, list[int]] = field(default_factory=dict)
-    more_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
-
-
-@dataclass
-class PendingStep:
-    """A launched step: its results as host tensors, valid once `ready` has completed."""
-
-    sampled: torch.Tensor  # [S] int64
-    logprobs: tuple[list[RunnerRequest], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    prompt_logprobs: list[tuple[RunnerRequest, torch.Tensor, torch.Tensor, torch.Tensor,
-                                torch.Tensor]] = field(default_factory=list)
-    ready: torch.cuda.Event | None = None
-    # speculative decoding: the plan's sampler ids in order, the plain samplers' ids (the rows
-    # of `sampled`); host copies of the verification (the verifying requests' ids, tokens
-    # [N, k + 1], counts [N], draft counts), of the logprobs of verified positions, and of the
-    # drafts [S', k] of the drafting samplers (their ids)
-    sampling_ids: list[str] = field(default_factory=list)
-    plain_ids: list[str] = field(default_factory=list)
-    verified: tuple[list[str], torch.Tensor, torch.Tensor, list[int]] | None = None
-    verified_logprobs: EmittedLogprobs | None = None
-    drafts: tuple[list[str], torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -232,8 +194,8 @@ class ModelRunner:
             if any(s >= 0 for s in sources):
                 from_device = self._prev_sampled[decode_sources.clamp(min=0)]
                 decode_ids = torch.where(decode_sources >= 0, from_device, decode_ids)
-            from_previous = self._from_previous_launch(decodes, decode_ids, decode_positions,
-                                                       q_len)
+            from_previous = None if q_len == 1 else self._from_previous_launch(
+                decodes, len(verifies), decode_ids, decode_positions, q_len)
             row_tables = inputs.block_table[decode_rows, :width]  # [d * q_len, width] int32
             decode_slots = (row_tables.gather(1, (decode_positions // block_size)[:, None])
                             .squeeze(1).long() * block_size + decode_positions % block_size)
@@ -277,13 +239,15 @@ class ModelRunner:
                                hidden, position_ids, meta, chunks, replayed,
                                from_previous if decodes else None)
 
-    def _from_previous_launch(self, decodes: list[RunnerRequest], decode_ids: torch.Tensor,
-                              decode_positions: torch.Tensor, q_len: int) -> FromDevice | None:
-        """Decode rows of requests that verify drafts the previous launch left on the device
-        (it had not landed when this step was scheduled): their input tokens become that
-        launch's newest token and drafts, and their positions move back by its rejections
-        (in place, in decode_ids and decode_positions [d * q_len]). None when there are
-        none."""
+    def _from_previous_launch(self, decodes: list[RunnerRequest], num_verify_chunks: int,
+                              decode_ids: torch.Tensor, decode_positions: torch.Tensor,
+                              q_len: int) -> FromDevice | None:
+        """Decode rows (q_len k + 1: drafts left on the device are always all k) of requests
+        that verify drafts the previous launch left on the device (it had not landed when
+        this step was scheduled): their input tokens become that launch's newest token and
+        drafts, and their positions move back by its rejections (in place, in decode_ids and
+        decode_positions [d * q_len]). The corrections cover every verifying request: these
+        decodes, then the verify chunks (0). None when there are none."""
         at = [i for i, r in enumerate(decodes) if r.num_device_drafts]
         if not at:
             return None
@@ -292,7 +256,8 @@ class ModelRunner:
         index = self.inputs.to_device(at, torch.int64)
         decode_ids.view(-1, q_len)[index] = torch.cat([newest[:, None], drafts], dim=1)
         decode_positions.view(-1, q_len)[index] -= rejected[:, None]
-        corrections = torch.zeros(len(decodes), dtype=torch.int64, device=self.device)
+        corrections = torch.zeros(len(decodes) + num_verify_chunks, dtype=torch.int64,
+                                  device=self.device)
         corrections[index] = rejected
         return FromDevice(index, drafts, corrections)
 
@@ -342,9 +307,6 @@ class ModelRunner:
         spans += [(c.token_start, c.num_tokens) for c in verify_chunks]
         verifying = [*full, *verifies]
         verification = None
-        if from_previous is not None and verifies:  # corrections for every verifying request
-            from_previous.corrections = torch.cat([from_previous.corrections, torch.zeros(
-                len(verifies), dtype=torch.int64, device=self.device)])
         corrections = None if from_previous is None else from_previous.corrections
         if verifying:
             rows = self.inputs.to_device([i for first, count in spans
@@ -492,51 +454,8 @@ class ModelRunner:
         return pending
 
     def collect(self, pending: PendingStep) -> StepResult:
-        """Wait for a launched step's copies; its results as Python values."""
-        if pending.ready is not None:
-            pending.ready.synchronize()
-        result = StepResult(pending.sampled.tolist(), {}, {})
-        if pending.sampling_ids and self.tp.rank == 0:  # a speculating engine's step (rank 0
-            # verifies; the other ranks' results are not read): the plan's samplers in order
-            plain = dict(zip(pending.plain_ids, result.sampled, strict=True))
-            verified: dict[str, Verified] = {}
-            if pending.verified is not None:
-                request_ids, tokens, emitted, num_drafts = pending.verified
-                verified = dict(zip(request_ids, Verification.outcomes(tokens, emitted,
-                                                                       num_drafts),
-                                    strict=True))
-            result.sampled = [plain[i] if i in plain else verified[i].tokens[0]
-                              for i in pending.sampling_ids]
-            for request_id, outcome in verified.items():
-                result.more_tokens[request_id] = outcome.tokens[1:]
-                result.num_rejected[request_id] = outcome.num_drafts + 1 - len(outcome.tokens)
-            if pending.verified_logprobs is not None:
-                for request_id, entries in pending.verified_logprobs.entries(verified).items():
-                    result.logprobs[request_id] = entries[0]
-                    result.more_logprobs[request_id] = entries[1:]
-            if pending.drafts is not None:
-                request_ids, drafts = pending.drafts
-                result.drafts = dict(zip(request_ids, drafts.tolist(), strict=True))
-        if pending.logprobs is not None:
-            samplers, chosen, values, ids = pending.logprobs
-            chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()
-            for i, request in enumerate(samplers):
-                n = request.params.logprobs
-                if n is None:
-                    continue
-                entry = dict(zip(ids[i][:n], values[i][:n], strict=True))
-                entry[result.sampled[i]] = chosen[i]
-                result.logprobs[request.request_id] = entry
-        for request, chosen, values, ids, targets in pending.prompt_logprobs:
-            chosen, values, ids, targets = (chosen.tolist(), values.tolist(), ids.tolist(),
-                                            targets.tolist())
-            entries = []
-            for j in range(len(targets)):
-                entry = dict(zip(ids[j], values[j], strict=True))
-                entry[targets[j]] = chosen[j]
-                entries.append(entry)
-            result.prompt_logprobs[request.request_id] = entries
-        return result
+        """Wait for a launched step's copies; its results as Python values (step_results.py)."""
+        return collect_results(pending, self.tp.rank)
 
 
 def log_load(model: DeepseekForCausalLM, device: torch.device, seconds: float) -> None:

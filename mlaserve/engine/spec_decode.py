@@ -297,14 +297,14 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
         sample_sources.append(plain_index[request.request_id])
         last[request.request_id] = (i, request.num_computed_tokens)
     for chunk, (request, count) in prefills:
-        start, known = request.num_computed_tokens, request.token_ids
-        for p in range(start, start + count):
-            if p + 1 < len(known):
-                host_next[chunk.token_start + p - start] = known[p + 1]
-            else:
-                sample_rows.append(chunk.token_start + p - start)
-                sample_sources.append(plain_index[request.request_id])
-        last[request.request_id] = (chunk.token_start + count - 1, start + count - 1)
+        start, known, first = request.num_computed_tokens, request.token_ids, chunk.token_start
+        # rows whose next token is known (the prompt's), then the sampling row, if any
+        num_known = max(0, min(count, len(known) - 1 - start))
+        host_next[first:first + num_known] = known[start + 1:start + 1 + num_known]
+        if num_known < count:
+            sample_rows.append(first + count - 1)
+            sample_sources.append(plain_index[request.request_id])
+        last[request.request_id] = (first + count - 1, start + count - 1)
     verify_rows, verify_index = [], []  # rows of verified tokens, and (request, offset)
     verifying: dict[str, int] = {}
     for v, (first, count, request) in enumerate(verifies):
