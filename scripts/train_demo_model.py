@@ -11,7 +11,9 @@ questions ("What is 23 + 19?" -> "23 + 19 = 42."), compact JSON answers, and too
 DeepSeek-V3's format (or tool_choice's forced JSON), loss on the answer tokens. The learning
 rate follows a cosine over max(step / steps, elapsed / time budget), so the run ends annealed
 either way. At the end: held-out scores of the three tasks and greedy checks of the chat
-families (chat_checks), written into the checkpoint's README.md.
+families (chat_checks), written into the checkpoint's README.md. The tokenizer and its chat
+template live in scripts/demo_tokenizer.py, the examples and the stream in
+scripts/demo_training_data.py.
 
 GPU (one H100 or H200, ~9 minutes in all):
     python scripts/train_demo_model.py --out /tmp/demo_model --device cuda --time-budget-min 6.5
@@ -33,275 +35,27 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tokenizers import (
-    AddedToken,
-    Regex,
-    Tokenizer,
-    decoders,
-    models,
-    pre_tokenizers,
-    processors,
-    trainers,
-)
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
 
 from mlaserve.eval import tasks as T
 from mlaserve.eval.chat_checks import chat_checks
-from mlaserve.eval.chat_families import (
-    ASSISTANT,
-    BOS,
-    CALL_BEGIN,
-    CALL_END,
-    CALL_SEP,
-    CALLS_BEGIN,
-    CALLS_END,
-    EOS,
-    OUTPUT_BEGIN,
-    OUTPUT_END,
-    OUTPUTS_BEGIN,
-    OUTPUTS_END,
-    TOOL_TOKENS,
-    USER,
-    Span,
-    conversation_example,
-    conversation_texts,
-    plain_conversation,
-)
-from mlaserve.eval.chat_json import json_conversation
-from mlaserve.eval.chat_tools import tool_conversation
 from mlaserve.eval.engines import TransformersEngine
 from mlaserve.eval.harness import run_task
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling scripts
+from demo_tokenizer import CHAT_TEMPLATE, MAX_POSITIONS, train_tokenizer  # noqa: E402
+from demo_training_data import MC_LETTER_WEIGHT, TaskStream  # noqa: E402
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the data workers fork
-COMPACT = '(",", ":")'  # tojson's separators in the template
-# DeepSeek's chat template in miniature: BOS; with `tools`, a "Tools:" section (one compact JSON
-# line per function: name, description, parameters) then a blank line; a system (or developer)
-# message then a blank line; user and assistant turns behind their markers, EOS after each
-# assistant turn; an assistant's tool_calls in DeepSeek-V3's format after its content; tool
-# results inside the tool-output tokens. Without tools, tool calls and tool messages it renders
-# exactly as the template before tools did. (No newline directly after a block tag: transformers
-# renders with trim_blocks, which would drop it.)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}Tools:\n{% for tool in tools %}"
-    "{% set f = tool.function if tool.function is defined else tool %}"
-    '{"name":{{ f.name | tojson }}{% if f.description %},"description":'
-    "{{ f.description | tojson }}{% endif %},\"parameters\":"
-    '{{ (f.parameters if f.parameters else {"type": "object", "properties": {}}) | tojson('
-    "separators=" + COMPACT + ") }}}{{ '\\n' }}{% endfor %}{{ '\\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] in ('system', 'developer') %}{{ message['content'] }}\n\n"
-    "{% elif message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}" + ASSISTANT
-    + "{% if message['content'] %}{{ message['content'] }}{% endif %}"
-    "{% if message['tool_calls'] %}" + CALLS_BEGIN
-    + "{% for call in message['tool_calls'] %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
-    + CALL_BEGIN + "{{ call['type'] or 'function' }}" + CALL_SEP
-    + "{{ call['function']['name'] }}{{ '\\n' }}```json{{ '\\n' }}"
-    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
-    "{% else %}{{ call['function']['arguments'] | tojson(separators=" + COMPACT + ") }}"
-    "{% endif %}{{ '\\n' }}```" + CALL_END + "{% endfor %}" + CALLS_END + "{% endif %}"
-    + EOS + "{% elif message['role'] == 'tool' %}"
-    "{% if loop.first or loop.previtem['role'] != 'tool' %}" + OUTPUTS_BEGIN + "{% endif %}"
-    + OUTPUT_BEGIN + "{{ message['content'] }}" + OUTPUT_END
-    + "{% if loop.last or loop.nextitem['role'] != 'tool' %}" + OUTPUTS_END + "{% endif %}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
-)
 MAX_BYTES = 20 * 2**20  # the package's size limit for the checkpoint
-MAX_POSITIONS = 1024
 TARGET_SCORE = 0.95  # issue 22's bar for every task
-
-
-# ---- tokenizer ------------------------------------------------------------------------------
-def tokenizer_corpus(count: int, seed: int) -> list[str]:
-    """Texts of every family (train split) for the BPE merges, special tokens left out."""
-    stream, mc_stream = T.problems(seed, "train"), T.mc_docs(seed, "train")
-    rng = random.Random(seed)
-    texts = []
-    for _ in range(count):
-        problem = next(stream)
-        texts.append(T.completion_prompt("arith_gen", T.gen_doc(problem), []) + " "
-                     + problem.target)
-        texts.append(T.completion_prompt("arith_mc", next(mc_stream), []) + " A")
-        if rng.random() < 0.5:
-            builder = rng.choice((plain_conversation, json_conversation, tool_conversation))
-            conversation = builder(rng)
-            texts.append("\n".join(conversation_texts(conversation)))
-    return texts
-
-
-JSON_PUNCTUATION = r'[{}\[\]":,]'
-"""Characters that BPE never merges with others: each is a token of its own, so a structured
-output's grammar (which forces `{` or `[` first, then keys) meets the tokens the model was
-trained on, one structural character at a time."""
-
-
-def train_tokenizer(vocab_size: int, seed: int, corpus_size: int = 5000
-                    ) -> PreTrainedTokenizerFast:
-    """Byte-level BPE; digits are split one per token, and JSON's structural characters
-    (JSON_PUNCTUATION) stand alone, before the byte-level step. DeepSeek-V3's tool tokens are
-    added tokens that are not special (decoding with skip_special_tokens keeps them, so the
-    server's tool-call parser sees them)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(JSON_PUNCTUATION), behavior="isolated"),
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, USER, ASSISTANT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(tokenizer_corpus(corpus_size, seed), trainer=trainer)
-    # arith_mc scores " A" .. " D" after "Answer:": one token each, whatever BPE merged (it
-    # merged " A" but not " B", so A was one token and the others two)
-    tok.add_tokens([AddedToken(f" {letter}", single_word=True, normalized=False)
-                    for letter in T.CHOICE_LETTERS])
-    tok.add_tokens([AddedToken(token, normalized=False, special=False) for token in TOOL_TOKENS])
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
-                                   pad_token=EOS, model_max_length=MAX_POSITIONS)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-# ---- training examples ----------------------------------------------------------------------
-
-
-def gen_example(rng: random.Random, train, shots: int) -> tuple[str, list[Span]]:
-    """k-shot gsm8k-style text (BOS half the time) with its answers as targets, then EOS."""
-    text, spans = (BOS if rng.random() < 0.5 else ""), []
-    docs = [T.gen_doc(next(train)) for _ in range(shots + 1)]
-    for i, doc in enumerate(docs):
-        text += T.doc_to_text("arith_gen", doc)
-        end = EOS if i == shots else "\n\n"
-        spans.append((len(text), len(text) + 1 + len(doc["answer"]) + len(end) * (i == shots),
-                      1.0))
-        text += " " + doc["answer"] + end
-    return text, spans
-
-
-def mc_example(rng: random.Random, train_mc, shots: int, letter_weight: float
-               ) -> tuple[str, list[Span]]:
-    """k-shot mmlu-style text with the answer letters as targets (weighted `letter_weight`),
-    then EOS."""
-    text, spans = (BOS if rng.random() < 0.5 else ""), []
-    docs = [next(train_mc) for _ in range(shots + 1)]
-    for i, doc in enumerate(docs):
-        text += T.doc_to_text("arith_mc", doc)
-        end = EOS if i == shots else "\n\n"
-        spans.append((len(text), len(text) + 2, letter_weight))
-        if i == shots:
-            spans.append((len(text) + 2, len(text) + 2 + len(end), 1.0))
-        text += " " + T.doc_to_target("arith_mc", doc) + end
-    return text, spans
-
-
-def chat_example(tokenizer, train, shots: int) -> tuple[str, list[Span]]:
-    """Few-shot chat through the chat template; every assistant turn (and its EOS) a target."""
-    docs = [T.gen_doc(next(train)) for _ in range(shots + 1)]
-    messages = [*T.chat_messages(docs[-1], docs[:-1]),
-                {"role": "assistant", "content": docs[-1]["answer"]}]
-    spans = []
-    for turn in range(1, len(messages), 2):  # the assistant turns
-        start = len(tokenizer.apply_chat_template(messages[:turn], tokenize=False,
-                                                  add_generation_prompt=True))
-        spans.append((start, start + len(messages[turn]["content"]) + len(EOS), 1.0))
-    return tokenizer.apply_chat_template(messages, tokenize=False), spans
-
-
-MC_LETTER_WEIGHT = 16.0
-"""Loss weight of an arith_mc answer letter relative to one answer token of arith_gen/chat.
-
-The loss is a weighted mean over target tokens. An arith_gen example has ~30 target tokens per
-answer, an arith_mc example one letter per answer, so at weight 1 the letters were ~3% of the
-loss and arith_mc stayed at chance while arith_gen reached 1.000; at 16 they are ~30%."""
-
-
-MIXTURE = {"arith_gen": 0.2, "arith_chat": 0.17, "arith_mc": 0.31, "plain": 0.1, "json": 0.1,
-           "tools": 0.12}
-"""Share of each family among training examples: the three held-out task families in their
-earlier proportions (30 : 25 : 45), and 32% for the chat families (plain questions, JSON
-answers, tool calls)."""
-CHAT_FAMILIES = {"plain": plain_conversation, "json": json_conversation,
-                 "tools": tool_conversation}
-
-
-class TaskStream(IterableDataset):
-    """Endless (input_ids, loss_weights) examples of the MIXTURE's families: arith_gen,
-    arith_chat and arith_mc with 0-3 few-shot examples (train-split problems only), plain
-    questions, JSON answers and tool calls through the chat template; every answer a target.
-
-    With a `batch_size`, whole collated batches instead: each group of `group` batches' worth
-    of examples is sorted by length, cut into batches and shuffled, so a batch pads to about its
-    own examples' length (the tool conversations are 2-5 times longer than most others; random
-    batches were ~70% padding, grouped ones ~40%)."""
-
-    def __init__(self, tokenizer, seed: int, letter_weight: float = MC_LETTER_WEIGHT,
-                 batch_size: int | None = None, group: int = 4) -> None:
-        self.tokenizer, self.seed, self.letter_weight = tokenizer, seed, letter_weight
-        self.batch_size, self.group = batch_size, group
-
-    def examples(self, seed: int):
-        """Endless (family, text, spans) of one data process."""
-        rng = random.Random(seed)
-        train, train_mc = T.problems(seed, "train"), T.mc_docs(seed + 1, "train")
-        names, shares = list(MIXTURE), list(MIXTURE.values())
-        while True:
-            family = rng.choices(names, shares)[0]
-            if family == "arith_gen":
-                text, spans = gen_example(rng, train, rng.randint(0, 3))
-            elif family == "arith_chat":
-                text, spans = chat_example(self.tokenizer, train, rng.randint(0, 3))
-            elif family == "arith_mc":
-                text, spans = mc_example(rng, train_mc, rng.randint(0, 3), self.letter_weight)
-            else:
-                text, spans = conversation_example(self.tokenizer, CHAT_FAMILIES[family](rng))
-            yield family, text, spans
-
-    def encode(self, text: str, spans: list[Span]) -> tuple[list[int], list[float]]:
-        """Token ids and the loss weight of each (that of the span its first character is in)."""
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        weights = [next((w for s, e, w in spans if s <= start < e), 0.0)
-                   for start, _ in encoded["offset_mapping"]]
-        return encoded["input_ids"][:MAX_POSITIONS], weights[:MAX_POSITIONS]
-
-    def __iter__(self):
-        info = get_worker_info()
-        seed = self.seed * 1000 + (info.id if info else 0)
-        encoded = (self.encode(text, spans) for _, text, spans in self.examples(seed))
-        if not self.batch_size:
-            yield from encoded
-            return
-        rng = random.Random(seed + 1)
-        while True:
-            pool = sorted((next(encoded) for _ in range(self.batch_size * self.group)),
-                          key=lambda example: len(example[0]))
-            batches = [pool[i:i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
-            rng.shuffle(batches)
-            for batch in batches:
-                yield collate(batch, self.tokenizer.pad_token_id)
-
-
-def collate(batch: list[tuple[list[int], list[float]]], pad_id: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids [B, T] and the loss weight of predicting each token [B, T]
-    (0 for context and padding)."""
-    width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, T]
-    weights = torch.zeros((len(batch), width))  # [B, T]
-    for row, (ids, token_weights) in enumerate(batch):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        weights[row, : len(ids)] = torch.tensor(token_weights)
-    return input_ids, weights
 
 
 def weighted_loss(logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor
@@ -543,7 +297,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 def train_mtp_only(args: argparse.Namespace, argv: list[str]) -> dict[str, float]:
     """--mtp-only: the MTP module of --init's frozen model, trained and saved (module
     docstring); returns the last log window's loss and accuracy of each depth."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import demo_mtp
     from transformers import AutoModelForCausalLM
 

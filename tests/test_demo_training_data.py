@@ -13,6 +13,24 @@ import pytest
 from mlaserve.eval import chat_checks as checks
 from mlaserve.eval import chat_families as families
 from mlaserve.eval import tasks as T
+from mlaserve.eval.chat_families import (
+    ASSISTANT,
+    BOS,
+    CALL_BEGIN,
+    CALL_END,
+    CALL_SEP,
+    CALLS_BEGIN,
+    CALLS_END,
+    EOS,
+    OUTPUT_BEGIN,
+    OUTPUT_END,
+    OUTPUTS_BEGIN,
+    OUTPUTS_END,
+    TOOL_TOKENS,
+    USER,
+)
+from mlaserve.eval.chat_json import json_conversation
+from mlaserve.eval.chat_tools import tool_conversation
 from mlaserve.server.tool_calls import get_tool_call_parser
 from mlaserve.server.tool_choice import constrained_tool_calls
 from tests.scripts_util import load_script
@@ -36,12 +54,15 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def train():
-    return load_script("train_demo_model")
+    """scripts/demo_training_data.py (loaded after train_demo_model.py, which puts scripts/ on
+    the import path for its sibling modules)."""
+    load_script("train_demo_model")
+    return load_script("demo_training_data")
 
 
 @pytest.fixture(scope="module")
 def tokenizer(train):
-    return train.train_tokenizer(896, 0, corpus_size=400)
+    return load_script("demo_tokenizer").train_tokenizer(896, 0, corpus_size=400)
 
 
 def render(tokenizer, messages, tools=None, prompt=False) -> str:
@@ -51,7 +72,7 @@ def render(tokenizer, messages, tools=None, prompt=False) -> str:
 
 def assistant_turns(text: str, train) -> list[str]:
     """The text of each assistant turn of a rendered conversation, up to its EOS."""
-    return [part.split(train.EOS)[0] for part in text.split(train.ASSISTANT)[1:]]
+    return [part.split(EOS)[0] for part in text.split(ASSISTANT)[1:]]
 
 
 # ---- the chat template ----------------------------------------------------------------------
@@ -66,10 +87,10 @@ def test_template_without_tools_renders_as_before(tokenizer, train) -> None:
         for prompt in (False, True):
             tokenizer.chat_template = OLD_TEMPLATE
             old = render(tokenizer, messages, prompt=prompt)
-            tokenizer.chat_template = train.CHAT_TEMPLATE
+            tokenizer.chat_template = load_script("demo_tokenizer").CHAT_TEMPLATE
             assert render(tokenizer, messages, prompt=prompt) == old
     developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "x"}]
-    assert render(tokenizer, developer) == f"{train.BOS}Be brief.\n\n{train.USER}x"
+    assert render(tokenizer, developer) == f"{BOS}Be brief.\n\n{USER}x"
 
 
 def test_template_renders_tools_calls_and_results(tokenizer, train) -> None:
@@ -88,28 +109,28 @@ def test_template_renders_tools_calls_and_results(tokenizer, train) -> None:
         {"role": "assistant", "content": "Sunny; it is 12:00."},
         {"role": "user", "content": "Thanks!"}]
     text = render(tokenizer, messages, [WEATHER, TIME], prompt=True)
-    head = (f"{train.BOS}Tools:\n"
+    head = (f"{BOS}Tools:\n"
             '{"name":"get_weather","description":"Get the weather.","parameters":{"type":'
             '"object","properties":{"city":{"type":"string"}},"required":["city"]}}\n'
             '{"name":"get_time","parameters":{"type":"object","properties":{"zone":{"enum":'
             '["utc","cet"]}}}}\n\n')
-    assert text.startswith(head + f"{train.USER}Weather in Paris, and the time?")
+    assert text.startswith(head + f"{USER}Weather in Paris, and the time?")
     calls_turn, answer_turn = assistant_turns(text, train)[:2]
     content, calls = get_tool_call_parser("deepseek_v3").extract(calls_turn)
     assert content is None
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         ("get_weather", '{"city":"Paris"}'), ("get_time", '{"zone":"utc"}')]
-    assert calls_turn.startswith(f"{train.CALLS_BEGIN}{train.CALL_BEGIN}function{train.CALL_SEP}"
+    assert calls_turn.startswith(f"{CALLS_BEGIN}{CALL_BEGIN}function{CALL_SEP}"
                                  "get_weather\n```json\n{\"city\":\"Paris\"}\n```"
-                                 f"{train.CALL_END}\n{train.CALL_BEGIN}")
-    assert calls_turn.endswith(train.CALLS_END)
-    assert (f"{train.EOS}{train.OUTPUTS_BEGIN}{train.OUTPUT_BEGIN}sunny{train.OUTPUT_END}"
-            f"{train.OUTPUT_BEGIN}12:00{train.OUTPUT_END}{train.OUTPUTS_END}{train.ASSISTANT}"
+                                 f"{CALL_END}\n{CALL_BEGIN}")
+    assert calls_turn.endswith(CALLS_END)
+    assert (f"{EOS}{OUTPUTS_BEGIN}{OUTPUT_BEGIN}sunny{OUTPUT_END}"
+            f"{OUTPUT_BEGIN}12:00{OUTPUT_END}{OUTPUTS_END}{ASSISTANT}"
             "Sunny; it is 12:00.") in text
     assert answer_turn == "Sunny; it is 12:00."
-    assert text.endswith(f"{train.USER}Thanks!{train.ASSISTANT}")
+    assert text.endswith(f"{USER}Thanks!{ASSISTANT}")
     after_tool = render(tokenizer, messages[:3], [WEATHER], prompt=True)
-    assert after_tool.endswith(f"{train.OUTPUTS_END}{train.ASSISTANT}")
+    assert after_tool.endswith(f"{OUTPUTS_END}{ASSISTANT}")
     # content before the calls stays content
     said = [{"role": "assistant", "content": "Let me check.", "tool_calls": messages[1][
         "tool_calls"][:1]}]
@@ -126,15 +147,15 @@ def test_tokenizer_tool_tokens_and_json_punctuation(tokenizer, train) -> None:
     """The tool tokens are one added token each, not special (skip_special_tokens keeps them,
     so the server's tool-call parser sees them); JSON's structural characters are tokens of
     their own; digits one per token."""
-    for token in train.TOOL_TOKENS:
+    for token in TOOL_TOKENS:
         ids = tokenizer(f"a{token}b", add_special_tokens=False)["input_ids"]
         assert tokenizer.convert_tokens_to_ids(token) in ids and len(ids) == 3
         assert tokenizer.convert_tokens_to_ids(token) not in tokenizer.all_special_ids
-    text = f"Hi{train.CALLS_BEGIN}{train.CALL_BEGIN}function{train.CALL_SEP}f\n{train.EOS}"
+    text = f"Hi{CALLS_BEGIN}{CALL_BEGIN}function{CALL_SEP}f\n{EOS}"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert tokenizer.decode(ids, skip_special_tokens=True) == text.removesuffix(train.EOS)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text.removesuffix(EOS)
     assert tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True) \
-        == text.removesuffix(train.EOS)
+        == text.removesuffix(EOS)
     pieces = tokenizer.tokenize('{"answer":[12,"ab"],"ok":true}')
     for char in '{}[]":,':
         assert all(piece == char or char not in piece for piece in pieces), pieces
@@ -165,7 +186,7 @@ def expected_targets(train, tokenizer, conversation) -> list[str]:
     out = []
     for index, skip in sorted(conversation.targets.items()):
         turn = render(tokenizer, conversation.messages[index:index + 1])
-        out.append(turn.removeprefix(train.BOS + train.ASSISTANT)[skip:])
+        out.append(turn.removeprefix(BOS + ASSISTANT)[skip:])
     return out
 
 
@@ -176,11 +197,11 @@ def test_targets_are_the_assistant_turns(family, train, tokenizer) -> None:
     builder = train.CHAT_FAMILIES[family]
     for seed in SEEDS:
         conversation = builder(random.Random(seed))
-        text, spans = train.conversation_example(tokenizer, conversation)
+        text, spans = families.conversation_example(tokenizer, conversation)
         assert text == render(tokenizer, conversation.messages, conversation.tools)
-        assert text.startswith(train.BOS) and train.USER in text
+        assert text.startswith(BOS) and USER in text
         want = expected_targets(train, tokenizer, conversation)
-        assert want and all(w.endswith(train.EOS) for w in want)
+        assert want and all(w.endswith(EOS) for w in want)
         assert target_runs(train, tokenizer, text, spans) == want, (seed, text)
 
 
@@ -211,16 +232,16 @@ def test_plain_answers_are_short_and_right(train) -> None:
 
 def test_plain_conversations_cover_the_asked_shapes(train) -> None:
     questions = [m["content"] for seed in range(3000)
-                 for m in train.plain_conversation(random.Random(seed)).messages]
+                 for m in families.plain_conversation(random.Random(seed)).messages]
     joined = "\n".join(questions)
     for shape in (r"What is \d+ \+ \d+\?", r"What is \d+ [-+] \d+ [-+] \d+\?",
                   r"Which is largest: \d+, \d+, \d+ or \d+\?",
                   r"Which number is the smallest", r"What is \d+ \* \d+\?"):
         assert re.search(shape, joined), shape
-    systems = Counter(train.plain_conversation(random.Random(s)).messages[0]["role"]
+    systems = Counter(families.plain_conversation(random.Random(s)).messages[0]["role"]
                       for s in range(500))
     assert systems["system"] > 100 and systems["user"] > 100
-    turns = Counter(len(train.plain_conversation(random.Random(s)).targets) for s in range(500))
+    turns = Counter(len(families.plain_conversation(random.Random(s)).targets) for s in range(500))
     assert turns[1] > 200 and turns[2] + turns[3] > 50
 
 
@@ -229,7 +250,7 @@ def test_json_answers_are_compact_valid_objects(train) -> None:
     words), the whole object is the target, else everything after the forced `{`."""
     asked = Counter()
     for seed in range(2000):
-        conversation = train.json_conversation(random.Random(seed))
+        conversation = json_conversation(random.Random(seed))
         for index, skip in conversation.targets.items():
             content = conversation.messages[index]["content"]
             value = json.loads(content)
@@ -259,7 +280,7 @@ def test_json_answers_hold_every_shape(train) -> None:
 
     reasoning = 0
     for seed in range(2000):
-        conversation = train.json_conversation(random.Random(seed))
+        conversation = json_conversation(random.Random(seed))
         value = json.loads(conversation.messages[-1]["content"])
         walk(value)
         if set(value) == {"steps", "final_answer"} and isinstance(value["steps"][0], dict):
@@ -285,7 +306,7 @@ def test_tool_calls_parse_and_take_the_users_words(train, tokenizer) -> None:
     parser = get_tool_call_parser("deepseek_v3")
     modes = Counter()
     for seed in range(1000):
-        conversation = train.tool_conversation(random.Random(seed))
+        conversation = tool_conversation(random.Random(seed))
         text = render(tokenizer, conversation.messages, conversation.tools)
         turns = iter(assistant_turns(text, train))
         tools = {t["function"]["name"]: t["function"] for t in conversation.tools}
@@ -326,7 +347,7 @@ def test_tool_calls_parse_and_take_the_users_words(train, tokenizer) -> None:
 def test_tool_conversations_have_results_answers_and_plain_questions(train) -> None:
     shapes = Counter()
     for seed in range(1000):
-        conversation = train.tool_conversation(random.Random(seed))
+        conversation = tool_conversation(random.Random(seed))
         roles = [m["role"] for m in conversation.messages]
         assert 1 <= len(conversation.tools) <= 3
         shapes["result"] += "tool" in roles
@@ -378,5 +399,5 @@ def test_chat_checks_score_the_trained_answers_as_right(train, tokenizer) -> Non
             return [answers[p] if self.right else "" for p in prompts]
 
     names = {"plain", "json_valid", "json_exact", "tools_auto", "tools_required", "tools_named"}
-    assert train.chat_checks(Engine(True), tokenizer, 20, 1) == dict.fromkeys(names, 1.0)
-    assert train.chat_checks(Engine(False), tokenizer, 20, 1) == dict.fromkeys(names, 0.0)
+    assert checks.chat_checks(Engine(True), tokenizer, 20, 1) == dict.fromkeys(names, 1.0)
+    assert checks.chat_checks(Engine(False), tokenizer, 20, 1) == dict.fromkeys(names, 0.0)
