@@ -48,7 +48,7 @@ SIGNATURE = {
     "q_ptr": "*bf16", "kv_ptr": "*bf16", "kv_nope_desc": "constexpr", "kv_pe_desc": "constexpr",
     "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
     "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32", "q_len": "i32",
-    "num_heads": "i32", "num_splits": "i32", "min_split_len": "i32", "batch_size": "i32",
+    "num_heads": "i32", "num_splits": "i32", "min_split_len": "i32", "total_keys_ptr": "*i32",
     "balance_splits": "i32", "stride_q_token": "i32", "stride_q_head": "i32",
     "stride_kv_block": "i32", "stride_kv_slot": "i32", "stride_bt": "i32",
 }

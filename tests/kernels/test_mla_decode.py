@@ -8,7 +8,6 @@ each last page with NaN and shuffles the block table.
 """
 
 import dataclasses
-import math
 import os
 import sys
 
@@ -21,17 +20,13 @@ from mlaserve.attention import mla_decode  # noqa: E402
 from mlaserve.attention.base import MLAShape  # noqa: E402
 from mlaserve.attention.triton_backend import TritonMLABackend  # noqa: E402
 from mlaserve.kernels.mla_decode.common import GLUON_SM90, TRITON_SPLIT  # noqa: E402
-from mlaserve.kernels.mla_decode.launch import mla_decode_triton  # noqa: E402
 from mlaserve.kernels.mla_decode.plan import (  # noqa: E402
     MLADecodeConfig,
-    alloc_workspace,
     default_config,
-    describe,
     merge_tile,
     page_chunk,
     plan_mla_decode,
 )
-from mlaserve.kernels.mla_decode.tuning import BALANCED_HEADROOM  # noqa: E402
 from tests.kernels.decode_util import (  # noqa: E402
     CAPABILITY,
     DEVICE,
@@ -347,35 +342,3 @@ def test_sm90_paths(path: str, block_size: int, heads_and_q_len: tuple[int, int]
         assert planned.kernel == (GLUON_SM90 if path == "warp_specialized" else TRITON_SPLIT)
     run_and_check(lens, num_heads, 512, 64, block_size, q_len, dtype, config, num_splits,
                   seed=block_size + num_heads)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
-def test_balanced_splits_give_long_requests_more_of_the_grid(dtype: torch.dtype) -> None:
-    """The "balanced" policy plans a grid of BALANCED_HEADROOM x the uniform split count S; on
-    the device each split is at least the batch's keys over B x S long. A ragged batch's long
-    request then takes more than S splits and short ones fewer (read from the partial LSEs:
-    a split with keys has a finite one), and every key is still attended once."""
-    lens = [1, 700, 13, 0, 256, 64]
-    config = dataclasses.replace(SMALL_TILES, split_policy="balanced", max_num_splits=64)
-    q, kv_cache, block_table, seq_lens = make_batch(lens, 16, 64, 16, 16, 1, dtype)
-    plan = plan_mla_decode(len(lens), block_table.shape[1] * 16, 16, 1, 64, 16, dtype, NUM_SMS,
-                           16, config=config, capability=CAPABILITY)
-    uniform_splits = plan.balance_splits // len(lens)
-    assert plan.kernel == TRITON_SPLIT and uniform_splits >= 1
-    assert plan.num_splits == min(64, BALANCED_HEADROOM * uniform_splits)
-    assert f"balanced keys/{plan.balance_splits} " in describe(plan)
-    workspace = alloc_workspace(plan, q.device)
-    for buffer in workspace:
-        buffer.fill_(float("nan"))
-    scale = 1.5 / math.sqrt(64 + 16)
-    o, lse = mla_decode_triton(q, kv_cache, block_table, seq_lens, scale, 64, 1, plan,
-                               workspace=workspace)
-    check(o, lse, q, kv_cache, block_table, seq_lens, scale, 64, 1)
-    partial_lse = workspace[1][: len(lens) * plan.num_splits * 16].view(len(lens),
-                                                                      plan.num_splits, 16)
-    used = torch.isfinite(partial_lse[:, :, 0]).sum(dim=1).tolist()  # [B] splits with keys
-    balanced_len = -(-sum(lens) // plan.balance_splits)
-    want = [-(-n // max(16, -(-max(-(-n // plan.num_splits), balanced_len) // 16) * 16))
-            for n in lens]
-    assert used == want
-    assert used[1] > uniform_splits and used[0] == used[2] == 1 and used[3] == 0

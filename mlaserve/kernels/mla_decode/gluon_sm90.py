@@ -275,10 +275,13 @@ def _mla_decode_split_kernel_sm90(
     num_heads,
     num_splits,
     min_split_len,  # a multiple of BLOCK_N
+    total_keys_ptr,  # [1] int32: the sum of seq_lens (BALANCED only; else unread)
+    balance_splits,  # splits a uniform batch would use, over the batch (BALANCED only)
     stride_bt,
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
+    BALANCED: gl.constexpr,  # the "balanced" split policy (common.py)
     TMA_STORE: gl.constexpr,  # full 64-row groups store by TMA through the KV ring
     FP8_STAGES: gl.constexpr,  # > 0: an FP8 cache, staged in this many FP8 tiles
 ):
@@ -290,7 +293,11 @@ def _mla_decode_split_kernel_sm90(
     req = gl.program_id(2)
     num_rows = q_len * num_heads
     seq_len = gl.load(seq_lens_ptr + req)
-    _, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len, TILE)
+    balanced_len = 0
+    if BALANCED:  # the batch's keys over the splits of a uniform batch
+        balanced_len = gl.cdiv(gl.load(total_keys_ptr), balance_splits)
+    _, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len, TILE,
+                                             balanced_len)
     num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), TILE)
     q_row = req * num_rows + group * ROWS
     out_base = (req.to(gl.int64) * num_splits + split) * num_rows  # first output row
@@ -420,8 +427,10 @@ def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
     grid = (triton.cdiv(num_rows, BLOCK_M), num_splits, batch)
     _mla_decode_split_kernel_sm90[grid](
         *descs, io.block_table, io.seq_lens, o_desc, partial_o, io.partial_lse, io.qk_scale,
-        io.q_len, num_heads, num_splits, config.min_split_len, io.block_table.stride(0),
+        io.q_len, num_heads, num_splits, config.min_split_len,
+        io.total_keys, max(plan.balance_splits, 1), io.block_table.stride(0),
         BLOCK_SIZE=block_size, NUM_STAGES=config.num_stages, DIRECT_OUTPUT=num_splits == 1,
+        BALANCED=plan.balance_splits > 0,
         TMA_STORE=stores_by_tma(kv_lora_rank, config.block_n, config.num_stages, num_rows,
                                 partial_o.dtype),
         FP8_STAGES=plan.fp8_staging, num_warps=NUM_WARPS)

@@ -41,7 +41,8 @@ def _signature(dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, block_n: in
         "o_desc": f"tensordesc<{output_type}[{BLOCK_M}, {kv_lora_rank // 2}],{output_layout!r}>",
         "o_ptr": f"*{output_type}", "lse_ptr": "*fp32",
         "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
-        "min_split_len": "i32", "stride_bt": "i32"}
+        "min_split_len": "i32", "total_keys_ptr": "*i32", "balance_splits": "i32",
+        "stride_bt": "i32"}
 
 
 def compile_for_sm90(
@@ -54,13 +55,14 @@ def compile_for_sm90(
     direct_output: bool = False,
     tma_store: bool = True,
     fp8_stages: int = 0,
+    balanced: bool = False,
 ):
     """The split pass compiled for sm_90 (over an FP8 cache staged in fp8_stages tiles where
-    that is > 0); returns Triton's CompiledKernel (asm["ptx"], asm["cubin"],
-    metadata.shared)."""
+    that is > 0; with `balanced`, the "balanced" split policy's split lengths); returns
+    Triton's CompiledKernel (asm["ptx"], asm["cubin"], metadata.shared)."""
     kernel = _mla_decode_split_kernel_sm90
     constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output,
-                      TMA_STORE=tma_store, FP8_STAGES=fp8_stages)
+                      BALANCED=balanced, TMA_STORE=tma_store, FP8_STAGES=fp8_stages)
     signature = dict(_signature(dtype, kv_lora_rank, rope_dim, block_n, direct_output,
                                 fp8_stages > 0))
     signature |= {name: "constexpr" for name in constexprs}
@@ -78,14 +80,17 @@ def compile_fp8_for_sm90(
     block_size: int = 64,
     direct_output: bool = False,
     transposed: bool = False,
+    balanced: bool = False,
 ):
     """An FP8-cache pass compiled for sm_90 (`gluon_sm90_fp8`, or with `transposed`
     `gluon_sm90_fp8_transposed`, whose tiles are 64 keys whatever block_n says), q in dtype,
-    the partials in float32 (or the final output in dtype); returns Triton's CompiledKernel."""
+    the partials in float32 (or the final output in dtype), with `balanced` the "balanced"
+    split policy's split lengths; returns Triton's CompiledKernel."""
     from mlaserve.kernels.mla_decode import gluon_sm90_fp8, gluon_sm90_fp8_transposed
 
     type_name = _TYPE_NAMES[dtype]
-    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output)
+    constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output,
+                      BALANCED=balanced)
     options = {"num_warps": gluon_sm90_fp8.NUM_WARPS}
     kernel = gluon_sm90_fp8._mla_decode_split_kernel_sm90_fp8
     if transposed:
@@ -102,8 +107,9 @@ def compile_fp8_for_sm90(
         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
         "o_ptr": f"*{type_name if direct_output else 'fp32'}", "lse_ptr": "*fp32",
         "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
-        "min_split_len": "i32", "stride_q_token": "i32", "stride_q_head": "i32",
-        "stride_bt": "i32"} | {name: "constexpr" for name in constexprs}
+        "min_split_len": "i32", "total_keys_ptr": "*i32", "balance_splits": "i32",
+        "stride_q_token": "i32", "stride_q_head": "i32", "stride_bt": "i32",
+    } | {name: "constexpr" for name in constexprs}
     aligned = ["q_ptr", "block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_q_token",
                "stride_q_head", "stride_bt"]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}

@@ -210,6 +210,8 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     num_heads,
     num_splits,
     min_split_len,  # a multiple of 64
+    total_keys_ptr,  # [1] int32: the sum of seq_lens (BALANCED only; else unread)
+    balance_splits,  # splits a uniform batch would use, over the batch (BALANCED only)
     stride_q_token,
     stride_q_head,
     stride_bt,
@@ -217,6 +219,7 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
+    BALANCED: gl.constexpr,  # the "balanced" split policy (common.py)
 ):
     LC: gl.constexpr = kv_desc.block_type.shape[1]
     R: gl.constexpr = pe_desc.block_type.shape[1]
@@ -225,7 +228,11 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     req = gl.program_id(2)
     num_rows = q_len * num_heads
     seq_len = gl.load(seq_lens_ptr + req)
-    _, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len, TILE)
+    balanced_len = 0
+    if BALANCED:  # the batch's keys over the splits of a uniform batch
+        balanced_len = gl.cdiv(gl.load(total_keys_ptr), balance_splits)
+    _, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len, TILE,
+                                             balanced_len)
     num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), TILE)
     bt_row = block_table_ptr + req.to(gl.int64) * stride_bt
     out_base = (req.to(gl.int64) * num_splits + split) * num_rows  # first output row
@@ -267,10 +274,12 @@ def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
     kv_desc, pe_desc = kv_descriptors(io.kv_cache, io.kv_lora_rank, GLUON_FP8_TRANSPOSED_TILE)
     _mla_decode_split_kernel_sm90_fp8_transposed[(1, num_splits, io.block_table.shape[0])](
         q, kv_desc, pe_desc, io.block_table, io.seq_lens, io.partial_o, io.partial_lse,
-        io.qk_scale, io.q_len, q.shape[1], num_splits, config.min_split_len, q.stride(0),
+        io.qk_scale, io.q_len, q.shape[1], num_splits, config.min_split_len,
+        io.total_keys, max(plan.balance_splits, 1), q.stride(0),
         q.stride(1), io.block_table.stride(0), ROWS=GLUON_FP8_ROWS,
         BLOCK_SIZE=io.kv_cache.shape[1], NUM_STAGES=config.num_stages,
-        DIRECT_OUTPUT=num_splits == 1, num_warps=NUM_WARPS, maxnreg=LAUNCH_REGISTERS)
+        DIRECT_OUTPUT=num_splits == 1, BALANCED=plan.balance_splits > 0, num_warps=NUM_WARPS,
+        maxnreg=LAUNCH_REGISTERS)
 
 
 __all__ = ["launch_split_pass"]

@@ -45,7 +45,7 @@ class MLADecodeConfig:
             "balanced": the "waves" count S for a uniform batch, a grid of
             `tuning.BALANCED_HEADROOM` x S splits, and on the device a split length of at
             least the batch's keys over B x S (common.py), so a ragged batch's long requests
-            take more splits than its short ones (Triton split pass only).
+            take more splits than its short ones (every split pass).
         programs_per_sm: programs that run at once on one SM (for "waves"), or the target grid
             size per SM (for "fill").
         min_split_len: fewest KV tokens per split; also enforced on the device, so short requests
@@ -387,14 +387,14 @@ def plan_mla_decode(
     gluon = config.warp_specialized and gluon_serves(
         capability, dtype, kv_lora_rank, qk_rope_head_dim, config.block_m, config.block_n,
         config.num_stages, block_size, fp8_staging)
-    if gluon and (fp8_staging or not fp8_cache) and not balance_splits:  # no balanced splits
+    if gluon and (fp8_staging or not fp8_cache):
         kernel = GLUON_SM90
-    elif config.gluon_fp8 and config.fp8_transposed and not balance_splits and (
+    elif config.gluon_fp8 and config.fp8_transposed and (
             gluon_fp8_transposed_serves(capability, dtype, cache_dtype, rows, kv_lora_rank,
                                         qk_rope_head_dim, config.block_n, config.num_stages,
                                         block_size)):
         kernel = GLUON_SM90_FP8_T
-    elif config.gluon_fp8 and not balance_splits and gluon_fp8_serves(
+    elif config.gluon_fp8 and gluon_fp8_serves(
             capability, dtype, cache_dtype, rows, kv_lora_rank, qk_rope_head_dim,
             config.block_n, config.num_stages, block_size):
         kernel = GLUON_SM90_FP8

@@ -1,6 +1,6 @@
 """The split arithmetic on the device (`common.py` has it in words): one Triton function, called
-by both split passes (the Triton kernel of `triton_split.py` and the Gluon pass of
-`gluon_sm90.py`), so neither imports the other."""
+by every split pass (the Triton kernel of `triton_split.py` and the Gluon passes), so none
+imports another."""
 
 import triton
 import triton.language as tl

@@ -167,7 +167,7 @@ def _mla_decode_split_kernel(
     num_heads,
     num_splits,
     min_split_len,  # a multiple of BLOCK_N
-    batch_size,  # B (the balanced split length sums seq_lens over it)
+    total_keys_ptr,  # [1] int32: the sum of seq_lens (BALANCED only; else unread)
     balance_splits,  # splits a uniform batch would use, over the batch (BALANCED only)
     stride_q_token,
     stride_q_head,
@@ -201,11 +201,7 @@ def _mla_decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     balanced_len = 0
     if BALANCED:  # the batch's keys over the splits of a uniform batch (common.py)
-        total = tl.full([], 0, tl.int32)
-        for first in range(0, batch_size, 128):
-            reqs = first + tl.arange(0, 128)
-            total += tl.sum(tl.load(seq_lens_ptr + reqs, mask=reqs < batch_size, other=0))
-        balanced_len = tl.cdiv(total, balance_splits)
+        balanced_len = tl.cdiv(tl.load(total_keys_ptr), balance_splits)
     split_len, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len,
                                                      BLOCK_N, balanced_len)
 
@@ -370,7 +366,7 @@ def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
     _mla_decode_split_kernel[(plan.num_head_groups, num_splits, batch)](
         q, kv_cache, nope_desc, pe_desc, io.block_table, io.seq_lens, io.partial_o,
         io.partial_lse, io.qk_scale, io.q_len, num_heads, num_splits, config.min_split_len,
-        batch, max(plan.balance_splits, 1), q.stride(0), q.stride(1), kv_cache.stride(0),
+        io.total_keys, max(plan.balance_splits, 1), q.stride(0), q.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), io.block_table.stride(0), KV_LORA_RANK=kv_lora_rank,
         ROPE_DIM=head_dim - kv_lora_rank,
         BLOCK_SIZE=kv_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
