@@ -55,6 +55,14 @@
 #                minute each); the three this run needs (fa3 bfloat16, fa3 float16, fa2
 #                bfloat16) are compiled side by side first. About 5 minutes in all; each step
 #                has a time limit so the run stays under 10.
+#   balanced OUT_DIR
+#                the "balanced" split policy (issue: ragged batches): its GPU tests (every split
+#                pass against the float32 reference), FlashInfer fa3 compiled, then `mlaserve
+#                bench kernel` at 16 and 128 heads x batch 16/64/256/512 x kv 8192 (pages of 64),
+#                uniform and ragged (--ragged), the plan's choice beside split_policy=balanced
+#                and fa3, the same 16-head cells over an FP8 cache (ours only), and the
+#                committed served-step trace replayed with both policies. RUNS (default 1)
+#                processes of each timing.
 #
 # FP8 (benchmarks/fp8/, one H200 or H100), in the order to run them (correctness before timing):
 #   fp8-tests    the GPU tests of the FP8 GEMMs (the Gluon sm_90 GEMM included), Linears, MoE,
@@ -340,6 +348,34 @@ kernel_stage() {
   return $status
 }
 
+balanced_stage() {
+  local run status=0 start=$SECONDS
+  local grid="--batch-sizes 16,64,256,512 --kv-lens 8192 --block-sizes 64 --ragged"
+  local sweep="--sweep split_policy=balanced"
+  gpu_info
+  timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+    tests/kernels/test_mla_decode_balanced.py > "$out/gpu_tests_balanced.log" 2>&1 || status=1
+  tail -n 5 "$out/gpu_tests_balanced.log"
+  [ $status = 0 ] || return 1
+  timeout 200 python3 -m mlaserve bench kernel-diag flashinfer-warm fa3 bfloat16 \
+    > "$out/warm.log" 2>&1
+  for run in $(seq "${RUNS:-1}"); do
+    # shellcheck disable=SC2086
+    timeout 240 python3 -m mlaserve bench kernel --heads 16,128 $grid $sweep \
+      --backends triton,flashinfer > "$out/ragged-$run.log" 2>&1 || status=1
+    grep -E "^ *(16|128) " "$out/ragged-$run.log" | head -n 60
+    # shellcheck disable=SC2086
+    timeout 150 python3 -m mlaserve bench kernel --heads 16 $grid $sweep \
+      --kv-cache-dtype fp8 --backends triton > "$out/ragged-fp8-$run.log" 2>&1 || status=1
+    timeout 150 python3 -m mlaserve bench kernel --heads 16 --block-sizes 64 $sweep \
+      --replay benchmarks/mla-decode/traces/v2-lite-random-1024-1024-c256.jsonl \
+      --replay-steps 40 --backends triton,flashinfer > "$out/replay-$run.log" 2>&1 || status=1
+    tail -n 8 "$out/replay-$run.log"
+  done
+  echo "total $((SECONDS - start)) s"
+  return $status
+}
+
 fp8_stage() {  # fp8-STAGE, each documented above
   local runs=${RUNS:-3} variant=${VARIANT:-}
   local cells="--heads 16 --batch-sizes 64,128,512 --kv-lens 4096 --block-sizes 64 --backends triton"
@@ -568,6 +604,7 @@ case $stage in
   spec) spec_stage ;;
   sweep) sweep_stage ;;
   kernel) kernel_stage ;;
+  balanced) balanced_stage ;;
   fp8-*) fp8_stage ;;
   multi-*) multi_stage ;;
 esac
