@@ -56,10 +56,10 @@
 #                bfloat16) are compiled side by side first. About 5 minutes in all; each step
 #                has a time limit so the run stays under 10.
 #   balanced OUT_DIR
-#                the "balanced" split policy (issue: ragged batches): its GPU tests (every split
+#                balanced splits (split lengths from the batch's keys): the GPU tests (every split
 #                pass against the float32 reference), FlashInfer fa3 compiled, then `mlaserve
 #                bench kernel` at 16 and 128 heads x batch 16/64/256/512 x kv 8192 (pages of 64),
-#                uniform and ragged (--ragged), the plan's choice beside split_policy=balanced
+#                uniform and ragged (--ragged), the plan's choice beside balanced_splits=1
 #                and fa3, the same 16-head cells over an FP8 cache (ours only), and the
 #                committed served-step trace replayed with both policies. RUNS (default 1)
 #                processes of each timing.
@@ -351,7 +351,7 @@ kernel_stage() {
 balanced_stage() {
   local run status=0 start=$SECONDS
   local grid="--batch-sizes 16,64,256,512 --kv-lens 8192 --block-sizes 64 --ragged"
-  local sweep="--sweep split_policy=balanced"
+  local sweep="--sweep balanced_splits=1"
   gpu_info
   timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
     tests/kernels/test_mla_decode_balanced.py > "$out/gpu_tests_balanced.log" 2>&1 || status=1

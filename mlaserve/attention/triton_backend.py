@@ -116,7 +116,7 @@ class TritonMLABackend(MLABackend):
         self._plans: dict[tuple, MLADecodePlan] = {}
         self._eager_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        # The step's keys ([1] int32) under the "balanced" split policy: summed once a step,
+        # The step's keys ([1] int32) with balanced splits: summed once a step,
         # read by every layer's split pass (a static buffer under CUDA graphs).
         self.total_keys: torch.Tensor | None = None
         self._graph_total_keys: torch.Tensor | None = None
@@ -218,7 +218,7 @@ class TritonMLABackend(MLABackend):
 
     def _sum_graph_keys(self, seq_lens: torch.Tensor) -> None:
         """The step's keys into the static buffer the graphs read (outside any graph: once a
-        step, before replay), under the "balanced" split policy."""
+        step, before replay), with balanced splits."""
         if self.kernel_plan.balance_splits:
             self._kernels.sum_keys(self.graph_seq_lens[:seq_lens.shape[0]],
                                    out=self._graph_total_keys)

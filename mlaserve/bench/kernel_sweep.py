@@ -3,9 +3,10 @@ the plan's own choice in the same run.
 
 A sweep spec is groups of `field=value,value,...` separated by spaces or ';'; the variants are
 the product of the groups. A field is one of `MLADecodeConfig`'s (block_m, block_n, num_warps,
-num_stages, split_policy, programs_per_sm, min_split_len, max_num_splits, merge_block_rows,
-merge_num_warps, programmatic_launch, tma_loads, warp_specialized, partial_dtype), changed in the
-configuration the plan would choose for each cell, or `num_splits` (a forced split count). Each
+num_stages, split_policy, balanced_splits, programs_per_sm, min_split_len, max_num_splits,
+merge_block_rows, merge_num_warps, programmatic_launch, tma_loads, warp_specialized,
+partial_dtype, ...), changed in the configuration the plan would choose for each cell, or
+`num_splits` (a forced split count). Each
 variant is a backend row named `triton[field=value,...]`; like every row it is checked against
 the float32 reference before it is timed, and the kernel and configuration its plan ran are
 printed under the cell. Example:

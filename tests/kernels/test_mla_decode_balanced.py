@@ -1,4 +1,4 @@
-"""The "balanced" split policy: split lengths from the batch's actual keys, on the device.
+"""Balanced splits: split lengths from the batch's actual keys, on the device.
 
 The plan makes a grid of BALANCED_HEADROOM x the uniform split count S; each split is at least
 the batch's keys over B x S long (`launch.sum_keys` sums them once a step), so a ragged
@@ -81,14 +81,14 @@ def test_balanced_splits_give_long_requests_more_of_the_grid(dtype: torch.dtype)
     """A ragged batch's long request takes more than S splits and short ones fewer, and every
     key is still attended once."""
     lens = [1, 700, 13, 0, 256, 64]
-    config = dataclasses.replace(SMALL_TILES, split_policy="balanced", max_num_splits=64)
+    config = dataclasses.replace(SMALL_TILES, balanced_splits=True, max_num_splits=64)
     q, kv_cache, block_table, seq_lens = make_batch(lens, 16, 64, 16, 16, 1, dtype)
     plan = plan_mla_decode(len(lens), block_table.shape[1] * 16, 16, 1, 64, 16, dtype, NUM_SMS,
                            16, config=config, capability=CAPABILITY)
     uniform_splits = plan.balance_splits // len(lens)
     assert plan.kernel == TRITON_SPLIT and uniform_splits >= 1
     assert plan.num_splits == min(64, BALANCED_HEADROOM * uniform_splits)
-    assert f"balanced keys/{plan.balance_splits} " in describe(plan)
+    assert f"(waves balanced keys/{plan.balance_splits} " in describe(plan)
     workspace = poisoned_workspace(plan)
     scale = 1.5 / math.sqrt(64 + 16)
     o, lse = mla_decode_triton(q, kv_cache, block_table, seq_lens, scale, 64, 1, plan,
@@ -104,7 +104,7 @@ def test_any_key_count_only_moves_split_boundaries(total: int) -> None:
     """The key count is a hint (a bound from earlier in the step is what a pipelined step
     has): too small, a count of one, or far too large, every key is attended once."""
     lens = [1, 300, 0, 77]
-    config = dataclasses.replace(SMALL_TILES, split_policy="balanced", max_num_splits=16)
+    config = dataclasses.replace(SMALL_TILES, balanced_splits=True, max_num_splits=16)
     q, kv_cache, block_table, seq_lens = make_batch(lens, 16, 64, 16, 16, 1, torch.float32, 5)
     plan = plan_mla_decode(len(lens), block_table.shape[1] * 16, 16, 1, 64, 16, torch.float32,
                            NUM_SMS, 16, config=config, capability=CAPABILITY)
@@ -124,7 +124,7 @@ def test_the_backend_sums_the_keys_once_a_step_and_graphs_read_a_static_count() 
     shape = MLAShape(num_heads=16, kv_lora_rank=64, qk_rope_head_dim=16, block_size=16,
                      dtype=dtype, device=DEVICE, max_q_len=1)
     backend = TritonMLABackend(shape, softmax_scale=0.25)
-    backend.config = dataclasses.replace(SMALL_TILES, split_policy="balanced")
+    backend.config = dataclasses.replace(SMALL_TILES, balanced_splits=True)
     lens = [3, 120, 0, 41]
     q, kv_cache, block_table, seq_lens = make_batch(lens, 16, 64, 16, 16, 1, dtype, 1)
     backend.plan(block_table, seq_lens)
@@ -192,7 +192,7 @@ def test_every_split_pass_takes_balanced_splits(path: str) -> None:
     bound = block_table.shape[1] * block_size
     config = dataclasses.replace(
         default_config(num_heads, 1, 512, 64, dtype, len(lens), bound, block_size, cache_dtype),
-        split_policy="balanced", **changes)
+        balanced_splits=True, **changes)
     plan = plan_mla_decode(len(lens), bound, num_heads, 1, 512, 64, dtype, NUM_SMS, block_size,
                            config=config, capability=CAPABILITY, kv_cache_dtype=cache_dtype)
     if CAPABILITY == (9, 0):

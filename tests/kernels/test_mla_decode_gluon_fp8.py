@@ -83,7 +83,7 @@ def test_the_plan_takes_it_only_where_asked_and_served() -> None:
     assert plan(capability=(8, 0)).kernel == TRITON_SPLIT
     assert plan(num_heads=32).kernel == TRITON_SPLIT  # 32 rows
     assert plan(config=replace(config, gluon_fp8=False)).kernel == TRITON_SPLIT
-    assert plan(config=replace(config, split_policy="balanced")).kernel == chosen.kernel
+    assert plan(config=replace(config, balanced_splits=True)).kernel == chosen.kernel
 
 
 def test_default_config_takes_the_tuned_fp8_tile_once_one_is_set(
@@ -172,7 +172,7 @@ def test_the_plan_takes_the_transposed_pass_only_where_asked_and_served(
     assert plan(config=replace(config, fp8_transposed=False)).kernel == GLUON_SM90_FP8
     # 32-key tiles: not this pass (the other FP8 pass, where asked with gluon_fp8, takes them)
     assert plan(config=replace(config, block_n=32)).kernel == GLUON_SM90_FP8
-    assert plan(config=replace(config, split_policy="balanced")).kernel == GLUON_SM90_FP8_T
+    assert plan(config=replace(config, balanced_splits=True)).kernel == GLUON_SM90_FP8_T
     # As the default: one value in tuning.py, and only where the pages are whole tiles.
     shape = (16, 1, 512, 64, bf16, 64, 4096)
     monkeypatch.setattr(tuning, "GLUON_FP8_TRANSPOSED_STAGES", None)

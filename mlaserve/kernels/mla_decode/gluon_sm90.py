@@ -281,7 +281,7 @@ def _mla_decode_split_kernel_sm90(
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
-    BALANCED: gl.constexpr,  # the "balanced" split policy (common.py)
+    BALANCED: gl.constexpr,  # balanced splits (common.py)
     TMA_STORE: gl.constexpr,  # full 64-row groups store by TMA through the KV ring
     FP8_STAGES: gl.constexpr,  # > 0: an FP8 cache, staged in this many FP8 tiles
 ):

@@ -58,7 +58,7 @@ def compile_for_sm90(
     balanced: bool = False,
 ):
     """The split pass compiled for sm_90 (over an FP8 cache staged in fp8_stages tiles where
-    that is > 0; with `balanced`, the "balanced" split policy's split lengths); returns
+    that is > 0; with `balanced`, balanced splits); returns
     Triton's CompiledKernel (asm["ptx"], asm["cubin"], metadata.shared)."""
     kernel = _mla_decode_split_kernel_sm90
     constexprs = dict(BLOCK_SIZE=block_size, NUM_STAGES=num_stages, DIRECT_OUTPUT=direct_output,
@@ -84,8 +84,8 @@ def compile_fp8_for_sm90(
 ):
     """An FP8-cache pass compiled for sm_90 (`gluon_sm90_fp8`, or with `transposed`
     `gluon_sm90_fp8_transposed`, whose tiles are 64 keys whatever block_n says), q in dtype,
-    the partials in float32 (or the final output in dtype), with `balanced` the "balanced"
-    split policy's split lengths; returns Triton's CompiledKernel."""
+    the partials in float32 (or the final output in dtype), with `balanced` balanced splits;
+    returns Triton's CompiledKernel."""
     from mlaserve.kernels.mla_decode import gluon_sm90_fp8, gluon_sm90_fp8_transposed
 
     type_name = _TYPE_NAMES[dtype]

@@ -219,7 +219,7 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     BLOCK_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     DIRECT_OUTPUT: gl.constexpr,
-    BALANCED: gl.constexpr,  # the "balanced" split policy (common.py)
+    BALANCED: gl.constexpr,  # balanced splits (common.py)
 ):
     LC: gl.constexpr = kv_desc.block_type.shape[1]
     R: gl.constexpr = pe_desc.block_type.shape[1]

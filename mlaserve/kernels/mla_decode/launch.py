@@ -61,7 +61,7 @@ def _check_layout(plan: MLADecodePlan, q: torch.Tensor, kv_cache: torch.Tensor) 
 
 
 def sum_keys(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The batch's keys as the "balanced" split policy reads them: [1] int32, the sum of the
+    """The batch's keys as balanced splits read them: [1] int32, the sum of the
     [B] seq_lens (into `out`, [1] int32, where given: a static buffer for CUDA graphs). One
     small device reduction, no synchronisation."""
     return torch.sum(seq_lens, dim=0, keepdim=True, dtype=torch.int32, out=out)
@@ -101,7 +101,7 @@ def mla_decode_triton(
             `alloc_workspace` (partial_o is viewed as q's dtype for 16-bit partials); allocated
             here when None. Unused with one split.
         total_keys: [1] int32 on q's device, the sum of seq_lens, read by the split pass under
-            the "balanced" split policy (`plan.balance_splits`); summed here when None. A
+            balanced splits (`plan.balance_splits`); summed here when None. A
             caller that runs many layers over one step's lengths sums them once
             (`sum_keys`). Any value gives correct outputs (it only moves split boundaries),
             so a bound from an earlier moment of the step is fine.

@@ -26,7 +26,7 @@ from mlaserve.kernels.mla_decode.common import (
     whole_tiles,
 )
 
-SPLIT_POLICIES = ("waves", "fill", "balanced")
+SPLIT_POLICIES = ("waves", "fill")
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,13 @@ class MLADecodeConfig:
         num_stages: software-pipelining depth of the KV loop.
         split_policy: how `plan_mla_decode` picks the split count. "waves": minimise the
             estimated makespan (waves of programs times tokens per split plus a per-split
-            overhead); "fill": just enough splits to put `programs_per_sm` programs on every SM;
-            "balanced": the "waves" count S for a uniform batch, a grid of
+            overhead); "fill": just enough splits to put `programs_per_sm` programs on every SM.
+            Either gives S, the split count of a uniform batch at the host-side length bound.
+        balanced_splits: split lengths from the batch's actual keys: a grid of
             `tuning.BALANCED_HEADROOM` x S splits, and on the device a split length of at
             least the batch's keys over B x S (common.py), so a ragged batch's long requests
-            take more splits than its short ones (every split pass).
+            take more splits than its short ones; a uniform batch splits as it would without
+            (every split pass; the step's keys are summed once, `launch.sum_keys`).
         programs_per_sm: programs that run at once on one SM (for "waves"), or the target grid
             size per SM (for "fill").
         min_split_len: fewest KV tokens per split; also enforced on the device, so short requests
@@ -89,6 +91,7 @@ class MLADecodeConfig:
     num_warps: int
     num_stages: int
     split_policy: str = "waves"
+    balanced_splits: bool = False
     programs_per_sm: float = 1.0
     min_split_len: int = 128
     max_num_splits: int = 128
@@ -143,7 +146,7 @@ class MLADecodePlan:
             half the partial outputs' count when they are 16-bit, viewed in their dtype).
         workspace_lse_numel: float32 elements of the partial-LSE workspace (0 with one split).
         page_chunk: page ids the split pass reads at once (`page_chunk`).
-        balance_splits: under the "balanced" policy, B x the split count of a uniform batch:
+        balance_splits: with `config.balanced_splits`, B x the split count of a uniform batch:
             the device divides the batch's keys by it for the least split length (0: off).
         fp16_dots: the split pass runs its dots in float16 (q converted once per program): a
             bfloat16 q over an FP8 cache, whose tiles convert to float16 in one instruction per
@@ -359,7 +362,7 @@ def plan_mla_decode(
                          f"16 of the {kv_lora_rank} latent columns")
     rows = q_len * num_heads
     num_head_groups = -(-rows // config.block_m)
-    balanced = config.split_policy == "balanced"
+    balanced = config.balanced_splits
     if num_splits is None:
         head_dim = kv_lora_rank + qk_rope_head_dim
         itemsize = cache_dtype.itemsize
@@ -478,7 +481,7 @@ def describe(plan: MLADecodePlan) -> str:
     if c.latent_chunks > 1 and plan.kernel == TRITON_SPLIT:
         parts.append(f"latent/{c.latent_chunks}")
     if plan.num_splits > 1:
-        balance = f" keys/{plan.balance_splits}" if plan.balance_splits else ""
+        balance = f" balanced keys/{plan.balance_splits}" if plan.balance_splits else ""
         parts.append(f"({c.split_policy}{balance} {c.programs_per_sm:g}/SM, "
                      f"min {c.min_split_len}, {c.partial_dtype} partials)")
     flags = [name for name, on in (("tma", plan.tma_loads), ("pdl", plan.programmatic_launch),

@@ -11,7 +11,7 @@ def split_bounds(seq_len, split, num_splits, min_split_len, BLOCK_N: tl.constexp
                  balanced_len=0):
     """KV positions [split_start, split_end) of one split of a request of seq_len keys, and the
     split length: max(min_split_len, round_up(max(ceil(seq_len / num_splits), balanced_len),
-    BLOCK_N)). balanced_len (the "balanced" split policy; 0 otherwise) is the batch's keys over
+    BLOCK_N)). balanced_len (balanced splits; 0 otherwise) is the batch's keys over
     the splits a uniform batch would use, so long requests of a ragged batch take more splits
     than short ones."""
     split_len = tl.maximum(tl.cdiv(seq_len, num_splits), balanced_len)
