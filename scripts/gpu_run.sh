@@ -61,8 +61,8 @@
 #                bench kernel` at 16 and 128 heads x batch 16/64/256/512 x kv 8192 (pages of 64),
 #                uniform and ragged (--ragged), the plan's choice beside balanced_splits=1
 #                and fa3, the same 16-head cells over an FP8 cache (ours only), and the
-#                committed served-step trace replayed with both policies. RUNS (default 1)
-#                processes of each timing.
+#                committed served-step trace replayed as served (graphs of 8192 tokens) with
+#                and without balanced splits. RUNS (default 1) processes of each timing.
 #
 # FP8 (benchmarks/fp8/, one H200 or H100), in the order to run them (correctness before timing):
 #   fp8-tests    the GPU tests of the FP8 GEMMs (the Gluon sm_90 GEMM included), Linears, MoE,
@@ -367,9 +367,11 @@ balanced_stage() {
     # shellcheck disable=SC2086
     timeout 150 python3 -m mlaserve bench kernel --heads 16 $grid $sweep \
       --kv-cache-dtype fp8 --backends triton > "$out/ragged-fp8-$run.log" 2>&1 || status=1
+    # as served: the recording server's decode graphs covered 8192 tokens (the default)
     timeout 150 python3 -m mlaserve bench kernel --heads 16 --block-sizes 64 $sweep \
       --replay benchmarks/mla-decode/traces/v2-lite-random-1024-1024-c256.jsonl \
-      --replay-steps 40 --backends triton,flashinfer > "$out/replay-$run.log" 2>&1 || status=1
+      --replay-steps 40 --replay-graph-len 8192 --backends triton,flashinfer \
+      > "$out/replay-$run.log" 2>&1 || status=1
     tail -n 8 "$out/replay-$run.log"
   done
   echo "total $((SECONDS - start)) s"

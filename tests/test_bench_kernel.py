@@ -324,20 +324,21 @@ def test_replay_times_the_recorded_steps_and_weighs_them_by_time(tmp_path, capsy
     prints each backend's time-weighted speed against the best peer."""
     from mlaserve.bench.kernel_grid import replay_cells
     from mlaserve.bench.kernel_report import BackendResult, CellResult
-    from mlaserve.engine.decode_record import DecodeStepRecorder
+    from mlaserve.engine.decode_record import DecodeStep, DecodeStepRecorder
 
-    steps = [(1, [3 + i, 9, 1 + 2 * i]) for i in range(7)]
+    steps = [DecodeStep(1, [3 + i, 9, 1 + 2 * i]) for i in range(7)]
     cells = replay_cells(steps, num_heads=2, block_size=8, max_steps=3)
     assert [c.step for c in cells] == [0, 3, 6]
     assert cells[1].seq_lens() == [6, 9, 7] and cells[1].kv_len == 9
     assert cells[1].batch_size == 3 and "step3" in cells[1].label
+    assert cells[1].plan_len is None
     with pytest.raises(ValueError, match="empty"):
         replay_cells([], 2, 8, 3)
 
     record = tmp_path / "steps.jsonl"
     recorder = DecodeStepRecorder(record)
-    for q_len, lengths in steps:
-        recorder.record(lengths, q_len)
+    for step in steps:
+        recorder.record(step.seq_lens, step.q_len, len(step.seq_lens), 16)
     recorder.close()
     rc, written = _sweep(tmp_path, "--backends", "torch", "--replay", str(record),
                          "--replay-steps", "2")
@@ -345,6 +346,17 @@ def test_replay_times_the_recorded_steps_and_weighs_them_by_time(tmp_path, capsy
     assert [c["lengths"] for c in written["cells"]] == [[3, 9, 1], [9, 9, 13]]
     assert all(r["status"] == "ok" for c in written["cells"] for r in c["results"])
     assert "replay of" in capsys.readouterr().out
+
+    # a step its server ran in a decode graph of 8 rows covering 64 tokens replays so: rows
+    # of no keys up to 8, and the graphs' table as wide as 64 tokens
+    served = [DecodeStep(1, [5, 30, 2], 8, 64), DecodeStep(1, [40] * 10)]
+    padded, old = replay_cells(served, num_heads=2, block_size=8, max_steps=2)
+    assert padded.seq_lens() == [5, 30, 2, 0, 0, 0, 0, 0] and padded.plan_len == 64
+    assert old.batch_size == 10 and old.plan_len is None
+    # an older record's step, planned as graphs of 48 tokens would: capture size 16 for 10
+    old = replay_cells(served, 2, 8, 2, graph_len=48)[1]
+    assert old.seq_lens() == [40] * 10 + [0] * 6 and old.plan_len == 48
+    assert replay_cells(served, 2, 8, 2, graph_len=32)[1].plan_len is None  # 40 > 32: eager
 
     def cell(peer_s: float, own_s: float) -> CellResult:
         result = CellResult(cells[0], 0, 0, None, 1)

@@ -576,7 +576,7 @@ def test_a_speculating_engine_records_its_verification_steps_with_their_q_len(tm
     finally:
         llm.shutdown()
     steps = read_decode_steps(path)
-    verifying = [lens for q_len, lens in steps if q_len == 3]
+    verifying = [step.seq_lens for step in steps if step.q_len == 3]
     assert verifying and all(n >= 3 for lens in verifying for n in lens)
 
 

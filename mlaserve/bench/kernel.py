@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import mlaserve
-from mlaserve.arg_types import positive_int_list
+from mlaserve.arg_types import positive_int, positive_int_list
 from mlaserve.attention import registry
 from mlaserve.attention.base import MLABackend, MLAShape, UnsupportedShape
 from mlaserve.bench.kernel_cases import CellInputs, copies_needed, make_inputs
@@ -123,6 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "backend's time-weighted ratio to the best peer")
     parser.add_argument("--replay-steps", type=int, default=24,
                         help="steps of --replay timed, evenly spaced over the record")
+    parser.add_argument("--replay-graph-len", type=positive_int, default=None, metavar="N",
+                        help="steps recorded without their plan (older records) are planned as "
+                             "the server's decode graphs covering N tokens would plan them "
+                             "(its --max-seq-len-to-capture, 8192 by default); steps that "
+                             "carry their plan always replay it")
     parser.add_argument("--sweep", default=None,
                         help="variants of the triton backend's plan, timed beside it: groups of "
                              "field=v1,v2 (an MLADecodeConfig field or num_splits), e.g. "
@@ -136,7 +141,7 @@ def grid_cells(args: argparse.Namespace) -> list[Cell]:
     if getattr(args, "replay", None):
         return replay_cells(read_decode_steps(args.replay), (args.heads or [16])[0],
                             (args.block_sizes or GRID_DEFAULTS["block_sizes"])[0],
-                            args.replay_steps)
+                            args.replay_steps, args.replay_graph_len)
     if args.grid in PRESETS:
         if given:
             raise ValueError(f"--grid {args.grid} fixes the cells; drop {' '.join(given)}")
@@ -285,7 +290,7 @@ class Sweep:
                 raise _GateError(gate.message)
 
         return time_graph(backend, inputs, cell.q_len, self.repeats, check,
-                          calls_per_graph=self.calls_per_graph)
+                          calls_per_graph=self.calls_per_graph, plan_len=cell.plan_len)
 
     def header(self, args: argparse.Namespace) -> dict[str, Any]:
         """The JSON record's run-wide fields."""

@@ -13,9 +13,13 @@ with, for N = the sum of the lengths,
 where e is the element size (2 for bfloat16).
 """
 
+import bisect
 import itertools
 import random
 from dataclasses import dataclass
+
+from mlaserve.engine.cuda_graphs import capture_sizes
+from mlaserve.engine.decode_record import DecodeStep
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,12 @@ class Cell:
     q_len: int = 1
     ragged: bool = False
     # a served step's lengths (`replay_cells`): the batch as recorded, one length per request
+    # (then 0 for each row its decode graph had past them)
     lengths: tuple[int, ...] | None = None
     step: int = -1  # the recorded step's index (a replayed cell)
+    # the length bound the server planned the step for (its graph's covered length); None:
+    # the cell's own longest length
+    plan_len: int | None = None
 
     @property
     def label(self) -> str:
@@ -61,17 +69,33 @@ class Cell:
                 -self.block_size, self.step)
 
 
-def replay_cells(steps: list[tuple[int, list[int]]], num_heads: int, block_size: int,
-                 max_steps: int) -> list[Cell]:
+def replay_cells(steps: list[DecodeStep], num_heads: int, block_size: int, max_steps: int,
+                 graph_len: int | None = None) -> list[Cell]:
     """Cells of recorded decode steps (`engine.decode_record.read_decode_steps`): at most
     `max_steps` of them, evenly spaced over the record (its first and last included), each
-    with its batch's own lengths."""
+    with its batch's own lengths, planned as the server planned it: rows of length 0 up to
+    the recorded plan's batch size (a decode graph's padding), and its length bound.
+
+    graph_len: for steps recorded without their plan, plan them as a decode graph covering
+    this many tokens would (the engine's capture sizes, up to the record's largest batch
+    rounded up to 8; `--max-seq-len-to-capture`); None: at their own sizes.
+    """
     if not steps:
         raise ValueError("the decode-step record is empty")
     count = min(max_steps, len(steps))
     picks = sorted({round(i * (len(steps) - 1) / max(count - 1, 1)) for i in range(count)})
-    return [Cell(num_heads, len(steps[i][1]), max(steps[i][1]), block_size, steps[i][0],
-                 lengths=tuple(steps[i][1]), step=i) for i in picks]
+    largest = -(-max(len(step.seq_lens) for step in steps) // 8) * 8
+    sizes = capture_sizes(largest)
+    cells = []
+    for i in picks:
+        step = steps[i]
+        batch, plan_batch, plan_len = len(step.seq_lens), step.plan_batch, step.plan_len
+        if plan_batch is None and graph_len is not None and max(step.seq_lens) <= graph_len:
+            plan_batch, plan_len = sizes[bisect.bisect_left(sizes, batch)], graph_len
+        lengths = tuple(step.seq_lens) + (0,) * ((plan_batch or batch) - batch)
+        cells.append(Cell(num_heads, len(lengths), max(lengths), block_size, step.q_len,
+                          lengths=lengths, step=i, plan_len=plan_len))
+    return cells
 
 
 def decode_bytes(cell: Cell, kv_lora_rank: int, rope_dim: int, element_size: int = 2) -> int:

@@ -42,13 +42,17 @@ def time_cpu(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int) 
 
 def time_graph(backend: MLABackend, inputs: CellInputs, q_len: int, repeats: int,
                check: Callable[[torch.Tensor], None], calls_per_graph: int = 16,
-               warmup_rounds: int = 2) -> float:
+               warmup_rounds: int = 2, plan_len: int | None = None) -> float:
     """Median seconds per call under CUDA-graph replay, through the backend's graph hooks.
 
     `check` gets the replayed output of a call on copy 0 ([B * q_len, H, L]) after the first
-    round, before any timing; it raises if the output is wrong.
+    round, before any timing; it raises if the output is wrong. plan_len: the length the
+    graphs' block table covers, as a server's decode graphs cover `--max-seq-len-to-capture`
+    (the bound the backends plan for); None: the inputs' own table.
     """
     batch, width = inputs.block_table.shape
+    if plan_len is not None:
+        width = max(width, -(-plan_len // inputs.caches[0].shape[1]))
     backend.init_graph_buffers(batch, width)
     backend.plan_for_capture(batch, q_len)
     return graph_replay_seconds(

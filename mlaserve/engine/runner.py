@@ -145,6 +145,19 @@ class ModelRunner:
             return None
         return graphs.padded_size(num_decodes)
 
+    def _record_decode_step(self, positions: list[int], q_len: int, num_decodes: int,
+                            width: int, graph_size: int | None) -> None:
+        """`--record-decode-steps`: the step's lengths and the batch and bound its decode plan
+        is made for (a replayed graph's, or the graph's an eager step is planned like, else
+        its own)."""
+        plan_batch = graph_size or self.graph_size(num_decodes, width)
+        if plan_batch is None:
+            plan_batch, plan_len = num_decodes, width * self.block_size
+        else:
+            plan_len = self.graphs.max_blocks_per_seq * self.block_size
+        self.decode_recorder.record([p + 1 for p in positions[q_len - 1::q_len]], q_len,
+                                    plan_batch, plan_len)
+
     @torch.inference_mode()
     def _join_expert_parallel(self, capacity: int) -> None:
         """Run no batch, but join every MoE layer's expert exchanges of a step that other
@@ -185,8 +198,6 @@ class ModelRunner:
                 tokens.append(0)
                 sources.append(self._prev_sample_rows[request.request_id])
         hidden = None
-        if self.decode_recorder is not None:
-            self.decode_recorder.record([p + 1 for p in positions[q_len - 1::q_len]], q_len)
         width = max((len(r.block_ids) for r in decodes), default=0)
         if decodes:
             packed = inputs.to_device([rows, positions, tokens, sources], torch.int64)  # [4, d]
@@ -206,6 +217,8 @@ class ModelRunner:
         replayed = None  # for the drafting graphs' first pass
         if expert_capacity and graph_size is not None:  # the graph's rows are the exchanges'
             graph_size = expert_capacity if expert_capacity in self.graphs.sizes else None
+        if self.decode_recorder is not None and decodes:
+            self._record_decode_step(positions, q_len, num_decodes, width, graph_size)
         if graph_size is not None:
             hidden = self.graphs.run(decode_ids, decode_positions, decode_slots, table,
                                      seq_lens, graph_size, q_len)
