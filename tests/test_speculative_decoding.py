@@ -116,6 +116,24 @@ def test_the_config_takes_vllms_spelling_and_refuses_what_it_cannot_serve():
         check_speculative(EngineArgs(speculative_config={"method": "mtp"}, **parallel), demo)
 
 
+def test_prompt_chunks_that_do_not_sample_still_fill_the_mtp_cache():
+    """The MTP module's first pass runs in every step, drafting or not: a long prompt prefilled
+    alone in chunks of 8 tokens (steps where nothing samples) leaves the MTP layer's KV at
+    every prompt position, so its drafts attend to the whole prompt (before, only the last
+    chunk's and later positions were written)."""
+    llm = make_llm(3, max_num_batched_tokens=8)
+    try:
+        cache = llm.engine.runner.mtp_cache
+        cache.fill_(float("nan"))
+        output = llm.generate([LONG], SamplingParams(max_tokens=1, temperature=0))[0]
+        written = int(torch.isfinite(cache).all(dim=-1).sum())
+        assert len(output.prompt_token_ids) > 3 * 8
+        # every prompt position, and the two recursive drafting passes' positions after it
+        assert written == len(output.prompt_token_ids) + 2
+    finally:
+        llm.shutdown()
+
+
 def test_which_requests_speculate():
     assert speculates(SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.1))
     for params in [SamplingParams(logprobs=2), SamplingParams(presence_penalty=0.5),

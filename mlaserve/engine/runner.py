@@ -341,16 +341,17 @@ class ModelRunner:
                     num_drafts)
             self.tp.broadcast(verification.tokens, src=0)  # [N, k + 1] int64
             self.tp.broadcast(verification.emitted, src=0)  # [N] int64
+        # every step, drafting or not: the MTP layer's cache takes each computed position
         drafting = [r for r in samplers if speculates(r.params)]
+        rows = draft_rows(hidden.shape[0], plain_decodes,
+                          list(zip(prefill_chunks, prefills, strict=True)),
+                          [(*span, r) for span, r in zip(spans, verifying, strict=True)],
+                          self._prev_sampled if plain else None, pending.plain_ids,
+                          verification, drafting, self.inputs, corrections)
+        tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
+                       self.block_size, self.num_speculative_tokens, rows, hidden, positions,
+                       drafting, self.draft_graphs, replayed)  # [S', k]
         if drafting:
-            rows = draft_rows(hidden.shape[0], plain_decodes,
-                              list(zip(prefill_chunks, prefills, strict=True)),
-                              [(*span, r) for span, r in zip(spans, verifying, strict=True)],
-                              self._prev_sampled if plain else None, pending.plain_ids,
-                              verification, drafting, self.inputs, corrections)
-            tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
-                           self.block_size, self.num_speculative_tokens, rows, hidden,
-                           positions, drafting, self.draft_graphs, replayed)  # [S', k]
             pending.drafts = ([r.request_id for r in drafting],
                               tokens.to("cpu", non_blocking=True))
         # for the next launch, if it is scheduled before this one lands

@@ -356,6 +356,10 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
           replayed: ReplayedStep | None = None) -> torch.Tensor:
     """k greedy drafts per speculating sampler ([S, k] int64 on the device; no host wait).
 
+    The first pass runs over every row of the step, so the MTP layer's cache holds every
+    position the main model computed; with no speculating sampler (a prompt chunk that does
+    not sample yet, requests that do not speculate) it is the only pass, and S = 0.
+
     Args:
         model: the main model, with its MTP module (`model.mtp`).
         mtp_cache: the MTP layer's latent cache.
@@ -367,7 +371,7 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
     """
     device = hidden.device
     next_ids, last = rows.next_ids, rows.last_rows  # [T], [S]
-    if replayed is not None and graphs is not None and graphs.covers(
+    if samplers and replayed is not None and graphs is not None and graphs.covers(
             *replayed.block_table.shape, replayed.q_len):
         token, previous = graphs.run(next_ids, positions, hidden, meta.slot_mapping,
                                      replayed.block_table, replayed.seq_lens, last,
@@ -378,6 +382,8 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
             backend.plan_like_graph(replayed.block_table, replayed.seq_lens,
                                     replayed.graph_size, replayed.q_len)
         mtp_hidden = model.mtp(next_ids, positions, hidden, mtp_cache, meta)  # [T, D]
+        if not samplers:  # the cache filled; nothing to draft
+            return torch.empty(0, num_speculative_tokens, dtype=torch.int64, device=device)
         previous = mtp_hidden[last]  # [S, D]
         token = model.compute_logits(previous).argmax(dim=-1)  # [S]
     drafts = [token]
