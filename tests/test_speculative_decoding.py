@@ -108,11 +108,9 @@ def test_the_config_takes_vllms_spelling_and_refuses_what_it_cannot_serve():
         LLM(load_format="dummy", device="cpu", speculative_config={"method": "mtp"},
             hf_overrides={"num_nextn_predict_layers": 0})
     demo = ModelConfig.from_pretrained(DEMO_MODEL_DIR)
-    with pytest.raises(ValueError, match="does not run with --enable-expert-parallel"):
-        check_speculative(EngineArgs(speculative_config={"method": "mtp"}, data_parallel_size=2,
-                                     enable_expert_parallel=True), demo)
     for parallel in [dict(data_parallel_size=2), dict(tensor_parallel_size=2),
-                     dict(data_parallel_size=2, tensor_parallel_size=2)]:
+                     dict(data_parallel_size=2, tensor_parallel_size=2),
+                     dict(data_parallel_size=2, enable_expert_parallel=True)]:
         check_speculative(EngineArgs(speculative_config={"method": "mtp"}, **parallel), demo)
 
 
@@ -598,10 +596,13 @@ def test_a_speculating_engine_records_its_verification_steps_with_their_q_len(tm
     assert verifying and all(n >= 3 for lens in verifying for n in lens)
 
 
-def test_data_parallel_replicas_each_speculate():
-    """`serve --data-parallel-size 2 --speculative-config` (replicas without expert
-    parallelism are engines of their own): concurrent greedy completions of the demo model
-    equal one process's without speculation, and /metrics sums both replicas' drafts."""
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["replicas", "expert_parallel"])
+def test_data_parallel_replicas_each_speculate(expert_parallel: bool):
+    """`serve --data-parallel-size 2 --speculative-config`, alone (replicas without expert
+    parallelism are engines of their own) and with `--enable-expert-parallel` (every replica
+    runs the MTP module's passes in lockstep, exchanging tokens in its MoE, an idle replica
+    joining them): concurrent greedy completions of the demo model equal one process's
+    without speculation, and /metrics sums both replicas' drafts."""
     from concurrent.futures import ThreadPoolExecutor
 
     import requests
@@ -617,7 +618,8 @@ def test_data_parallel_replicas_each_speculate():
         plain.shutdown()
 
     proc, url = serve("--data-parallel-size", "2", "--speculative-config",
-                      '{"method": "mtp", "num_speculative_tokens": 2}')
+                      '{"method": "mtp", "num_speculative_tokens": 2}',
+                      *(["--enable-expert-parallel"] if expert_parallel else []))
     try:
         def complete(prompt: str) -> str:
             r = requests.post(url + "/v1/completions", json={
@@ -628,6 +630,7 @@ def test_data_parallel_replicas_each_speculate():
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(complete, prompts)) == want
+        assert complete(prompts[1]) == want[1]  # alone: the other replica joins idle
         metrics = requests.get(url + "/metrics", timeout=10).text
         drafts = [float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("vllm:spec_decode_num_drafts_total")]

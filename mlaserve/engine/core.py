@@ -293,9 +293,10 @@ class EngineCore(StepRecovery):
         (`Lockstep.agree_capacity`): this replica offers its token count and, for a decode-only
         step that a CUDA graph covers, that graph's size (0 without a batch)."""
         decodes, prefills = batch.decodes, batch.prefills
-        num_tokens = len(decodes) + sum(count for _, count in prefills)
-        graph_size: int | None = None  # prefill chunks run eagerly
-        if not prefills:
+        num_drafts = sum(r.num_scheduled_drafts for r in decodes)  # their rows count too
+        num_tokens = len(decodes) + num_drafts + sum(count for _, count in prefills)
+        graph_size: int | None = None  # prefill chunks and verifications run eagerly
+        if not prefills and not num_drafts:
             width = max((len(r.block_ids) for r in decodes), default=0)
             graph_size = self.runner.graph_size(len(decodes), width) if decodes else 0
         return self.lockstep.agree_capacity(num_tokens, graph_size)

@@ -95,19 +95,13 @@ def resolve_engine_config(args: EngineArgs, replica: int = 0) -> EngineConfig:
 
 def check_speculative(args: EngineArgs, config: ModelConfig) -> None:
     """ValueError, saying what to change, unless speculative decoding (if asked) can run: the
-    checkpoint has an MTP module, and no expert parallelism (replicas without it are engines
-    of their own, each speculating alone, on one rank or under tensor parallelism)."""
+    checkpoint has an MTP module."""
     if args.speculative_config is None:
         return
     if config.num_nextn_predict_layers < 1:
         raise ValueError("speculative_config asks for MTP drafting, but the model's config.json "
                          "has no MTP module (num_nextn_predict_layers is 0): serve a DeepSeek-V3 "
                          "/ R1 checkpoint with its MTP layer, or leave --speculative-config out")
-    if args.enable_expert_parallel:
-        raise ValueError("speculative decoding does not run with --enable-expert-parallel in "
-                         "this version (tensor parallelism and data-parallel replicas without "
-                         "expert parallelism do); leave --speculative-config out to serve with "
-                         "expert parallelism")
 
 
 def _mla_shape(model: ModelConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype,

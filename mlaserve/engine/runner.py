@@ -161,8 +161,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _join_expert_parallel(self, capacity: int) -> None:
         """Run no batch, but join every MoE layer's expert exchanges of a step that other
-        data-parallel replicas launch (their tokens may need this rank's experts)."""
+        data-parallel replicas launch (their tokens may need this rank's experts), and, when
+        speculating, the MTP module's k passes (`spec_decode.draft`)."""
         self.model.join_expert_parallel(capacity)
+        for _ in range(self.num_speculative_tokens):
+            self.model.mtp.join_expert_parallel(capacity)
 
     @torch.inference_mode()
     def _launch(self, decodes: list[RunnerRequest], prefills: list[tuple[RunnerRequest, int]],
@@ -216,7 +219,8 @@ class ModelRunner:
         graph_size = None if chunks else self.graph_size(num_decodes, width)
         replayed = None  # for the drafting graphs' first pass
         if expert_capacity and graph_size is not None:  # the graph's rows are the exchanges'
-            graph_size = expert_capacity if expert_capacity in self.graphs.sizes else None
+            graph_size = (expert_capacity if expert_capacity in self.graphs.sizes and q_len == 1
+                          else None)
         if self.decode_recorder is not None and decodes:
             self._record_decode_step(positions, q_len, num_decodes, width, graph_size)
         if graph_size is not None:
@@ -250,7 +254,7 @@ class ModelRunner:
             return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
         return self._speculate(decodes, q_len, prefills, verifies, samplers, grammar_bitmask,
                                hidden, position_ids, meta, chunks, replayed,
-                               from_previous if decodes else None)
+                               from_previous if decodes else None, expert_capacity)
 
     def _from_previous_launch(self, decodes: list[RunnerRequest], num_verify_chunks: int,
                               decode_ids: torch.Tensor, decode_positions: torch.Tensor,
@@ -297,14 +301,15 @@ class ModelRunner:
                    samplers: list[RunnerRequest], grammar_bitmask: GrammarBitmask | None,
                    hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    chunks: list[PrefillChunk], replayed: ReplayedStep | None,
-                   from_previous: FromDevice | None) -> PendingStep:
+                   from_previous: FromDevice | None, expert_capacity: int) -> PendingStep:
         """A speculating engine's sampling (spec_decode.py): the plain samplers as always, the
         verifying requests' drafts checked (those in decode rows of q_len > 1, then those in
         chunks), then the MTP module's drafts for the next step, all on the device: the
         results reach the host when the step is collected. Under tensor parallelism rank 0
         verifies (it holds the sampling state) and broadcasts the emitted tokens, and every
         rank drafts (the module's passes are collectives; their logits, gathered whole on every
-        rank, give every rank the same argmax)."""
+        rank, give every rank the same argmax). Under expert parallelism every replica runs
+        the module's k passes each step with exchanges of `expert_capacity` rows."""
         prefill_chunks, verify_chunks = chunks[:len(prefills)], chunks[len(prefills):]
         plain_decodes, full = (decodes, []) if q_len == 1 else ([], decodes)
         plain_ids = {r.request_id for r in samplers if not r.num_drafts}
@@ -350,7 +355,7 @@ class ModelRunner:
                           verification, drafting, self.inputs, corrections)
         tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
                        self.block_size, self.num_speculative_tokens, rows, hidden, positions,
-                       drafting, self.draft_graphs, replayed)  # [S', k]
+                       drafting, self.draft_graphs, replayed, expert_capacity)  # [S', k]
         if drafting:
             pending.drafts = ([r.request_id for r in drafting],
                               tokens.to("cpu", non_blocking=True))

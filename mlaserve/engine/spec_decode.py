@@ -353,7 +353,7 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
           inputs: PersistentBatch, block_size: int, num_speculative_tokens: int,
           rows: DraftRows, hidden: torch.Tensor, positions: torch.Tensor,
           samplers: list[RunnerRequest], graphs: DraftGraphs | None = None,
-          replayed: ReplayedStep | None = None) -> torch.Tensor:
+          replayed: ReplayedStep | None = None, expert_capacity: int = 0) -> torch.Tensor:
     """k greedy drafts per speculating sampler ([S, k] int64 on the device; no host wait).
 
     The first pass runs over every row of the step, so the MTP layer's cache holds every
@@ -368,6 +368,9 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
         hidden: [T, D] the main model's output over the step's rows; positions: [T] int64.
         graphs: captured drafting passes, replayed where they cover the batch: the first where
             the step's forward replayed a decode graph (`replayed`), the recursive ones.
+        expert_capacity: under expert parallelism (else 0), the rows per rank of the MoE
+            exchanges of every pass; all k passes run, with no sampler too (the other
+            replicas' passes meet them), and eagerly (no drafting graphs).
     """
     device = hidden.device
     next_ids, last = rows.next_ids, rows.last_rows  # [T], [S]
@@ -381,8 +384,11 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
         if replayed is not None:  # the replay left the backend planned for its graph only
             backend.plan_like_graph(replayed.block_table, replayed.seq_lens,
                                     replayed.graph_size, replayed.q_len)
-        mtp_hidden = model.mtp(next_ids, positions, hidden, mtp_cache, meta)  # [T, D]
+        mtp_hidden = model.mtp(next_ids, positions, hidden, mtp_cache, meta,
+                               expert_capacity or None)  # [T, D]
         if not samplers:  # the cache filled; nothing to draft
+            for _ in range(num_speculative_tokens - 1 if expert_capacity else 0):
+                model.mtp.join_expert_parallel(expert_capacity)
             return torch.empty(0, num_speculative_tokens, dtype=torch.int64, device=device)
         previous = mtp_hidden[last]  # [S, D]
         token = model.compute_logits(previous).argmax(dim=-1)  # [S]
@@ -405,7 +411,8 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
                 step_meta = AttentionMetadata(slot_mapping=slots,
                                               num_decode_tokens=len(samplers), prefills=[])
                 step_meta.decode_backend = backend
-                previous = model.mtp(token, position, previous, mtp_cache, step_meta)
+                previous = model.mtp(token, position, previous, mtp_cache, step_meta,
+                                     expert_capacity or None)
                 token = model.compute_logits(previous).argmax(dim=-1)
             drafts.append(token)
             position = position + 1

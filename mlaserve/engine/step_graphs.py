@@ -32,6 +32,7 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
     cache's blocks past which its scratch block lies; agree_min: as `ModelRunner`'s."""
     model_config, block_size = config.model, config.args.block_size
     k = 0 if config.speculative is None else config.speculative.num_speculative_tokens
+    expert_parallel = config.layout.expert_parallel
     scratch_slot = num_blocks * block_size
     wants_graphs = (config.cuda_graph_batch_size > 0 and device.type == "cuda"
                     and backend.capabilities.supports_cuda_graphs)
@@ -55,7 +56,10 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         torch.cuda.synchronize()
     if agree_min is not None:
         graphs = graphs_on_every_rank(graphs, agree_min)
-    if graphs is None or not k:
+    if graphs is None or not k or expert_parallel:
+        # under expert parallelism verifications (planned like their graphs) and drafting
+        # passes run eagerly: their exchanges have the replicas' agreed rows, which no
+        # captured size fixes
         return graphs, None
     draft_graphs = None
     try:
