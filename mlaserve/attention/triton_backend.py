@@ -116,10 +116,10 @@ class TritonMLABackend(MLABackend):
         self._plans: dict[tuple, MLADecodePlan] = {}
         self._eager_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        # The step's keys ([1] int32) with balanced splits: summed once a step,
-        # read by every layer's split pass (a static buffer under CUDA graphs).
-        self.total_keys: torch.Tensor | None = None
-        self._graph_total_keys: torch.Tensor | None = None
+        # The step's split length ([1] int32) with balanced splits: planned on the device once
+        # a step, read by every layer's split pass (a static buffer under CUDA graphs).
+        self.split_len: torch.Tensor | None = None
+        self._graph_split_len: torch.Tensor | None = None
 
     @property
     def _kernels(self) -> ModuleType:
@@ -168,8 +168,8 @@ class TritonMLABackend(MLABackend):
                          torch.empty(max(need_lse, have_lse), dtype=torch.float32, device=device))
             self._eager_workspace = workspace
         self._set_step(block_table, seq_lens, q_len, plan, workspace)
-        if plan.balance_splits:
-            self.total_keys = self._kernels.sum_keys(seq_lens.to(torch.int32))
+        if plan.split_slots:
+            self.split_len = self._kernels.plan_split_len(plan, seq_lens.to(torch.int32))
 
     def _set_step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
                   plan: MLADecodePlan, workspace: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -189,7 +189,7 @@ class TritonMLABackend(MLABackend):
         o, lse = self._kernels.mla_decode_triton(
             q, kv_cache, self.block_table, self.seq_lens, self.softmax_scale,
             self.shape.kv_lora_rank, self.q_len, plan, workspace=self.workspace,
-            total_keys=self.total_keys if plan.balance_splits else None)
+            split_len=self.split_len if plan.split_slots else None)
         return (o, lse) if return_lse else o
 
     # CUDA-graph hooks: static block table, lengths and workspace; a fixed split count per
@@ -206,7 +206,7 @@ class TritonMLABackend(MLABackend):
         device = self.shape.device
         self._graph_workspace = (torch.empty(need_o, dtype=torch.float32, device=device),
                                  torch.empty(need_lse, dtype=torch.float32, device=device))
-        self._graph_total_keys = torch.zeros(1, dtype=torch.int32, device=device)
+        self._graph_split_len = torch.zeros(1, dtype=torch.int32, device=device)
 
     def _plan_static(self, batch_size: int, q_len: int) -> None:
         if self._graph_workspace is None:
@@ -214,14 +214,16 @@ class TritonMLABackend(MLABackend):
         plan = self._make_plan(batch_size, self._graph_max_seq_len, q_len)
         self._set_step(self.graph_block_table[:batch_size], self.graph_seq_lens[:batch_size],
                        q_len, plan, self._graph_workspace)
-        self.total_keys = self._graph_total_keys
+        self.split_len = self._graph_split_len
 
-    def _sum_graph_keys(self, seq_lens: torch.Tensor) -> None:
-        """The step's keys into the static buffer the graphs read (outside any graph: once a
-        step, before replay), with balanced splits."""
-        if self.kernel_plan.balance_splits:
-            self._kernels.sum_keys(self.graph_seq_lens[:seq_lens.shape[0]],
-                                   out=self._graph_total_keys)
+    def _plan_graph_split_len(self, batch: int, graph_batch_size: int, q_len: int) -> None:
+        """With balanced splits, the step's split length into the static buffer the graphs read
+        (outside any graph: once a step, before replay), for the grid of the graph of
+        graph_batch_size that runs the step's `batch` requests."""
+        plan = self._make_plan(graph_batch_size, self._graph_max_seq_len, q_len)
+        if plan.split_slots:
+            self._kernels.plan_split_len(plan, self.graph_seq_lens[:batch],
+                                         out=self._graph_split_len)
 
     def plan_for_capture(self, batch_size: int, q_len: int = 1) -> None:
         self._plan_static(batch_size, q_len)
@@ -235,12 +237,12 @@ class TritonMLABackend(MLABackend):
         plan = self._make_plan(graph_batch_size, self._graph_max_seq_len, q_len)
         self._set_step(self.graph_block_table[:batch], self.graph_seq_lens[:batch], q_len, plan,
                        self._graph_workspace)
-        self.total_keys = self._graph_total_keys
-        self._sum_graph_keys(seq_lens)
+        self.split_len = self._graph_split_len
+        self._plan_graph_split_len(batch, graph_batch_size, q_len)
 
     def plan_for_replay(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         q_len: int = 1, graph_batch_size: int | None = None) -> None:
         super().plan_for_replay(block_table, seq_lens, q_len)
         batch = block_table.shape[0]
         self._plan_static(batch, q_len)
-        self._sum_graph_keys(seq_lens)
+        self._plan_graph_split_len(batch, graph_batch_size or batch, q_len)

@@ -48,8 +48,8 @@ SIGNATURE = {
     "q_ptr": "*bf16", "kv_ptr": "*bf16", "kv_nope_desc": "constexpr", "kv_pe_desc": "constexpr",
     "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
     "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32", "q_len": "i32",
-    "num_heads": "i32", "num_splits": "i32", "min_split_len": "i32", "total_keys_ptr": "*i32",
-    "balance_splits": "i32", "stride_q_token": "i32", "stride_q_head": "i32",
+    "num_heads": "i32", "num_splits": "i32", "min_split_len": "i32", "split_len_ptr": "*i32",
+    "stride_q_token": "i32", "stride_q_head": "i32",
     "stride_kv_block": "i32", "stride_kv_slot": "i32", "stride_bt": "i32",
 }
 ALIGNED = ["q_ptr", "kv_ptr", "block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "num_heads",
@@ -104,7 +104,7 @@ def compile_split(plan: MLADecodePlan, block_size: int, q_len: int, cache: str,
                       NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
                       DIRECT_OUTPUT=plan.num_splits == 1, USE_PDL=True, USE_TMA=tma,
                       PAGE_CHUNK=plan.page_chunk, FP16_DOTS=plan.fp16_dots,
-                      BALANCED=plan.balance_splits > 0, LATENT_CHUNKS=config.latent_chunks)
+                      BALANCED=plan.split_slots > 0, LATENT_CHUNKS=config.latent_chunks)
     if q_len == 1:
         constexprs["q_len"] = 1  # the launcher specialises integer arguments equal to 1
     signature |= {name: "constexpr" for name in constexprs}

@@ -6,11 +6,11 @@ where Triton is missing. The device-side split arithmetic is `splits.split_bound
 Split arithmetic: request b with N_b keys is cut into `num_splits` contiguous runs of whole
 tiles of block_n keys, each split_len = max(min_split_len, round_up(ceil(N_b / num_splits),
 block_n)) keys long (min_split_len itself a multiple of block_n), so any split count is valid
-for any lengths and splits past the end are empty. With balanced splits the split length
-is at least the batch's keys over the splits of a uniform batch (`MLADecodePlan.balance_splits`;
-the keys summed on the device once a step, `launch.sum_keys`), so a long request of a ragged
-batch takes more of the grid's splits than a short one and one grid (one CUDA graph) serves
-uniform and ragged batches.
+for any lengths and splits past the end are empty. With balanced splits the split length is at
+least a length L planned on the device once a step from the actual lengths (`split_plan.py`,
+`MLADecodePlan.split_slots`), so a long request of a ragged batch takes more of the grid's
+splits than a short one, short batches are not cut for the bound's length, and one grid (one
+CUDA graph) serves them all.
 """
 
 import functools
@@ -151,9 +151,8 @@ class SplitPassIO(NamedTuple):
     [B, max_blocks] int32, row-contiguous. seq_lens: [B] int32. partial_o, partial_lse:
     [B, num_splits, q_len * H, L] and [B, num_splits, q_len * H] (flat): the partials, or with
     one split the final o (q's dtype) and lse. qk_scale: softmax_scale * log2(e).
-    kv_lora_rank: L. q_len: new tokens per request. total_keys: [1] int32, the batch's keys
-    (the sum of seq_lens) with balanced splits, else None: each program's split
-    length is at least ceil(total_keys / plan.balance_splits).
+    kv_lora_rank: L. q_len: new tokens per request. split_len: [1] int32, the step's least
+    split length with balanced splits (`launch.plan_split_len`), else None.
     """
 
     q: torch.Tensor
@@ -165,7 +164,7 @@ class SplitPassIO(NamedTuple):
     qk_scale: float
     kv_lora_rank: int
     q_len: int
-    total_keys: torch.Tensor | None = None
+    split_len: torch.Tensor | None = None
 
 
 @functools.cache

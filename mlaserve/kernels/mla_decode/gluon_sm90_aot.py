@@ -41,7 +41,7 @@ def _signature(dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, block_n: in
         "o_desc": f"tensordesc<{output_type}[{BLOCK_M}, {kv_lora_rank // 2}],{output_layout!r}>",
         "o_ptr": f"*{output_type}", "lse_ptr": "*fp32",
         "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
-        "min_split_len": "i32", "total_keys_ptr": "*i32", "balance_splits": "i32",
+        "min_split_len": "i32", "split_len_ptr": "*i32",
         "stride_bt": "i32"}
 
 
@@ -107,7 +107,7 @@ def compile_fp8_for_sm90(
         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
         "o_ptr": f"*{type_name if direct_output else 'fp32'}", "lse_ptr": "*fp32",
         "qk_scale": "fp32", "q_len": "i32", "num_heads": "i32", "num_splits": "i32",
-        "min_split_len": "i32", "total_keys_ptr": "*i32", "balance_splits": "i32",
+        "min_split_len": "i32", "split_len_ptr": "*i32",
         "stride_q_token": "i32", "stride_q_head": "i32", "stride_bt": "i32",
     } | {name: "constexpr" for name in constexprs}
     aligned = ["q_ptr", "block_table_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_q_token",

@@ -210,8 +210,7 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     num_heads,
     num_splits,
     min_split_len,  # a multiple of 64
-    total_keys_ptr,  # [1] int32: the sum of seq_lens (BALANCED only; else unread)
-    balance_splits,  # splits a uniform batch would use, over the batch (BALANCED only)
+    split_len_ptr,  # [1] int32: the step's least split length (BALANCED only; else unread)
     stride_q_token,
     stride_q_head,
     stride_bt,
@@ -229,8 +228,8 @@ def _mla_decode_split_kernel_sm90_fp8_transposed(
     num_rows = q_len * num_heads
     seq_len = gl.load(seq_lens_ptr + req)
     balanced_len = 0
-    if BALANCED:  # the batch's keys over the splits of a uniform batch
-        balanced_len = gl.cdiv(gl.load(total_keys_ptr), balance_splits)
+    if BALANCED:  # the step's split length, planned on the device (split_plan.py)
+        balanced_len = gl.load(split_len_ptr)
     _, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len, TILE,
                                              balanced_len)
     num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), TILE)
@@ -275,10 +274,10 @@ def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
     _mla_decode_split_kernel_sm90_fp8_transposed[(1, num_splits, io.block_table.shape[0])](
         q, kv_desc, pe_desc, io.block_table, io.seq_lens, io.partial_o, io.partial_lse,
         io.qk_scale, io.q_len, q.shape[1], num_splits, config.min_split_len,
-        io.total_keys, max(plan.balance_splits, 1), q.stride(0),
+        io.split_len, q.stride(0),
         q.stride(1), io.block_table.stride(0), ROWS=GLUON_FP8_ROWS,
         BLOCK_SIZE=io.kv_cache.shape[1], NUM_STAGES=config.num_stages,
-        DIRECT_OUTPUT=num_splits == 1, BALANCED=plan.balance_splits > 0, num_warps=NUM_WARPS,
+        DIRECT_OUTPUT=num_splits == 1, BALANCED=plan.split_slots > 0, num_warps=NUM_WARPS,
         maxnreg=LAUNCH_REGISTERS)
 
 

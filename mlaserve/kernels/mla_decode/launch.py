@@ -21,6 +21,7 @@ from mlaserve.kernels.mla_decode.common import (
     SplitPassIO,
 )
 from mlaserve.kernels.mla_decode.plan import MLADecodePlan, partial_dtype_of
+from mlaserve.kernels.mla_decode.split_plan import launch_split_len
 
 _GLUON_PASSES = (GLUON_SM90, GLUON_SM90_FP8, GLUON_SM90_FP8_T)
 
@@ -60,11 +61,17 @@ def _check_layout(plan: MLADecodePlan, q: torch.Tensor, kv_cache: torch.Tensor) 
                          + ", ".join(needs))
 
 
-def sum_keys(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The batch's keys as balanced splits read them: [1] int32, the sum of the
-    [B] seq_lens (into `out`, [1] int32, where given: a static buffer for CUDA graphs). One
-    small device reduction, no synchronisation."""
-    return torch.sum(seq_lens, dim=0, keepdim=True, dtype=torch.int32, out=out)
+def plan_split_len(plan: MLADecodePlan, seq_lens: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's least split length under balanced splits (`plan.split_slots`), planned on the
+    device from the [B] int32 seq_lens (`split_plan.py`): [1] int32, into `out` where given (a
+    static buffer for CUDA graphs). One small launch, no synchronisation; run it once a step
+    and hand the result to every layer's `mla_decode_triton`."""
+    if out is None:
+        out = torch.empty(1, dtype=torch.int32, device=seq_lens.device)
+    launch_split_len(seq_lens, out, plan.num_splits, plan.num_head_groups, plan.split_slots,
+                     plan.split_overhead, plan.config.min_split_len, plan.config.block_n)
+    return out
 
 
 def mla_decode_triton(
@@ -77,7 +84,7 @@ def mla_decode_triton(
     q_len: int,
     plan: MLADecodePlan,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    total_keys: torch.Tensor | None = None,
+    split_len: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode (split-KV + merge) as planned; launches one or two kernels, never syncs.
 
@@ -100,11 +107,10 @@ def mla_decode_triton(
         workspace: (partial_o, partial_lse) float32 buffers of at least the plan's sizes, from
             `alloc_workspace` (partial_o is viewed as q's dtype for 16-bit partials); allocated
             here when None. Unused with one split.
-        total_keys: [1] int32 on q's device, the sum of seq_lens, read by the split pass under
-            balanced splits (`plan.balance_splits`); summed here when None. A
-            caller that runs many layers over one step's lengths sums them once
-            (`sum_keys`). Any value gives correct outputs (it only moves split boundaries),
-            so a bound from an earlier moment of the step is fine.
+        split_len: [1] int32 on q's device, the step's least split length under balanced
+            splits (`plan.split_slots`), from `plan_split_len`; planned here when None. Any
+            value gives correct outputs (it only moves split boundaries), so one planned from
+            an earlier moment of the step (or for another plan of it) is fine.
 
     Returns:
         o: [B * q_len, H, L] in q's dtype (zero for rows that see no key).
@@ -162,15 +168,15 @@ def mla_decode_triton(
             raise ValueError(f"workspace too small: need {o_numel} {partial_dtype} partial "
                              f"outputs and {lse_numel} float32 LSEs, got {partial_o.numel()} and "
                              f"{partial_lse.numel()}")
-    if plan.balance_splits and total_keys is None:
-        total_keys = sum_keys(seq_lens)
+    if plan.split_slots and split_len is None:
+        split_len = plan_split_len(plan, seq_lens)
     io = SplitPassIO(q, kv_cache, block_table, seq_lens, partial_o, partial_lse,
                      softmax_scale * LOG2E, kv_lora_rank, q_len,
-                     total_keys if plan.balance_splits else None)
+                     split_len if plan.split_slots else None)
     _split_pass(plan.kernel)(plan, io)
     if num_splits > 1:
         merge.launch_merge(plan, partial_o, partial_lse, o, lse, batch, rows, kv_lora_rank)
     return o, lse
 
 
-__all__ = ["mla_decode_triton", "sum_keys"]
+__all__ = ["mla_decode_triton", "plan_split_len"]

@@ -43,11 +43,10 @@ class MLADecodeConfig:
             estimated makespan (waves of programs times tokens per split plus a per-split
             overhead); "fill": just enough splits to put `programs_per_sm` programs on every SM.
             Either gives S, the split count of a uniform batch at the host-side length bound.
-        balanced_splits: split lengths from the batch's actual keys: a grid of
-            `tuning.BALANCED_HEADROOM` x S splits, and on the device a split length of at
-            least the batch's keys over B x S (common.py), so a ragged batch's long requests
-            take more splits than its short ones; a uniform batch splits as it would without
-            (every split pass; the step's keys are summed once, `launch.sum_keys`).
+        balanced_splits: the split length planned on the device once a step from the actual
+            lengths (`split_plan.py`), within a grid of splits that bounds it: short batches
+            are not cut for the bound's length, and a ragged batch's long requests take more
+            splits than its short ones (every split pass).
         programs_per_sm: programs that run at once on one SM (for "waves"), or the target grid
             size per SM (for "fill").
         min_split_len: fewest KV tokens per split; also enforced on the device, so short requests
@@ -146,8 +145,10 @@ class MLADecodePlan:
             half the partial outputs' count when they are 16-bit, viewed in their dtype).
         workspace_lse_numel: float32 elements of the partial-LSE workspace (0 with one split).
         page_chunk: page ids the split pass reads at once (`page_chunk`).
-        balance_splits: with `config.balanced_splits`, B x the split count of a uniform batch:
-            the device divides the batch's keys by it for the least split length (0: off).
+        split_slots: with `config.balanced_splits`, the programs that run at once in the
+            device's split plan (`split_plan.py`; 0: no split plan on the device, the split
+            length comes from num_splits alone).
+        split_overhead: a split's cost in keys, for the device's split plan.
         fp16_dots: the split pass runs its dots in float16 (q converted once per program): a
             bfloat16 q over an FP8 cache, whose tiles convert to float16 in one instruction per
             two elements, against three per element for bfloat16 (through float16 and
@@ -177,7 +178,8 @@ class MLADecodePlan:
     merge_block_l: int
     merge_split_chunk: int
     fp16_dots: bool = False
-    balance_splits: int = 0
+    split_slots: int = 0
+    split_overhead: int = 0
     fp8_staging: int = 0
 
 
@@ -363,22 +365,23 @@ def plan_mla_decode(
     rows = q_len * num_heads
     num_head_groups = -(-rows // config.block_m)
     balanced = config.balanced_splits
+    head_dim = kv_lora_rank + qk_rope_head_dim
+    # A split costs a launch slot plus writing and re-reading a float32 [block_m, L] partial
+    # output: count that in KV tokens of the same number of bytes.
+    overhead = 32 + (2 * 4 * config.block_m * kv_lora_rank) // (head_dim * cache_dtype.itemsize)
+    slots = max(1, round(num_sms * config.programs_per_sm))
+    uniform_splits = num_splits
     if num_splits is None:
-        head_dim = kv_lora_rank + qk_rope_head_dim
-        itemsize = cache_dtype.itemsize
-        # A split costs a launch slot plus writing and re-reading a float32 [block_m, L] partial
-        # output: count that in KV tokens of the same number of bytes.
-        overhead = 32 + (2 * 4 * config.block_m * kv_lora_rank) // (head_dim * itemsize)
-        uniform_splits = _choose_num_splits(max(1, batch_size * num_head_groups),
-                                            max(1, max_seq_len), config, num_sms, overhead)
-        num_splits = uniform_splits
-        if balanced:  # headroom for a ragged batch's long requests
-            num_splits = min(config.max_num_splits, tuning.BALANCED_HEADROOM * uniform_splits)
-    else:
-        uniform_splits = max(1, num_splits // tuning.BALANCED_HEADROOM) if balanced else num_splits
+        base_programs = max(1, batch_size * num_head_groups)
+        uniform_splits = num_splits = _choose_num_splits(base_programs, max(1, max_seq_len),
+                                                         config, num_sms, overhead)
+        if balanced:  # a grid that bounds the splits the device plans
+            most = max(1, min(config.max_num_splits, -(-max_seq_len // config.min_split_len)))
+            wanted = -(-tuning.BALANCED_GRID_PROGRAMS_PER_SLOT * slots // base_programs)
+            num_splits = min(most, max(num_splits, wanted))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    balance_splits = batch_size * uniform_splits if balanced else 0
+    split_slots = slots if balanced and num_splits > 1 else 0
     o_numel = batch_size * num_splits * rows * kv_lora_rank if num_splits > 1 else 0
     if partial_dtype_of(config, dtype) != torch.float32:
         o_numel = -(-o_numel // 2)  # 16-bit partials: float32 storage viewed as q's dtype
@@ -413,7 +416,7 @@ def plan_mla_decode(
                          merge_block_rows=merge_rows, merge_block_l=merge_l,
                          merge_split_chunk=merge_chunk,
                          fp16_dots=fp8_cache and dtype == torch.bfloat16,
-                         balance_splits=balance_splits,
+                         split_slots=split_slots, split_overhead=overhead if split_slots else 0,
                          fp8_staging=fp8_staging if kernel == GLUON_SM90 else 0)
 
 
@@ -481,7 +484,7 @@ def describe(plan: MLADecodePlan) -> str:
     if c.latent_chunks > 1 and plan.kernel == TRITON_SPLIT:
         parts.append(f"latent/{c.latent_chunks}")
     if plan.num_splits > 1:
-        balance = f" balanced keys/{plan.balance_splits}" if plan.balance_splits else ""
+        balance = f" balanced {plan.split_slots} slots" if plan.split_slots else ""
         parts.append(f"({c.split_policy}{balance} {c.programs_per_sm:g}/SM, "
                      f"min {c.min_split_len}, {c.partial_dtype} partials)")
     flags = [name for name, on in (("tma", plan.tma_loads), ("pdl", plan.programmatic_launch),

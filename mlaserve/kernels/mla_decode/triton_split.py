@@ -167,8 +167,7 @@ def _mla_decode_split_kernel(
     num_heads,
     num_splits,
     min_split_len,  # a multiple of BLOCK_N
-    total_keys_ptr,  # [1] int32: the sum of seq_lens (BALANCED only; else unread)
-    balance_splits,  # splits a uniform batch would use, over the batch (BALANCED only)
+    split_len_ptr,  # [1] int32: the step's least split length (BALANCED only; else unread)
     stride_q_token,
     stride_q_head,
     stride_kv_block,
@@ -200,8 +199,8 @@ def _mla_decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + req)
     balanced_len = 0
-    if BALANCED:  # the batch's keys over the splits of a uniform batch (common.py)
-        balanced_len = tl.cdiv(tl.load(total_keys_ptr), balance_splits)
+    if BALANCED:  # the step's split length, planned on the device (split_plan.py)
+        balanced_len = tl.load(split_len_ptr)
     split_len, split_start, split_end = split_bounds(seq_len, split, num_splits, min_split_len,
                                                      BLOCK_N, balanced_len)
 
@@ -366,14 +365,14 @@ def launch_split_pass(plan: MLADecodePlan, io: SplitPassIO) -> None:
     _mla_decode_split_kernel[(plan.num_head_groups, num_splits, batch)](
         q, kv_cache, nope_desc, pe_desc, io.block_table, io.seq_lens, io.partial_o,
         io.partial_lse, io.qk_scale, io.q_len, num_heads, num_splits, config.min_split_len,
-        io.total_keys, max(plan.balance_splits, 1), q.stride(0), q.stride(1), kv_cache.stride(0),
+        io.split_len, q.stride(0), q.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), io.block_table.stride(0), KV_LORA_RANK=kv_lora_rank,
         ROPE_DIM=head_dim - kv_lora_rank,
         BLOCK_SIZE=kv_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, PAGE_CHUNK=plan.page_chunk,
         DOT_PRECISION=precision, DIRECT_OUTPUT=num_splits == 1,
         USE_PDL=plan.programmatic_launch, USE_TMA=plan.tma_loads, FP16_DOTS=plan.fp16_dots,
-        BALANCED=plan.balance_splits > 0, LATENT_CHUNKS=config.latent_chunks,
+        BALANCED=plan.split_slots > 0, LATENT_CHUNKS=config.latent_chunks,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

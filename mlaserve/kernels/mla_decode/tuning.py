@@ -56,8 +56,8 @@ MEDIUM_BATCH = (32, 256)  # [low, high) requests: 16-bit partials, one program p
 FILL_MIN_BATCH = 264  # 16 rows x long requests from this batch on: "fill" at 4 programs per SM
 FILL_PROGRAMS_PER_SM = 4.0
 # Balanced splits (`MLADecodeConfig.balanced_splits`; not a default until measured): the grid
-# holds this many times the uniform batch's split count, so a ragged batch's long requests can
-# take more.
-BALANCED_HEADROOM = 4
+# holds at least this many programs per slot (and the bound's own split count), so the split
+# length planned on the device can give a ragged batch's long requests more splits.
+BALANCED_GRID_PROGRAMS_PER_SLOT = 4
 SMALL_BATCH_WIDE_HEADS = (64, 8)  # >= 64 heads and < 8 requests: 32-row groups, not 64
 MERGE_ROW_ELEMENTS = 2048  # merge_block_rows * L at most this
