@@ -132,6 +132,13 @@ def test_the_grid_bounds_the_splits_and_the_device_plans_their_length() -> None:
             assert splits == [8192 // planned.config.min_split_len]
 
 
+def test_the_split_plan_compiles_for_sm90() -> None:
+    """The device's split plan compiles for sm_90 without a GPU, one program without spills."""
+    result = compile_sm90("compile_for_sm90", module="mlaserve.kernels.mla_decode.split_plan")
+    assert result["stack"] == 0
+    assert "st.global" in result["ptx"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
 def test_balanced_splits_give_long_requests_more_of_the_grid(dtype: torch.dtype) -> None:
     """A ragged batch's long request takes more splits than its short ones, and every key is

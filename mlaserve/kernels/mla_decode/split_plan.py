@@ -45,8 +45,8 @@ def _split_len_kernel(
     busy = tl.maximum(tl.sum((lens > 0).to(tl.int32)), 1)
     # each request's split length from the grid alone: round_up(ceil(N_b / S), TILE)
     own = tl.cdiv(tl.cdiv(lens, num_splits), TILE) * TILE
-    best_len = min_split_len
-    best_cost = -1.0
+    best_len = tl.full([], 0, tl.int32) + min_split_len
+    best_cost = tl.full([], float("inf"), tl.float32)
     for i in tl.static_range(NUM_CANDIDATES):
         s = tl.full([], 1 << (i // 2), tl.int32)
         if i % 2 == 1:
@@ -58,7 +58,7 @@ def _split_len_kernel(
         longest = tl.max(tl.minimum(lens, per))
         waves = tl.cdiv(programs * num_head_groups, slots)
         cost = (waves * (longest + overhead)).to(tl.float32)
-        better = (best_cost < 0) | (cost < best_cost)
+        better = cost < best_cost
         best_len = tl.where(better, split_len, best_len)
         best_cost = tl.where(better, cost, best_cost)
     tl.store(out_ptr, best_len)
@@ -75,4 +75,19 @@ def launch_split_len(seq_lens, out, num_splits: int, num_head_groups: int, slots
         NUM_CANDIDATES=NUM_CANDIDATES, num_warps=4)
 
 
-__all__ = ["NUM_CANDIDATES", "launch_split_len"]
+def compile_for_sm90(tile: int = 32, block: int = 256):
+    """The kernel compiled for sm_90 without a GPU (Triton's bundled ptxas): Triton's
+    CompiledKernel, for checks in CPU tests."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {"seq_lens_ptr": "*i32", "out_ptr": "*i32", "batch": "i32", "num_splits": "i32",
+                 "num_head_groups": "i32", "slots": "i32", "overhead": "i32",
+                 "min_split_len": "i32", "TILE": "constexpr", "BLOCK": "constexpr",
+                 "NUM_CANDIDATES": "constexpr"}
+    constexprs = {"TILE": tile, "BLOCK": block, "NUM_CANDIDATES": NUM_CANDIDATES}
+    return triton.compile(ASTSource(_split_len_kernel, signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+__all__ = ["NUM_CANDIDATES", "compile_for_sm90", "launch_split_len"]
