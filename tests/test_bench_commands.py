@@ -71,7 +71,13 @@ def test_step_host_only_times_steps_with_the_forward_stubbed(capsys):
                      "--steps", "2") == 0
     out = capsys.readouterr().out
     assert "host ms per decode step at batch 3: " in out
+    assert "(1.00 tokens a request a step;" in out
     assert "Ordered by: internal time" in out  # cProfile's table follows
+    # speculating: the stub MTP module's drafts are all accepted, k + 1 tokens a step
+    assert run_bench("step", "--host-only", "--batch", "3", "--prompt-len", "40",
+                     "--steps", "2", "--speculative-config",
+                     '{"method": "mtp", "num_speculative_tokens": 2}') == 0
+    assert "(3.00 tokens a request a step;" in capsys.readouterr().out
 
 
 def test_stream_encode_times_each_way_of_the_same_bytes(capsys):

@@ -5,7 +5,7 @@ wrong recovery rule exceeds ten times over."""
 
 import torch
 
-from mlaserve.engine.rejection_sampler import rejection_sample
+from mlaserve.engine.rejection_sampler import greedy_verify, rejection_sample
 
 VOCAB, DRAWS = 6, 200_000
 TV_BOUND = 0.01  # the empirical TV of 200k draws over 6 tokens is ~0.003
@@ -47,6 +47,24 @@ def test_greedy_rows_decode_as_without_speculation():
     short, emitted = rejection_sample(probs[:1], drafts[:1], torch.tensor([1]),
                                       torch.zeros(1, 2), torch.ones(1, 3, 4))
     assert short.tolist() == [[2, 1, -1]] and emitted.tolist() == [2]  # one draft, then bonus
+
+
+def test_greedy_verification_is_the_rejection_rule_on_one_hot_targets():
+    """`greedy_verify` (argmax only, what an all-greedy step runs) gives exactly what
+    `rejection_sample` gives on the one-hot targets, whatever the uniforms and noise: 2,000
+    requests with random argmaxes, drafts that often match them and 0..4 drafts each."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 2000, 4
+    target_ids = torch.randint(0, VOCAB, (n, k + 1), generator=gen)
+    drafts = torch.where(torch.rand(n, k, generator=gen) < 0.7, target_ids[:, :k],
+                         torch.randint(0, VOCAB, (n, k), generator=gen))
+    num_drafts = torch.randint(0, k + 1, (n,), generator=gen)
+    one_hot = torch.nn.functional.one_hot(target_ids, VOCAB).float()  # [n, k + 1, V]
+    want = rejection_sample(one_hot, drafts, num_drafts, torch.rand(n, k, generator=gen),
+                            torch.empty(n, k + 1, VOCAB).exponential_(generator=gen))
+    got = greedy_verify(target_ids, drafts, num_drafts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert set(got[1].tolist()) == set(range(1, k + 2))  # every acceptance count occurs
 
 
 def test_sampled_output_follows_the_target_for_greedy_and_sampled_drafts():

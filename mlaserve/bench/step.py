@@ -12,12 +12,14 @@ prefill of a second wave of prompts, its GPU time by kind. Writes the table and 
 kernel list to --out (profile-BACKEND-bBATCH.txt).
 
 Usage (CPU): mlaserve bench step --host-only [MODEL_DIR] [--batch 256] [--prompt-len 1024]
-    [--steps 50]
+    [--steps 50] [--speculative-config JSON]
 The engine's host-side cost per decode step, with the model forward replaced by a stub (default
 model: the built-in demo model, torch backend): scheduling, tensor building, sampling,
 detokenisation and output bookkeeping, without the model's compute. After prefill and 5 x
-`steps` steps (outputs grow, as in a long generation) it prints ms per step over `steps` steps
-under cProfile, and the top functions.
+`steps` steps (outputs grow, as in a long generation) it prints ms per step and per emitted
+token over `steps` steps under cProfile, and the top functions. With --speculative-config the
+MTP module is a stub too: its drafts are the token the zero logits sample, so every draft is
+accepted and each step emits k + 1 tokens a request (the bookkeeping of full acceptance).
 """
 
 import argparse
@@ -48,15 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="as `mlaserve serve --kv-cache-dtype` (GPU profile)")
     parser.add_argument("--speculative-config", type=json_object, default=None,
-                        help="as `mlaserve serve --speculative-config` (GPU profile): a step "
-                             "verifies and drafts; the report adds the tokens a step emits")
+                        help="as `mlaserve serve --speculative-config`: a step verifies and "
+                             "drafts; the report adds the tokens a step emits")
 
 
 def run(args: argparse.Namespace) -> int:
     """The host-only stub run, or the GPU profile."""
     if args.host_only:
         host_step(args.model, args.backend or "torch", args.batch, args.prompt_len,
-                  args.steps or 50, args.block_size)
+                  args.steps or 50, args.block_size, args.speculative_config)
         return 0
     if args.model is None:
         raise ValueError("mlaserve bench step profiles a model directory on the GPU: give "
@@ -70,9 +72,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def host_step(model: str | None, backend: str, batch: int, prompt_len: int, steps: int,
-              block_size: int) -> None:
-    """Print host ms per decode step at `batch` with the model forward stubbed out, and the
-    top functions by their own time."""
+              block_size: int, speculative_config: dict | None = None) -> None:
+    """Print host ms per decode step and per emitted token at `batch` with the model forward
+    (and the MTP module's) stubbed out, and the top functions by their own time."""
     import cProfile
     import pstats
     import random
@@ -85,25 +87,35 @@ def host_step(model: str | None, backend: str, batch: int, prompt_len: int, step
 
     engine = LLMEngine(EngineArgs(model=model, attention_backend=backend, device="cpu",
                                   block_size=block_size, max_num_seqs=batch,
-                                  num_kv_blocks=batch * (prompt_len // block_size + 40)))
+                                  num_kv_blocks=batch * (prompt_len // block_size + 80),
+                                  speculative_config=speculative_config))
+    per_step = 1 + (engine.config.speculative.num_speculative_tokens
+                    if engine.config.speculative is not None else 0)  # tokens a request a step
+    warm_steps = max(1, 5 * steps // per_step)
     hidden_size = engine.config.model.hidden_size
     engine.runner.model.forward = lambda ids, *_: torch.zeros(ids.shape[0], hidden_size)
+    if engine.runner.model.mtp is not None and speculative_config is not None:
+        engine.runner.model.mtp.forward = lambda ids, *_: torch.zeros(ids.shape[0], hidden_size)
     rng = random.Random(0)
     top_id = min(1000, engine.config.model.vocab_size)
     for _ in range(batch):
         prompt = [rng.randrange(5, top_id) for _ in range(prompt_len)]
-        engine.add_request(prompt, SamplingParams(max_tokens=6 * steps + 300,
-                                                  ignore_eos=True, temperature=0))
+        engine.add_request(prompt, SamplingParams(max_tokens=(warm_steps + steps) * per_step
+                                                  + 300, ignore_eos=True, temperature=0))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
-    for _ in range(5 * steps):  # let outputs grow, as in a long generation
+    for _ in range(warm_steps):  # let outputs grow, as in a long generation
         engine.step()
+    emitted_before = sum(len(r.output_token_ids) for r in engine.requests.values())
     profile = cProfile.Profile()
     started = time.perf_counter()
     profile.enable()
     for _ in range(steps):
         engine.step()
     profile.disable()
-    print(f"host ms per decode step at batch {batch}: "
-          f"{(time.perf_counter() - started) / steps * 1e3:.1f}")
+    seconds = time.perf_counter() - started
+    emitted = sum(len(r.output_token_ids) for r in engine.requests.values()) - emitted_before
+    print(f"host ms per decode step at batch {batch}: {seconds / steps * 1e3:.2f} "
+          f"({emitted / steps / batch:.2f} tokens a request a step; host ms per token of one "
+          f"request: {seconds / (emitted / batch) * 1e3:.3f})")
     pstats.Stats(profile).sort_stats("tottime").print_stats(12)

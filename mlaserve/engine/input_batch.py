@@ -122,6 +122,13 @@ class PersistentBatch:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
+    def to_device_parts(self, parts: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Host lists -> one device tensor each, in one copy (`to_device` of their
+        concatenation, then views of it): a step's small inputs cost one transfer, not one
+        each."""
+        flat = self.to_device([value for part in parts for value in part], dtype)
+        return list(flat.split([len(part) for part in parts]))
+
     def release(self, request: RunnerRequest) -> None:
         """The request left the batch (finished, aborted or preempted)."""
         if request.row is not None:

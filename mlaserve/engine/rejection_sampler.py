@@ -73,3 +73,27 @@ def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor,
     tokens = torch.where(positions < num_accepted[:, None], drafts,
                          torch.where(positions == num_accepted[:, None], last[:, None], -1))
     return tokens, num_accepted + 1
+
+
+def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample` where every target is greedy (p one-hot at its argmax), without the
+    distributions or the noise: a draft is accepted exactly when it is the target's argmax, and
+    the token after the accepted ones is the argmax at that position (the recovery and the
+    bonus draw both land on it).
+
+    Args:
+        target_ids: [N, k + 1] int64, the argmax of p at each verified position.
+        draft_ids: [N, k] int64; num_drafts: [N] int64 in [0, k].
+    Returns:
+        as `rejection_sample`: tokens [N, k + 1] (the target's argmax up to the first
+        rejection included, then -1) and num_emitted [N].
+    """
+    k = draft_ids.shape[1]
+    accept = (draft_ids == target_ids[:, :k]) & (
+        torch.arange(k, device=draft_ids.device)[None, :] < num_drafts[:, None])
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [N]
+    positions = torch.arange(k + 1, device=draft_ids.device)[None, :]  # [1, k + 1]
+    tokens = torch.where(positions <= num_accepted[:, None], target_ids, -1)
+    return tokens, num_accepted + 1
+

@@ -270,8 +270,13 @@ class ModelRunner:
             return None
         newest, rejected, drafts = self._prev_drafts.take([decodes[i].request_id for i in at],
                                                           self.inputs)
+        inputs = torch.cat([newest[:, None], drafts], dim=1)  # [n, q_len]
+        if len(at) == len(decodes) and not num_verify_chunks:  # every verifying request
+            decode_ids.view(-1, q_len).copy_(inputs)
+            decode_positions.view(-1, q_len).sub_(rejected[:, None])
+            return FromDevice(None, drafts, rejected)
         index = self.inputs.to_device(at, torch.int64)
-        decode_ids.view(-1, q_len)[index] = torch.cat([newest[:, None], drafts], dim=1)
+        decode_ids.view(-1, q_len)[index] = inputs
         decode_positions.view(-1, q_len)[index] -= rejected[:, None]
         corrections = torch.zeros(len(decodes) + num_verify_chunks, dtype=torch.int64,
                                   device=self.device)

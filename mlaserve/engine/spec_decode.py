@@ -39,8 +39,8 @@ import torch
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
-from mlaserve.engine.rejection_sampler import rejection_sample
-from mlaserve.engine.sampler import target_probs, top_logprobs
+from mlaserve.engine.rejection_sampler import greedy_verify, rejection_sample
+from mlaserve.engine.sampler import processed_logits, target_probs, top_logprobs
 from mlaserve.engine.structured import GrammarBitmask
 from mlaserve.kernels.sampling import SEED_MASK, seeded_uniform
 
@@ -100,7 +100,10 @@ class DeviceDrafts:
         if missing:
             raise RuntimeError(f"requests {missing} verify drafts that the previous launch did "
                                "not make")
-        index = inputs.to_device([self.rows[i] for i in request_ids], torch.int64)
+        rows = [self.rows[i] for i in request_ids]
+        if rows == list(range(len(self.rows))):  # all of them, in order (always at c = 1)
+            return self.last_tokens, self.rejected, self.drafts
+        index = inputs.to_device(rows, torch.int64)
         return self.last_tokens[index], self.rejected[index], self.drafts[index]
 
 
@@ -135,11 +138,12 @@ class AheadOfDrafts:
 @dataclass
 class FromDevice:
     """The verifying requests whose drafts the previous launch left on the device: their
-    indices among the step's verifying requests [n] int64, those drafts [n, k] int64 and the
-    corrections of their host positions [N] int64 (for every verifying request: how far the
-    previous step's rejections move its positions back; 0 for the others)."""
+    indices among the step's verifying requests [n] int64 (None: all of them, in order),
+    those drafts [n, k] int64 and the corrections of their host positions [N] int64 (for
+    every verifying request: how far the previous step's rejections move its positions back;
+    0 for the others)."""
 
-    index: torch.Tensor
+    index: torch.Tensor | None
     drafts: torch.Tensor
     corrections: torch.Tensor
 
@@ -163,34 +167,37 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
     rows = [r.row for r, c in zip(requests, counts, strict=True) for _ in range(c)]
     positions = [r.num_computed_tokens + 1 + i for r, c in zip(requests, counts, strict=True)
                  for i in range(c)]
-    packed = inputs.to_device([rows, positions], torch.int64)  # [2, R]
-    positions = packed[1]
+    # per request its k + 1 rows, rows past its d_r + 1 repeating its last
+    starts = list(accumulate(counts[:-1], initial=0))
+    index = [s + min(i, c - 1) for s, c in zip(starts, counts, strict=True)
+             for i in range(k + 1)]
+    drafts = [t for r in requests for t in r.draft_token_ids + [0] * (k - len(r.draft_token_ids))]
+    rows, positions, counts_d, index, drafts, num_drafts = inputs.to_device_parts(
+        [rows, positions, counts, index, drafts, [c - 1 for c in counts]], torch.int64)
+    gather, drafts = index.view(-1, k + 1), drafts.view(-1, k)  # [N, k + 1], [N, k]
     if from_device is not None:  # the host counted the previous step's drafts as accepted
-        positions = positions - from_device.corrections.repeat_interleave(
-            inputs.to_device(counts, torch.int64))
+        positions = positions - from_device.corrections.repeat_interleave(counts_d)
+        if from_device.index is None:
+            drafts = from_device.drafts
+        else:
+            drafts[from_device.index] = from_device.drafts
     # the drafts before each position count as generated (penalties, min_tokens: requests
     # with those verify drafts known on the host)
     repeated = [AheadOfDrafts(r, r.draft_token_ids[:i])
                 for r, c in zip(requests, counts, strict=True) for i in range(c)]
-    batch = inputs.sampling_batch(repeated, packed[0], positions, grammar_bitmask)
+    batch = inputs.sampling_batch(repeated, rows, positions, grammar_bitmask)
+    if batch.all_greedy:  # no distributions, no noise: the drafts against the argmax
+        target_ids = processed_logits(logits, batch).argmax(dim=-1)  # [R]
+        tokens, emitted = greedy_verify(target_ids[gather], drafts, num_drafts)
+        return Verification(tokens, emitted, [c - 1 for c in counts])
     probs = target_probs(logits, batch)  # [R, V]
     vocab = logits.shape[-1]
-    # [N, k + 1, V] target distributions and noise, rows past a request's d_r + 1 padded
-    starts = torch.tensor([0, *counts[:-1]]).cumsum(0).tolist()
-    index = [[s + min(i, c - 1) for i in range(k + 1)] for s, c in zip(starts, counts,
-                                                                        strict=True)]
-    gather = inputs.to_device(index, torch.int64)  # [N, k + 1]
-    target = probs[gather]  # [N, k + 1, V]
+    target = probs[gather]  # [N, k + 1, V] target distributions and noise
     noise = -torch.log(seeded_uniform(batch.seeds, batch.positions, vocab))[gather]  # Exp(1)
-    drafts = inputs.to_device([r.draft_token_ids + [0] * (k - len(r.draft_token_ids))
-                               for r in requests], torch.int64)  # [N, k]
-    if from_device is not None:
-        drafts[from_device.index] = from_device.drafts
     first_rows = gather[:, 0]
     salted = (batch.seeds[first_rows] ^ ACCEPT_SALT) & SEED_MASK
     uniform = torch.stack([seeded_uniform(salted, batch.positions[first_rows] + i, 1)[:, 0]
                            for i in range(k)], dim=1)  # [N, k]
-    num_drafts = inputs.to_device([c - 1 for c in counts], torch.int64)
     tokens, emitted = rejection_sample(target, drafts, num_drafts, uniform, noise)
     return Verification(tokens, emitted, [c - 1 for c in counts])
 
@@ -309,32 +316,34 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
     verifying: dict[str, int] = {}
     for v, (first, count, request) in enumerate(verifies):
         verify_rows += range(first, first + count)
-        verify_index += [[v, j] for j in range(count)]
+        verify_index += [value for j in range(count) for value in (v, j)]
         verifying[request.request_id] = v
         last[request.request_id] = (first - 1, request.num_computed_tokens - 1)
-    lists = [host_next, sample_rows, sample_sources, verify_rows]
-    next_ids, rows, sources, v_rows = (inputs.to_device(x, torch.int64) for x in lists)
+    # every input in one copy: [T], the sampled rows and sources, the verified rows and their
+    # (request, offset) pairs, each drafting request's last row, position and verification
+    # index, each verification's drafts
+    next_ids, rows, sources, v_rows, index, last_rows, last_positions, which, drafted = (
+        inputs.to_device_parts(
+            [host_next, sample_rows, sample_sources, verify_rows, verify_index,
+             [last[r.request_id][0] for r in drafting],
+             [last[r.request_id][1] for r in drafting],
+             [verifying.get(r.request_id, -1) for r in drafting],
+             verification.num_drafts if verification is not None else []], torch.int64))
     if sample_rows:
         next_ids[rows] = sampled[sources]
     if verify_rows:
-        index = inputs.to_device(verify_index, torch.int64)  # [Rv, 2]
+        index = index.view(-1, 2)  # [Rv, 2]
         # past a request's emitted tokens: -1, a filler like any other (clamped to a token)
         next_ids[v_rows] = verification.tokens[index[:, 0], index[:, 1]].clamp(min=0)
-    base = inputs.to_device([[last[r.request_id][0] for r in drafting],
-                             [last[r.request_id][1] for r in drafting],
-                             [verifying.get(r.request_id, -1) for r in drafting]],
-                            torch.int64)  # [3, S]
-    which = base[2]
     if verification is None:
-        return DraftRows(next_ids, base[0], base[1], torch.zeros_like(which))
+        return DraftRows(next_ids, last_rows, last_positions, torch.zeros_like(which))
     verifying_index = which.clamp(min=0)
     emitted = torch.where(which >= 0, verification.emitted[verifying_index], 0)  # [S]
-    positions = base[1] + emitted
+    positions = last_positions + emitted
     if corrections is not None:
         positions = positions - torch.where(which >= 0, corrections[verifying_index], 0)
-    drafted = inputs.to_device(verification.num_drafts, torch.int64)  # [N]
     rejected = torch.where(which >= 0, drafted[verifying_index] + 1 - emitted, 0)
-    return DraftRows(next_ids, base[0] + emitted, positions, rejected)
+    return DraftRows(next_ids, last_rows + emitted, positions, rejected)
 
 
 @dataclass
@@ -395,14 +404,16 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
     drafts = [token]
     if num_speculative_tokens > 1:
         width = max(len(r.block_ids) for r in samplers)
-        table = inputs.block_table[torch.tensor([r.row for r in samplers], device=device),
-                                   :width]  # [S, width]
-        position = rows.last_positions + 1  # [S]
+        table = rows_of(inputs, [r.row for r in samplers])[:, :width]  # [S, width]
         replay = graphs is not None and graphs.covers(len(samplers), width)
-        for _ in range(num_speculative_tokens - 1):
-            slots = (table.gather(1, (position // block_size)[:, None]).squeeze(1).long()
-                     * block_size + position % block_size)
-            seq_lens = (position + 1).to(torch.int32)
+        # every recursive pass's positions, slots and lengths at once, a pass a row: [k - 1, S]
+        passes = (rows.last_positions[None, :]
+                  + torch.arange(1, num_speculative_tokens, device=device)[:, None])
+        request = torch.arange(len(samplers), device=device)[None, :]
+        all_slots = (table[request, passes // block_size].long() * block_size
+                     + passes % block_size)
+        all_lens = (passes + 1).to(torch.int32)
+        for position, slots, seq_lens in zip(passes, all_slots, all_lens, strict=True):
             if replay:
                 token, previous = graphs.run(token, position, previous, slots, table, seq_lens)
                 token = token.clone()
@@ -415,5 +426,12 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
                                      expert_capacity or None)
                 token = model.compute_logits(previous).argmax(dim=-1)
             drafts.append(token)
-            position = position + 1
     return torch.stack(drafts, dim=1)
+
+
+def rows_of(inputs: PersistentBatch, rows: list[int]) -> torch.Tensor:
+    """The persistent block table's rows [len(rows), max_blocks]: a view where they are
+    consecutive (one request always is), else gathered by an index copied over."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return inputs.block_table[rows[0]:rows[0] + len(rows)]
+    return inputs.block_table[inputs.to_device(rows, torch.int64)]
