@@ -322,12 +322,12 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
     # every input in one copy: [T], the sampled rows and sources, the verified rows and their
     # (request, offset) pairs, each drafting request's last row, position and verification
     # index, each verification's drafts
+    host_which = [verifying.get(r.request_id, -1) for r in drafting]
     next_ids, rows, sources, v_rows, index, last_rows, last_positions, which, drafted = (
         inputs.to_device_parts(
             [host_next, sample_rows, sample_sources, verify_rows, verify_index,
              [last[r.request_id][0] for r in drafting],
-             [last[r.request_id][1] for r in drafting],
-             [verifying.get(r.request_id, -1) for r in drafting],
+             [last[r.request_id][1] for r in drafting], host_which,
              verification.num_drafts if verification is not None else []], torch.int64))
     if sample_rows:
         next_ids[rows] = sampled[sources]
@@ -337,6 +337,12 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
         next_ids[v_rows] = verification.tokens[index[:, 0], index[:, 1]].clamp(min=0)
     if verification is None:
         return DraftRows(next_ids, last_rows, last_positions, torch.zeros_like(which))
+    if host_which == list(range(len(verifies))):  # every verification drafts, in order
+        emitted = verification.emitted  # [S]
+        positions = last_positions + emitted
+        if corrections is not None:
+            positions = positions - corrections
+        return DraftRows(next_ids, last_rows + emitted, positions, drafted + 1 - emitted)
     verifying_index = which.clamp(min=0)
     emitted = torch.where(which >= 0, verification.emitted[verifying_index], 0)  # [S]
     positions = last_positions + emitted
