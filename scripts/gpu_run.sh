@@ -23,7 +23,9 @@
 #                instead of during the timed run) SERVE_ARGS="--block-size 32 --max-num-seqs
 #                256" BENCH_TIMEOUT=600 CONFIG=benchmarks/configs/deepseek-v2-lite.json
 #                (SERVE_ARGS is split on spaces: write JSON without them,
-#                '{"num_hidden_layers":8}')
+#                '{"num_hidden_layers":8}'); CLIENT_ARGS: more `bench serve` flags of the
+#                throughput workload, e.g. "--random-range-ratio 0.9" (with SERVE_ARGS
+#                "... --record-decode-steps OUT_DIR/steps.jsonl": the wide-spread trace)
 #   spec OUT_DIR
 #                speculative decoding with the MTP module (GPU tests first): per model, one
 #                server without speculation and one with --speculative-config k=K (default 3),
@@ -227,8 +229,9 @@ serve_bench() {
       if [ "$warmups" -gt 0 ]; then
         client warmup "$in_len" "$out_len" "$warmups" "$conc" --seed 1 | tail -3
       fi
+      # shellcheck disable=SC2086
       client "mlaserve-$backend-c$conc" "$in_len" "$out_len" "$prompts" "$conc" --save-result \
-        --result-dir "$dir" | tee "$dir/bench-$backend-c$conc-$run.txt"
+        --result-dir "$dir" ${CLIENT_ARGS:-} | tee "$dir/bench-$backend-c$conc-$run.txt"
       client "mlaserve-$backend-c1" "$in_len" "$single_out" "$single_prompts" 1 --save-result \
         --result-dir "$dir" | tee "$dir/bench-$backend-c1-$run.txt"
       curl -s localhost:8000/metrics | grep -E "^vllm:(num_preemptions|prefix_cache_hits)" \
