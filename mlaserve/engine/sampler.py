@@ -146,6 +146,8 @@ def banned_before_min_tokens(requests: list[SamplingState], device: torch.device
     must_end: ids of the requests whose grammar allows nothing but its end; they are not banned
     (the constraint ends the request before min_tokens; `GrammarBitmask.must_end`).
     """
+    if not any(r.params.min_tokens for r in requests):
+        return None  # the usual step: no row counts up to a min_tokens
     lists = [list(r.eos_token_ids) + r.params.stop_token_ids
              if r.num_output_tokens_total < r.params.min_tokens
              and r.request_id not in must_end else [] for r in requests]

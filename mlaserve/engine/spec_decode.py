@@ -114,6 +114,8 @@ class AheadOfDrafts:
 
     def __init__(self, request: RunnerRequest, drafts: list[int]) -> None:
         self.request, self.drafts = request, drafts
+        # read for every row of every step: plain attributes, not `__getattr__`
+        self.params, self.request_id = request.params, request.request_id
 
     def __getattr__(self, name: str):
         return getattr(self.request, name)
