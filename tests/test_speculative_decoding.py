@@ -654,14 +654,14 @@ def test_speculating_steps_are_pipelined_and_survive_a_transient_fault(where, mo
     finally:
         plain.shutdown()
     from_device = []
-    original = runner_module.ModelRunner._from_previous_launch
+    original = runner_module.from_previous_launch
 
-    def counted(self, *args):
-        found = original(self, *args)
+    def counted(*args):
+        found = original(*args)
         from_device.append(found is not None)
         return found
 
-    monkeypatch.setattr(runner_module.ModelRunner, "_from_previous_launch", counted)
+    monkeypatch.setattr(runner_module, "from_previous_launch", counted)
     llm = LLM(device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     try:
         runner = llm.engine.runner

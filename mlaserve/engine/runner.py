@@ -40,6 +40,8 @@ from mlaserve.engine.spec_decode import (
     draft,
     draft_rows,
     emitted_logprobs,
+    from_previous_launch,
+    speculative_layout,
     verify,
 )
 from mlaserve.engine.speculative import speculates
@@ -176,7 +178,8 @@ class ModelRunner:
         eagerly with exchanges of that size."""
         inputs, block_size = self.inputs, self.block_size
         inputs.sync([*decodes, *(r for r, _ in prefills)])
-        decodes, prefills, verifies, q_len = self._speculative_layout(decodes, prefills)
+        decodes, prefills, verifies, q_len = speculative_layout(decodes, prefills,
+                                                                self.num_speculative_tokens)
         num_decodes = len(decodes)
         # decode rows (q_len per request): persistent row, position, known input token, or its
         # index among the previous step's samples (-1: known)
@@ -208,8 +211,9 @@ class ModelRunner:
             if any(s >= 0 for s in sources):
                 from_device = self._prev_sampled[decode_sources.clamp(min=0)]
                 decode_ids = torch.where(decode_sources >= 0, from_device, decode_ids)
-            from_previous = None if q_len == 1 else self._from_previous_launch(
-                decodes, len(verifies), decode_ids, decode_positions, q_len)
+            from_previous = None if q_len == 1 else from_previous_launch(
+                self._prev_drafts, decodes, len(verifies), decode_ids, decode_positions, q_len,
+                inputs)
             row_tables = inputs.block_table[decode_rows, :width]  # [d * q_len, width] int32
             decode_slots = (row_tables.gather(1, (decode_positions // block_size)[:, None])
                             .squeeze(1).long() * block_size + decode_positions % block_size)
@@ -255,51 +259,6 @@ class ModelRunner:
         return self._speculate(decodes, q_len, prefills, verifies, samplers, grammar_bitmask,
                                hidden, position_ids, meta, chunks, replayed,
                                from_previous if decodes else None, expert_capacity)
-
-    def _from_previous_launch(self, decodes: list[RunnerRequest], num_verify_chunks: int,
-                              decode_ids: torch.Tensor, decode_positions: torch.Tensor,
-                              q_len: int) -> FromDevice | None:
-        """Decode rows (q_len k + 1: drafts left on the device are always all k) of requests
-        that verify drafts the previous launch left on the device (it had not landed when
-        this step was scheduled): their input tokens become that launch's newest token and
-        drafts, and their positions move back by its rejections (in place, in decode_ids and
-        decode_positions [d * q_len]). The corrections cover every verifying request: these
-        decodes, then the verify chunks (0). None when there are none."""
-        at = [i for i, r in enumerate(decodes) if r.num_device_drafts]
-        if not at:
-            return None
-        newest, rejected, drafts = self._prev_drafts.take([decodes[i].request_id for i in at],
-                                                          self.inputs)
-        inputs = torch.cat([newest[:, None], drafts], dim=1)  # [n, q_len]
-        if len(at) == len(decodes) and not num_verify_chunks:  # every verifying request
-            decode_ids.view(-1, q_len).copy_(inputs)
-            decode_positions.view(-1, q_len).sub_(rejected[:, None])
-            return FromDevice(None, drafts, rejected)
-        index = self.inputs.to_device(at, torch.int64)
-        decode_ids.view(-1, q_len)[index] = inputs
-        decode_positions.view(-1, q_len)[index] -= rejected[:, None]
-        corrections = torch.zeros(len(decodes) + num_verify_chunks, dtype=torch.int64,
-                                  device=self.device)
-        corrections[index] = rejected
-        return FromDevice(index, drafts, corrections)
-
-    def _speculative_layout(self, decodes: list[RunnerRequest],
-                            prefills: list[tuple[RunnerRequest, int]]
-                            ) -> tuple[list[RunnerRequest], list[tuple[RunnerRequest, int]],
-                                       list[RunnerRequest], int]:
-        """Where a step's decoding requests run: (decode rows' requests, prefill chunks,
-        verify chunks' requests, q_len of the decode rows). Without speculation every decode
-        is one row. A speculating engine verifies each request with all k drafts as k + 1
-        decode rows (the decode kernels' q_len > 1, one plan for all); then the plain decodes
-        beside them run as one-token chunks after the prefills, and requests verifying fewer
-        drafts (cut by max_tokens or the model length) as chunks after those."""
-        k = self.num_speculative_tokens
-        verifies = [r for r in decodes if 0 < r.num_drafts < k]
-        full = [r for r in decodes if k and r.num_drafts == k]
-        plain = [r for r in decodes if not r.num_drafts]
-        if not full:
-            return plain, prefills, verifies, 1
-        return full, [*prefills, *((r, 1) for r in plain)], verifies, k + 1
 
     def _speculate(self, decodes: list[RunnerRequest], q_len: int,
                    prefills: list[tuple[RunnerRequest, int]], verifies: list[RunnerRequest],

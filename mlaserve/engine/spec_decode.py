@@ -6,7 +6,7 @@ n + 1 .. n + d, so the main model's logits at all d + 1 positions come out of th
 Requests verifying all k drafts take k + 1 decode rows each (the decode kernels' q_len > 1, one
 plan for the batch), the plain decodes beside them one-token chunks after the prefills; a
 request verifying fewer (its drafts cut by max_tokens or the model length) takes a chunk of its
-own over the cached context, after those (runner.py, `_speculative_layout`). `verify` turns
+own over the cached context, after those (`speculative_layout`). `verify` turns
 those logits into the tokens emitted: the target distribution at each position
 (`sampler.target_probs`: the request's penalties, logit bias, min_tokens, temperature and
 filters, with the drafts before the position counted as generated: `AheadOfDrafts`), then
@@ -150,6 +150,53 @@ class FromDevice:
     corrections: torch.Tensor
 
 
+def speculative_layout(decodes: list[RunnerRequest], prefills: list[tuple[RunnerRequest, int]],
+                       num_speculative_tokens: int
+                       ) -> tuple[list[RunnerRequest], list[tuple[RunnerRequest, int]],
+                                  list[RunnerRequest], int]:
+    """Where a step's decoding requests run: (decode rows' requests, prefill chunks, verify
+    chunks' requests, q_len of the decode rows). Without speculation every decode is one row.
+    A speculating engine verifies each request with all k drafts as k + 1 decode rows (the
+    decode kernels' q_len > 1, one plan for all); then the plain decodes beside them run as
+    one-token chunks after the prefills, and requests verifying fewer drafts (cut by
+    max_tokens or the model length) as chunks after those."""
+    k = num_speculative_tokens
+    verifies = [r for r in decodes if 0 < r.num_drafts < k]
+    full = [r for r in decodes if k and r.num_drafts == k]
+    plain = [r for r in decodes if not r.num_drafts]
+    if not full:
+        return plain, prefills, verifies, 1
+    return full, [*prefills, *((r, 1) for r in plain)], verifies, k + 1
+
+
+def from_previous_launch(previous: DeviceDrafts | None, decodes: list[RunnerRequest],
+                         num_verify_chunks: int, decode_ids: torch.Tensor,
+                         decode_positions: torch.Tensor, q_len: int, inputs: PersistentBatch
+                         ) -> FromDevice | None:
+    """Decode rows (q_len k + 1: drafts left on the device are always all k) of requests that
+    verify drafts the previous launch left on the device (`previous`; it had not landed when
+    this step was scheduled): their input tokens become that launch's newest token and drafts,
+    and their positions move back by its rejections (in place, in decode_ids and
+    decode_positions [d * q_len]). The corrections cover every verifying request: these
+    decodes, then the verify chunks (0). None when there are none."""
+    at = [i for i, r in enumerate(decodes) if r.num_device_drafts]
+    if not at:
+        return None
+    newest, rejected, drafts = previous.take([decodes[i].request_id for i in at], inputs)
+    rows_in = torch.cat([newest[:, None], drafts], dim=1)  # [n, q_len]
+    if len(at) == len(decodes) and not num_verify_chunks:  # every verifying request
+        decode_ids.view(-1, q_len).copy_(rows_in)
+        decode_positions.view(-1, q_len).sub_(rejected[:, None])
+        return FromDevice(None, drafts, rejected)
+    index = inputs.to_device(at, torch.int64)
+    decode_ids.view(-1, q_len)[index] = rows_in
+    decode_positions.view(-1, q_len)[index] -= rejected[:, None]
+    corrections = torch.zeros(len(decodes) + num_verify_chunks, dtype=torch.int64,
+                              device=decode_ids.device)
+    corrections[index] = rejected
+    return FromDevice(index, drafts, corrections)
+
+
 def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: PersistentBatch,
            grammar_bitmask: GrammarBitmask | None = None,
            from_device: FromDevice | None = None) -> Verification:
@@ -163,8 +210,9 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
             after request.
         grammar_bitmask: the step's grammar masks (a constrained request: one per position).
     """
-    k = max(r.num_drafts for r in requests)
-    counts = [r.num_drafts + 1 for r in requests]
+    host_drafts = [r.num_drafts for r in requests]
+    k = max(host_drafts)
+    counts = [d + 1 for d in host_drafts]
     # per logits row: its request's persistent row and the index of the token it samples
     rows = [r.row for r, c in zip(requests, counts, strict=True) for _ in range(c)]
     positions = [r.num_computed_tokens + 1 + i for r, c in zip(requests, counts, strict=True)
@@ -175,7 +223,7 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
              for i in range(k + 1)]
     drafts = [t for r in requests for t in r.draft_token_ids + [0] * (k - len(r.draft_token_ids))]
     rows, positions, counts_d, index, drafts, num_drafts = inputs.to_device_parts(
-        [rows, positions, counts, index, drafts, [c - 1 for c in counts]], torch.int64)
+        [rows, positions, counts, index, drafts, host_drafts], torch.int64)
     gather, drafts = index.view(-1, k + 1), drafts.view(-1, k)  # [N, k + 1], [N, k]
     if from_device is not None:  # the host counted the previous step's drafts as accepted
         positions = positions - from_device.corrections.repeat_interleave(counts_d)
@@ -191,7 +239,7 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
     if batch.all_greedy:  # no distributions, no noise: the drafts against the argmax
         target_ids = processed_logits(logits, batch).argmax(dim=-1)  # [R]
         tokens, emitted = greedy_verify(target_ids[gather], drafts, num_drafts)
-        return Verification(tokens, emitted, [c - 1 for c in counts])
+        return Verification(tokens, emitted, host_drafts)
     probs = target_probs(logits, batch)  # [R, V]
     vocab = logits.shape[-1]
     target = probs[gather]  # [N, k + 1, V] target distributions and noise
@@ -201,7 +249,7 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
     uniform = torch.stack([seeded_uniform(salted, batch.positions[first_rows] + i, 1)[:, 0]
                            for i in range(k)], dim=1)  # [N, k]
     tokens, emitted = rejection_sample(target, drafts, num_drafts, uniform, noise)
-    return Verification(tokens, emitted, [c - 1 for c in counts])
+    return Verification(tokens, emitted, host_drafts)
 
 
 @dataclass
@@ -243,10 +291,11 @@ def emitted_logprobs(requests: list[RunnerRequest], verification: Verification,
     if not wanting:
         return None
     counts = [verification.num_drafts[i] + 1 for i, _, _ in wanting]
-    rows = inputs.to_device([s + j for (_, _, s), c in zip(wanting, counts, strict=True)
-                             for j in range(c)], torch.int64)
-    index = inputs.to_device([[i, j] for (i, _, _), c in zip(wanting, counts, strict=True)
-                              for j in range(c)], torch.int64)  # [R, 2]
+    rows, index = inputs.to_device_parts(
+        [[s + j for (_, _, s), c in zip(wanting, counts, strict=True) for j in range(c)],
+         [v for (i, _, _), c in zip(wanting, counts, strict=True) for j in range(c)
+          for v in (i, j)]], torch.int64)
+    index = index.view(-1, 2)  # [R, 2]: (verification, position)
     targets = verification.tokens[index[:, 0], index[:, 1]].clamp(min=0)  # -1: not emitted
     k = max(r.params.logprobs for _, r, _ in wanting)
     chosen, values, ids = (t.to("cpu", non_blocking=True) for t in top_logprobs(
@@ -339,19 +388,19 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
         next_ids[v_rows] = verification.tokens[index[:, 0], index[:, 1]].clamp(min=0)
     if verification is None:
         return DraftRows(next_ids, last_rows, last_positions, torch.zeros_like(which))
-    if host_which == list(range(len(verifies))):  # every verification drafts, in order
-        emitted = verification.emitted  # [S]
-        positions = last_positions + emitted
+    # per drafting request: tokens emitted, drafts verified and position correction (none
+    # where it did not verify: -1 drafts, so 0 rejected)
+    emitted, drafted_s, corrected = verification.emitted, drafted, corrections  # [S] each
+    if host_which != list(range(len(verifies))):  # not every verification, in order
+        verified, at = which >= 0, which.clamp(min=0)
+        emitted = torch.where(verified, emitted[at], 0)
+        drafted_s = torch.where(verified, drafted[at], -1)
         if corrections is not None:
-            positions = positions - corrections
-        return DraftRows(next_ids, last_rows + emitted, positions, drafted + 1 - emitted)
-    verifying_index = which.clamp(min=0)
-    emitted = torch.where(which >= 0, verification.emitted[verifying_index], 0)  # [S]
+            corrected = torch.where(verified, corrections[at], 0)
     positions = last_positions + emitted
-    if corrections is not None:
-        positions = positions - torch.where(which >= 0, corrections[verifying_index], 0)
-    rejected = torch.where(which >= 0, drafted[verifying_index] + 1 - emitted, 0)
-    return DraftRows(next_ids, last_rows + emitted, positions, rejected)
+    if corrected is not None:
+        positions = positions - corrected
+    return DraftRows(next_ids, last_rows + emitted, positions, drafted_s + 1 - emitted)
 
 
 @dataclass

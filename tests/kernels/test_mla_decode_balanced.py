@@ -108,12 +108,16 @@ def test_the_grid_bounds_the_splits_and_the_device_plans_their_length() -> None:
     modelled makespan."""
     bf16 = torch.bfloat16
 
-    def plan(batch: int, bound: int, heads: int = 16) -> MLADecodePlan:
+    def plan(batch: int, bound: int, heads: int = 16, balanced: bool = True) -> MLADecodePlan:
         config = dataclasses.replace(default_config(heads, 1, 512, 64, bf16, batch, bound, 64),
-                                     balanced_splits=True)
+                                     balanced_splits=balanced)
         return plan_mla_decode(batch, bound, heads, 1, 512, 64, bf16, 132, 64, config=config,
                                capability=(9, 0))
 
+    # what a server's graphs planned for 8192 tokens run without it (benchmarks/mla-decode):
+    # every request cut into 9 splits at 232 requests, into 1 at 256, whatever their lengths
+    assert plan(232, 8192, balanced=False).num_splits == 9
+    assert plan(256, 8192, balanced=False).num_splits == 1
     wide = plan(232, 8192)
     assert wide.split_slots == 264 and wide.split_overhead > 0
     assert wide.num_splits * 232 >= BALANCED_GRID_PROGRAMS_PER_SLOT * 264
