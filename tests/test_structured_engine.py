@@ -13,7 +13,7 @@ import torch
 from mlaserve import LLM, SamplingParams
 from mlaserve.engine.messages import EngineCoreRequest
 from mlaserve.engine.request import StructuredOutputs
-from mlaserve.engine.sampler import SamplingBatch, sample
+from mlaserve.engine.sampler import RowParams, SamplingBatch, sample
 from mlaserve.engine.structured import apply_token_bitmask
 
 SEEDS = range(6)
@@ -229,9 +229,10 @@ def test_bitmask_applies_to_every_sampling_path():
     for temperature, top_k, top_p in [(0.0, vocab, 1.0), (1.0, vocab, 1.0), (1.0, 5, 0.9)]:
         for seed in range(5):
             batch = SamplingBatch(
-                temperature=torch.full((n,), temperature), top_k=torch.full((n,), top_k),
-                top_p=torch.full((n,), top_p), min_p=torch.zeros(n),
-                seeds=torch.full((n,), seed), positions=torch.arange(n),
+                RowParams(temperature=torch.full((n,), temperature),
+                          top_k=torch.full((n,), top_k), top_p=torch.full((n,), top_p),
+                          min_p=torch.zeros(n), seeds=torch.full((n,), seed)),
+                rows=None, positions=torch.arange(n),
                 all_greedy=temperature == 0, needs_filter=top_k < vocab or top_p < 1,
                 allowed=(rows, bitmask))
             tokens = sample(logits, batch).tolist()
@@ -281,9 +282,10 @@ def test_extreme_noise_never_picks_a_masked_token(monkeypatch):
     bitmask[0, 1] = 1 << 3  # token 35 only
     for top_k in (vocab, 5):
         batch = SamplingBatch(
-            temperature=torch.ones(n), top_k=torch.full((n,), top_k), top_p=torch.ones(n),
-            min_p=torch.zeros(n), seeds=torch.zeros(n, dtype=torch.int64),
-            positions=torch.zeros(n, dtype=torch.int64), all_greedy=False,
+            RowParams(temperature=torch.ones(n), top_k=torch.full((n,), top_k),
+                      top_p=torch.ones(n), min_p=torch.zeros(n),
+                      seeds=torch.zeros(n, dtype=torch.int64)),
+            rows=None, positions=torch.zeros(n, dtype=torch.int64), all_greedy=False,
             needs_filter=top_k < vocab, allowed=(torch.tensor([1]), bitmask))
         assert sample(logits, batch)[1].item() == 35
 

@@ -17,6 +17,7 @@ import torch
 from mlaserve.engine.request import SamplingParams
 from mlaserve.engine.sampler import (
     Penalties,
+    RowParams,
     SamplingBatch,
     banned_before_min_tokens,
     logit_bias,
@@ -109,11 +110,12 @@ class PersistentBatch:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32,
                                        device=device)  # [rows, max_blocks]
-        self.temperature = torch.zeros(max_num_seqs, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(max_num_seqs, dtype=torch.float32, device=device)
-        self.min_p = torch.zeros(max_num_seqs, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.seeds = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.params = RowParams(  # a row per request
+            temperature=torch.zeros(max_num_seqs, dtype=torch.float32, device=device),
+            top_k=torch.zeros(max_num_seqs, dtype=torch.int64, device=device),
+            top_p=torch.ones(max_num_seqs, dtype=torch.float32, device=device),
+            min_p=torch.zeros(max_num_seqs, dtype=torch.float32, device=device),
+            seeds=torch.zeros(max_num_seqs, dtype=torch.int64, device=device))
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list -> a device tensor, through a pinned buffer and an asynchronous copy."""
@@ -171,11 +173,12 @@ class PersistentBatch:
                                  for r in joined], torch.float32)  # [J, 3]
         ints = self.to_device([[top_k_or_vocab(r.params.top_k, self.vocab_size),
                                 r.sample_seed & SEED_MASK] for r in joined], torch.int64)  # [J, 2]
-        self.temperature[rows] = floats[:, 0]
-        self.top_p[rows] = floats[:, 1]
-        self.min_p[rows] = floats[:, 2]
-        self.top_k[rows] = ints[:, 0]
-        self.seeds[rows] = ints[:, 1]
+        params = self.params
+        params.temperature[rows] = floats[:, 0]
+        params.top_p[rows] = floats[:, 1]
+        params.min_p[rows] = floats[:, 2]
+        params.top_k[rows] = ints[:, 0]
+        params.seeds[rows] = ints[:, 1]
 
     def host_to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor (pinned when the device is a GPU) -> the device, asynchronously."""
@@ -205,8 +208,7 @@ class PersistentBatch:
         if any(needs_penalties(p) for p in params):
             penalties = Penalties.build(requests, self.vocab_size, self.device)
         return SamplingBatch(
-            temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
-            min_p=self.min_p[rows], seeds=self.seeds[rows], positions=positions,
+            params=self.params, rows=rows, positions=positions,
             all_greedy=all(p.temperature == 0 for p in params),
             needs_filter=any(needs_filter(p) for p in params), penalties=penalties,
             banned=banned_before_min_tokens(

@@ -11,6 +11,7 @@ pick only allowed tokens.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -82,14 +83,26 @@ class Penalties:
 
 
 @dataclass
-class SamplingBatch:
-    """Per-row sampling parameters (rows = requests that sample this step), on the device."""
+class RowParams:
+    """Sampling parameters of S rows, on the device: temperature [S] float32 (0 = greedy),
+    top_k [S] int64 (vocab size = off), top_p [S] and min_p [S] float32, seeds [S] int64 (the
+    runner's persistent batch holds them a row per request)."""
 
-    temperature: torch.Tensor  # [N] float32 (0 = greedy)
-    top_k: torch.Tensor  # [N] int64 (vocab size = off)
-    top_p: torch.Tensor  # [N] float32
-    min_p: torch.Tensor  # [N] float32
-    seeds: torch.Tensor  # [N] int64
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+
+
+@dataclass
+class SamplingBatch:
+    """The N rows that sample this step (requests, or a verification's positions): where each
+    one's parameters are in `params` (`rows` [N] int64, None: 0..N-1), each parameter gathered
+    at its first read (a greedy batch reads none), and the rest of the step's sampling inputs."""
+
+    params: RowParams
+    rows: torch.Tensor | None
     positions: torch.Tensor  # [N] int64: index of the token being sampled
     all_greedy: bool
     needs_filter: bool  # some row asks for top-k, top-p or min-p
@@ -98,6 +111,29 @@ class SamplingBatch:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, values)
     # (rows [M] int64, bitmask [M, ceil(V / 32)] int32): grammar masks of constrained rows
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _gather(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.rows is None else values[self.rows]
+
+    @cached_property
+    def temperature(self) -> torch.Tensor:  # [N] float32
+        return self._gather(self.params.temperature)
+
+    @cached_property
+    def top_k(self) -> torch.Tensor:  # [N] int64
+        return self._gather(self.params.top_k)
+
+    @cached_property
+    def top_p(self) -> torch.Tensor:  # [N] float32
+        return self._gather(self.params.top_p)
+
+    @cached_property
+    def min_p(self) -> torch.Tensor:  # [N] float32
+        return self._gather(self.params.min_p)
+
+    @cached_property
+    def seeds(self) -> torch.Tensor:  # [N] int64
+        return self._gather(self.params.seeds)
 
     @classmethod
     def build(cls, requests: list[SamplingState], vocab_size: int,
@@ -110,11 +146,14 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
-            temperature=tensor([p.temperature for p in params], torch.float32),
-            top_k=tensor([top_k_or_vocab(p.top_k, vocab_size) for p in params], torch.int64),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([r.sample_seed & SEED_MASK for r in requests], torch.int64),
+            params=RowParams(
+                temperature=tensor([p.temperature for p in params], torch.float32),
+                top_k=tensor([top_k_or_vocab(p.top_k, vocab_size) for p in params],
+                             torch.int64),
+                top_p=tensor([p.top_p for p in params], torch.float32),
+                min_p=tensor([p.min_p for p in params], torch.float32),
+                seeds=tensor([r.sample_seed & SEED_MASK for r in requests], torch.int64)),
+            rows=None,
             positions=tensor([r.num_total_tokens for r in requests], torch.int64),
             all_greedy=all(p.temperature == 0 for p in params),
             needs_filter=any(needs_filter(p) for p in params),
