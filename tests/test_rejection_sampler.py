@@ -52,7 +52,8 @@ def test_greedy_rows_decode_as_without_speculation():
 def test_greedy_verification_is_the_rejection_rule_on_one_hot_targets():
     """`greedy_verify` (argmax only, what an all-greedy step runs) gives exactly what
     `rejection_sample` gives on the one-hot targets, whatever the uniforms and noise: 2,000
-    requests with random argmaxes, drafts that often match them and 0..4 drafts each."""
+    requests with random argmaxes, drafts that often match them and 0..4 drafts each (-1 past
+    them: `rejection_sample` reads those as any token)."""
     gen = torch.Generator().manual_seed(3)
     n, k = 2000, 4
     target_ids = torch.randint(0, VOCAB, (n, k + 1), generator=gen)
@@ -62,7 +63,12 @@ def test_greedy_verification_is_the_rejection_rule_on_one_hot_targets():
     one_hot = torch.nn.functional.one_hot(target_ids, VOCAB).float()  # [n, k + 1, V]
     want = rejection_sample(one_hot, drafts, num_drafts, torch.rand(n, k, generator=gen),
                             torch.empty(n, k + 1, VOCAB).exponential_(generator=gen))
-    got = greedy_verify(target_ids, drafts, num_drafts)
+    padded = torch.where(torch.arange(k) < num_drafts[:, None], drafts, -1)
+    got = greedy_verify(target_ids, padded)
+    assert torch.equal(rejection_sample(one_hot, padded, num_drafts,
+                                        torch.rand(n, k, generator=gen),
+                                        torch.empty(n, k + 1, VOCAB).exponential_(
+                                            generator=gen))[0], want[0])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert set(got[1].tolist()) == set(range(1, k + 2))  # every acceptance count occurs
 

@@ -33,7 +33,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor,
     Args:
         target_probs: [N, k + 1, V] float32, p at each verified position (rows of a request
             with fewer than k drafts are read up to its own k_n + 1).
-        draft_ids: [N, k] int64, the drafts (past num_drafts: anything in the vocabulary).
+        draft_ids: [N, k] int64, the drafts (past num_drafts: any token id, or -1).
         num_drafts: [N] int64 in [0, k], k_n.
         uniform: [N, k] float32 in [0, 1), one per draft.
         noise: [N, k + 1, V] float32, Exp(1) noise of the recovery / bonus draw.
@@ -44,6 +44,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor,
     """
     rows, k = draft_ids.shape
     arange = torch.arange(rows, device=draft_ids.device)
+    draft_ids = draft_ids.clamp(min=0)  # past num_drafts: read, never accepted
     p_of_draft = target_probs[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)  # [N, k]
     if draft_probs is None:
         accept = uniform < p_of_draft  # q(d) = 1
@@ -75,7 +76,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor,
     return tokens, num_accepted + 1
 
 
-def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
+def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rejection_sample` where every target is greedy (p one-hot at its argmax), without the
     distributions or the noise: a draft is accepted exactly when it is the target's argmax, and
@@ -84,16 +85,13 @@ def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts:
 
     Args:
         target_ids: [N, k + 1] int64, the argmax of p at each verified position.
-        draft_ids: [N, k] int64; num_drafts: [N] int64 in [0, k].
+        draft_ids: [N, k] int64, -1 past each request's drafts (no target equals it).
     Returns:
         as `rejection_sample`: tokens [N, k + 1] (the target's argmax up to the first
         rejection included, then -1) and num_emitted [N].
     """
     k = draft_ids.shape[1]
-    accept = (draft_ids == target_ids[:, :k]) & (
-        torch.arange(k, device=draft_ids.device)[None, :] < num_drafts[:, None])
-    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [N]
-    positions = torch.arange(k + 1, device=draft_ids.device)[None, :]  # [1, k + 1]
+    num_accepted = (draft_ids == target_ids[:, :k]).cumprod(dim=1).sum(dim=1)  # [N]
+    positions = torch.arange(k + 1, device=draft_ids.device)  # [k + 1]
     tokens = torch.where(positions <= num_accepted[:, None], target_ids, -1)
     return tokens, num_accepted + 1
-

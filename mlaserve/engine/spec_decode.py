@@ -221,7 +221,8 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
     starts = list(accumulate(counts[:-1], initial=0))
     index = [s + min(i, c - 1) for s, c in zip(starts, counts, strict=True)
              for i in range(k + 1)]
-    drafts = [t for r in requests for t in r.draft_token_ids + [0] * (k - len(r.draft_token_ids))]
+    drafts = [t for r in requests  # -1 past a request's drafts
+              for t in r.draft_token_ids + [-1] * (k - len(r.draft_token_ids))]
     rows, positions, counts_d, index, drafts, num_drafts = inputs.to_device_parts(
         [rows, positions, counts, index, drafts, host_drafts], torch.int64)
     gather, drafts = index.view(-1, k + 1), drafts.view(-1, k)  # [N, k + 1], [N, k]
@@ -238,7 +239,7 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
     batch = inputs.sampling_batch(repeated, rows, positions, grammar_bitmask)
     if batch.all_greedy:  # no distributions, no noise: the drafts against the argmax
         target_ids = processed_logits(logits, batch).argmax(dim=-1)  # [R]
-        tokens, emitted = greedy_verify(target_ids[gather], drafts, num_drafts)
+        tokens, emitted = greedy_verify(target_ids[gather], drafts)
         return Verification(tokens, emitted, host_drafts)
     probs = target_probs(logits, batch)  # [R, V]
     vocab = logits.shape[-1]
