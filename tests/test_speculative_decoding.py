@@ -243,22 +243,14 @@ def test_verification_replays_decode_graphs_of_q_len_k_plus_1(reference, monkeyp
 def test_drafting_graphs_propose_the_eager_drafts():
     """The demo model's trained MTP layer (drafts mostly accepted), k = 3: with the decode and
     drafting graphs (the CPU stand-ins) every draft and every output equals the eager engine's,
-    and the drafting graphs replay, the first pass over a verification's rows among them."""
+    and the drafting graph (all k passes, reading the decode graph's static inputs and output)
+    replays after both kinds of decode graph: plain decodes (q_len 1) and verifications (4)."""
     from tests.test_cuda_graphs import _CPUDecodeGraphs, _EagerReplay
 
     class CPUDraftGraphs(DraftGraphs):
         def _record(self, batch_size: int, q_len: int):
-            output = tuple(t.clone() for t in self._forward(batch_size, q_len))
-            return _DraftReplay(self, batch_size, q_len, output), output
-
-    class _DraftReplay(_EagerReplay):
-        def replay(self) -> None:
-            self.graphs.backend.plan_for_capture(self.batch_size, self.q_len)
-            with torch.inference_mode():
-                for out, new in zip(self.output,
-                                    self.graphs._forward(self.batch_size, self.q_len),
-                                    strict=True):
-                    out.copy_(new)
+            output = self._forward(batch_size, q_len).clone()
+            return _EagerReplay(self, batch_size, q_len, output), output
 
     prompts = ["What is 12 + 30?", "What is 48 + 35 - 17?", "Compute 7 * 8."]
     params = SamplingParams(max_tokens=24, temperature=0)
@@ -274,21 +266,21 @@ def test_drafting_graphs_propose_the_eager_drafts():
                                                  max_batch_size=4, max_blocks_per_seq=8,
                                                  scratch_slot=scratch, q_lens=(1, 4))
                 runner.draft_graphs = CPUDraftGraphs(runner.model, runner.mtp_cache,
-                                                     runner.backend, runner.graphs.sizes, 8,
-                                                     scratch, q_lens=(1, 4))
-                first_passes = Counter()
+                                                     runner.backend, runner.graphs, 3,
+                                                     runner.block_size)
+                replays = Counter()
                 run_draft = runner.draft_graphs.run
 
-                def counting_run(*args, _count=first_passes, _run=run_draft):
-                    _count[args[7] if len(args) > 7 else 1] += 1  # by q_len
+                def counting_run(*args, _count=replays, _run=run_draft):
+                    _count[args[3]] += 1  # by q_len
                     return _run(*args)
 
                 runner.draft_graphs.run = counting_run
             texts = run(llm, prompts, params)
             stats = llm.engine.core.spec_stats
             outcomes.append((texts, stats.accepted_per_pos, stats.num_drafts))
-            if graphs:  # first passes over verification rows (q_len 4) and recursive ones
-                assert first_passes[4] > 0 and first_passes[1] > 0
+            if graphs:
+                assert replays[4] > 0 and replays[1] > 0
                 assert runner.graphs.num_replays > 0
         finally:
             llm.shutdown()

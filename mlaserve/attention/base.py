@@ -50,6 +50,9 @@ class BackendCapabilities:
     max_q_len: int | None = None
     min_compute_capability: tuple[int, int] | None = None
     supports_cuda_graphs: bool = False
+    # its captured kernels read the static lengths when they run, so a graph may set them
+    # itself between its passes (`MLABackend.set_graph_lengths`)
+    graph_lengths_on_device: bool = False
 
 
 class UnsupportedShape(ValueError):
@@ -170,3 +173,9 @@ class MLABackend(ABC):
         self.graph_block_table[:batch, :width].copy_(block_table)
         self.graph_seq_lens[:batch].copy_(seq_lens)
         self.graph_seq_lens[batch:].zero_()
+
+    def set_graph_lengths(self, seq_lens: torch.Tensor) -> None:
+        """While capturing, after `plan_for_capture(B, q_len)`: the lengths [B] int32 that the
+        graph's next kernels read, set by device operations the graph records (backends with
+        `graph_lengths_on_device`; e.g. the MTP module's recursive drafting passes)."""
+        self.graph_seq_lens[:seq_lens.shape[0]].copy_(seq_lens)

@@ -14,6 +14,7 @@ class TorchMLABackend(MLABackend):
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         fp8_kv_cache=True,  # the pages are gathered into float32 (dequantized) either way
         supports_cuda_graphs=True,
+        graph_lengths_on_device=True,
     )
     auto_priority = 0
     # Bound the float32 gather to about this many cache rows at a time.

@@ -77,6 +77,7 @@ class TritonMLABackend(MLABackend):
         max_q_len=8,
         min_compute_capability=(8, 0),
         supports_cuda_graphs=True,
+        graph_lengths_on_device=True,
     )
     auto_priority = 10
 
@@ -227,6 +228,11 @@ class TritonMLABackend(MLABackend):
 
     def plan_for_capture(self, batch_size: int, q_len: int = 1) -> None:
         self._plan_static(batch_size, q_len)
+
+    def set_graph_lengths(self, seq_lens: torch.Tensor) -> None:
+        super().set_graph_lengths(seq_lens)  # and with balanced splits, their split length
+        batch = seq_lens.shape[0]
+        self._plan_graph_split_len(batch, batch, self.q_len)
 
     def plan_like_graph(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         graph_batch_size: int, q_len: int = 1) -> None:

@@ -1,84 +1,110 @@
-"""CUDA graphs of the MTP module's drafting passes (spec_decode.py, `draft`).
+"""CUDA graphs of a step's MTP drafting: all k passes of the module in one graph
+(spec_decode.py, `draft`).
 
 A speculating step drafts with k passes of the module: the first over the step's rows (q_len
 rows a request: a verification's k + 1), then k - 1 more, one row a drafting request, each on
 its previous output and draft at the next position; after each, the LM head's argmax at every
 request's last row. A pass is one decoder layer and the vocabulary projection, a few dozen
-small kernels that a replay launches at once. The ladder of graphs (`cuda_graphs.GraphLadder`)
-is the decode graphs' q_lens and batch sizes, captured after them in their memory pool, with
-the backend's static block table and lengths that they set up (the passes replay one after
-another on one stream). Besides the ladder's static inputs a pass reads the hidden states
-[max batch * max q_len, D] and each request's last row [max batch].
+small kernels; one replay launches all k passes at once, and the host computes nothing
+between them.
+
+One graph per decode graph (`cuda_graphs.DecodeGraphs`: its q_lens and batch sizes), captured
+after them in their memory pool; a step that replayed the decode graph of (q_len, B) replays
+this one of (q_len, B) right after it. Its first pass reads that decode graph's static inputs
+and output where they lie: the positions and cache slots, the backend's static block table and
+lengths, the main model's hidden states. Besides those it reads the token after each row
+[B * q_len] and, per drafting request (padded to B), its last row [B] and that row's position
+[B] (-1: a padded row). The recursive passes then compute on the device what the host computes
+for an eager pass: each drafting request's block-table row (request = last row // q_len) into
+the backend's static block table, and per pass the positions, cache slots (a padded row: the
+scratch slot) and lengths (a padded row: 0), set through `MLABackend.set_graph_lengths`. Hence
+backends whose graphs read their lengths on the device (`graph_lengths_on_device`) only.
 """
 
 import torch
 
 from mlaserve.attention.base import MLABackend
 from mlaserve.attention.metadata import AttentionMetadata
-from mlaserve.engine.cuda_graphs import GraphLadder
+from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
 
 class DraftGraphs(GraphLadder):
-    """Captured MTP drafting passes for a fixed model, MTP cache and backend."""
+    """Captured MTP drafting (k passes) for a fixed model, MTP cache, backend and decode
+    graphs."""
 
     what = "MTP drafting"
 
     def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor, backend: MLABackend,
-                 sizes: list[int], max_blocks_per_seq: int, scratch_slot: int,
-                 q_lens: tuple[int, ...] = (1,), pool: object | None = None) -> None:
+                 decode: DecodeGraphs, num_speculative_tokens: int, block_size: int) -> None:
         """
         Args:
-            sizes: the batch sizes to capture, ascending (the decode graphs' `sizes`).
-            max_blocks_per_seq: block-table width the graphs cover.
-            scratch_slot: a cache slot no request owns.
-            q_lens: rows per request of the passes captured (1: the recursive passes).
-            pool: the decode graphs' memory pool, shared.
+            decode: the decode graphs whose replays these follow (their sizes, q_lens, static
+                inputs, outputs and memory pool).
+            block_size: tokens per cache block.
         """
+        if not backend.capabilities.graph_lengths_on_device:
+            raise ValueError(f"the {backend.name} backend plans its graphs' lengths on the host; "
+                             "its drafting passes run eagerly")
         device = mtp_cache.device
         self.mtp_cache = mtp_cache
-        self.hidden = torch.zeros(sizes[-1] * max(q_lens), model.config.hidden_size,
-                                  dtype=model.lm_head.weight.dtype, device=device)
-        self.last = torch.zeros(sizes[-1], dtype=torch.int64, device=device)
-        super().__init__(model, backend, sizes, q_lens, max_blocks_per_seq, scratch_slot,
-                         device, pool)
+        self.decode = decode
+        self.num_speculative_tokens = num_speculative_tokens
+        self.block_size = block_size
+        self.last = torch.zeros(decode.sizes[-1], dtype=torch.int64, device=device)
+        self.last_positions = torch.full((decode.sizes[-1],), -1, dtype=torch.int64,
+                                         device=device)
+        super().__init__(model, backend, decode.sizes, decode.q_lens, decode.max_blocks_per_seq,
+                         decode.scratch_slot, device, decode.pool)
 
-    def _forward(self, batch_size: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft tokens [B] int64, the module's outputs at each request's last row [B, D])
-        of one pass over B x q_len rows."""
-        rows = batch_size * q_len
-        meta = AttentionMetadata(slot_mapping=self.slots[:rows], num_decode_tokens=rows,
-                                 decode_backend=self.backend)
-        out = self.model.mtp(self.input_ids[:rows], self.positions[:rows], self.hidden[:rows],
-                             self.mtp_cache, meta)
-        last = out[self.last[:batch_size]]
-        return self.model.compute_logits(last).argmax(dim=-1), last
+    def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
+        """The drafts [B, k] int64 of the B drafting requests (rows past the step's: junk)."""
+        rows, decode, backend = batch_size * q_len, self.decode, self.backend
+        backend.plan_for_capture(batch_size, q_len)  # the recursive passes re-plan below
+        meta = AttentionMetadata(slot_mapping=decode.slots[:rows], num_decode_tokens=rows,
+                                 decode_backend=backend)
+        out = self.model.mtp(self.input_ids[:rows], decode.positions[:rows],
+                             decode.outputs[q_len, batch_size], self.mtp_cache, meta)
+        previous = out[self.last[:batch_size]]  # [B, D]
+        token = self.model.compute_logits(previous).argmax(dim=-1)  # [B]
+        drafts = [token]
+        if self.num_speculative_tokens > 1:
+            backend.plan_for_capture(batch_size, 1)
+            table = backend.graph_block_table[:batch_size]  # [B, max_blocks] int32
+            table.copy_(backend.graph_block_table[self.last[:batch_size] // q_len])
+            last_positions = self.last_positions[:batch_size]
+            valid = last_positions >= 0
+            for ahead in range(1, self.num_speculative_tokens):
+                positions = (last_positions + ahead).clamp(min=0)  # [B]
+                backend.set_graph_lengths(torch.where(valid, positions + 1, 0).to(torch.int32))
+                blocks = table.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
+                slots = torch.where(valid, blocks.long() * self.block_size
+                                    + positions % self.block_size, self.scratch_slot)
+                step_meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch_size,
+                                              decode_backend=backend)
+                previous = self.model.mtp(token, positions, previous, self.mtp_cache, step_meta)
+                token = self.model.compute_logits(previous).argmax(dim=-1)
+                drafts.append(token)
+        return torch.stack(drafts, dim=1)
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-            slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-            last: torch.Tensor | None = None, q_len: int = 1
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass for n requests of q_len rows each.
+    def run(self, next_ids: torch.Tensor, last: torch.Tensor, last_positions: torch.Tensor,
+            q_len: int, batch_size: int) -> torch.Tensor:
+        """All k passes, right after the decode graph of (q_len, batch_size) replayed the step.
 
         Args:
-            tokens, positions, slots: [n * q_len] int64, request-major; hidden: [n * q_len, D]
-                what the module reads at each row (the main model's output, or its own last).
-            block_table: [n, width] int32, width <= max_blocks_per_seq; seq_lens: [n] int32.
-            last: [m] int64, m <= n, the rows whose outputs draft (the drafting requests'
-                last rows; None: row i of each of the n requests, q_len 1).
+            next_ids: [n * q_len] int64, the token after each of the step's rows.
+            last: [S] int64, S <= n, each drafting request's last computed row;
+                last_positions: [S] int64, its position.
 
         Returns:
-            (draft tokens [m], outputs at the last rows [m, D]): views of the graph's static
-            outputs, valid until its next replay.
+            The drafts [S, k] int64 (a copy).
         """
-        n = block_table.shape[0]
-        batch_size = self.padded_size(n)
-        if last is None:
-            last = torch.arange(n, device=self.last.device)
-        m = last.shape[0]
-        self.hidden[:n * q_len].copy_(hidden)
-        self.last[:m].copy_(last)
-        self.last[m:batch_size].zero_()  # in range of any graph's rows
-        token, out = self._replay(tokens, positions, slots, block_table, seq_lens, batch_size,
-                                  q_len)
-        return token[:m], out[:m]
+        num_samplers = last.shape[0]
+        self.input_ids[:next_ids.shape[0]].copy_(next_ids)
+        self.last[:num_samplers].copy_(last)
+        self.last[num_samplers:batch_size].zero_()  # in range of any graph's rows
+        self.last_positions[:num_samplers].copy_(last_positions)
+        self.last_positions[num_samplers:batch_size].fill_(-1)
+        self.graphs[q_len, batch_size].replay()
+        self.num_replays += 1
+        return self.outputs[q_len, batch_size][:num_samplers].clone()

@@ -21,8 +21,8 @@ positions writes again) and the main model's hidden state of the row, over the M
 latent cache with the step's attention metadata; the MTP logits at each speculating request's
 last computed position give its first draft (argmax). For k > 1 the module runs again, a
 decode row per request, on its own previous output and draft, at the next positions (their
-cache slots are the scheduler's lookahead), replaying a captured CUDA graph per pass where the
-engine has them (draft_graphs.py). Verification and drafting stay on the device: the emitted
+cache slots are the scheduler's lookahead); where the step replayed a decode graph, one captured
+graph runs all k passes (draft_graphs.py). Verification and drafting stay on the device: the emitted
 tokens, their counts and the drafts reach the host with the step's other copies when it is
 collected (`Verification`, `EmittedLogprobs`), so a speculating step is enqueued whole without a
 host wait. Steps are pipelined: the next one may be scheduled before this one lands, and then
@@ -407,8 +407,8 @@ def draft_rows(num_rows: int, decodes: list[RunnerRequest],
 @dataclass
 class ReplayedStep:
     """A step whose forward replayed a decode graph: its n requests' block table [n, width]
-    int32, lengths [n] int32, rows per request and the graph's batch size, for the drafting
-    graphs' first pass (or the eager pass, planned as that graph was)."""
+    int32, lengths [n] int32, rows per request and the graph's batch size: the drafting graph
+    of that key replays next (or the eager first pass runs, planned as that graph was)."""
 
     block_table: torch.Tensor
     seq_lens: torch.Tensor
@@ -433,37 +433,32 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
         meta: the step's attention metadata (its slots and chunks are the MTP layer's too;
             its decode backend planned, unless the step replayed a graph: `replayed`).
         hidden: [T, D] the main model's output over the step's rows; positions: [T] int64.
-        graphs: captured drafting passes, replayed where they cover the batch: the first where
-            the step's forward replayed a decode graph (`replayed`), the recursive ones.
+        graphs: the captured drafting, all k passes, replayed where the step's forward replayed a
+            decode graph (`replayed`); else every pass runs eagerly.
         expert_capacity: under expert parallelism (else 0), the rows per rank of the MoE
             exchanges of every pass; all k passes run, with no sampler too (the other
             replicas' passes meet them), and eagerly (no drafting graphs).
     """
     device = hidden.device
     next_ids, last = rows.next_ids, rows.last_rows  # [T], [S]
-    if samplers and replayed is not None and graphs is not None and graphs.covers(
-            *replayed.block_table.shape, replayed.q_len):
-        token, previous = graphs.run(next_ids, positions, hidden, meta.slot_mapping,
-                                     replayed.block_table, replayed.seq_lens, last,
-                                     replayed.q_len)
-        token = token.clone()  # the outputs are overwritten by the graph's next replay
-    else:
-        if replayed is not None:  # the replay left the backend planned for its graph only
-            backend.plan_like_graph(replayed.block_table, replayed.seq_lens,
-                                    replayed.graph_size, replayed.q_len)
-        mtp_hidden = model.mtp(next_ids, positions, hidden, mtp_cache, meta,
-                               expert_capacity or None)  # [T, D]
-        if not samplers:  # the cache filled; nothing to draft
-            for _ in range(num_speculative_tokens - 1 if expert_capacity else 0):
-                model.mtp.join_expert_parallel(expert_capacity)
-            return torch.empty(0, num_speculative_tokens, dtype=torch.int64, device=device)
-        previous = mtp_hidden[last]  # [S, D]
-        token = model.compute_logits(previous).argmax(dim=-1)  # [S]
+    if samplers and replayed is not None and graphs is not None:  # all k passes at once
+        return graphs.run(next_ids, last, rows.last_positions, replayed.q_len,
+                          replayed.graph_size)
+    if replayed is not None:  # the replay left the backend planned for its graph only
+        backend.plan_like_graph(replayed.block_table, replayed.seq_lens, replayed.graph_size,
+                                replayed.q_len)
+    mtp_hidden = model.mtp(next_ids, positions, hidden, mtp_cache, meta,
+                           expert_capacity or None)  # [T, D]
+    if not samplers:  # the cache filled; nothing to draft
+        for _ in range(num_speculative_tokens - 1 if expert_capacity else 0):
+            model.mtp.join_expert_parallel(expert_capacity)
+        return torch.empty(0, num_speculative_tokens, dtype=torch.int64, device=device)
+    previous = mtp_hidden[last]  # [S, D]
+    token = model.compute_logits(previous).argmax(dim=-1)  # [S]
     drafts = [token]
     if num_speculative_tokens > 1:
         width = max(len(r.block_ids) for r in samplers)
         table = rows_of(inputs, [r.row for r in samplers])[:, :width]  # [S, width]
-        replay = graphs is not None and graphs.covers(len(samplers), width)
         # every recursive pass's positions, slots and lengths at once, a pass a row: [k - 1, S]
         passes = (rows.last_positions[None, :]
                   + torch.arange(1, num_speculative_tokens, device=device)[:, None])
@@ -472,17 +467,13 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
                      + passes % block_size)
         all_lens = (passes + 1).to(torch.int32)
         for position, slots, seq_lens in zip(passes, all_slots, all_lens, strict=True):
-            if replay:
-                token, previous = graphs.run(token, position, previous, slots, table, seq_lens)
-                token = token.clone()
-            else:
-                backend.plan(table, seq_lens)
-                step_meta = AttentionMetadata(slot_mapping=slots,
-                                              num_decode_tokens=len(samplers), prefills=[])
-                step_meta.decode_backend = backend
-                previous = model.mtp(token, position, previous, mtp_cache, step_meta,
-                                     expert_capacity or None)
-                token = model.compute_logits(previous).argmax(dim=-1)
+            backend.plan(table, seq_lens)
+            step_meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(samplers),
+                                          prefills=[])
+            step_meta.decode_backend = backend
+            previous = model.mtp(token, position, previous, mtp_cache, step_meta,
+                                 expert_capacity or None)
+            token = model.compute_logits(previous).argmax(dim=-1)
             drafts.append(token)
     return torch.stack(drafts, dim=1)
 

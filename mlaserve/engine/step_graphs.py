@@ -3,8 +3,9 @@
 Decode graphs (`cuda_graphs.DecodeGraphs`) when the device is CUDA, the engine is not eager,
 the backend can be captured and the MoE runs without a host sync; under tensor parallelism only
 if every rank captured its own (`graphs_on_every_rank`). A speculating engine's decode graphs
-also cover the verification's q_len k + 1, and its MTP drafting passes get graphs of their own
-(`draft_graphs.DraftGraphs`) in the same memory pool. A capture that fails leaves that kind of
+also cover the verification's q_len k + 1, and its MTP drafting (all k passes of a step) gets a
+graph after each of them (`draft_graphs.DraftGraphs`) in the same memory pool, where the backend's
+graphs read their lengths on the device. A capture that fails leaves that kind of
 step eager and is logged.
 """
 
@@ -61,11 +62,13 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         # passes run eagerly: their exchanges have the replicas' agreed rows, which no
         # captured size fixes
         return graphs, None
+    if not backend.capabilities.graph_lengths_on_device:  # the same on every rank
+        logger.info("MTP drafting runs eagerly: the %s backend's graphs take their lengths "
+                    "from the host", backend.name)
+        return graphs, None
     draft_graphs = None
     try:
-        draft_graphs = DraftGraphs(model, mtp_cache, backend, graphs.sizes,
-                                   graphs.max_blocks_per_seq, scratch_slot, graphs.q_lens,
-                                   graphs.pool)
+        draft_graphs = DraftGraphs(model, mtp_cache, backend, graphs, k, block_size)
     except Exception:  # noqa: BLE001 - as the decode graphs: eager drafting still works
         logger.exception("MTP drafting CUDA-graph capture failed; drafts run eagerly")
         torch.cuda.synchronize()
