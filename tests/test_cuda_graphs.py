@@ -84,7 +84,8 @@ def test_graph_forward_equals_eager_forward(backend: str) -> None:
         positions = (seq_lens - 1).long()
         slots = table.long().gather(1, (positions // 16)[:, None]).squeeze(1) * 16 + positions % 16
         ids = torch.randint(0, 450, (n,), generator=generator, device="cuda")  # < demo vocab
-        replayed = graphs.run(ids, positions, slots, table, seq_lens).float().clone()
+        replayed = graphs.run(ids, positions, table, seq_lens).float().clone()
+        assert torch.equal(graphs.slots[:n], slots)  # computed in the graph
         runner.backend.plan(table, seq_lens)
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=n,
                                  decode_backend=runner.backend)
@@ -135,7 +136,10 @@ def test_static_buffers_padding_and_scratch_slot_on_cpu(backend: str) -> None:
         ids = torch.randint(0, 450, (n,), generator=generator)
         before = [cache.clone() for cache in runner.kv_caches]
         with torch.inference_mode():
-            replayed = graphs.run(ids, positions, slots, table, seq_lens).clone()
+            replayed = graphs.run(ids, positions, table, seq_lens).clone()
+        padded = graphs.padded_size(n)
+        assert torch.equal(graphs.slots[:n], slots)  # computed in the graph
+        assert (graphs.slots[n:padded] == 64 * 4).all()  # padded rows: the scratch slot
         for old, cache in zip(before, runner.kv_caches, strict=True):
             changed = (old != cache).any(-1).flatten().nonzero().flatten()  # slots written
             assert set(changed.tolist()) <= set(slots.tolist()) | {64 * 4}
@@ -168,7 +172,9 @@ def test_q_len_graphs_replay_request_major_rows_on_cpu() -> None:
     ids = torch.randint(0, 450, (n * q_len,), generator=generator)
     before = [cache.clone() for cache in runner.kv_caches]
     with torch.inference_mode():
-        replayed = graphs.run(ids, positions, slots, table, seq_lens, q_len=q_len).clone()
+        replayed = graphs.run(ids, positions, table, seq_lens, q_len=q_len).clone()
+    assert torch.equal(graphs.slots[:n * q_len], slots)  # computed in the graph
+    assert (graphs.slots[n * q_len:4 * q_len] == 64 * 4).all()  # the padded request's rows
     assert replayed.shape[0] == n * q_len and graphs.num_replays == 1
     for old, cache in zip(before, runner.kv_caches, strict=True):
         changed = (old != cache).any(-1).flatten().nonzero().flatten()

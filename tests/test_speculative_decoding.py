@@ -227,7 +227,7 @@ def test_verification_replays_decode_graphs_of_q_len_k_plus_1(reference, monkeyp
         run_graph = runner.graphs.run
 
         def counting_run(*args, **kwargs):
-            replayed[kwargs.get("q_len", args[6] if len(args) > 6 else 1)] += 1
+            replayed[kwargs.get("q_len", args[5] if len(args) > 5 else 1)] += 1
             return run_graph(*args, **kwargs)
 
         monkeypatch.setattr(runner.graphs, "run", counting_run)

@@ -6,10 +6,13 @@ are captured at start-up for the batch sizes 1, 2, 4, 8, 16, 24, ... up to `max_
 (vLLM's ladder); a step of n requests replays the smallest graph of >= n rows.
 
 Static state the graphs read, refilled before each replay:
-- input ids, positions and cache slots [max_batch] (rows past n: stale ids and positions, the
-  slot of a scratch cache row that no request owns, so padded rows write nowhere that matters);
+- input ids and positions [max_batch] (rows past n: stale ids and positions);
 - the attention backend's static block table and lengths (`plan_for_replay`; rows past n get
   length 0 and attend nothing).
+A decode graph computes each row's cache slot itself from those (`cache_slots`; a row of a
+request of length 0, a padded one, gets the slot of a scratch cache row that no request owns,
+so padded rows write nowhere that matters) into its static slots, which the drafting graph
+after it reads too.
 Steps with prefill chunks, more than the largest graph's requests, or a block table wider than
 `max_seq_len_to_capture` allows run eagerly.
 
@@ -60,12 +63,21 @@ def capture(forward: Callable[[], T], pool: object | None) -> tuple[torch.cuda.C
     return graph, output
 
 
+def cache_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int
+                ) -> torch.Tensor:
+    """The latent-cache slot of each row [n * q_len] int64 (request-major rows at `positions`
+    [n * q_len] int64) from the requests' block table [n, width] int32."""
+    num_requests = block_table.shape[0]
+    blocks = block_table.gather(1, positions.view(num_requests, -1) // block_size)  # [n, q_len]
+    return blocks.view(-1).long() * block_size + positions % block_size
+
+
 class GraphLadder:
     """Captured forwards of one kind, one per (q_len, padded batch size), sharing static inputs
-    (token ids, positions and cache slots [max batch * max q_len]; rows past n * q_len: stale
-    ids and positions, the scratch slot) and the backend's static block table and lengths
-    (`plan_for_replay`: rows past n get length 0). Subclasses set what their forward reads,
-    then call this constructor, which captures."""
+    (token ids and positions [max batch * max q_len]; rows past n * q_len: stale ids and
+    positions) and the backend's static block table and lengths (`plan_for_replay`: rows past
+    n get length 0). Subclasses set what their forward reads, then call this constructor,
+    which captures."""
 
     what = "decode"  # for the log line
 
@@ -81,7 +93,6 @@ class GraphLadder:
         max_rows = sizes[-1] * max(q_lens)
         self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.int64, device=device)
         # by (q_len, batch size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], Any] = {}
@@ -127,7 +138,7 @@ class GraphLadder:
         """The captured batch size that runs `batch_size` requests: the smallest one >= it."""
         return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
 
-    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 block_table: torch.Tensor, seq_lens: torch.Tensor, batch_size: int,
                 q_len: int) -> Any:
         """Fill the shared static inputs for block_table's n requests, replay the graph of
@@ -135,8 +146,6 @@ class GraphLadder:
         rows = block_table.shape[0] * q_len
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
-        self.slots[:rows].copy_(slots)
-        self.slots[rows:batch_size * q_len].fill_(self.scratch_slot)
         self.backend.plan_for_replay(block_table, seq_lens, q_len,
                                      graph_batch_size=batch_size)  # rows n.. get length 0
         self.graphs[q_len, batch_size].replay()
@@ -158,23 +167,33 @@ class DecodeGraphs(GraphLadder):
             q_lens: rows per request of the graphs captured (each at every batch size).
         """
         self.kv_caches = kv_caches
+        self.block_size = kv_caches[0].shape[1]
         backend.init_graph_buffers(max_batch_size, max_blocks_per_seq)
+        max_rows = max_batch_size * max(q_lens)
+        self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.int64,
+                                device=kv_caches[0].device)  # written by the graphs
         super().__init__(model, backend, capture_sizes(max_batch_size), q_lens,
                          max_blocks_per_seq, scratch_slot, kv_caches[0].device)
 
     def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
-        rows = batch_size * q_len
+        rows, backend = batch_size * q_len, self.backend
+        positions = self.positions[:rows]
+        table = backend.graph_block_table[:batch_size]
+        padded = backend.graph_seq_lens[:batch_size] == 0  # [B]
+        slots = cache_slots(table, positions, self.block_size).view(batch_size, q_len)
+        self.slots[:rows].copy_(slots.masked_fill(padded[:, None], self.scratch_slot).view(-1))
         meta = AttentionMetadata(slot_mapping=self.slots[:rows], num_decode_tokens=rows,
-                                 decode_backend=self.backend)
+                                 decode_backend=backend)
         return self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, meta)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            block_table: torch.Tensor, seq_lens: torch.Tensor,
-            batch_size: int | None = None, q_len: int = 1) -> torch.Tensor:
-        """Replay the decode forward for n requests of q_len rows each.
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, batch_size: int | None = None, q_len: int = 1
+            ) -> torch.Tensor:
+        """Replay the decode forward for n requests of q_len rows each (their cache slots
+        computed in the graph, into `slots`).
 
         Args:
-            input_ids, positions, slots: [n * q_len] int64 on the device, request-major.
+            input_ids, positions: [n * q_len] int64 on the device, request-major.
             block_table: [n, width] int32, width <= max_blocks_per_seq; seq_lens: [n] int32.
             batch_size: the captured size to replay (>= n; under expert parallelism the rows
                 every replica exchanges); None: the smallest that holds n.
@@ -186,6 +205,5 @@ class DecodeGraphs(GraphLadder):
         """
         n = block_table.shape[0]
         batch_size = self.padded_size(n) if batch_size is None else batch_size
-        output = self._replay(input_ids, positions, slots, block_table, seq_lens, batch_size,
-                              q_len)
+        output = self._replay(input_ids, positions, block_table, seq_lens, batch_size, q_len)
         return output[:n * q_len]

@@ -131,6 +131,13 @@ class PersistentBatch:
         flat = self.to_device([value for part in parts for value in part], dtype)
         return list(flat.split([len(part) for part in parts]))
 
+    def table_rows(self, rows: list[int]) -> torch.Tensor:
+        """The block table's rows [len(rows), max_blocks] int32: a view where they are
+        consecutive (one request always is), else gathered by an index copied over."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return self.block_table[rows[0]:rows[0] + len(rows)]
+        return self.block_table[self.to_device(rows, torch.int64)]
+
     def release(self, request: RunnerRequest) -> None:
         """The request left the batch (finished, aborted or preempted)."""
         if request.row is not None:

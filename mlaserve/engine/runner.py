@@ -28,6 +28,7 @@ import torch
 
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.distributed import get_tp_group
+from mlaserve.engine.cuda_graphs import cache_slots
 from mlaserve.engine.decode_record import DecodeStepRecorder
 from mlaserve.engine.engine_config import EngineConfig, kv_blocks_for_memory
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
@@ -181,13 +182,12 @@ class ModelRunner:
         decodes, prefills, verifies, q_len = speculative_layout(decodes, prefills,
                                                                 self.num_speculative_tokens)
         num_decodes = len(decodes)
-        # decode rows (q_len per request): persistent row, position, known input token, or its
-        # index among the previous step's samples (-1: known)
-        rows, positions, tokens, sources = [], [], [], []
+        # decode rows (q_len per request): position, known input token, or its index among the
+        # previous step's samples (-1: known)
+        positions, tokens, sources = [], [], []
         for request in decodes:
             position = request.num_computed_tokens
             if q_len > 1:  # verifying its k drafts: its input token, then the drafts
-                rows += [request.row] * q_len
                 positions += range(position, position + q_len)
                 sources += [-1] * q_len
                 if request.num_device_drafts:  # all from the previous launch (see below)
@@ -195,7 +195,6 @@ class ModelRunner:
                 else:
                     tokens += [request.token_ids[position], *request.draft_token_ids]
                 continue
-            rows.append(request.row)
             positions.append(position)
             if position < request.num_tokens:
                 tokens.append(request.token_ids[position])
@@ -206,18 +205,15 @@ class ModelRunner:
         hidden = None
         width = max((len(r.block_ids) for r in decodes), default=0)
         if decodes:
-            packed = inputs.to_device([rows, positions, tokens, sources], torch.int64)  # [4, d]
-            decode_rows, decode_positions, decode_ids, decode_sources = packed
+            packed = inputs.to_device([positions, tokens, sources], torch.int64)  # [3, d]
+            decode_positions, decode_ids, decode_sources = packed
             if any(s >= 0 for s in sources):
                 from_device = self._prev_sampled[decode_sources.clamp(min=0)]
                 decode_ids = torch.where(decode_sources >= 0, from_device, decode_ids)
             from_previous = None if q_len == 1 else from_previous_launch(
                 self._prev_drafts, decodes, len(verifies), decode_ids, decode_positions, q_len,
                 inputs)
-            row_tables = inputs.block_table[decode_rows, :width]  # [d * q_len, width] int32
-            decode_slots = (row_tables.gather(1, (decode_positions // block_size)[:, None])
-                            .squeeze(1).long() * block_size + decode_positions % block_size)
-            table = row_tables[::q_len]  # [d, width]
+            table = inputs.table_rows([r.row for r in decodes])[:, :width]  # [d, width] int32
             seq_lens = (decode_positions[q_len - 1::q_len] + 1).to(torch.int32)  # [d]
         chunks, prefill_inputs = self._prefill_inputs(prefills, num_decodes * q_len, verifies)
         graph_size = None if chunks else self.graph_size(num_decodes, width)
@@ -228,16 +224,17 @@ class ModelRunner:
         if self.decode_recorder is not None and decodes:
             self._record_decode_step(positions, q_len, num_decodes, width, graph_size)
         if graph_size is not None:
-            hidden = self.graphs.run(decode_ids, decode_positions, decode_slots, table,
-                                     seq_lens, graph_size, q_len)
+            hidden = self.graphs.run(decode_ids, decode_positions, table, seq_lens, graph_size,
+                                     q_len)
             if self.num_speculative_tokens:  # the MTP module reads the step's metadata
                 replayed = ReplayedStep(table, seq_lens, q_len, graph_size)
                 position_ids = decode_positions
-                meta = AttentionMetadata(slot_mapping=decode_slots,
+                meta = AttentionMetadata(slot_mapping=self.graphs.slots[:num_decodes * q_len],
                                          num_decode_tokens=num_decodes * q_len, prefills=[],
                                          decode_backend=self.backend)
         else:
-            parts = [] if not decodes else [(decode_ids, decode_positions, decode_slots)]
+            parts = [] if not decodes else [
+                (decode_ids, decode_positions, cache_slots(table, decode_positions, block_size))]
             if prefill_inputs is not None:
                 parts.append(prefill_inputs)
             input_ids, position_ids, slot_mapping = (torch.cat(p) for p in zip(*parts,

@@ -458,7 +458,7 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
     drafts = [token]
     if num_speculative_tokens > 1:
         width = max(len(r.block_ids) for r in samplers)
-        table = rows_of(inputs, [r.row for r in samplers])[:, :width]  # [S, width]
+        table = inputs.table_rows([r.row for r in samplers])[:, :width]  # [S, width]
         # every recursive pass's positions, slots and lengths at once, a pass a row: [k - 1, S]
         passes = (rows.last_positions[None, :]
                   + torch.arange(1, num_speculative_tokens, device=device)[:, None])
@@ -476,11 +476,3 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
             token = model.compute_logits(previous).argmax(dim=-1)
             drafts.append(token)
     return torch.stack(drafts, dim=1)
-
-
-def rows_of(inputs: PersistentBatch, rows: list[int]) -> torch.Tensor:
-    """The persistent block table's rows [len(rows), max_blocks]: a view where they are
-    consecutive (one request always is), else gathered by an index copied over."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return inputs.block_table[rows[0]:rows[0] + len(rows)]
-    return inputs.block_table[inputs.to_device(rows, torch.int64)]
