@@ -54,6 +54,7 @@ from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.loader import build_model
 
 logger = logging.getLogger(__name__)
+NO_SAMPLES = torch.empty(0, dtype=torch.int64)  # a step's samples when it has no plain sampler
 
 
 class ModelRunner:
@@ -288,9 +289,10 @@ class ModelRunner:
         verification = None
         corrections = None if from_previous is None else from_previous.corrections
         if verifying:
-            rows = self.inputs.to_device([i for first, count in spans
-                                          for i in range(first, first + count)], torch.int64)
-            logits = self.model.compute_logits(hidden[rows], dst=0)  # [sum(d_r + 1), V]
+            rows = [i for first, count in spans for i in range(first, first + count)]
+            logits = self.model.compute_logits(  # [sum(d_r + 1), V]
+                hidden[:len(rows)] if rows[-1] == len(rows) - 1  # ascending: the first rows
+                else hidden[self.inputs.to_device(rows, torch.int64)], dst=0)
             if self.tp.rank == 0:
                 verification = verify(verifying, logits, self.inputs, grammar_bitmask,
                                       from_previous)
@@ -393,7 +395,7 @@ class ModelRunner:
             if start + count == request.num_total_tokens:
                 sample_rows.append(chunk.token_start + count - 1)
                 sample_positions.append(start + count)
-        pending = PendingStep(sampled=torch.empty(0, dtype=torch.int64))
+        pending = PendingStep(sampled=NO_SAMPLES)
         if samplers:
             rows = hidden[:num_decodes] if len(sample_rows) == num_decodes else hidden[
                 torch.tensor(sample_rows, device=self.device)]
