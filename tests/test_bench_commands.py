@@ -80,6 +80,33 @@ def test_step_host_only_times_steps_with_the_forward_stubbed(capsys):
     assert "(3.00 tokens a request a step;" in capsys.readouterr().out
 
 
+def test_launch_counter_counts_kernels_not_views_and_a_replay_as_one():
+    import torch
+
+    from mlaserve.bench.step_kernels import count_launches
+
+    x = torch.zeros(4, 2)
+
+    def step():
+        y = (x + 1).view(-1)[:3]  # one kernel, two views
+        y.to(torch.float32)  # already float32: nothing
+        y.to(torch.float64)  # a conversion
+
+    assert count_launches(step, 2) == {"add": 2, "_to_copy": 2}
+
+
+def test_step_host_only_counts_launches_outside_the_graph_stand_ins(capsys):
+    assert run_bench("step", "--host-only", "--count-kernels", "--batch", "2",
+                     "--prompt-len", "40", "--steps", "3") == 0
+    out = capsys.readouterr().out
+    assert "(1.00 tokens a request a step; graph replays: 1.0)" in out
+    assert run_bench("step", "--host-only", "--count-kernels", "--batch", "2",
+                     "--prompt-len", "40", "--steps", "3", "--speculative-config",
+                     '{"method": "mtp", "num_speculative_tokens": 2}') == 0
+    # the verification's decode graph, then the drafting graph
+    assert "(3.00 tokens a request a step; graph replays: 2.0)" in capsys.readouterr().out
+
+
 def test_stream_encode_times_each_way_of_the_same_bytes(capsys):
     assert run_bench("stream-encode", "--calls", "20", "--repeats", "1") == 0
     lines = capsys.readouterr().out.splitlines()

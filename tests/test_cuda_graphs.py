@@ -7,7 +7,8 @@ import torch
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.attention.metadata import AttentionMetadata
-from mlaserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from mlaserve.engine.cuda_graphs import capture_sizes
+from mlaserve.engine.graph_standins import EagerDecodeGraphs
 
 
 def test_capture_sizes_cover_every_batch() -> None:
@@ -95,26 +96,6 @@ def test_graph_forward_equals_eager_forward(backend: str) -> None:
         assert rel < 1e-2, (n, rel)  # bf16: same kernels, other split counts and GEMM row counts
 
 
-class _EagerReplay:
-    """Stands in for a captured graph on CPU: replay re-runs the forward into the output."""
-
-    def __init__(self, graphs: DecodeGraphs, batch_size: int, q_len: int,
-                 output: torch.Tensor) -> None:
-        self.graphs, self.batch_size, self.q_len, self.output = graphs, batch_size, q_len, output
-
-    def replay(self) -> None:
-        # a real graph keeps the kernels' arguments of its capture: restore that plan
-        self.graphs.backend.plan_for_capture(self.batch_size, self.q_len)
-        with torch.inference_mode():
-            self.output.copy_(self.graphs._forward(self.batch_size, self.q_len))
-
-
-class _CPUDecodeGraphs(DecodeGraphs):
-    def _record(self, batch_size: int, q_len: int):
-        output = self._forward(batch_size, q_len).clone()
-        return _EagerReplay(self, batch_size, q_len, output), output
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_static_buffers_padding_and_scratch_slot_on_cpu(backend: str) -> None:
     """The replay bookkeeping (static inputs, padded rows, scratch slot) without a GPU."""
@@ -122,7 +103,7 @@ def test_static_buffers_padding_and_scratch_slot_on_cpu(backend: str) -> None:
         pytest.skip("the triton backend runs on CPU only under TRITON_INTERPRET=1")
     llm = LLM(device="cpu", attention_backend=backend, block_size=4, num_kv_blocks=64)
     runner = llm.engine.runner
-    graphs = _CPUDecodeGraphs(runner.model, runner.kv_caches, runner.backend, max_batch_size=6,
+    graphs = EagerDecodeGraphs(runner.model, runner.kv_caches, runner.backend, max_batch_size=6,
                               max_blocks_per_seq=8, scratch_slot=64 * 4)
     assert sorted(graphs.graphs) == [(1, 1), (1, 2), (1, 4), (1, 6)]
     generator = torch.Generator().manual_seed(0)
@@ -157,7 +138,7 @@ def test_q_len_graphs_replay_request_major_rows_on_cpu() -> None:
     write only the scratch slot."""
     llm = LLM(device="cpu", attention_backend="torch", block_size=4, num_kv_blocks=64)
     runner = llm.engine.runner
-    graphs = _CPUDecodeGraphs(runner.model, runner.kv_caches, runner.backend, max_batch_size=4,
+    graphs = EagerDecodeGraphs(runner.model, runner.kv_caches, runner.backend, max_batch_size=4,
                               max_blocks_per_seq=8, scratch_slot=64 * 4, q_lens=(1, 3))
     assert sorted(graphs.graphs) == [(1, 1), (1, 2), (1, 4), (3, 1), (3, 2), (3, 4)]
     generator = torch.Generator().manual_seed(1)
@@ -198,7 +179,7 @@ def test_engine_with_replayed_decode_equals_eager_on_cpu() -> None:
     eager = LLM(**kwargs).generate(prompts, params)
     llm = LLM(**kwargs)
     runner = llm.engine.runner
-    runner.graphs = _CPUDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
+    runner.graphs = EagerDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
                                      max_batch_size=6, max_blocks_per_seq=8,
                                      scratch_slot=128 * 4)
     replayed = llm.generate(prompts, params)

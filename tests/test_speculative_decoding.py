@@ -16,10 +16,11 @@ import torch
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.config import ModelConfig
+from mlaserve.engine import graph_standins
 from mlaserve.engine import runner as runner_module
 from mlaserve.engine.args import DEMO_MODEL_DIR, EngineArgs
-from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.engine_config import check_speculative
+from mlaserve.engine.graph_standins import EagerDecodeGraphs
 from mlaserve.engine.request import StructuredOutputs
 from mlaserve.engine.speculative import SpecDecodeStats, SpeculativeConfig, speculates
 from mlaserve.model.deepseek import DeepseekForCausalLM
@@ -213,13 +214,12 @@ def test_verification_replays_decode_graphs_of_q_len_k_plus_1(reference, monkeyp
     """With decode graphs (the CPU stand-in of tests/test_cuda_graphs.py) a speculating engine
     replays the q_len k + 1 graphs for its verification steps, the MTP module drafting from
     the replayed hidden states, and decodes as without speculation."""
-    from tests.test_cuda_graphs import _CPUDecodeGraphs
 
     k = 2
     llm = make_llm(k)
     try:
         runner = llm.engine.runner
-        runner.graphs = _CPUDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
+        runner.graphs = EagerDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
                                          max_batch_size=4, max_blocks_per_seq=8,
                                          scratch_slot=runner.num_blocks * runner.block_size,
                                          q_lens=(1, k + 1))
@@ -245,13 +245,6 @@ def test_drafting_graphs_propose_the_eager_drafts():
     drafting graphs (the CPU stand-ins) every draft and every output equals the eager engine's,
     and the drafting graph (all k passes, reading the decode graph's static inputs and output)
     replays after both kinds of decode graph: plain decodes (q_len 1) and verifications (4)."""
-    from tests.test_cuda_graphs import _CPUDecodeGraphs, _EagerReplay
-
-    class CPUDraftGraphs(DraftGraphs):
-        def _record(self, batch_size: int, q_len: int):
-            output = self._forward(batch_size, q_len).clone()
-            return _EagerReplay(self, batch_size, q_len, output), output
-
     prompts = ["What is 12 + 30?", "What is 48 + 35 - 17?", "Compute 7 * 8."]
     params = SamplingParams(max_tokens=24, temperature=0)
     outcomes = []
@@ -261,13 +254,7 @@ def test_drafting_graphs_propose_the_eager_drafts():
         try:
             runner = llm.engine.runner
             if graphs:
-                scratch = runner.num_blocks * runner.block_size
-                runner.graphs = _CPUDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
-                                                 max_batch_size=4, max_blocks_per_seq=8,
-                                                 scratch_slot=scratch, q_lens=(1, 4))
-                runner.draft_graphs = CPUDraftGraphs(runner.model, runner.mtp_cache,
-                                                     runner.backend, runner.graphs, 3,
-                                                     runner.block_size)
+                graph_standins.install(runner, max_batch_size=4, max_blocks_per_seq=8)
                 replays = Counter()
                 run_draft = runner.draft_graphs.run
 

@@ -20,6 +20,10 @@ detokenisation and output bookkeeping, without the model's compute. After prefil
 token over `steps` steps under cProfile, and the top functions. With --speculative-config the
 MTP module is a stub too: its drafts are the token the zero logits sample, so every draft is
 accepted and each step emits k + 1 tokens a request (the bookkeeping of full acceptance).
+With --count-kernels it counts instead, over `steps` steps, the operations a GPU step launches
+one by one: the engine runs with CPU stand-ins of the decode and drafting CUDA graphs
+(`engine/graph_standins.py`), whose replays count as one launch each; views and conversions
+to the same dtype launch nothing, host-device copies count.
 """
 
 import argparse
@@ -34,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "built-in demo model)")
     parser.add_argument("--host-only", action="store_true",
                         help="the host's cost per step on the CPU, the model forward a stub")
+    parser.add_argument("--count-kernels", action="store_true",
+                        help="with --host-only: the operations a step launches outside its "
+                             "CUDA graphs, per step, instead of the times")
     parser.add_argument("--backend", default=None,
                         help="attention backend (default: triton; torch with --host-only)")
     parser.add_argument("--batch", type=int, default=256)
@@ -58,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     """The host-only stub run, or the GPU profile."""
     if args.host_only:
         host_step(args.model, args.backend or "torch", args.batch, args.prompt_len,
-                  args.steps or 50, args.block_size, args.speculative_config)
+                  args.steps or 50, args.block_size, args.speculative_config,
+                  args.count_kernels)
         return 0
     if args.model is None:
         raise ValueError("mlaserve bench step profiles a model directory on the GPU: give "
@@ -72,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def host_step(model: str | None, backend: str, batch: int, prompt_len: int, steps: int,
-              block_size: int, speculative_config: dict | None = None) -> None:
+              block_size: int, speculative_config: dict | None = None,
+              count_kernels: bool = False) -> None:
     """Print host ms per decode step and per emitted token at `batch` with the model forward
-    (and the MTP module's) stubbed out, and the top functions by their own time."""
+    (and the MTP module's) stubbed out, and the top functions by their own time; or, with
+    count_kernels, the launches per step outside the graphs (their stand-ins)."""
     import cProfile
     import pstats
     import random
@@ -96,6 +106,10 @@ def host_step(model: str | None, backend: str, batch: int, prompt_len: int, step
     engine.runner.model.forward = lambda ids, *_: torch.zeros(ids.shape[0], hidden_size)
     if engine.runner.model.mtp is not None and speculative_config is not None:
         engine.runner.model.mtp.forward = lambda ids, *_: torch.zeros(ids.shape[0], hidden_size)
+    if count_kernels:
+        from mlaserve.engine import graph_standins
+
+        graph_standins.install(engine.runner, batch, prompt_len // block_size + 80)
     rng = random.Random(0)
     top_id = min(1000, engine.config.model.vocab_size)
     for _ in range(batch):
@@ -107,6 +121,17 @@ def host_step(model: str | None, backend: str, batch: int, prompt_len: int, step
     for _ in range(warm_steps):  # let outputs grow, as in a long generation
         engine.step()
     emitted_before = sum(len(r.output_token_ids) for r in engine.requests.values())
+    if count_kernels:
+        from mlaserve.bench.step_kernels import count_launches
+
+        launches = count_launches(engine.step, steps)
+        emitted = sum(len(r.output_token_ids) for r in engine.requests.values()) - emitted_before
+        print(f"launches per decode step at batch {batch} outside the CUDA graphs: "
+              f"{launches.total() / steps:.1f} ({emitted / steps / batch:.2f} tokens a request "
+              f"a step; graph replays: {launches['graph replay'] / steps:.1f}); by operation:")
+        for name, count in launches.most_common(15):
+            print(f"  {count / steps:6.1f}  {name}")
+        return
     profile = cProfile.Profile()
     started = time.perf_counter()
     profile.enable()

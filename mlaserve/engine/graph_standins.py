@@ -1,0 +1,57 @@
+"""Eager stand-ins for the step's CUDA graphs, on the CPU (the tests, and `mlaserve bench step
+--host-only --count-kernels`).
+
+A stand-in captures nothing: its replay runs the forward again into the static output, after
+restoring the plan of its capture (a real graph keeps the kernels' arguments of its capture).
+The runner's side of replaying (static inputs, padded rows, the scratch slot, the drafting
+graph reading the decode graph's static inputs and output) then runs on the CPU as on a GPU.
+"""
+
+import torch
+
+from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder
+from mlaserve.engine.draft_graphs import DraftGraphs
+
+
+class EagerReplay:
+    """Stands in for one captured graph: `replay` re-runs the forward into the output."""
+
+    replaying = False  # while a stand-in replays (what a real graph launches in one call)
+
+    def __init__(self, graphs: GraphLadder, batch_size: int, q_len: int,
+                 output: torch.Tensor) -> None:
+        self.graphs, self.batch_size, self.q_len, self.output = graphs, batch_size, q_len, output
+
+    def replay(self) -> None:
+        EagerReplay.replaying = True
+        try:
+            self.graphs.backend.plan_for_capture(self.batch_size, self.q_len)
+            with torch.inference_mode():
+                self.output.copy_(self.graphs._forward(self.batch_size, self.q_len))
+        finally:
+            EagerReplay.replaying = False
+
+
+class EagerDecodeGraphs(DecodeGraphs):
+    def _record(self, batch_size: int, q_len: int) -> tuple[EagerReplay, torch.Tensor]:
+        output = self._forward(batch_size, q_len).clone()
+        return EagerReplay(self, batch_size, q_len, output), output
+
+
+class EagerDraftGraphs(DraftGraphs):
+    def _record(self, batch_size: int, q_len: int) -> tuple[EagerReplay, torch.Tensor]:
+        output = self._forward(batch_size, q_len).clone()
+        return EagerReplay(self, batch_size, q_len, output), output
+
+
+def install(runner, max_batch_size: int, max_blocks_per_seq: int) -> None:
+    """Give a CPU runner (`ModelRunner`) stand-ins of the graphs a GPU runner captures: decode
+    graphs of q_len 1 (and k + 1 when it speculates, then the drafting graph after them)."""
+    k = runner.num_speculative_tokens
+    scratch_slot = runner.num_blocks * runner.block_size
+    runner.graphs = EagerDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
+                                      max_batch_size, max_blocks_per_seq, scratch_slot,
+                                      q_lens=(1, k + 1) if k else (1,))
+    if k:
+        runner.draft_graphs = EagerDraftGraphs(runner.model, runner.mtp_cache, runner.backend,
+                                               runner.graphs, k, runner.block_size)
