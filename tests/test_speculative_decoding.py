@@ -240,13 +240,16 @@ def test_verification_replays_decode_graphs_of_q_len_k_plus_1(reference, monkeyp
         llm.shutdown()
 
 
-def test_drafting_graphs_propose_the_eager_drafts():
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_drafting_graphs_propose_the_eager_drafts(logprobs):
     """The demo model's trained MTP layer (drafts mostly accepted), k = 3: with the decode and
-    drafting graphs (the CPU stand-ins) every draft and every output equals the eager engine's,
-    and the drafting graph (all k passes, reading the decode graph's static inputs and output)
-    replays after both kinds of decode graph: plain decodes (q_len 1) and verifications (4)."""
+    drafting graphs (the CPU stand-ins) every draft, every output and every logprob equals the
+    eager engine's. Greedy requests that want no logprobs verify and draft in one graph after
+    each verification's decode graph; with logprobs the step verifies eagerly and the drafting
+    graph (all k passes, reading the decode graph's static inputs and output) replays after
+    both kinds of decode graph: plain decodes (q_len 1) and verifications (4)."""
     prompts = ["What is 12 + 30?", "What is 48 + 35 - 17?", "Compute 7 * 8."]
-    params = SamplingParams(max_tokens=24, temperature=0)
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=logprobs)
     outcomes = []
     for graphs in (False, True):
         llm = LLM(device="cpu", attention_backend="torch", num_kv_blocks=256,
@@ -263,16 +266,26 @@ def test_drafting_graphs_propose_the_eager_drafts():
                     return _run(*args)
 
                 runner.draft_graphs.run = counting_run
-            texts = run(llm, prompts, params)
+            outputs = llm.generate(prompts, params)
             stats = llm.engine.core.spec_stats
-            outcomes.append((texts, stats.accepted_per_pos, stats.num_drafts))
+            outcomes.append(([o.token_ids for o in outputs], [o.logprobs for o in outputs],
+                             stats.accepted_per_pos, stats.num_drafts))
             if graphs:
-                assert replays[4] > 0 and replays[1] > 0
-                assert runner.graphs.num_replays > 0
+                assert runner.graphs.num_replays > 0 and replays[1] > 0
+                if logprobs is None:  # every verification in the one graph
+                    assert runner.verify_graphs.num_replays > 0 and replays[4] == 0
+                else:
+                    assert runner.verify_graphs.num_replays == 0 and replays[4] > 0
         finally:
             llm.shutdown()
-    assert outcomes[0] == outcomes[1]
-    assert outcomes[0][1][2] > 0  # third drafts accepted: the recursive passes drafted well
+    (tokens, entry_lists, *stats), (graph_tokens, graph_entry_lists, *graph_stats) = outcomes
+    assert tokens == graph_tokens and stats == graph_stats
+    for entries, graph_entries in zip(entry_lists, graph_entry_lists, strict=True):
+        assert (entries is None) == (logprobs is None) == (graph_entries is None)
+        for entry, graph_entry in zip(entries or [], graph_entries or [], strict=True):  # padded:
+            assert entry.keys() == graph_entry.keys()  # other sums, the same to 1e-5
+            assert all(abs(entry[t] - graph_entry[t]) < 1e-5 for t in entry)
+    assert stats[0][2] > 0  # third drafts accepted: the recursive passes drafted well
 
 
 def test_a_prompt_cached_by_an_earlier_request_decodes_the_same(reference, monkeypatch):
@@ -537,7 +550,8 @@ def test_stop_strings_and_n_samples_end_as_without_speculation(reference, monkey
 @pytest.mark.gpu
 def test_gpu_speculation_replays_verify_graphs_and_equals_no_speculation():
     """On a GPU in float32 (no near-ties from bfloat16 rounding): the decode CUDA graphs of q_len
-    k + 1 capture and replay, and greedy outputs equal decoding without speculation."""
+    k + 1, the drafting graphs and the greedy verification's capture and replay, and greedy
+    outputs equal decoding without speculation."""
     options = dict(load_format="dummy", hf_overrides=OVERRIDES, device="cuda", dtype="float32",
                    block_size=16, num_kv_blocks=256)
     plain = LLM(**options)
@@ -550,7 +564,9 @@ def test_gpu_speculation_replays_verify_graphs_and_equals_no_speculation():
         assert run(llm, PROMPTS, GREEDY) == want
         graphs = llm.engine.runner.graphs
         assert graphs is not None and (4, 1) in graphs.graphs and graphs.num_replays > 0
+        # drafting after plain decodes; verifying and drafting after full verifications
         assert llm.engine.runner.draft_graphs.num_replays > 0
+        assert llm.engine.runner.verify_graphs.num_replays > 0
         assert llm.engine.core.stats().spec_num_drafts > 0
     finally:
         llm.shutdown()

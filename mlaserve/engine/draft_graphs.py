@@ -26,6 +26,7 @@ import torch
 from mlaserve.attention.base import MLABackend
 from mlaserve.attention.metadata import AttentionMetadata
 from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder
+from mlaserve.engine.rejection_sampler import greedy_verify
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
 
@@ -36,12 +37,15 @@ class DraftGraphs(GraphLadder):
     what = "MTP drafting"
 
     def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor, backend: MLABackend,
-                 decode: DecodeGraphs, num_speculative_tokens: int, block_size: int) -> None:
+                 decode: DecodeGraphs, num_speculative_tokens: int, block_size: int,
+                 q_lens: tuple[int, ...] | None = None, max_batch_size: int | None = None
+                 ) -> None:
         """
         Args:
-            decode: the decode graphs whose replays these follow (their sizes, q_lens, static
-                inputs, outputs and memory pool).
+            decode: the decode graphs whose replays these follow (their static inputs, outputs
+                and memory pool; by default their q_lens and batch sizes).
             block_size: tokens per cache block.
+            q_lens, max_batch_size: capture only these q_lens, and sizes up to this one.
         """
         if not backend.capabilities.graph_lengths_on_device:
             raise ValueError(f"the {backend.name} backend plans its graphs' lengths on the host; "
@@ -51,28 +55,35 @@ class DraftGraphs(GraphLadder):
         self.decode = decode
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
-        self.last = torch.zeros(decode.sizes[-1], dtype=torch.int64, device=device)
-        self.last_positions = torch.full((decode.sizes[-1],), -1, dtype=torch.int64,
-                                         device=device)
-        super().__init__(model, backend, decode.sizes, decode.q_lens, decode.max_blocks_per_seq,
-                         decode.scratch_slot, device, decode.pool)
+        sizes = [s for s in decode.sizes if max_batch_size is None or s <= max_batch_size]
+        self.last = torch.zeros(sizes[-1], dtype=torch.int64, device=device)
+        self.last_positions = torch.full((sizes[-1],), -1, dtype=torch.int64, device=device)
+        super().__init__(model, backend, sizes, q_lens or decode.q_lens,
+                         decode.max_blocks_per_seq, decode.scratch_slot, device, decode.pool)
 
     def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
         """The drafts [B, k] int64 of the B drafting requests (rows past the step's: junk)."""
+        return self._draft(batch_size, q_len, self.input_ids[:batch_size * q_len],
+                           self.last[:batch_size], self.last_positions[:batch_size])
+
+    def _draft(self, batch_size: int, q_len: int, next_ids: torch.Tensor, last: torch.Tensor,
+               last_positions: torch.Tensor) -> torch.Tensor:
+        """The k passes over the decode graph's B x q_len rows: drafts [B, k] int64, given the
+        token after each row [B * q_len], each drafting request's last row [B] and its
+        position [B] (-1: a padded request)."""
         rows, decode, backend = batch_size * q_len, self.decode, self.backend
         backend.plan_for_capture(batch_size, q_len)  # the recursive passes re-plan below
         meta = AttentionMetadata(slot_mapping=decode.slots[:rows], num_decode_tokens=rows,
                                  decode_backend=backend)
-        out = self.model.mtp(self.input_ids[:rows], decode.positions[:rows],
+        out = self.model.mtp(next_ids, decode.positions[:rows],
                              decode.outputs[q_len, batch_size], self.mtp_cache, meta)
-        previous = out[self.last[:batch_size]]  # [B, D]
+        previous = out[last]  # [B, D]
         token = self.model.compute_logits(previous).argmax(dim=-1)  # [B]
         drafts = [token]
         if self.num_speculative_tokens > 1:
             backend.plan_for_capture(batch_size, 1)
             table = backend.graph_block_table[:batch_size]  # [B, max_blocks] int32
-            table.copy_(backend.graph_block_table[self.last[:batch_size] // q_len])
-            last_positions = self.last_positions[:batch_size]
+            table.copy_(backend.graph_block_table[last // q_len])
             valid = last_positions >= 0
             for ahead in range(1, self.num_speculative_tokens):
                 positions = (last_positions + ahead).clamp(min=0)  # [B]
@@ -108,3 +119,46 @@ class DraftGraphs(GraphLadder):
         self.graphs[q_len, batch_size].replay()
         self.num_replays += 1
         return self.outputs[q_len, batch_size][:num_samplers].clone()
+
+
+class VerifyDraftGraphs(DraftGraphs):
+    """A speculating step's whole sampling in one graph, for the steps where every request
+    verifies all k drafts greedily (`spec_graph_step.verifies_in_graph`): after the decode
+    graph of q_len k + 1, the main model's logits and argmax at every row, the drafts (the
+    decode graph's input ids past each request's first row) checked against it
+    (`greedy_verify`), then the k drafting passes from the rows and positions that gives.
+    Captured up to MAX_BATCH_SIZE requests: the logits of all their rows live in the graphs'
+    pool, and a larger step's GPU time dwarfs the launches this saves."""
+
+    what = "greedy verification and MTP drafting"
+    MAX_BATCH_SIZE = 64
+
+    def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor, backend: MLABackend,
+                 decode: DecodeGraphs, num_speculative_tokens: int, block_size: int) -> None:
+        """As `DraftGraphs`; the graphs follow the decode graphs of q_len k + 1."""
+        self.verify_q_len = num_speculative_tokens + 1
+        super().__init__(model, mtp_cache, backend, decode, num_speculative_tokens, block_size,
+                         (self.verify_q_len,), self.MAX_BATCH_SIZE)
+
+    def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
+        """[B, 2k + 4] int64, per request: the tokens it emits [k + 1] (-1 past its count),
+        that count, its k new drafts, its newest token and how many drafts it rejected."""
+        rows, decode, k = batch_size * q_len, self.decode, self.num_speculative_tokens
+        targets = self.model.compute_logits(decode.outputs[q_len, batch_size]).argmax(dim=-1)
+        drafts_verified = decode.input_ids[:rows].view(batch_size, q_len)[:, 1:]  # [B, k]
+        tokens, emitted = greedy_verify(targets.view(batch_size, q_len), drafts_verified)
+        last = torch.arange(batch_size, device=tokens.device) * q_len + emitted - 1  # [B]
+        padded = self.backend.graph_seq_lens[:batch_size] == 0  # before the passes set them
+        last_positions = decode.positions[:rows][last].masked_fill(padded, -1)
+        drafts = self._draft(batch_size, q_len, tokens.clamp(min=0).view(-1), last,
+                             last_positions)
+        newest = tokens.gather(1, (emitted - 1)[:, None])  # [B, 1]
+        return torch.cat([tokens, emitted[:, None], drafts, newest, (k + 1 - emitted)[:, None]],
+                         dim=1)
+
+    def run(self, num_requests: int, batch_size: int) -> torch.Tensor:
+        """Right after the decode graph of (k + 1, batch_size) replayed the step's
+        num_requests verifications: their outcome [n, 2k + 4] int64 (`_forward`; a copy)."""
+        self.graphs[self.verify_q_len, batch_size].replay()
+        self.num_replays += 1
+        return self.outputs[self.verify_q_len, batch_size][:num_requests].clone()

@@ -10,7 +10,7 @@ graph reading the decode graph's static inputs and output) then runs on the CPU 
 import torch
 
 from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder
-from mlaserve.engine.draft_graphs import DraftGraphs
+from mlaserve.engine.draft_graphs import DraftGraphs, VerifyDraftGraphs
 
 
 class EagerReplay:
@@ -44,14 +44,23 @@ class EagerDraftGraphs(DraftGraphs):
         return EagerReplay(self, batch_size, q_len, output), output
 
 
+class EagerVerifyDraftGraphs(VerifyDraftGraphs):
+    def _record(self, batch_size: int, q_len: int) -> tuple[EagerReplay, torch.Tensor]:
+        output = self._forward(batch_size, q_len).clone()
+        return EagerReplay(self, batch_size, q_len, output), output
+
+
 def install(runner, max_batch_size: int, max_blocks_per_seq: int) -> None:
     """Give a CPU runner (`ModelRunner`) stand-ins of the graphs a GPU runner captures: decode
-    graphs of q_len 1 (and k + 1 when it speculates, then the drafting graph after them)."""
+    graphs of q_len 1 (and k + 1 when it speculates, then the drafting graphs after them, and
+    the greedy verification's)."""
     k = runner.num_speculative_tokens
     scratch_slot = runner.num_blocks * runner.block_size
     runner.graphs = EagerDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
                                       max_batch_size, max_blocks_per_seq, scratch_slot,
                                       q_lens=(1, k + 1) if k else (1,))
     if k:
-        runner.draft_graphs = EagerDraftGraphs(runner.model, runner.mtp_cache, runner.backend,
-                                               runner.graphs, k, runner.block_size)
+        args = (runner.model, runner.mtp_cache, runner.backend, runner.graphs, k,
+                runner.block_size)
+        runner.draft_graphs = EagerDraftGraphs(*args)
+        runner.verify_graphs = EagerVerifyDraftGraphs(*args)

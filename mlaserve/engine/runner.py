@@ -45,16 +45,16 @@ from mlaserve.engine.spec_decode import (
     speculative_layout,
     verify,
 )
+from mlaserve.engine.spec_graph_step import verifies_in_graph, verify_and_draft
 from mlaserve.engine.speculative import speculates
 from mlaserve.engine.step_graphs import capture_step_graphs
 from mlaserve.engine.step_plan import StepPlan
-from mlaserve.engine.step_results import PendingStep, StepResult, collect_results
+from mlaserve.engine.step_results import NO_SAMPLES, PendingStep, StepResult, collect_results
 from mlaserve.engine.structured import GrammarBitmask
 from mlaserve.model.deepseek import DeepseekForCausalLM
 from mlaserve.model.loader import build_model
 
 logger = logging.getLogger(__name__)
-NO_SAMPLES = torch.empty(0, dtype=torch.int64)  # a step's samples when it has no plain sampler
 
 
 class ModelRunner:
@@ -103,7 +103,7 @@ class ModelRunner:
         self.backend = config.attention_backend(config.mla_shape(device),
                                                 model_config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
-        self.graphs, self.draft_graphs = capture_step_graphs(
+        self.graphs, self.draft_graphs, self.verify_graphs = capture_step_graphs(
             model, self.kv_caches, self.mtp_cache, self.backend, config, device, num_blocks,
             agree_min)
         # the decode batches served, for the kernel benchmark's replay (rank 0 records)
@@ -254,9 +254,19 @@ class ModelRunner:
                                 expert_capacity or None)
         if not self.num_speculative_tokens:
             return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
-        return self._speculate(decodes, q_len, prefills, verifies, samplers, grammar_bitmask,
-                               hidden, position_ids, meta, chunks, replayed,
-                               from_previous if decodes else None, expert_capacity)
+        if replayed is not None and verifies_in_graph(self.verify_graphs, decodes, samplers,
+                                                      graph_size, q_len, grammar_bitmask):
+            pending, self._prev_drafts = verify_and_draft(self.verify_graphs, decodes,
+                                                          graph_size)
+        else:
+            pending = self._speculate(decodes, q_len, prefills, verifies, samplers,
+                                      grammar_bitmask, hidden, position_ids, meta, chunks,
+                                      replayed, from_previous if decodes else None,
+                                      expert_capacity)
+        if self.device.type == "cuda":  # after the verification's and drafts' copies
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
+        return pending
 
     def _speculate(self, decodes: list[RunnerRequest], q_len: int,
                    prefills: list[tuple[RunnerRequest, int]], verifies: list[RunnerRequest],
@@ -324,9 +334,6 @@ class ModelRunner:
                               tokens.to("cpu", non_blocking=True))
         # for the next launch, if it is scheduled before this one lands
         self._prev_drafts = rows.for_next_launch(drafting, tokens) if drafting else None
-        if self.device.type == "cuda":  # after the verification's and drafts' copies
-            pending.ready = torch.cuda.Event()
-            pending.ready.record()
         return pending
 
     def _prefill_inputs(self, prefills: list[tuple[RunnerRequest, int]], row0: int,

@@ -31,6 +31,9 @@ class StepResult:
     more_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
+NO_SAMPLES = torch.empty(0, dtype=torch.int64)  # a step's samples when it has no plain sampler
+
+
 @dataclass
 class PendingStep:
     """A launched step: its results as host tensors, valid once `ready` has completed."""
