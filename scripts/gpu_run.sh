@@ -30,7 +30,7 @@
 #                speculative decoding with the MTP module (GPU tests first): per model, one
 #                server without speculation and one with --speculative-config k=K (default 3),
 #                RUNS (default 1) of each, alternating; against each, bench serve at
-#                concurrency 1 and 16. The demo model (bf16, its trained MTP layer) on its
+#                concurrency 1 and 16, greedy. The demo model (bf16, its trained MTP layer) on its
 #                held-out arith_chat questions (`--dataset-name custom`, answers to EOS, up to 64
 #                tokens); with MODELS=v3 (a call of its own: two V3 loads take minutes) the V3
 #                config with 4 layers instead (dummy FP8 weights, dummy MTP: drafts rarely
@@ -315,7 +315,7 @@ for doc in heldout_docs('arith_gen', 200):
               --ignore-eos
           fi
           timeout 200 python3 -m mlaserve bench serve --backend openai \
-            --base-url http://127.0.0.1:8000 --num-prompts $((conc * 8)) \
+            --base-url http://127.0.0.1:8000 --num-prompts $((conc * 8)) --temperature 0 \
             --max-concurrency "$conc" --label "$label" "$@" > "$out/bench-$label.txt" 2>&1
           echo "$label: $(grep -hE '^(Output token throughput|Median TPOT|Acceptance length)' \
             "$out/bench-$label.txt" | tr -s ' ' | tr '\n' ';')"
