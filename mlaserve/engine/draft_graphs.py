@@ -19,6 +19,9 @@ for an eager pass: each drafting request's block-table row (request = last row /
 the backend's static block table, and per pass the positions, cache slots (a padded row: the
 scratch slot) and lengths (a padded row: 0), set through `MLABackend.set_graph_lengths`. Hence
 backends whose graphs read their lengths on the device (`graph_lengths_on_device`) only.
+
+`VerifyDraftGraphs` runs the same passes after a greedy verification of the decode graph's
+rows, where the step needs nothing from the host to verify (`spec_graph_step.py`).
 """
 
 import torch
