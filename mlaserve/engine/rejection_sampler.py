@@ -23,6 +23,11 @@ does (`kernels.sampling.seeded_uniform`).
 
 import torch
 
+from mlaserve.engine.sampler import SamplingBatch, target_probs
+from mlaserve.kernels.sampling import SEED_MASK, seeded_uniform
+
+ACCEPT_SALT = 0x5EED_ACCE  # the acceptance uniforms' stream, apart from the sampler's noise
+
 
 def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor,
                      num_drafts: torch.Tensor, uniform: torch.Tensor, noise: torch.Tensor,
@@ -95,3 +100,28 @@ def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor
     positions = torch.arange(k + 1, device=draft_ids.device)  # [k + 1]
     tokens = torch.where(positions <= num_accepted[:, None], target_ids, -1)
     return tokens, num_accepted + 1
+
+
+def sampled_verify(logits: torch.Tensor, batch: SamplingBatch, gather: torch.Tensor,
+                   draft_ids: torch.Tensor, num_drafts: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample` of N requests' greedy drafts against the distributions the sampler
+    draws from, its randomness a pure function of (request seed, position) as plain sampling's:
+    the recovery / bonus draw from the sampler's own noise at that position, the acceptance
+    uniforms from a salted seed.
+
+    Args:
+        logits: [R, V] float32, the main model's at the verified rows; batch: those rows'
+            sampling inputs (their positions: the index of the token each samples).
+        gather: [N, k + 1] int64, each request's rows in `logits` (past its d_n + 1: any).
+        draft_ids: [N, k] int64 (past num_drafts: any token id, or -1); num_drafts: [N].
+    """
+    k = draft_ids.shape[1]
+    vocab = logits.shape[-1]
+    target = target_probs(logits, batch)[gather]  # [N, k + 1, V] target distributions
+    noise = -torch.log(seeded_uniform(batch.seeds, batch.positions, vocab))[gather]  # Exp(1)
+    first_rows = gather[:, 0]
+    salted = (batch.seeds[first_rows] ^ ACCEPT_SALT) & SEED_MASK
+    uniform = torch.stack([seeded_uniform(salted, batch.positions[first_rows] + i, 1)[:, 0]
+                           for i in range(k)], dim=1)  # [N, k]
+    return rejection_sample(target, draft_ids, num_drafts, uniform, noise)

@@ -39,12 +39,9 @@ import torch
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
-from mlaserve.engine.rejection_sampler import greedy_verify, rejection_sample
-from mlaserve.engine.sampler import processed_logits, target_probs, top_logprobs
+from mlaserve.engine.rejection_sampler import greedy_verify, sampled_verify
+from mlaserve.engine.sampler import processed_logits, top_logprobs
 from mlaserve.engine.structured import GrammarBitmask
-from mlaserve.kernels.sampling import SEED_MASK, seeded_uniform
-
-ACCEPT_SALT = 0x5EED_ACCE  # the acceptance uniforms' stream, apart from the sampler's noise
 
 
 @dataclass
@@ -241,15 +238,7 @@ def verify(requests: list[RunnerRequest], logits: torch.Tensor, inputs: Persiste
         target_ids = processed_logits(logits, batch).argmax(dim=-1)  # [R]
         tokens, emitted = greedy_verify(target_ids[gather], drafts)
         return Verification(tokens, emitted, host_drafts)
-    probs = target_probs(logits, batch)  # [R, V]
-    vocab = logits.shape[-1]
-    target = probs[gather]  # [N, k + 1, V] target distributions and noise
-    noise = -torch.log(seeded_uniform(batch.seeds, batch.positions, vocab))[gather]  # Exp(1)
-    first_rows = gather[:, 0]
-    salted = (batch.seeds[first_rows] ^ ACCEPT_SALT) & SEED_MASK
-    uniform = torch.stack([seeded_uniform(salted, batch.positions[first_rows] + i, 1)[:, 0]
-                           for i in range(k)], dim=1)  # [N, k]
-    tokens, emitted = rejection_sample(target, drafts, num_drafts, uniform, noise)
+    tokens, emitted = sampled_verify(logits, batch, gather, drafts, num_drafts)
     return Verification(tokens, emitted, host_drafts)
 
 
