@@ -240,16 +240,24 @@ def test_verification_replays_decode_graphs_of_q_len_k_plus_1(reference, monkeyp
         llm.shutdown()
 
 
-@pytest.mark.parametrize("logprobs", [None, 1])
-def test_drafting_graphs_propose_the_eager_drafts(logprobs):
+@pytest.mark.parametrize(("kind", "sampling"), [
+    ("greedy", {}), (None, {"logprobs": 1}), ("sampled", {"temperature": 0.8, "seed": 7}),
+    ("filtered", {"temperature": 0.8, "top_p": 0.9, "seed": 7})])
+def test_drafting_graphs_propose_the_eager_drafts(kind, sampling):
     """The demo model's trained MTP layer (drafts mostly accepted), k = 3: with the decode and
     drafting graphs (the CPU stand-ins) every draft, every output and every logprob equals the
-    eager engine's. Greedy requests that want no logprobs verify and draft in one graph after
-    each verification's decode graph; with logprobs the step verifies eagerly and the drafting
-    graph (all k passes, reading the decode graph's static inputs and output) replays after
-    both kinds of decode graph: plain decodes (q_len 1) and verifications (4)."""
+    eager engine's. Requests that want no logprobs verify and draft in one graph after each
+    verification's decode graph, greedy or sampled (the same seeds, the same tokens); with
+    logprobs the step verifies eagerly and the drafting graph (all k passes, reading the
+    decode graph's static inputs and output) replays after both kinds of decode graph: plain
+    decodes (q_len 1) and verifications (4)."""
     prompts = ["What is 12 + 30?", "What is 48 + 35 - 17?", "Compute 7 * 8."]
-    params = SamplingParams(max_tokens=24, temperature=0, logprobs=logprobs)
+    params = [SamplingParams(**{"max_tokens": 24, "temperature": 0, **sampling})
+              for _ in prompts]
+    for i, p in enumerate(params):  # each request its own seed and temperature (its row's)
+        if p.temperature:
+            p.seed, p.temperature = p.seed + i, p.temperature - 0.1 * i
+    logprobs = params[0].logprobs
     outcomes = []
     for graphs in (False, True):
         llm = LLM(device="cpu", attention_backend="torch", num_kv_blocks=256,
@@ -272,10 +280,12 @@ def test_drafting_graphs_propose_the_eager_drafts(logprobs):
                              stats.accepted_per_pos, stats.num_drafts))
             if graphs:
                 assert runner.graphs.num_replays > 0 and replays[1] > 0
-                if logprobs is None:  # every verification in the one graph
-                    assert runner.verify_graphs.num_replays > 0 and replays[4] == 0
+                verifying = {k: g.num_replays for k, g in runner.verify_graphs.items()}
+                if kind is not None:  # every verification in the one graph of its kind
+                    assert verifying[kind] > 0 and replays[4] == 0
+                    assert sum(verifying.values()) == verifying[kind]
                 else:
-                    assert runner.verify_graphs.num_replays == 0 and replays[4] > 0
+                    assert not any(verifying.values()) and replays[4] > 0
         finally:
             llm.shutdown()
     (tokens, entry_lists, *stats), (graph_tokens, graph_entry_lists, *graph_stats) = outcomes
@@ -566,7 +576,7 @@ def test_gpu_speculation_replays_verify_graphs_and_equals_no_speculation():
         assert graphs is not None and (4, 1) in graphs.graphs and graphs.num_replays > 0
         # drafting after plain decodes; verifying and drafting after full verifications
         assert llm.engine.runner.draft_graphs.num_replays > 0
-        assert llm.engine.runner.verify_graphs.num_replays > 0
+        assert llm.engine.runner.verify_graphs["greedy"].num_replays > 0
         assert llm.engine.core.stats().spec_num_drafts > 0
     finally:
         llm.shutdown()

@@ -29,7 +29,8 @@ import torch
 from mlaserve.attention.base import MLABackend
 from mlaserve.attention.metadata import AttentionMetadata
 from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder
-from mlaserve.engine.rejection_sampler import greedy_verify
+from mlaserve.engine.rejection_sampler import greedy_verify, sampled_verify
+from mlaserve.engine.sampler import RowParams, SamplingBatch
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
 
@@ -126,30 +127,46 @@ class DraftGraphs(GraphLadder):
 
 class VerifyDraftGraphs(DraftGraphs):
     """A speculating step's whole sampling in one graph, for the steps where every request
-    verifies all k drafts greedily (`spec_graph_step.verifies_in_graph`): after the decode
-    graph of q_len k + 1, the main model's logits and argmax at every row, the drafts (the
-    decode graph's input ids past each request's first row) checked against it
-    (`greedy_verify`), then the k drafting passes from the rows and positions that gives.
-    Captured up to MAX_BATCH_SIZE requests: the logits of all their rows live in the graphs'
-    pool, and a larger step's GPU time dwarfs the launches this saves."""
+    verifies all k drafts against the model's logits as they come (`spec_graph_step`): after
+    the decode graph of q_len k + 1, the logits at every row, the drafts (the decode graph's
+    input ids past each request's first row) checked against them, then the k drafting passes
+    from the rows and positions that gives. The check is one of three, a set of graphs each
+    (`kind`): "greedy" (`greedy_verify` on the argmax), "sampled" and "filtered" (top-k, top-p
+    or min-p): `sampled_verify` with each request's parameters and seed, read from the
+    persistent batch at its row (`rows`, copied over per step). Captured up to `max_batch_size`
+    requests: the logits (and, sampled, the distributions and noise) of all their rows live in
+    the graphs' pool, and a larger step's GPU time dwarfs the launches this saves."""
 
-    what = "greedy verification and MTP drafting"
-    MAX_BATCH_SIZE = 64
+    what = "verification and MTP drafting"
+    KINDS = {"greedy": 64, "sampled": 16, "filtered": 16}  # kind: largest batch captured
 
     def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor, backend: MLABackend,
-                 decode: DecodeGraphs, num_speculative_tokens: int, block_size: int) -> None:
-        """As `DraftGraphs`; the graphs follow the decode graphs of q_len k + 1."""
+                 decode: DecodeGraphs, num_speculative_tokens: int, block_size: int,
+                 kind: str = "greedy", params: RowParams | None = None) -> None:
+        """As `DraftGraphs`; the graphs follow the decode graphs of q_len k + 1. params: the
+        persistent batch's sampling parameters (the sampled kinds)."""
         self.verify_q_len = num_speculative_tokens + 1
+        self.kind, self.params = kind, params
+        self.rows = torch.zeros(self.KINDS[kind], dtype=torch.int64, device=mtp_cache.device)
         super().__init__(model, mtp_cache, backend, decode, num_speculative_tokens, block_size,
-                         (self.verify_q_len,), self.MAX_BATCH_SIZE)
+                         (self.verify_q_len,), self.KINDS[kind])
 
     def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
         """[B, 2k + 4] int64, per request: the tokens it emits [k + 1] (-1 past its count),
         that count, its k new drafts, its newest token and how many drafts it rejected."""
         rows, decode, k = batch_size * q_len, self.decode, self.num_speculative_tokens
-        targets = self.model.compute_logits(decode.outputs[q_len, batch_size]).argmax(dim=-1)
+        logits = self.model.compute_logits(decode.outputs[q_len, batch_size])  # [R, V]
         drafts_verified = decode.input_ids[:rows].view(batch_size, q_len)[:, 1:]  # [B, k]
-        tokens, emitted = greedy_verify(targets.view(batch_size, q_len), drafts_verified)
+        if self.kind == "greedy":
+            tokens, emitted = greedy_verify(logits.argmax(dim=-1).view(batch_size, q_len),
+                                            drafts_verified)
+        else:  # each row samples the token after its position
+            batch = SamplingBatch(self.params, self.rows[:batch_size, None].expand(
+                batch_size, q_len).reshape(-1), decode.positions[:rows] + 1,
+                all_greedy=False, needs_filter=self.kind == "filtered")
+            gather = torch.arange(rows, device=logits.device).view(batch_size, q_len)
+            tokens, emitted = sampled_verify(logits, batch, gather, drafts_verified,
+                                             torch.full((batch_size,), k, device=logits.device))
         last = torch.arange(batch_size, device=tokens.device) * q_len + emitted - 1  # [B]
         padded = self.backend.graph_seq_lens[:batch_size] == 0  # before the passes set them
         last_positions = decode.positions[:rows][last].masked_fill(padded, -1)
@@ -159,9 +176,14 @@ class VerifyDraftGraphs(DraftGraphs):
         return torch.cat([tokens, emitted[:, None], drafts, newest, (k + 1 - emitted)[:, None]],
                          dim=1)
 
-    def run(self, num_requests: int, batch_size: int) -> torch.Tensor:
+    def run(self, num_requests: int, batch_size: int, rows: torch.Tensor | None = None
+            ) -> torch.Tensor:
         """Right after the decode graph of (k + 1, batch_size) replayed the step's
-        num_requests verifications: their outcome [n, 2k + 4] int64 (`_forward`; a copy)."""
+        num_requests verifications: their outcome [n, 2k + 4] int64 (`_forward`; a copy).
+        rows: the requests' rows in the persistent batch [n] int64 (the sampled kinds)."""
+        if rows is not None:
+            self.rows[:num_requests].copy_(rows)
+            self.rows[num_requests:batch_size].zero_()
         self.graphs[self.verify_q_len, batch_size].replay()
         self.num_replays += 1
         return self.outputs[self.verify_q_len, batch_size][:num_requests].clone()

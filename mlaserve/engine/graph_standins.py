@@ -63,4 +63,5 @@ def install(runner, max_batch_size: int, max_blocks_per_seq: int) -> None:
         args = (runner.model, runner.mtp_cache, runner.backend, runner.graphs, k,
                 runner.block_size)
         runner.draft_graphs = EagerDraftGraphs(*args)
-        runner.verify_graphs = EagerVerifyDraftGraphs(*args)
+        runner.verify_graphs = {kind: EagerVerifyDraftGraphs(*args, kind, runner.inputs.params)
+                                for kind in EagerVerifyDraftGraphs.KINDS}

@@ -45,7 +45,7 @@ from mlaserve.engine.spec_decode import (
     speculative_layout,
     verify,
 )
-from mlaserve.engine.spec_graph_step import verifies_in_graph, verify_and_draft
+from mlaserve.engine.spec_graph_step import graphs_for_step, verify_and_draft
 from mlaserve.engine.speculative import speculates
 from mlaserve.engine.step_graphs import capture_step_graphs
 from mlaserve.engine.step_plan import StepPlan
@@ -105,7 +105,7 @@ class ModelRunner:
         logger.info("attention backend: %s", self.backend.name)
         self.graphs, self.draft_graphs, self.verify_graphs = capture_step_graphs(
             model, self.kv_caches, self.mtp_cache, self.backend, config, device, num_blocks,
-            agree_min)
+            agree_min, self.inputs.params)
         # the decode batches served, for the kernel benchmark's replay (rank 0 records)
         self.decode_recorder = (DecodeStepRecorder(config.args.record_decode_steps)
                                 if config.args.record_decode_steps and self.tp.rank == 0
@@ -254,10 +254,11 @@ class ModelRunner:
                                 expert_capacity or None)
         if not self.num_speculative_tokens:
             return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
-        if replayed is not None and verifies_in_graph(self.verify_graphs, decodes, samplers,
-                                                      graph_size, q_len, grammar_bitmask):
-            pending, self._prev_drafts = verify_and_draft(self.verify_graphs, decodes,
-                                                          graph_size)
+        verify_graphs = None if replayed is None else graphs_for_step(
+            self.verify_graphs, decodes, samplers, graph_size, q_len, grammar_bitmask)
+        if verify_graphs is not None:
+            pending, self._prev_drafts = verify_and_draft(verify_graphs, decodes, graph_size,
+                                                          inputs)
         else:
             pending = self._speculate(decodes, q_len, prefills, verifies, samplers,
                                       grammar_bitmask, hidden, position_ids, meta, chunks,

@@ -5,9 +5,9 @@ the backend can be captured and the MoE runs without a host sync; under tensor p
 if every rank captured its own (`graphs_on_every_rank`). A speculating engine's decode graphs
 also cover the verification's q_len k + 1, and its MTP drafting (all k passes of a step) gets a
 graph after each of them (`draft_graphs.DraftGraphs`) in the same memory pool, where the backend's
-graphs read their lengths on the device, and so do greedy verifications with their drafting
-(`draft_graphs.VerifyDraftGraphs`, `spec_graph_step.py`). A capture that fails leaves that kind of
-step eager and is logged.
+graphs read their lengths on the device, and so do verifications of the raw logits with their
+drafting (`draft_graphs.VerifyDraftGraphs`, one set a kind of check; `spec_graph_step.py`). A
+capture that fails leaves that kind of step eager and is logged.
 """
 
 import logging
@@ -19,6 +19,7 @@ from mlaserve.attention.base import MLABackend
 from mlaserve.engine.cuda_graphs import DecodeGraphs
 from mlaserve.engine.draft_graphs import DraftGraphs, VerifyDraftGraphs
 from mlaserve.engine.engine_config import EngineConfig
+from mlaserve.engine.sampler import RowParams
 from mlaserve.kernels.moe import moe_graph_capturable
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
@@ -28,12 +29,12 @@ logger = logging.getLogger(__name__)
 def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor],
                         mtp_cache: torch.Tensor | None, backend: MLABackend,
                         config: EngineConfig, device: torch.device, num_blocks: int,
-                        agree_min: Callable[[int], int] | None
+                        agree_min: Callable[[int], int] | None, sampling_params: RowParams
                         ) -> tuple[DecodeGraphs | None, DraftGraphs | None,
-                                   VerifyDraftGraphs | None]:
-    """(decode graphs, drafting graphs, greedy verification and drafting graphs), each None
-    where not captured. num_blocks: the cache's blocks past which its scratch block lies;
-    agree_min: as `ModelRunner`'s."""
+                                   dict[str, VerifyDraftGraphs]]:
+    """(decode graphs, drafting graphs, verification and drafting graphs by kind), None (or
+    empty) where not captured. num_blocks: the cache's blocks past which its scratch block
+    lies; agree_min: as `ModelRunner`'s; sampling_params: the persistent batch's."""
     model_config, block_size = config.model, config.args.block_size
     k = 0 if config.speculative is None else config.speculative.num_speculative_tokens
     expert_parallel = config.layout.expert_parallel
@@ -45,9 +46,9 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
                        "the experts with a host sync (grouped GEMMs are bfloat16 only); "
                        "use --dtype bfloat16 for graphs", config.dtype)
-        return None, None, None
+        return None, None, {}
     if not wants_graphs:
-        return None, None, None
+        return None, None, {}
     graphs = None
     try:
         graphs = DecodeGraphs(
@@ -64,23 +65,25 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         # under expert parallelism verifications (planned like their graphs) and drafting
         # passes run eagerly: their exchanges have the replicas' agreed rows, which no
         # captured size fixes
-        return graphs, None, None
+        return graphs, None, {}
     if not backend.capabilities.graph_lengths_on_device:  # the same on every rank
         logger.info("MTP drafting runs eagerly: the %s backend's graphs take their lengths "
                     "from the host", backend.name)
-        return graphs, None, None
-    draft_graphs = verify_graphs = None
+        return graphs, None, {}
+    draft_graphs, verify_graphs = None, {}
     try:
         draft_graphs = DraftGraphs(model, mtp_cache, backend, graphs, k, block_size)
-        verify_graphs = VerifyDraftGraphs(model, mtp_cache, backend, graphs, k, block_size)
+        verify_graphs = {kind: VerifyDraftGraphs(model, mtp_cache, backend, graphs, k,
+                                                 block_size, kind, sampling_params)
+                         for kind in VerifyDraftGraphs.KINDS}
     except Exception:  # noqa: BLE001 - as the decode graphs: eager drafting still works
         logger.exception("MTP drafting CUDA-graph capture failed; drafts run eagerly")
         torch.cuda.synchronize()
-        draft_graphs = verify_graphs = None
-    if agree_min is not None and not agree_min(int(verify_graphs is not None)):
+        draft_graphs, verify_graphs = None, {}
+    if agree_min is not None and not agree_min(int(draft_graphs is not None)):
         # a replayed pass pads its rows, an eager one does not: the ranks' collectives
         # would differ in size, so every rank replays or none does
-        draft_graphs = verify_graphs = None
+        draft_graphs, verify_graphs = None, {}
     return graphs, draft_graphs, verify_graphs
 
 
