@@ -180,7 +180,9 @@ class DecodeGraphs(GraphLadder):
         positions = self.positions[:rows]
         table = backend.graph_block_table[:batch_size]
         padded = backend.graph_seq_lens[:batch_size] == 0  # [B]
-        slots = cache_slots(table, positions, self.block_size).view(batch_size, q_len)
+        # a padded row's stale position stays inside the table (its slot is the scratch one)
+        in_table = positions.clamp(max=table.shape[1] * self.block_size - 1)
+        slots = cache_slots(table, in_table, self.block_size).view(batch_size, q_len)
         self.slots[:rows].copy_(slots.masked_fill(padded[:, None], self.scratch_slot).view(-1))
         meta = AttentionMetadata(slot_mapping=self.slots[:rows], num_decode_tokens=rows,
                                  decode_backend=backend)
