@@ -28,7 +28,7 @@ import torch
 
 from mlaserve.attention.base import MLABackend
 from mlaserve.attention.metadata import AttentionMetadata
-from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder
+from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder, cache_slots
 from mlaserve.engine.rejection_sampler import greedy_verify, sampled_verify
 from mlaserve.engine.sampler import RowParams, SamplingBatch
 from mlaserve.model.deepseek import DeepseekForCausalLM
@@ -51,9 +51,6 @@ class DraftGraphs(GraphLadder):
             block_size: tokens per cache block.
             q_lens, max_batch_size: capture only these q_lens, and sizes up to this one.
         """
-        if not backend.capabilities.graph_lengths_on_device:
-            raise ValueError(f"the {backend.name} backend plans its graphs' lengths on the host; "
-                             "its drafting passes run eagerly")
         device = mtp_cache.device
         self.mtp_cache = mtp_cache
         self.decode = decode
@@ -92,9 +89,8 @@ class DraftGraphs(GraphLadder):
             for ahead in range(1, self.num_speculative_tokens):
                 positions = (last_positions + ahead).clamp(min=0)  # [B]
                 backend.set_graph_lengths(torch.where(valid, positions + 1, 0).to(torch.int32))
-                blocks = table.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
-                slots = torch.where(valid, blocks.long() * self.block_size
-                                    + positions % self.block_size, self.scratch_slot)
+                slots = torch.where(valid, cache_slots(table, positions, self.block_size),
+                                    self.scratch_slot)
                 step_meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch_size,
                                               decode_backend=backend)
                 previous = self.model.mtp(token, positions, previous, self.mtp_cache, step_meta)

@@ -32,22 +32,24 @@ class EagerReplay:
             EagerReplay.replaying = False
 
 
-class EagerDecodeGraphs(DecodeGraphs):
+class _EagerCapture:
+    """A graph ladder whose captures are stand-ins (`EagerReplay`)."""
+
     def _record(self, batch_size: int, q_len: int) -> tuple[EagerReplay, torch.Tensor]:
         output = self._forward(batch_size, q_len).clone()
         return EagerReplay(self, batch_size, q_len, output), output
 
 
-class EagerDraftGraphs(DraftGraphs):
-    def _record(self, batch_size: int, q_len: int) -> tuple[EagerReplay, torch.Tensor]:
-        output = self._forward(batch_size, q_len).clone()
-        return EagerReplay(self, batch_size, q_len, output), output
+class EagerDecodeGraphs(_EagerCapture, DecodeGraphs):
+    pass
 
 
-class EagerVerifyDraftGraphs(VerifyDraftGraphs):
-    def _record(self, batch_size: int, q_len: int) -> tuple[EagerReplay, torch.Tensor]:
-        output = self._forward(batch_size, q_len).clone()
-        return EagerReplay(self, batch_size, q_len, output), output
+class EagerDraftGraphs(_EagerCapture, DraftGraphs):
+    pass
+
+
+class EagerVerifyDraftGraphs(_EagerCapture, VerifyDraftGraphs):
+    pass
 
 
 def install(runner, max_batch_size: int, max_blocks_per_seq: int) -> None:

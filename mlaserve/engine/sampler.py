@@ -11,7 +11,6 @@ pick only allowed tokens.
 """
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -95,6 +94,21 @@ class RowParams:
     seeds: torch.Tensor
 
 
+class _Gathered:
+    """A `SamplingBatch` parameter of its rows, gathered from `params` at the first read and
+    kept on the instance from then on."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, batch: "SamplingBatch", owner: type | None = None) -> torch.Tensor:
+        values = getattr(batch.params, self.name)
+        if batch.rows is not None:
+            values = values[batch.rows]
+        batch.__dict__[self.name] = values
+        return values
+
+
 @dataclass
 class SamplingBatch:
     """The N rows that sample this step (requests, or a verification's positions): where each
@@ -112,28 +126,11 @@ class SamplingBatch:
     # (rows [M] int64, bitmask [M, ceil(V / 32)] int32): grammar masks of constrained rows
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _gather(self, values: torch.Tensor) -> torch.Tensor:
-        return values if self.rows is None else values[self.rows]
-
-    @cached_property
-    def temperature(self) -> torch.Tensor:  # [N] float32
-        return self._gather(self.params.temperature)
-
-    @cached_property
-    def top_k(self) -> torch.Tensor:  # [N] int64
-        return self._gather(self.params.top_k)
-
-    @cached_property
-    def top_p(self) -> torch.Tensor:  # [N] float32
-        return self._gather(self.params.top_p)
-
-    @cached_property
-    def min_p(self) -> torch.Tensor:  # [N] float32
-        return self._gather(self.params.min_p)
-
-    @cached_property
-    def seeds(self) -> torch.Tensor:  # [N] int64
-        return self._gather(self.params.seeds)
+    temperature = _Gathered()  # [N] float32
+    top_k = _Gathered()  # [N] int64
+    top_p = _Gathered()  # [N] float32
+    min_p = _Gathered()  # [N] float32
+    seeds = _Gathered()  # [N] int64
 
     @classmethod
     def build(cls, requests: list[SamplingState], vocab_size: int,

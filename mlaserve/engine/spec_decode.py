@@ -37,6 +37,7 @@ from itertools import accumulate
 import torch
 
 from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
+from mlaserve.engine.cuda_graphs import cache_slots
 from mlaserve.engine.draft_graphs import DraftGraphs
 from mlaserve.engine.input_batch import PersistentBatch, RunnerRequest
 from mlaserve.engine.rejection_sampler import greedy_verify, sampled_verify
@@ -451,9 +452,8 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
         # every recursive pass's positions, slots and lengths at once, a pass a row: [k - 1, S]
         passes = (rows.last_positions[None, :]
                   + torch.arange(1, num_speculative_tokens, device=device)[:, None])
-        request = torch.arange(len(samplers), device=device)[None, :]
-        all_slots = (table[request, passes // block_size].long() * block_size
-                     + passes % block_size)
+        all_slots = cache_slots(table, passes.t().reshape(-1), block_size).view(
+            len(samplers), -1).t().contiguous()
         all_lens = (passes + 1).to(torch.int32)
         for position, slots, seq_lens in zip(passes, all_slots, all_lens, strict=True):
             backend.plan(table, seq_lens)
