@@ -80,7 +80,7 @@ def test_step_host_only_times_steps_with_the_forward_stubbed(capsys):
     assert "(3.00 tokens a request a step;" in capsys.readouterr().out
 
 
-def test_launch_counter_counts_kernels_not_views_and_a_replay_as_one():
+def test_launch_counter_counts_kernels_not_views_nor_same_dtype_conversions():
     import torch
 
     from mlaserve.bench.step_kernels import count_launches
