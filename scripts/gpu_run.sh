@@ -39,6 +39,7 @@
 #                on the demo config (dummy weights) at batch 1 and 16 with and without
 #                drafting: the verify step's time over the plain step's. env: MODELS=demo K=3
 #                RUNS=1 PRELUDE=1 (0: straight to the servers, no GPU tests or bench step)
+#                BACKEND=triton (the servers' attention backend: one whose graphs draft)
 #   sweep OUT_DIR
 #                the throughput-latency front: per attention backend (BACKENDS default
 #                "triton flashinfer") one server on dummy weights of CONFIG (V2-Lite), warmed
@@ -294,7 +295,7 @@ for doc in heldout_docs('arith_gen', 200):
   for model in ${MODELS:-demo}; do
     for run in $(seq "$runs"); do
       for variant in plain "mtp$k"; do
-        local args=(--port 8000 --max-num-seqs 64)
+        local args=(--port 8000 --max-num-seqs 64 --attention-backend "${BACKEND:-triton}")
         [ "$variant" != plain ] && args+=(--speculative-config "$spec")
         if [ "$model" = demo ]; then
           args+=(--dtype bfloat16)

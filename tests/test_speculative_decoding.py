@@ -115,6 +115,21 @@ def test_the_config_takes_vllms_spelling_and_refuses_what_it_cannot_serve():
         check_speculative(EngineArgs(speculative_config={"method": "mtp"}, **parallel), demo)
 
 
+def test_auto_prefers_a_backend_whose_graphs_draft_when_speculating():
+    """On CUDA `auto` puts FlashInfer first, except for a speculating engine (decode rows of
+    q_len k + 1): FlashInfer plans on the host, so the MTP module's passes could not replay in
+    one graph, and the backend whose graphs read their lengths on the device goes first."""
+    from mlaserve.attention.base import MLAShape
+    from mlaserve.attention.registry import _auto_candidates, backend_class
+
+    def shape(max_q_len: int) -> MLAShape:
+        return MLAShape(16, 512, 64, 64, torch.bfloat16, torch.device("cuda"), max_q_len)
+
+    assert _auto_candidates(shape(1))[0] == "flashinfer"
+    first = _auto_candidates(shape(4))[0]
+    assert first == "triton" and backend_class(first).capabilities.graph_lengths_on_device
+
+
 def test_prompt_chunks_that_do_not_sample_still_fill_the_mtp_cache():
     """The MTP module's first pass runs in every step, drafting or not: a long prompt prefilled
     alone in chunks of 8 tokens (steps where nothing samples) leaves the MTP layer's KV at
@@ -466,6 +481,26 @@ def test_blocks_given_back_after_a_rejection_leave_the_runners_tables_too():
     step(0)  # a fourth block again, another id than the one given back
     step(2)
     step(0)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_requests_decode_up_to_max_model_len_as_without_speculation(k):
+    """Requests that run into max_model_len (64 tokens, blocks of 16): the blocks a speculating
+    request owns past its tokens for the MTP module's later drafts (k - 1 positions) reach past
+    max_model_len, and the runner's block table holds them (a table of max_model_len's 4 blocks
+    failed the request); every output still fills max_model_len as without speculation."""
+    prompts = [list(range(5, 5 + n)) for n in (47, 58, 61, 62)]
+    params = [SamplingParams(max_tokens=64 - len(p), temperature=0, ignore_eos=True)
+              for p in prompts]
+    outputs = {}
+    for spec in (None, k):
+        llm = make_llm(spec, max_model_len=64)
+        try:
+            outputs[spec] = run(llm, prompts, params)
+        finally:
+            llm.shutdown()
+    assert outputs[k] == outputs[None]
+    assert [len(p) + len(o) for p, o in zip(prompts, outputs[k], strict=True)] == [64] * 4
 
 
 def test_many_requests_in_a_tight_pool_decode_as_without_speculation():

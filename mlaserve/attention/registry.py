@@ -77,6 +77,11 @@ def _auto_candidates(shape: MLAShape) -> list[str]:
     """Names `auto` tries for the shape, most preferred first."""
     if shape.device.type == "cpu":
         return ["torch"]  # the Triton interpreter is a test tool, not a CPU fast path
+    if shape.max_q_len > 1:
+        # speculative decoding: the MTP module's k passes replay in one CUDA graph only where
+        # the backend's graphs read their lengths on the device (FlashInfer plans on the host,
+        # so its drafting runs eagerly, several times slower at one user)
+        return ["triton", "flashinfer", "torch"]
     return ["flashinfer", "triton", "torch"]
 
 

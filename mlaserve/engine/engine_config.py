@@ -22,7 +22,7 @@ from mlaserve.cache.latent_dtype import resolve_kv_cache_dtype
 from mlaserve.config import ModelConfig, SchedulerConfig, parse_dtype
 from mlaserve.distributed.launch import ParallelLayout, torchrun_rank
 from mlaserve.engine.args import EngineArgs, model_dir_of
-from mlaserve.engine.speculative import SpeculativeConfig
+from mlaserve.engine.speculative import SpeculativeConfig, draft_lookahead
 
 # Decode steps of more requests than this run eagerly (capture time and memory grow with it).
 MAX_CUDA_GRAPH_BATCH_SIZE = 512
@@ -52,6 +52,14 @@ class EngineConfig:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    @property
+    def max_cached_positions(self) -> int:
+        """Positions a request's cache entries and rotary tables cover: max_model_len, and past
+        it the MTP module's later drafts (`draft_lookahead`), which a request at the limit still
+        writes (and never verifies)."""
+        k = 0 if self.speculative is None else self.speculative.num_speculative_tokens
+        return self.max_model_len + draft_lookahead(k)
 
     def mla_shape(self, device: torch.device) -> MLAShape:
         """The decode attention problem of one rank on `device`."""

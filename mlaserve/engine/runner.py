@@ -80,7 +80,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.requests: dict[str, RunnerRequest] = {}  # what the plans said, by request id
         self.inputs = PersistentBatch(config.scheduler.max_num_seqs,
-                                      -(-config.max_model_len // block_size),
+                                      -(-config.max_cached_positions // block_size),
                                       model_config.vocab_size, device)
         # the previous launch's sampled ids [S] on the device, and each sampler's row in it
         self._prev_sampled: torch.Tensor | None = None
@@ -476,7 +476,7 @@ def load_runner(config: EngineConfig, device: torch.device,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(config.model, config.model_dir, device=device, dtype=config.dtype,
-                        load_format=args.load_format, max_positions=config.max_model_len,
+                        load_format=args.load_format, max_positions=config.max_cached_positions,
                         quantization=args.quantization, seed=args.seed,
                         with_mtp=config.speculative is not None)
     log_load(model, device, time.perf_counter() - started)

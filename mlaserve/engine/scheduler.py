@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from mlaserve.cache.block_pool import BlockPool
 from mlaserve.config import SchedulerConfig
 from mlaserve.engine.request import Request, RequestStatus
+from mlaserve.engine.speculative import draft_lookahead
 from mlaserve.engine.structured import GrammarBitmask
 
 
@@ -110,7 +111,7 @@ class Scheduler:
 
     def _lookahead(self, request: Request) -> int:
         """Positions past a step's tokens that the MTP module's drafts of the step write."""
-        return max(self.num_speculative_tokens - 1, 0) if request.speculates else 0
+        return draft_lookahead(self.num_speculative_tokens) if request.speculates else 0
 
     def _num_drafts(self, request: Request, budget: int, available: int) -> int:
         """How many of a decoding request's `available` drafts its step verifies: as many as

@@ -58,6 +58,13 @@ class SpeculativeConfig:
         return cls(**values)
 
 
+def draft_lookahead(num_speculative_tokens: int) -> int:
+    """Positions past a speculating step's tokens that its MTP drafts write (the k - 1
+    recursive passes'; 0 without speculation): the blocks a request owns cover them, and so
+    does the runner's block table, past max_model_len too."""
+    return max(num_speculative_tokens - 1, 0)
+
+
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these parameters drafts and verifies (module docstring)."""
     constraint = params.structured_outputs
