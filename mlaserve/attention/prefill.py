@@ -1,16 +1,22 @@
 """Expanded-MHA prefill: up-project the latents and run causal attention per prompt chunk.
 
 Attention is torch's `scaled_dot_product_attention` on 4-d [1, H, S, dim] inputs, which lets
-torch pick a fused kernel (cuDNN, flash or memory-efficient on CUDA, flash on CPU); 3-d inputs
-would send it to the unfused math path (float32 score matrices). A chunk with cached context
+torch pick a fused kernel (memory-efficient on CUDA, flash on CPU); 3-d inputs would send it to
+the unfused math path (float32 score matrices). cuDNN's kernel is left out: it builds an
+execution plan for every new shape, tens of milliseconds each time a prompt length is met for
+the first time, which one user's time to first token pays in full. A chunk with cached context
 attends bottom-right aligned: query i of n sees keys 0 .. context_len + i.
 """
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from mlaserve.attention.metadata import PrefillChunk
+
+# the fused kernels prefill may use, in torch's order of preference (no cuDNN: see above)
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def expanded_prefill(
@@ -49,7 +55,8 @@ def expanded_prefill(
     k_pe = latent[:, None, kv_lora_rank:].expand(-1, num_heads, -1)  # [S, H, R]
     k = torch.cat((k_nope, k_pe), dim=-1)  # [S, H, P + R]
     mask = causal_lower_right(n, num_keys) if num_keys > n else None
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # [1, H, *, d]
-        attn_mask=mask, is_causal=mask is None, scale=softmax_scale)
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, *, d]
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=softmax_scale)
     return out[0].transpose(0, 1)  # [1, H, n, V] -> [n, H, V]

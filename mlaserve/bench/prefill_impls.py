@@ -18,6 +18,10 @@ STEPS = {  # name -> [(new tokens, context tokens)] per chunk
     "1x8192": [(8192, 0)],
     "1024+ctx3072": [(1024, 3072)],
     "4x512+ctx512": [(512, 512)] * 4,
+    # short prompts of lengths met for the first time (one user's questions): what the first
+    # call at a new shape costs (cuDNN builds an execution plan per shape)
+    "1x37": [(37, 0)],
+    "1x53+ctx64": [(53, 64)],
 }
 
 
@@ -188,7 +192,7 @@ def time_implementations(heads: int, wanted: list[str], device: torch.device) ->
                 flops = sum(4 * n * (c + (n + 1) / 2) * heads * (NOPE + ROPE + V) / 2
                             for n, c in chunks)
                 lines.append(f"{step:<14} {name:<20} {ms:8.3f} ms  {flops / ms / 1e9:6.0f} "
-                             f"TFLOP/s  err {err:.2e}  (first call {first:.1f} s)")
+                             f"TFLOP/s  err {err:.2e}  (first call {first * 1e3:.1f} ms)")
             except Exception as error:  # noqa: BLE001
                 lines.append(f"{step:<14} {name:<20} failed: {error!r}"[:300])
             print(lines[-1], flush=True)
