@@ -258,14 +258,15 @@ def test_verification_replays_decode_graphs_of_q_len_k_plus_1(reference, monkeyp
 @pytest.mark.parametrize(("kind", "sampling"), [
     ("greedy", {}), (None, {"logprobs": 1}), ("sampled", {"temperature": 0.8, "seed": 7}),
     ("filtered", {"temperature": 0.8, "top_p": 0.9, "seed": 7})])
-def test_drafting_graphs_propose_the_eager_drafts(kind, sampling):
+def test_drafting_graphs_propose_the_eager_drafts(kind, sampling, monkeypatch):
     """The demo model's trained MTP layer (drafts mostly accepted), k = 3: with the decode and
     drafting graphs (the CPU stand-ins) every draft, every output and every logprob equals the
     eager engine's. Requests that want no logprobs verify and draft in one graph after each
     verification's decode graph, greedy or sampled (the same seeds, the same tokens); with
     logprobs the step verifies eagerly and the drafting graph (all k passes, reading the
     decode graph's static inputs and output) replays after both kinds of decode graph: plain
-    decodes (q_len 1) and verifications (4)."""
+    decodes (q_len 1) and verifications (4). A step that prefills runs eagerly, and its drafts
+    after the first come from the recursive passes' graph."""
     prompts = ["What is 12 + 30?", "What is 48 + 35 - 17?", "Compute 7 * 8."]
     params = [SamplingParams(**{"max_tokens": 24, "temperature": 0, **sampling})
               for _ in prompts]
@@ -274,7 +275,16 @@ def test_drafting_graphs_propose_the_eager_drafts(kind, sampling):
             p.seed, p.temperature = p.seed + i, p.temperature - 0.1 * i
     logprobs = params[0].logprobs
     outcomes = []
+    collect = runner_module.collect_results
     for graphs in (False, True):
+        drafted = []  # every step's drafts, by request id
+
+        def recording(*args, _drafted=drafted, **kwargs):
+            result = collect(*args, **kwargs)
+            _drafted.append(result.drafts)
+            return result
+
+        monkeypatch.setattr(runner_module, "collect_results", recording)
         llm = LLM(device="cpu", attention_backend="torch", num_kv_blocks=256,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3})
         try:
@@ -292,9 +302,11 @@ def test_drafting_graphs_propose_the_eager_drafts(kind, sampling):
             outputs = llm.generate(prompts, params)
             stats = llm.engine.core.spec_stats
             outcomes.append(([o.token_ids for o in outputs], [o.logprobs for o in outputs],
-                             stats.accepted_per_pos, stats.num_drafts))
+                             stats.accepted_per_pos, stats.num_drafts, drafted))
             if graphs:
                 assert runner.graphs.num_replays > 0 and replays[1] > 0
+                # the prompts' steps ran eagerly: their passes 2..k replayed the recursive graph
+                assert runner.draft_graphs.recursive.num_replays > 0
                 verifying = {k: g.num_replays for k, g in runner.verify_graphs.items()}
                 if kind is not None:  # every verification in the one graph of its kind
                     assert verifying[kind] > 0 and replays[4] == 0
@@ -595,8 +607,8 @@ def test_stop_strings_and_n_samples_end_as_without_speculation(reference, monkey
 @pytest.mark.gpu
 def test_gpu_speculation_replays_verify_graphs_and_equals_no_speculation():
     """On a GPU in float32 (no near-ties from bfloat16 rounding): the decode CUDA graphs of q_len
-    k + 1, the drafting graphs and the greedy verification's capture and replay, and greedy
-    outputs equal decoding without speculation."""
+    k + 1, the drafting graphs (the recursive passes' too) and the greedy verification's capture
+    and replay, and greedy outputs equal decoding without speculation."""
     options = dict(load_format="dummy", hf_overrides=OVERRIDES, device="cuda", dtype="float32",
                    block_size=16, num_kv_blocks=256)
     plain = LLM(**options)
@@ -612,6 +624,8 @@ def test_gpu_speculation_replays_verify_graphs_and_equals_no_speculation():
         # drafting after plain decodes; verifying and drafting after full verifications
         assert llm.engine.runner.draft_graphs.num_replays > 0
         assert llm.engine.runner.verify_graphs["greedy"].num_replays > 0
+        # passes 2..k after the prompts' eager steps
+        assert llm.engine.runner.draft_graphs.recursive.num_replays > 0
         assert llm.engine.core.stats().spec_num_drafts > 0
     finally:
         llm.shutdown()

@@ -20,8 +20,12 @@ the backend's static block table, and per pass the positions, cache slots (a pad
 scratch slot) and lengths (a padded row: 0), set through `MLABackend.set_graph_lengths`. Hence
 backends whose graphs read their lengths on the device (`graph_lengths_on_device`) only.
 
-`VerifyDraftGraphs` runs the same passes after a greedy verification of the decode graph's
-rows, where the step needs nothing from the host to verify (`spec_graph_step.py`).
+`VerifyDraftGraphs` runs the same passes after a verification of the decode graph's rows,
+where the step needs nothing from the host to verify (`spec_graph_step.py`). A step whose
+forward ran eagerly (prompt chunks beside its decodes: every step that admits a request) runs
+the first pass eagerly over its rows, then replays `RecursiveDraftGraphs`: passes 2..k alone,
+from the requests' first drafts, module outputs and positions copied into its static inputs,
+and their block-table rows into the backend's static table.
 """
 
 import torch
@@ -34,7 +38,94 @@ from mlaserve.engine.sampler import RowParams, SamplingBatch
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
 
-class DraftGraphs(GraphLadder):
+class _MTPLadder(GraphLadder):
+    """Captured MTP drafting passes: the recursive passes' body, which every kind shares."""
+
+    mtp_cache: torch.Tensor
+    num_speculative_tokens: int
+    block_size: int
+
+    def _recursive(self, batch_size: int, token: torch.Tensor, previous: torch.Tensor,
+                   last_positions: torch.Tensor, table_rows: torch.Tensor | None = None
+                   ) -> list[torch.Tensor]:
+        """Passes 2..k over B drafting requests, a row each, on the device alone: drafts 2..k,
+        [B] int64 each.
+
+        Args:
+            token: [B] int64, each request's first draft; previous: [B, D], the module's
+                output at its last row; last_positions: [B] int64, that row's position (-1: a
+                padded request).
+            table_rows: [B] int64, each request's row in the backend's static block table,
+                copied into its first B rows; None: they are there already.
+        """
+        if self.num_speculative_tokens == 1:
+            return []
+        backend = self.backend
+        backend.plan_for_capture(batch_size, 1)
+        table = backend.graph_block_table[:batch_size]  # [B, max_blocks] int32
+        if table_rows is not None:
+            table.copy_(backend.graph_block_table[table_rows])
+        valid = last_positions >= 0
+        drafts = []
+        for ahead in range(1, self.num_speculative_tokens):
+            positions = (last_positions + ahead).clamp(min=0)  # [B]
+            backend.set_graph_lengths(torch.where(valid, positions + 1, 0).to(torch.int32))
+            slots = torch.where(valid, cache_slots(table, positions, self.block_size),
+                                self.scratch_slot)
+            meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch_size,
+                                     decode_backend=backend)
+            previous = self.model.mtp(token, positions, previous, self.mtp_cache, meta)
+            token = self.model.compute_logits(previous).argmax(dim=-1)
+            drafts.append(token)
+        return drafts
+
+
+class RecursiveDraftGraphs(_MTPLadder):
+    """Captured recursive passes (2..k) alone, for the steps whose forward ran eagerly (prompt
+    chunks beside the decodes, or a decode no graph covers): the first pass runs eagerly over
+    the step's rows, then one replay drafts the rest. One graph per decode-graph batch size;
+    the requests' block-table rows are copied into the backend's static table first."""
+
+    what = "MTP recursive drafting"
+
+    def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor, backend: MLABackend,
+                 decode: DecodeGraphs, num_speculative_tokens: int, block_size: int) -> None:
+        """As `DraftGraphs` (k > 1); captured in the decode graphs' memory pool."""
+        device, largest = mtp_cache.device, decode.sizes[-1]
+        hidden = next(iter(decode.outputs.values()))  # the main model's hidden states [B, D]
+        self.mtp_cache = mtp_cache
+        self.num_speculative_tokens = num_speculative_tokens
+        self.block_size = block_size
+        self.token = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.previous = torch.zeros(largest, hidden.shape[-1], dtype=hidden.dtype, device=device)
+        self.last_positions = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        super().__init__(model, backend, decode.sizes, (1,), decode.max_blocks_per_seq,
+                         decode.scratch_slot, device, decode.pool)
+
+    def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
+        """Drafts 2..k [B, k - 1] int64 (rows past the step's: junk)."""
+        return torch.stack(self._recursive(batch_size, self.token[:batch_size],
+                                           self.previous[:batch_size],
+                                           self.last_positions[:batch_size]), dim=1)
+
+    def run(self, token: torch.Tensor, previous: torch.Tensor, last_positions: torch.Tensor,
+            block_table: torch.Tensor) -> torch.Tensor:
+        """Passes 2..k of S drafting requests after an eager first pass (as `_recursive`, with
+        their block table [S, width] int32, width <= the graphs'): drafts [S, k - 1] int64 (a
+        copy)."""
+        count, width = block_table.shape
+        batch_size = self.padded_size(count)
+        self.token[:count].copy_(token)
+        self.previous[:count].copy_(previous)
+        self.last_positions[:count].copy_(last_positions)
+        self.last_positions[count:batch_size].fill_(-1)
+        self.backend.graph_block_table[:count, :width].copy_(block_table)
+        self.graphs[1, batch_size].replay()
+        self.num_replays += 1
+        return self.outputs[1, batch_size][:count].clone()
+
+
+class DraftGraphs(_MTPLadder):
     """Captured MTP drafting (k passes) for a fixed model, MTP cache, backend and decode
     graphs."""
 
@@ -42,20 +133,22 @@ class DraftGraphs(GraphLadder):
 
     def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor, backend: MLABackend,
                  decode: DecodeGraphs, num_speculative_tokens: int, block_size: int,
-                 q_lens: tuple[int, ...] | None = None, max_batch_size: int | None = None
-                 ) -> None:
+                 q_lens: tuple[int, ...] | None = None, max_batch_size: int | None = None,
+                 recursive: RecursiveDraftGraphs | None = None) -> None:
         """
         Args:
             decode: the decode graphs whose replays these follow (their static inputs, outputs
                 and memory pool; by default their q_lens and batch sizes).
             block_size: tokens per cache block.
             q_lens, max_batch_size: capture only these q_lens, and sizes up to this one.
+            recursive: the recursive passes alone, for the steps no decode graph ran (k > 1).
         """
         device = mtp_cache.device
         self.mtp_cache = mtp_cache
         self.decode = decode
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
+        self.recursive = recursive
         sizes = [s for s in decode.sizes if max_batch_size is None or s <= max_batch_size]
         self.last = torch.zeros(sizes[-1], dtype=torch.int64, device=device)
         self.last_positions = torch.full((sizes[-1],), -1, dtype=torch.int64, device=device)
@@ -73,29 +166,15 @@ class DraftGraphs(GraphLadder):
         token after each row [B * q_len], each drafting request's last row [B] and its
         position [B] (-1: a padded request)."""
         rows, decode, backend = batch_size * q_len, self.decode, self.backend
-        backend.plan_for_capture(batch_size, q_len)  # the recursive passes re-plan below
+        backend.plan_for_capture(batch_size, q_len)  # the recursive passes re-plan
         meta = AttentionMetadata(slot_mapping=decode.slots[:rows], num_decode_tokens=rows,
                                  decode_backend=backend)
         out = self.model.mtp(next_ids, decode.positions[:rows],
                              decode.outputs[q_len, batch_size], self.mtp_cache, meta)
         previous = out[last]  # [B, D]
         token = self.model.compute_logits(previous).argmax(dim=-1)  # [B]
-        drafts = [token]
-        if self.num_speculative_tokens > 1:
-            backend.plan_for_capture(batch_size, 1)
-            table = backend.graph_block_table[:batch_size]  # [B, max_blocks] int32
-            table.copy_(backend.graph_block_table[last // q_len])
-            valid = last_positions >= 0
-            for ahead in range(1, self.num_speculative_tokens):
-                positions = (last_positions + ahead).clamp(min=0)  # [B]
-                backend.set_graph_lengths(torch.where(valid, positions + 1, 0).to(torch.int32))
-                slots = torch.where(valid, cache_slots(table, positions, self.block_size),
-                                    self.scratch_slot)
-                step_meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch_size,
-                                              decode_backend=backend)
-                previous = self.model.mtp(token, positions, previous, self.mtp_cache, step_meta)
-                token = self.model.compute_logits(previous).argmax(dim=-1)
-                drafts.append(token)
+        drafts = [token, *self._recursive(batch_size, token, previous, last_positions,
+                                          last // q_len)]
         return torch.stack(drafts, dim=1)
 
     def run(self, next_ids: torch.Tensor, last: torch.Tensor, last_positions: torch.Tensor,

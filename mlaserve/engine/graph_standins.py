@@ -10,7 +10,7 @@ graph reading the decode graph's static inputs and output) then runs on the CPU 
 import torch
 
 from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder
-from mlaserve.engine.draft_graphs import DraftGraphs, VerifyDraftGraphs
+from mlaserve.engine.draft_graphs import DraftGraphs, RecursiveDraftGraphs, VerifyDraftGraphs
 
 
 class EagerReplay:
@@ -52,10 +52,14 @@ class EagerVerifyDraftGraphs(_EagerCapture, VerifyDraftGraphs):
     pass
 
 
+class EagerRecursiveDraftGraphs(_EagerCapture, RecursiveDraftGraphs):
+    pass
+
+
 def install(runner, max_batch_size: int, max_blocks_per_seq: int) -> None:
     """Give a CPU runner (`ModelRunner`) stand-ins of the graphs a GPU runner captures: decode
-    graphs of q_len 1 (and k + 1 when it speculates, then the drafting graphs after them, and
-    the greedy verification's)."""
+    graphs of q_len 1 (and k + 1 when it speculates, then the drafting graphs after them, the
+    recursive passes' and the verifying ones)."""
     k = runner.num_speculative_tokens
     scratch_slot = runner.num_blocks * runner.block_size
     runner.graphs = EagerDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
@@ -64,6 +68,7 @@ def install(runner, max_batch_size: int, max_blocks_per_seq: int) -> None:
     if k:
         args = (runner.model, runner.mtp_cache, runner.backend, runner.graphs, k,
                 runner.block_size)
-        runner.draft_graphs = EagerDraftGraphs(*args)
+        recursive = EagerRecursiveDraftGraphs(*args) if k > 1 else None
+        runner.draft_graphs = EagerDraftGraphs(*args, recursive=recursive)
         runner.verify_graphs = {kind: EagerVerifyDraftGraphs(*args, kind, runner.inputs.params)
                                 for kind in EagerVerifyDraftGraphs.KINDS}

@@ -22,7 +22,8 @@ latent cache with the step's attention metadata; the MTP logits at each speculat
 last computed position give its first draft (argmax). For k > 1 the module runs again, a
 decode row per request, on its own previous output and draft, at the next positions (their
 cache slots are the scheduler's lookahead); where the step replayed a decode graph, one captured
-graph runs all k passes (draft_graphs.py). Verification and drafting stay on the device: the emitted
+graph runs all k passes, and after an eager forward one runs passes 2..k (draft_graphs.py).
+Verification and drafting stay on the device: the emitted
 tokens, their counts and the drafts reach the host with the step's other copies when it is
 collected (`Verification`, `EmittedLogprobs`), so a speculating step is enqueued whole without a
 host wait. Steps are pipelined: the next one may be scheduled before this one lands, and then
@@ -424,7 +425,8 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
             its decode backend planned, unless the step replayed a graph: `replayed`).
         hidden: [T, D] the main model's output over the step's rows; positions: [T] int64.
         graphs: the captured drafting, all k passes, replayed where the step's forward replayed a
-            decode graph (`replayed`); else every pass runs eagerly.
+            decode graph (`replayed`); else the first pass runs eagerly, then passes 2..k
+            replay `graphs.recursive` where it covers the drafting requests.
         expert_capacity: under expert parallelism (else 0), the rows per rank of the MoE
             exchanges of every pass; all k passes run, with no sampler too (the other
             replicas' passes meet them), and eagerly (no drafting graphs).
@@ -449,6 +451,10 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
     if num_speculative_tokens > 1:
         width = max(len(r.block_ids) for r in samplers)
         table = inputs.table_rows([r.row for r in samplers])[:, :width]  # [S, width]
+        recursive = None if graphs is None else graphs.recursive
+        if recursive is not None and recursive.covers(len(samplers), width):
+            rest = recursive.run(token, previous, rows.last_positions, table)  # [S, k - 1]
+            return torch.cat([token[:, None], rest], dim=1)
         # every recursive pass's positions, slots and lengths at once, a pass a row: [k - 1, S]
         passes = (rows.last_positions[None, :]
                   + torch.arange(1, num_speculative_tokens, device=device)[:, None])

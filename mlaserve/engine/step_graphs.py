@@ -4,7 +4,8 @@ Decode graphs (`cuda_graphs.DecodeGraphs`) when the device is CUDA, the engine i
 the backend can be captured and the MoE runs without a host sync; under tensor parallelism only
 if every rank captured its own (`graphs_on_every_rank`). A speculating engine's decode graphs
 also cover the verification's q_len k + 1, and its MTP drafting (all k passes of a step) gets a
-graph after each of them (`draft_graphs.DraftGraphs`) in the same memory pool, where the backend's
+graph after each of them (`draft_graphs.DraftGraphs`, with `RecursiveDraftGraphs` for the
+passes after an eager step's first) in the same memory pool, where the backend's
 graphs read their lengths on the device, and so do verifications of the raw logits with their
 drafting (`draft_graphs.VerifyDraftGraphs`, one set a kind of check; `spec_graph_step.py`). A
 capture that fails leaves that kind of step eager and is logged.
@@ -17,7 +18,7 @@ import torch
 
 from mlaserve.attention.base import MLABackend
 from mlaserve.engine.cuda_graphs import DecodeGraphs
-from mlaserve.engine.draft_graphs import DraftGraphs, VerifyDraftGraphs
+from mlaserve.engine.draft_graphs import DraftGraphs, RecursiveDraftGraphs, VerifyDraftGraphs
 from mlaserve.engine.engine_config import EngineConfig
 from mlaserve.engine.sampler import RowParams
 from mlaserve.kernels.moe import moe_graph_capturable
@@ -72,7 +73,10 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         return graphs, None, {}
     draft_graphs, verify_graphs = None, {}
     try:
-        draft_graphs = DraftGraphs(model, mtp_cache, backend, graphs, k, block_size)
+        recursive = (RecursiveDraftGraphs(model, mtp_cache, backend, graphs, k, block_size)
+                     if k > 1 else None)
+        draft_graphs = DraftGraphs(model, mtp_cache, backend, graphs, k, block_size,
+                                   recursive=recursive)
         verify_graphs = {kind: VerifyDraftGraphs(model, mtp_cache, backend, graphs, k,
                                                  block_size, kind, sampling_params)
                          for kind in VerifyDraftGraphs.KINDS}
