@@ -30,8 +30,9 @@
 #                speculative decoding with the MTP module (GPU tests first): per model, one
 #                server without speculation and one with --speculative-config k=K (default 3),
 #                RUNS (default 1) of each, alternating; against each, bench serve at
-#                concurrency 1 and 16, greedy. The demo model (bf16, its trained MTP layer) on its
-#                held-out arith_chat questions (`--dataset-name custom`, answers to EOS, up to 64
+#                concurrency 1 and 16, greedy (32 and 128 prompts, after 64 untimed ones at
+#                concurrency 16). The demo model (bf16, its trained MTP layer) on its
+#                held-out arith_gen questions (`--dataset-name custom`, answers to EOS, up to 64
 #                tokens); with MODELS=v3 (a call of its own: two V3 loads take minutes) the V3
 #                config with 4 layers instead (dummy FP8 weights, dummy MTP: drafts rarely
 #                accepted, so its rows give the verify step's cost) on random 512 in / 128 out.
@@ -307,18 +308,23 @@ for doc in heldout_docs('arith_gen', 200):
         python3 -m mlaserve serve "${args[@]}" > "$log" 2>&1 &
         server=$!
         await_health
+        if [ "$model" = demo ]; then
+          set -- --dataset-name custom --dataset-path /tmp/arith.jsonl --custom-output-len 64
+        else
+          set -- --dataset-name random --random-input-len 512 --random-output-len 128 \
+            --ignore-eos
+        fi
+        # untimed: the shapes a served engine has long met (kernels compiled, batches seen)
+        timeout 120 python3 -m mlaserve bench serve --backend openai \
+          --base-url http://127.0.0.1:8000 --num-prompts 64 --temperature 0 --seed 1 \
+          --max-concurrency 16 "$@" > "$out/warm-$model-$variant-$run.txt" 2>&1
         for conc in 1 16; do
           label="$model-$variant-c$conc-$run"
-          if [ "$model" = demo ]; then
-            set -- --dataset-name custom --dataset-path /tmp/arith.jsonl --custom-output-len 64
-          else
-            set -- --dataset-name random --random-input-len 512 --random-output-len 128 \
-              --ignore-eos
-          fi
           timeout 200 python3 -m mlaserve bench serve --backend openai \
-            --base-url http://127.0.0.1:8000 --num-prompts $((conc * 8)) --temperature 0 \
-            --max-concurrency "$conc" --label "$label" "$@" > "$out/bench-$label.txt" 2>&1
-          echo "$label: $(grep -hE '^(Output token throughput|Median TPOT|Acceptance length)' \
+            --base-url http://127.0.0.1:8000 --num-prompts $((conc == 1 ? 32 : conc * 8)) \
+            --temperature 0 --max-concurrency "$conc" --label "$label" "$@" \
+            > "$out/bench-$label.txt" 2>&1
+          echo "$label: $(grep -hE '^(Output token throughput|Median TPOT|Mean TTFT|Acceptance length)' \
             "$out/bench-$label.txt" | tr -s ' ' | tr '\n' ';')"
         done
         curl -s localhost:8000/metrics | grep -E "^vllm:spec_decode" > "$out/metrics-$model-$variant-$run.txt"
