@@ -1,4 +1,4 @@
-"""Decode CUDA graphs change nothing but speed: the replay bookkeeping on CPU, graphs on the GPU."""
+"""CUDA graphs change nothing but speed: the replay bookkeeping on CPU, graphs on the GPU."""
 
 import os
 
@@ -206,3 +206,69 @@ def test_graphs_run_only_if_every_tensor_parallel_rank_captured_them() -> None:
     assert graphs_on_every_rank(None, every_rank_captured) is None
     assert reported == [1, 0]  # what this rank told the others
     assert graphs_on_every_rank(captured, lambda value: 0) is None  # another rank failed
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_a_lone_prompt_prefills_in_a_graph_as_eagerly_on_cpu(k) -> None:
+    """A step that prefills one prompt from position 0 and decodes nothing replays the prefill
+    graph of its padded length (the CPU stand-ins; lengths 16, 32, 64): prompts of 5-64 tokens
+    one at a time do, while a longer one, and one whose first 64 tokens the prefix cache holds,
+    prefill eagerly (and a one-token prompt is a decode row). The demo model's tokens, prompt
+    logprobs and logprobs equal an eager engine's, and with speculation (k = 3) so do the
+    drafts' acceptance counts."""
+    from mlaserve.engine import graph_standins
+
+    lengths = [1, 5, 17, 40, 64, 65]
+    prompts = [[(3 * i + 7 * j) % 900 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+    prompts.append(prompts[-1][:64] + [5, 6])  # its first 4 blocks cached: eager
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, prompt_logprobs=1)
+    spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
+    outcomes = []
+    for graphs in (False, True):
+        llm = LLM(device="cpu", attention_backend="torch", block_size=16, num_kv_blocks=128,
+                  speculative_config=spec)
+        try:
+            runner = llm.engine.runner
+            if graphs:
+                graph_standins.install(runner, max_batch_size=4, max_blocks_per_seq=8)
+            outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+            stats = llm.engine.core.spec_stats
+            outcomes.append((outputs, stats.accepted_per_pos, stats.num_drafts))
+            if graphs:
+                assert runner.prefill_graphs.num_replays == 4
+        finally:
+            llm.shutdown()
+    (eager, *eager_stats), (replayed, *replayed_stats) = outcomes
+    assert eager_stats == replayed_stats
+    # float32 attention over a padded chunk sums in another order: up to ~1e-5 apart (exact
+    # where no row is padded); a dropped or extra key moves a logprob by far more
+    for e, g in zip(eager, replayed, strict=True):
+        assert e.outputs[0].token_ids == g.outputs[0].token_ids
+        for a, b in zip(e.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 5e-5 for t in a)
+        for a, b in zip(e.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 5e-5 for t in a)
+
+
+@pytest.mark.gpu
+def test_gpu_a_lone_prompt_prefills_in_a_captured_graph_in_fp32() -> None:
+    """On a GPU: prompts of 5, 17 and 40 tokens one at a time replay captured prefill graphs
+    (16, 32, 64 rows), and their tokens and logprobs equal an eager engine's (float32, dense
+    layers as above)."""
+    prompts = [[(3 * i + 7 * j) % 900 + 1 for j in range(n)] for i, n in enumerate((5, 17, 40))]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
+    results = {}
+    for eager in (True, False):
+        llm = LLM(device="cuda", dtype="float32", attention_backend="triton", block_size=16,
+                  max_num_seqs=16, num_kv_blocks=256, enforce_eager=eager, load_format="dummy",
+                  hf_overrides={"first_k_dense_replace": 4})
+        try:
+            results[eager] = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+            if not eager:
+                assert llm.engine.runner.prefill_graphs.num_replays == 3
+        finally:
+            llm.shutdown()
+    for e, g in zip(results[True], results[False], strict=True):
+        assert e.token_ids == g.token_ids
+        assert all(abs(a[t] - b[t]) < 1e-4 for a, b, t in zip(e.logprobs, g.logprobs,
+                                                               e.token_ids, strict=True))

@@ -103,13 +103,18 @@ class GraphLadder:
     def _forward(self, batch_size: int, q_len: int) -> Any:
         raise NotImplementedError
 
+    def _plan_capture(self, batch_size: int, q_len: int) -> None:
+        """Before capturing (or re-running) the graph of (q_len, batch_size): the decode
+        backend planned for its rows."""
+        self.backend.plan_for_capture(batch_size, q_len)
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         started = time.perf_counter()
         # largest first: later ones reuse its pool
         for q_len in sorted(self.q_lens, reverse=True):
             for batch_size in reversed(self.sizes):
-                self.backend.plan_for_capture(batch_size, q_len)
+                self._plan_capture(batch_size, q_len)
                 key = (q_len, batch_size)
                 self.graphs[key], self.outputs[key] = self._record(batch_size, q_len)
         if torch.cuda.is_available():

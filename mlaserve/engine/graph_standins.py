@@ -11,6 +11,7 @@ import torch
 
 from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder
 from mlaserve.engine.draft_graphs import DraftGraphs, RecursiveDraftGraphs, VerifyDraftGraphs
+from mlaserve.engine.prefill_graphs import PrefillGraphs
 
 
 class EagerReplay:
@@ -25,7 +26,7 @@ class EagerReplay:
     def replay(self) -> None:
         EagerReplay.replaying = True
         try:
-            self.graphs.backend.plan_for_capture(self.batch_size, self.q_len)
+            self.graphs._plan_capture(self.batch_size, self.q_len)
             with torch.inference_mode():
                 self.output.copy_(self.graphs._forward(self.batch_size, self.q_len))
         finally:
@@ -56,15 +57,23 @@ class EagerRecursiveDraftGraphs(_EagerCapture, RecursiveDraftGraphs):
     pass
 
 
-def install(runner, max_batch_size: int, max_blocks_per_seq: int) -> None:
+class EagerPrefillGraphs(_EagerCapture, PrefillGraphs):
+    pass
+
+
+def install(runner, max_batch_size: int, max_blocks_per_seq: int,
+            max_prefill_tokens: int = 64) -> None:
     """Give a CPU runner (`ModelRunner`) stand-ins of the graphs a GPU runner captures: decode
     graphs of q_len 1 (and k + 1 when it speculates, then the drafting graphs after them, the
-    recursive passes' and the verifying ones)."""
+    recursive passes' and the verifying ones), and one prompt's prefill graphs."""
     k = runner.num_speculative_tokens
     scratch_slot = runner.num_blocks * runner.block_size
     runner.graphs = EagerDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
                                       max_batch_size, max_blocks_per_seq, scratch_slot,
                                       q_lens=(1, k + 1) if k else (1,))
+    runner.prefill_graphs = EagerPrefillGraphs(runner.model, runner.kv_caches, runner.backend,
+                                               max_prefill_tokens, max_blocks_per_seq,
+                                               scratch_slot)
     if k:
         args = (runner.model, runner.mtp_cache, runner.backend, runner.graphs, k,
                 runner.block_size)

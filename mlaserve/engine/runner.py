@@ -47,7 +47,7 @@ from mlaserve.engine.spec_decode import (
 )
 from mlaserve.engine.spec_graph_step import graphs_for_step, verify_and_draft
 from mlaserve.engine.speculative import speculates
-from mlaserve.engine.step_graphs import capture_step_graphs
+from mlaserve.engine.step_graphs import capture_prefill_graphs, capture_step_graphs
 from mlaserve.engine.step_plan import StepPlan
 from mlaserve.engine.step_results import NO_SAMPLES, PendingStep, StepResult, collect_results
 from mlaserve.engine.structured import GrammarBitmask
@@ -106,6 +106,8 @@ class ModelRunner:
         self.graphs, self.draft_graphs, self.verify_graphs = capture_step_graphs(
             model, self.kv_caches, self.mtp_cache, self.backend, config, device, num_blocks,
             agree_min, self.inputs.params)
+        self.prefill_graphs = capture_prefill_graphs(model, self.kv_caches, self.backend, config,
+                                                     self.graphs, agree_min)
         # the decode batches served, for the kernel benchmark's replay (rank 0 records)
         self.decode_recorder = (DecodeStepRecorder(config.args.record_decode_steps)
                                 if config.args.record_decode_steps and self.tp.rank == 0
@@ -250,8 +252,13 @@ class ModelRunner:
                 self.backend.plan(table, seq_lens, q_len)
             if decodes:
                 meta.decode_backend = self.backend
-            hidden = self.model(input_ids, position_ids, self.kv_caches, meta,
-                                expert_capacity or None)
+            prefill_length = (None if self.prefill_graphs is None or decodes or expert_capacity
+                              else self.prefill_graphs.length_for_step(chunks))
+            if prefill_length is not None:  # one prompt from position 0 (prefill_graphs.py)
+                hidden = self.prefill_graphs.run(input_ids, slot_mapping, prefill_length)
+            else:
+                hidden = self.model(input_ids, position_ids, self.kv_caches, meta,
+                                    expert_capacity or None)
         if not self.num_speculative_tokens:
             return self._sample(decodes, prefills, samplers, grammar_bitmask, hidden, chunks)
         verify_graphs = None if replayed is None else graphs_for_step(

@@ -8,7 +8,9 @@ graph after each of them (`draft_graphs.DraftGraphs`, with `RecursiveDraftGraphs
 passes after an eager step's first) in the same memory pool, where the backend's
 graphs read their lengths on the device, and so do verifications of the raw logits with their
 drafting (`draft_graphs.VerifyDraftGraphs`, one set a kind of check; `spec_graph_step.py`). A
-capture that fails leaves that kind of step eager and is logged.
+capture that fails leaves that kind of step eager and is logged. With the decode graphs, a step
+that prefills one prompt with no cached context and decodes nothing replays a graph of its
+padded length (`prefill_graphs.PrefillGraphs`).
 """
 
 import logging
@@ -20,6 +22,7 @@ from mlaserve.attention.base import MLABackend
 from mlaserve.engine.cuda_graphs import DecodeGraphs
 from mlaserve.engine.draft_graphs import DraftGraphs, RecursiveDraftGraphs, VerifyDraftGraphs
 from mlaserve.engine.engine_config import EngineConfig
+from mlaserve.engine.prefill_graphs import PrefillGraphs
 from mlaserve.engine.sampler import RowParams
 from mlaserve.kernels.moe import moe_graph_capturable
 from mlaserve.model.deepseek import DeepseekForCausalLM
@@ -89,6 +92,29 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         # would differ in size, so every rank replays or none does
         draft_graphs, verify_graphs = None, {}
     return graphs, draft_graphs, verify_graphs
+
+
+def capture_prefill_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor],
+                           backend: MLABackend, config: EngineConfig,
+                           decode: DecodeGraphs | None,
+                           agree_min: Callable[[int], int] | None) -> PrefillGraphs | None:
+    """One prompt's prefill graphs (prefill_graphs.py) where the decode graphs were captured
+    (the same conditions), in their memory pool; not under expert parallelism, whose
+    exchanges carry the replicas' agreed rows. Under tensor parallelism every rank captured
+    them or none uses them (`graphs_on_every_rank`)."""
+    if decode is None or config.layout.expert_parallel:
+        return None
+    graphs = None
+    try:
+        graphs = PrefillGraphs(model, kv_caches, backend,
+                               min(config.scheduler.max_num_batched_tokens, config.max_model_len),
+                               decode.max_blocks_per_seq, decode.scratch_slot, decode.pool)
+    except Exception:  # noqa: BLE001 - as the decode graphs: eager prefill still works
+        logger.exception("prefill CUDA-graph capture failed; prompts prefill eagerly")
+        torch.cuda.synchronize()
+    if agree_min is not None and not agree_min(int(graphs is not None)):
+        return None
+    return graphs
 
 
 def graphs_on_every_rank(graphs: DecodeGraphs | None,
