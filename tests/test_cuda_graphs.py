@@ -209,14 +209,18 @@ def test_graphs_run_only_if_every_tensor_parallel_rank_captured_them() -> None:
 
 
 @pytest.mark.parametrize("k", [None, 3])
-def test_a_lone_prompt_prefills_in_a_graph_as_eagerly_on_cpu(k) -> None:
+def test_a_lone_prompt_prefills_in_a_graph_as_eagerly_on_cpu(k, monkeypatch) -> None:
     """A step that prefills one prompt from position 0 and decodes nothing replays the prefill
     graph of its padded length (the CPU stand-ins; lengths 16, 32, 64): prompts of 5-64 tokens
     one at a time do, while a longer one, and one whose first 64 tokens the prefix cache holds,
     prefill eagerly (and a one-token prompt is a decode row). The demo model's tokens, prompt
-    logprobs and logprobs equal an eager engine's, and with speculation (k = 3) so do the
-    drafts' acceptance counts."""
+    logprobs and logprobs equal an eager engine's; with speculation (k = 3) the MTP module's
+    passes after each replayed prefill replay a graph too, and every step's drafts equal the
+    eager engine's."""
     from mlaserve.engine import graph_standins
+    from mlaserve.engine import runner as runner_module
+
+    collect = runner_module.collect_results
 
     lengths = [1, 5, 17, 40, 64, 65]
     prompts = [[(3 * i + 7 * j) % 900 + 1 for j in range(n)] for i, n in enumerate(lengths)]
@@ -225,6 +229,14 @@ def test_a_lone_prompt_prefills_in_a_graph_as_eagerly_on_cpu(k) -> None:
     spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
     outcomes = []
     for graphs in (False, True):
+        drafted = []  # every step's drafts, by request id
+
+        def recording(*args, _drafted=drafted, **kwargs):
+            result = collect(*args, **kwargs)
+            _drafted.append(result.drafts)
+            return result
+
+        monkeypatch.setattr(runner_module, "collect_results", recording)
         llm = LLM(device="cpu", attention_backend="torch", block_size=16, num_kv_blocks=128,
                   speculative_config=spec)
         try:
@@ -233,9 +245,11 @@ def test_a_lone_prompt_prefills_in_a_graph_as_eagerly_on_cpu(k) -> None:
                 graph_standins.install(runner, max_batch_size=4, max_blocks_per_seq=8)
             outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
             stats = llm.engine.core.spec_stats
-            outcomes.append((outputs, stats.accepted_per_pos, stats.num_drafts))
+            outcomes.append((outputs, stats.accepted_per_pos, stats.num_drafts, drafted))
             if graphs:
                 assert runner.prefill_graphs.num_replays == 4
+                if k:
+                    assert runner.draft_graphs.after_prefill.num_replays == 4
         finally:
             llm.shutdown()
     (eager, *eager_stats), (replayed, *replayed_stats) = outcomes

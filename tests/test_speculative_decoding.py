@@ -626,6 +626,10 @@ def test_gpu_speculation_replays_verify_graphs_and_equals_no_speculation():
         assert llm.engine.runner.verify_graphs["greedy"].num_replays > 0
         # passes 2..k after the prompts' eager steps
         assert llm.engine.runner.draft_graphs.recursive.num_replays > 0
+        # a prompt alone: its prefill graph, then the drafting graph after it
+        assert run(llm, PROMPTS[:1], GREEDY) == want[:1]
+        assert llm.engine.runner.prefill_graphs.num_replays > 0
+        assert llm.engine.runner.draft_graphs.after_prefill.num_replays > 0
         assert llm.engine.core.stats().spec_num_drafts > 0
     finally:
         llm.shutdown()

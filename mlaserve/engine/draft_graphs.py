@@ -25,14 +25,17 @@ where the step needs nothing from the host to verify (`spec_graph_step.py`). A s
 forward ran eagerly (prompt chunks beside its decodes: every step that admits a request) runs
 the first pass eagerly over its rows, then replays `RecursiveDraftGraphs`: passes 2..k alone,
 from the requests' first drafts, module outputs and positions copied into its static inputs,
-and their block-table rows into the backend's static table.
+and their block-table rows into the backend's static table. After a prefill graph (one prompt
+from position 0: prefill_graphs.py) `PrefillDraftGraphs` runs all k passes, the first over the
+prompt's rows as a chunk.
 """
 
 import torch
 
 from mlaserve.attention.base import MLABackend
-from mlaserve.attention.metadata import AttentionMetadata
+from mlaserve.attention.metadata import AttentionMetadata, PrefillChunk
 from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder, cache_slots
+from mlaserve.engine.prefill_graphs import PrefillGraphs
 from mlaserve.engine.rejection_sampler import greedy_verify, sampled_verify
 from mlaserve.engine.sampler import RowParams, SamplingBatch
 from mlaserve.model.deepseek import DeepseekForCausalLM
@@ -125,6 +128,65 @@ class RecursiveDraftGraphs(_MTPLadder):
         return self.outputs[1, batch_size][:count].clone()
 
 
+class PrefillDraftGraphs(_MTPLadder):
+    """All k passes after a prefill graph's replay (one prompt from position 0,
+    `prefill_graphs.PrefillGraphs`): the first over its T rows as a prompt chunk, reading that
+    graph's static positions, slots and output, then passes 2..k from the prompt's last row.
+    One graph per prefill length; the request's block-table row is copied into the backend's
+    static table first."""
+
+    what = "MTP drafting after a prefill"
+
+    def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor, backend: MLABackend,
+                 prefill: PrefillGraphs, num_speculative_tokens: int, block_size: int,
+                 pool: object | None = None) -> None:
+        device = mtp_cache.device
+        self.mtp_cache = mtp_cache
+        self.prefill = prefill
+        self.num_speculative_tokens = num_speculative_tokens
+        self.block_size = block_size
+        self.last = torch.zeros(1, dtype=torch.int64, device=device)
+        self.last_positions = torch.full((1,), -1, dtype=torch.int64, device=device)
+        super().__init__(model, backend, [1], prefill.q_lens, prefill.max_blocks_per_seq,
+                         prefill.scratch_slot, device, pool)
+
+    def _plan_capture(self, batch_size: int, q_len: int) -> None:
+        pass  # the first pass decodes nothing; the recursive passes plan their own rows
+
+    def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
+        """The drafts [1, k] int64 of the prompt's request (junk if it does not draft)."""
+        prefill = self.prefill
+        meta = AttentionMetadata(slot_mapping=prefill.slots[:q_len], num_decode_tokens=0,
+                                 prefills=[PrefillChunk(0, q_len, 0, None)])
+        out = self.model.mtp(self.input_ids[:q_len], prefill.positions[:q_len],
+                             prefill.outputs[q_len, 1], self.mtp_cache, meta)
+        previous = out[self.last]  # [1, D]
+        token = self.model.compute_logits(previous).argmax(dim=-1)  # [1]
+        return torch.stack([token, *self._recursive(1, token, previous, self.last_positions)],
+                           dim=1)
+
+    def run(self, next_ids: torch.Tensor, last: torch.Tensor, last_positions: torch.Tensor,
+            block_table: torch.Tensor | None, length: int) -> torch.Tensor:
+        """Right after the prefill graph of `length` replayed the step's n rows: the MTP
+        module's passes, given the token after each row [n] int64 and, for a drafting request
+        (S = 1, or 0 when the prompt's chunk does not sample), its last row and position [S]
+        int64 and block table [S, width] int32 (None when S = 0). Returns its drafts [S, k]
+        int64 (a copy)."""
+        n, drafting = next_ids.shape[0], last.shape[0]
+        self.input_ids[:n].copy_(next_ids)
+        self.input_ids[n:length].zero_()
+        if drafting:
+            self.last.copy_(last)
+            self.last_positions.copy_(last_positions)
+            self.backend.graph_block_table[:1, :block_table.shape[1]].copy_(block_table)
+        else:  # the cache of the prompt's positions filled; nothing drafts
+            self.last.zero_()
+            self.last_positions.fill_(-1)
+        self.graphs[length, 1].replay()
+        self.num_replays += 1
+        return self.outputs[length, 1][:drafting].clone()
+
+
 class DraftGraphs(_MTPLadder):
     """Captured MTP drafting (k passes) for a fixed model, MTP cache, backend and decode
     graphs."""
@@ -134,7 +196,8 @@ class DraftGraphs(_MTPLadder):
     def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor, backend: MLABackend,
                  decode: DecodeGraphs, num_speculative_tokens: int, block_size: int,
                  q_lens: tuple[int, ...] | None = None, max_batch_size: int | None = None,
-                 recursive: RecursiveDraftGraphs | None = None) -> None:
+                 recursive: RecursiveDraftGraphs | None = None,
+                 after_prefill: PrefillDraftGraphs | None = None) -> None:
         """
         Args:
             decode: the decode graphs whose replays these follow (their static inputs, outputs
@@ -142,6 +205,7 @@ class DraftGraphs(_MTPLadder):
             block_size: tokens per cache block.
             q_lens, max_batch_size: capture only these q_lens, and sizes up to this one.
             recursive: the recursive passes alone, for the steps no decode graph ran (k > 1).
+            after_prefill: all k passes after a prefill graph's replay.
         """
         device = mtp_cache.device
         self.mtp_cache = mtp_cache
@@ -149,6 +213,7 @@ class DraftGraphs(_MTPLadder):
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
         self.recursive = recursive
+        self.after_prefill = after_prefill
         sizes = [s for s in decode.sizes if max_batch_size is None or s <= max_batch_size]
         self.last = torch.zeros(sizes[-1], dtype=torch.int64, device=device)
         self.last_positions = torch.full((sizes[-1],), -1, dtype=torch.int64, device=device)

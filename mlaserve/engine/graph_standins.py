@@ -10,7 +10,12 @@ graph reading the decode graph's static inputs and output) then runs on the CPU 
 import torch
 
 from mlaserve.engine.cuda_graphs import DecodeGraphs, GraphLadder
-from mlaserve.engine.draft_graphs import DraftGraphs, RecursiveDraftGraphs, VerifyDraftGraphs
+from mlaserve.engine.draft_graphs import (
+    DraftGraphs,
+    PrefillDraftGraphs,
+    RecursiveDraftGraphs,
+    VerifyDraftGraphs,
+)
 from mlaserve.engine.prefill_graphs import PrefillGraphs
 
 
@@ -61,11 +66,16 @@ class EagerPrefillGraphs(_EagerCapture, PrefillGraphs):
     pass
 
 
+class EagerPrefillDraftGraphs(_EagerCapture, PrefillDraftGraphs):
+    pass
+
+
 def install(runner, max_batch_size: int, max_blocks_per_seq: int,
             max_prefill_tokens: int = 64) -> None:
     """Give a CPU runner (`ModelRunner`) stand-ins of the graphs a GPU runner captures: decode
     graphs of q_len 1 (and k + 1 when it speculates, then the drafting graphs after them, the
-    recursive passes' and the verifying ones), and one prompt's prefill graphs."""
+    recursive passes', the verifying ones and those after a prefill), and one prompt's prefill
+    graphs."""
     k = runner.num_speculative_tokens
     scratch_slot = runner.num_blocks * runner.block_size
     runner.graphs = EagerDecodeGraphs(runner.model, runner.kv_caches, runner.backend,
@@ -78,6 +88,9 @@ def install(runner, max_batch_size: int, max_blocks_per_seq: int,
         args = (runner.model, runner.mtp_cache, runner.backend, runner.graphs, k,
                 runner.block_size)
         recursive = EagerRecursiveDraftGraphs(*args) if k > 1 else None
-        runner.draft_graphs = EagerDraftGraphs(*args, recursive=recursive)
+        after_prefill = EagerPrefillDraftGraphs(runner.model, runner.mtp_cache, runner.backend,
+                                                runner.prefill_graphs, k, runner.block_size)
+        runner.draft_graphs = EagerDraftGraphs(*args, recursive=recursive,
+                                               after_prefill=after_prefill)
         runner.verify_graphs = {kind: EagerVerifyDraftGraphs(*args, kind, runner.inputs.params)
                                 for kind in EagerVerifyDraftGraphs.KINDS}

@@ -47,7 +47,7 @@ from mlaserve.engine.spec_decode import (
 )
 from mlaserve.engine.spec_graph_step import graphs_for_step, verify_and_draft
 from mlaserve.engine.speculative import speculates
-from mlaserve.engine.step_graphs import capture_prefill_graphs, capture_step_graphs
+from mlaserve.engine.step_graphs import capture_step_graphs
 from mlaserve.engine.step_plan import StepPlan
 from mlaserve.engine.step_results import NO_SAMPLES, PendingStep, StepResult, collect_results
 from mlaserve.engine.structured import GrammarBitmask
@@ -103,11 +103,10 @@ class ModelRunner:
         self.backend = config.attention_backend(config.mla_shape(device),
                                                 model_config.softmax_scale)
         logger.info("attention backend: %s", self.backend.name)
-        self.graphs, self.draft_graphs, self.verify_graphs = capture_step_graphs(
-            model, self.kv_caches, self.mtp_cache, self.backend, config, device, num_blocks,
-            agree_min, self.inputs.params)
-        self.prefill_graphs = capture_prefill_graphs(model, self.kv_caches, self.backend, config,
-                                                     self.graphs, agree_min)
+        graphs = capture_step_graphs(model, self.kv_caches, self.mtp_cache, self.backend,
+                                     config, device, num_blocks, agree_min, self.inputs.params)
+        self.graphs, self.prefill_graphs = graphs.decode, graphs.prefill
+        self.draft_graphs, self.verify_graphs = graphs.draft, graphs.verify
         # the decode batches served, for the kernel benchmark's replay (rank 0 records)
         self.decode_recorder = (DecodeStepRecorder(config.args.record_decode_steps)
                                 if config.args.record_decode_steps and self.tp.rank == 0
@@ -220,7 +219,7 @@ class ModelRunner:
             seq_lens = (decode_positions[q_len - 1::q_len] + 1).to(torch.int32)  # [d]
         chunks, prefill_inputs = self._prefill_inputs(prefills, num_decodes * q_len, verifies)
         graph_size = None if chunks else self.graph_size(num_decodes, width)
-        replayed = None  # for the drafting graphs' first pass
+        replayed = prefill_length = None  # which graph ran: the drafting graphs follow it
         if expert_capacity and graph_size is not None:  # the graph's rows are the exchanges'
             graph_size = (expert_capacity if expert_capacity in self.graphs.sizes and q_len == 1
                           else None)
@@ -269,8 +268,8 @@ class ModelRunner:
         else:
             pending = self._speculate(decodes, q_len, prefills, verifies, samplers,
                                       grammar_bitmask, hidden, position_ids, meta, chunks,
-                                      replayed, from_previous if decodes else None,
-                                      expert_capacity)
+                                      replayed, prefill_length,
+                                      from_previous if decodes else None, expert_capacity)
         if self.device.type == "cuda":  # after the verification's and drafts' copies
             pending.ready = torch.cuda.Event()
             pending.ready.record()
@@ -281,7 +280,8 @@ class ModelRunner:
                    samplers: list[RunnerRequest], grammar_bitmask: GrammarBitmask | None,
                    hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    chunks: list[PrefillChunk], replayed: ReplayedStep | None,
-                   from_previous: FromDevice | None, expert_capacity: int) -> PendingStep:
+                   prefill_length: int | None, from_previous: FromDevice | None,
+                   expert_capacity: int) -> PendingStep:
         """A speculating engine's sampling (spec_decode.py): the plain samplers as always, the
         verifying requests' drafts checked (those in decode rows of q_len > 1, then those in
         chunks), then the MTP module's drafts for the next step, all on the device: the
@@ -336,7 +336,8 @@ class ModelRunner:
                           verification, drafting, self.inputs, corrections)
         tokens = draft(self.model, self.mtp_cache, meta, self.backend, self.inputs,
                        self.block_size, self.num_speculative_tokens, rows, hidden, positions,
-                       drafting, self.draft_graphs, replayed, expert_capacity)  # [S', k]
+                       drafting, self.draft_graphs, replayed, prefill_length,
+                       expert_capacity)  # [S', k]
         if drafting:
             pending.drafts = ([r.request_id for r in drafting],
                               tokens.to("cpu", non_blocking=True))

@@ -411,7 +411,8 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
           inputs: PersistentBatch, block_size: int, num_speculative_tokens: int,
           rows: DraftRows, hidden: torch.Tensor, positions: torch.Tensor,
           samplers: list[RunnerRequest], graphs: DraftGraphs | None = None,
-          replayed: ReplayedStep | None = None, expert_capacity: int = 0) -> torch.Tensor:
+          replayed: ReplayedStep | None = None, prefill_length: int | None = None,
+          expert_capacity: int = 0) -> torch.Tensor:
     """k greedy drafts per speculating sampler ([S, k] int64 on the device; no host wait).
 
     The first pass runs over every row of the step, so the MTP layer's cache holds every
@@ -427,6 +428,8 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
         graphs: the captured drafting, all k passes, replayed where the step's forward replayed a
             decode graph (`replayed`); else the first pass runs eagerly, then passes 2..k
             replay `graphs.recursive` where it covers the drafting requests.
+        prefill_length: the prefill graph's length where the step's forward replayed one (one
+            prompt from position 0): `graphs.after_prefill` runs all k passes.
         expert_capacity: under expert parallelism (else 0), the rows per rank of the MoE
             exchanges of every pass; all k passes run, with no sampler too (the other
             replicas' passes meet them), and eagerly (no drafting graphs).
@@ -436,6 +439,12 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
     if samplers and replayed is not None and graphs is not None:  # all k passes at once
         return graphs.run(next_ids, last, rows.last_positions, replayed.q_len,
                           replayed.graph_size)
+    after_prefill = None if graphs is None else graphs.after_prefill
+    width = max((len(r.block_ids) for r in samplers), default=0)
+    if (prefill_length is not None and after_prefill is not None
+            and width <= after_prefill.max_blocks_per_seq):  # S <= 1: one prompt's step
+        table = inputs.table_rows([r.row for r in samplers])[:, :width] if samplers else None
+        return after_prefill.run(next_ids, last, rows.last_positions, table, prefill_length)
     if replayed is not None:  # the replay left the backend planned for its graph only
         backend.plan_like_graph(replayed.block_table, replayed.seq_lens, replayed.graph_size,
                                 replayed.q_len)
@@ -449,7 +458,6 @@ def draft(model, mtp_cache: torch.Tensor, meta: AttentionMetadata, backend,
     token = model.compute_logits(previous).argmax(dim=-1)  # [S]
     drafts = [token]
     if num_speculative_tokens > 1:
-        width = max(len(r.block_ids) for r in samplers)
         table = inputs.table_rows([r.row for r in samplers])[:, :width]  # [S, width]
         recursive = None if graphs is None else graphs.recursive
         if recursive is not None and recursive.covers(len(samplers), width):

@@ -2,25 +2,33 @@
 
 Decode graphs (`cuda_graphs.DecodeGraphs`) when the device is CUDA, the engine is not eager,
 the backend can be captured and the MoE runs without a host sync; under tensor parallelism only
-if every rank captured its own (`graphs_on_every_rank`). A speculating engine's decode graphs
-also cover the verification's q_len k + 1, and its MTP drafting (all k passes of a step) gets a
-graph after each of them (`draft_graphs.DraftGraphs`, with `RecursiveDraftGraphs` for the
-passes after an eager step's first) in the same memory pool, where the backend's
-graphs read their lengths on the device, and so do verifications of the raw logits with their
-drafting (`draft_graphs.VerifyDraftGraphs`, one set a kind of check; `spec_graph_step.py`). A
-capture that fails leaves that kind of step eager and is logged. With the decode graphs, a step
-that prefills one prompt with no cached context and decodes nothing replays a graph of its
-padded length (`prefill_graphs.PrefillGraphs`).
+if every rank captured its own (`graphs_on_every_rank`). With them, one prompt's prefill graphs
+(`prefill_graphs.PrefillGraphs`: a step that prefills one prompt from position 0 and decodes
+nothing). A speculating engine's decode graphs also cover the verification's q_len k + 1, and
+its MTP drafting (all k passes of a step) gets a graph after each decode and prefill graph
+(`draft_graphs.DraftGraphs`, `PrefillDraftGraphs`; `RecursiveDraftGraphs` for passes 2..k
+after an eager step's first), where the backend's graphs read their lengths on the device, and
+so do verifications of the raw logits with their drafting (`draft_graphs.VerifyDraftGraphs`,
+one set a kind of check; `spec_graph_step.py`); all in the decode graphs' memory pool. Under
+expert parallelism only the decode graphs. A capture that fails leaves that kind of step eager
+(on every tensor-parallel rank) and is logged.
 """
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from mlaserve.attention.base import MLABackend
 from mlaserve.engine.cuda_graphs import DecodeGraphs
-from mlaserve.engine.draft_graphs import DraftGraphs, RecursiveDraftGraphs, VerifyDraftGraphs
+from mlaserve.engine.draft_graphs import (
+    DraftGraphs,
+    PrefillDraftGraphs,
+    RecursiveDraftGraphs,
+    VerifyDraftGraphs,
+)
 from mlaserve.engine.engine_config import EngineConfig
 from mlaserve.engine.prefill_graphs import PrefillGraphs
 from mlaserve.engine.sampler import RowParams
@@ -28,17 +36,27 @@ from mlaserve.kernels.moe import moe_graph_capturable
 from mlaserve.model.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class StepGraphs:
+    """What a runner captured; None (or empty) where a kind of step runs eagerly."""
+
+    decode: DecodeGraphs | None = None
+    prefill: PrefillGraphs | None = None
+    draft: DraftGraphs | None = None
+    verify: dict[str, VerifyDraftGraphs] = field(default_factory=dict)
 
 
 def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor],
                         mtp_cache: torch.Tensor | None, backend: MLABackend,
                         config: EngineConfig, device: torch.device, num_blocks: int,
                         agree_min: Callable[[int], int] | None, sampling_params: RowParams
-                        ) -> tuple[DecodeGraphs | None, DraftGraphs | None,
-                                   dict[str, VerifyDraftGraphs]]:
-    """(decode graphs, drafting graphs, verification and drafting graphs by kind), None (or
-    empty) where not captured. num_blocks: the cache's blocks past which its scratch block
-    lies; agree_min: as `ModelRunner`'s; sampling_params: the persistent batch's."""
+                        ) -> StepGraphs:
+    """The graphs of every kind the conditions allow. num_blocks: the cache's blocks past
+    which its scratch block lies; agree_min: as `ModelRunner`'s; sampling_params: the
+    persistent batch's."""
     model_config, block_size = config.model, config.args.block_size
     k = 0 if config.speculative is None else config.speculative.num_speculative_tokens
     expert_parallel = config.layout.expert_parallel
@@ -50,9 +68,9 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         logger.warning("decode CUDA graphs are off: the MoE layers in %s on CUDA loop over "
                        "the experts with a host sync (grouped GEMMs are bfloat16 only); "
                        "use --dtype bfloat16 for graphs", config.dtype)
-        return None, None, {}
+        return StepGraphs()
     if not wants_graphs:
-        return None, None, {}
+        return StepGraphs()
     graphs = None
     try:
         graphs = DecodeGraphs(
@@ -65,56 +83,51 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         torch.cuda.synchronize()
     if agree_min is not None:
         graphs = graphs_on_every_rank(graphs, agree_min)
-    if graphs is None or not k or expert_parallel:
-        # under expert parallelism verifications (planned like their graphs) and drafting
-        # passes run eagerly: their exchanges have the replicas' agreed rows, which no
-        # captured size fixes
-        return graphs, None, {}
+    if graphs is None or expert_parallel:
+        # under expert parallelism prompts, verifications (planned like their graphs) and
+        # drafting passes run eagerly: their exchanges have the replicas' agreed rows, which
+        # no captured size fixes
+        return StepGraphs(graphs)
+    prefill = _capture(lambda: PrefillGraphs(
+        model, kv_caches, backend,
+        min(config.scheduler.max_num_batched_tokens, config.max_model_len),
+        graphs.max_blocks_per_seq, scratch_slot, graphs.pool), "prefill", agree_min)
+    if not k:
+        return StepGraphs(graphs, prefill)
     if not backend.capabilities.graph_lengths_on_device:  # the same on every rank
         logger.info("MTP drafting runs eagerly: the %s backend's graphs take their lengths "
                     "from the host", backend.name)
-        return graphs, None, {}
-    draft_graphs, verify_graphs = None, {}
-    try:
-        recursive = (RecursiveDraftGraphs(model, mtp_cache, backend, graphs, k, block_size)
-                     if k > 1 else None)
-        draft_graphs = DraftGraphs(model, mtp_cache, backend, graphs, k, block_size,
-                                   recursive=recursive)
-        verify_graphs = {kind: VerifyDraftGraphs(model, mtp_cache, backend, graphs, k,
-                                                 block_size, kind, sampling_params)
-                         for kind in VerifyDraftGraphs.KINDS}
-    except Exception:  # noqa: BLE001 - as the decode graphs: eager drafting still works
-        logger.exception("MTP drafting CUDA-graph capture failed; drafts run eagerly")
-        torch.cuda.synchronize()
-        draft_graphs, verify_graphs = None, {}
-    if agree_min is not None and not agree_min(int(draft_graphs is not None)):
-        # a replayed pass pads its rows, an eager one does not: the ranks' collectives
-        # would differ in size, so every rank replays or none does
-        draft_graphs, verify_graphs = None, {}
-    return graphs, draft_graphs, verify_graphs
+        return StepGraphs(graphs, prefill)
+
+    def drafting() -> tuple[DraftGraphs, dict[str, VerifyDraftGraphs]]:
+        args = (model, mtp_cache, backend, graphs, k, block_size)
+        after_prefill = (None if prefill is None
+                         else PrefillDraftGraphs(model, mtp_cache, backend, prefill, k,
+                                                 block_size, graphs.pool))
+        draft = DraftGraphs(*args, recursive=RecursiveDraftGraphs(*args) if k > 1 else None,
+                            after_prefill=after_prefill)
+        return draft, {kind: VerifyDraftGraphs(*args, kind, sampling_params)
+                       for kind in VerifyDraftGraphs.KINDS}
+
+    # a replayed pass pads its rows, an eager one does not: under tensor parallelism the
+    # ranks' collectives would differ in size, so every rank replays or none does
+    captured = _capture(drafting, "MTP drafting", agree_min)
+    return StepGraphs(graphs, prefill, *(captured or (None, {})))
 
 
-def capture_prefill_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor],
-                           backend: MLABackend, config: EngineConfig,
-                           decode: DecodeGraphs | None,
-                           agree_min: Callable[[int], int] | None) -> PrefillGraphs | None:
-    """One prompt's prefill graphs (prefill_graphs.py) where the decode graphs were captured
-    (the same conditions), in their memory pool; not under expert parallelism, whose
-    exchanges carry the replicas' agreed rows. Under tensor parallelism every rank captured
-    them or none uses them (`graphs_on_every_rank`)."""
-    if decode is None or config.layout.expert_parallel:
-        return None
-    graphs = None
+def _capture(build: Callable[[], T], what: str,
+             agree_min: Callable[[int], int] | None) -> T | None:
+    """build() (a capture), or None where it failed here or on another tensor-parallel rank:
+    that kind of step then runs eagerly on every rank."""
+    captured = None
     try:
-        graphs = PrefillGraphs(model, kv_caches, backend,
-                               min(config.scheduler.max_num_batched_tokens, config.max_model_len),
-                               decode.max_blocks_per_seq, decode.scratch_slot, decode.pool)
-    except Exception:  # noqa: BLE001 - as the decode graphs: eager prefill still works
-        logger.exception("prefill CUDA-graph capture failed; prompts prefill eagerly")
+        captured = build()
+    except Exception:  # noqa: BLE001 - as the decode graphs: eager still works
+        logger.exception("%s CUDA-graph capture failed; that step runs eagerly", what)
         torch.cuda.synchronize()
-    if agree_min is not None and not agree_min(int(graphs is not None)):
+    if agree_min is not None and not agree_min(int(captured is not None)):
         return None
-    return graphs
+    return captured
 
 
 def graphs_on_every_rank(graphs: DecodeGraphs | None,
