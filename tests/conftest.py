@@ -117,3 +117,25 @@ def demo_client(demo_server):
     import openai
 
     return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused")
+
+
+@pytest.fixture
+def record_drafts(monkeypatch):
+    """record_drafts() -> a list that gets every step's drafts (`StepResult.drafts`, by request
+    id) that runners collect from then on, until the next call or the test's end."""
+    from mlaserve.engine import runner as runner_module
+
+    collect = runner_module.collect_results
+
+    def start() -> list[dict]:
+        drafted: list[dict] = []
+
+        def recording(*args, **kwargs):
+            result = collect(*args, **kwargs)
+            drafted.append(result.drafts)
+            return result
+
+        monkeypatch.setattr(runner_module, "collect_results", recording)
+        return drafted
+
+    return start

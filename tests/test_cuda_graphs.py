@@ -209,7 +209,7 @@ def test_graphs_run_only_if_every_tensor_parallel_rank_captured_them() -> None:
 
 
 @pytest.mark.parametrize("k", [None, 3])
-def test_a_lone_prompt_prefills_in_a_graph_as_eagerly_on_cpu(k, monkeypatch) -> None:
+def test_a_lone_prompt_prefills_in_a_graph_as_eagerly_on_cpu(k, record_drafts) -> None:
     """A step that prefills one prompt from position 0 and decodes nothing replays the prefill
     graph of its padded length (the CPU stand-ins; lengths 16, 32, 64): prompts of 5-64 tokens
     one at a time do, while a longer one, and one whose first 64 tokens the prefix cache holds,
@@ -218,9 +218,6 @@ def test_a_lone_prompt_prefills_in_a_graph_as_eagerly_on_cpu(k, monkeypatch) -> 
     passes after each replayed prefill replay a graph too, and every step's drafts equal the
     eager engine's."""
     from mlaserve.engine import graph_standins
-    from mlaserve.engine import runner as runner_module
-
-    collect = runner_module.collect_results
 
     lengths = [1, 5, 17, 40, 64, 65]
     prompts = [[(3 * i + 7 * j) % 900 + 1 for j in range(n)] for i, n in enumerate(lengths)]
@@ -229,14 +226,7 @@ def test_a_lone_prompt_prefills_in_a_graph_as_eagerly_on_cpu(k, monkeypatch) -> 
     spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
     outcomes = []
     for graphs in (False, True):
-        drafted = []  # every step's drafts, by request id
-
-        def recording(*args, _drafted=drafted, **kwargs):
-            result = collect(*args, **kwargs)
-            _drafted.append(result.drafts)
-            return result
-
-        monkeypatch.setattr(runner_module, "collect_results", recording)
+        drafted = record_drafts()
         llm = LLM(device="cpu", attention_backend="torch", block_size=16, num_kv_blocks=128,
                   speculative_config=spec)
         try:

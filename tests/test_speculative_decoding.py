@@ -258,7 +258,7 @@ def test_verification_replays_decode_graphs_of_q_len_k_plus_1(reference, monkeyp
 @pytest.mark.parametrize(("kind", "sampling"), [
     ("greedy", {}), (None, {"logprobs": 1}), ("sampled", {"temperature": 0.8, "seed": 7}),
     ("filtered", {"temperature": 0.8, "top_p": 0.9, "seed": 7})])
-def test_drafting_graphs_propose_the_eager_drafts(kind, sampling, monkeypatch):
+def test_drafting_graphs_propose_the_eager_drafts(kind, sampling, record_drafts):
     """The demo model's trained MTP layer (drafts mostly accepted), k = 3: with the decode and
     drafting graphs (the CPU stand-ins) every draft, every output and every logprob equals the
     eager engine's. Requests that want no logprobs verify and draft in one graph after each
@@ -275,16 +275,8 @@ def test_drafting_graphs_propose_the_eager_drafts(kind, sampling, monkeypatch):
             p.seed, p.temperature = p.seed + i, p.temperature - 0.1 * i
     logprobs = params[0].logprobs
     outcomes = []
-    collect = runner_module.collect_results
     for graphs in (False, True):
-        drafted = []  # every step's drafts, by request id
-
-        def recording(*args, _drafted=drafted, **kwargs):
-            result = collect(*args, **kwargs)
-            _drafted.append(result.drafts)
-            return result
-
-        monkeypatch.setattr(runner_module, "collect_results", recording)
+        drafted = record_drafts()  # every step's drafts, by request id
         llm = LLM(device="cpu", attention_backend="torch", num_kv_blocks=256,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3})
         try:
