@@ -30,7 +30,7 @@ from mlaserve.engine.draft_graphs import (
     VerifyDraftGraphs,
 )
 from mlaserve.engine.engine_config import EngineConfig
-from mlaserve.engine.prefill_graphs import PrefillGraphs
+from mlaserve.engine.prefill_graphs import TOKEN_SIZES, PrefillGraphs
 from mlaserve.engine.sampler import RowParams
 from mlaserve.kernels.moe import moe_graph_capturable
 from mlaserve.model.deepseek import DeepseekForCausalLM
@@ -88,10 +88,10 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         # drafting passes run eagerly: their exchanges have the replicas' agreed rows, which
         # no captured size fixes
         return StepGraphs(graphs)
-    prefill = _capture(lambda: PrefillGraphs(
-        model, kv_caches, backend,
-        min(config.scheduler.max_num_batched_tokens, config.max_model_len),
-        graphs.max_blocks_per_seq, scratch_slot, graphs.pool), "prefill", agree_min)
+    longest_prefill = min(config.scheduler.max_num_batched_tokens, config.max_model_len)
+    prefill = None if longest_prefill < TOKEN_SIZES[0] else _capture(lambda: PrefillGraphs(
+        model, kv_caches, backend, longest_prefill, graphs.max_blocks_per_seq, scratch_slot,
+        graphs.pool), "prefill", agree_min)
     if not k:
         return StepGraphs(graphs, prefill)
     if not backend.capabilities.graph_lengths_on_device:  # the same on every rank
