@@ -21,12 +21,12 @@ positions writes again) and the main model's hidden state of the row, over the M
 latent cache with the step's attention metadata; the MTP logits at each speculating request's
 last computed position give its first draft (argmax). For k > 1 the module runs again, a
 decode row per request, on its own previous output and draft, at the next positions (their
-cache slots are the scheduler's lookahead); where the step replayed a decode graph, one captured
-graph runs all k passes, and after an eager forward one runs passes 2..k (draft_graphs.py).
-Verification and drafting stay on the device: the emitted
-tokens, their counts and the drafts reach the host with the step's other copies when it is
-collected (`Verification`, `EmittedLogprobs`), so a speculating step is enqueued whole without a
-host wait. Steps are pipelined: the next one may be scheduled before this one lands, and then
+cache slots are the scheduler's lookahead); where the step replayed a decode or a prefill graph,
+one captured graph runs all k passes, and after an eager forward one runs passes 2..k
+(draft_graphs.py). Verification and drafting stay on the device: the emitted tokens, their
+counts and the drafts reach the host with the step's other copies when it is collected
+(`Verification`, `EmittedLogprobs`), so a speculating step is enqueued whole without a host
+wait. Steps are pipelined: the next one may be scheduled before this one lands, and then
 verifies the drafts this one leaves on the device (`DeviceDrafts`: each drafting request's
 newest token, drafts and rejected count); the host counted every draft as accepted, and the
 runner moves those requests' positions back by their rejections (`FromDevice`).
