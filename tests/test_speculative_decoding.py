@@ -76,7 +76,7 @@ def oracle(reference: dict, vocab_size: int, wrong_every: int, monkeypatch) -> l
     proposed = []
 
     def draft(model, mtp_cache, meta, backend, inputs, block_size, k, rows, hidden, positions,
-              samplers, graphs=None, replayed=None, expert_capacity=0):
+              samplers, graphs=None, replayed=None, prefill_length=None, expert_capacity=0):
         drafts = []
         for request, last in zip(samplers, rows.last_positions.tolist(), strict=True):
             full = reference[tuple(request.prompt_token_ids)]
