@@ -44,9 +44,17 @@ from mlaserve.model.deepseek import DeepseekForCausalLM
 class _MTPLadder(GraphLadder):
     """Captured MTP drafting passes: the recursive passes' body, which every kind shares."""
 
-    mtp_cache: torch.Tensor
-    num_speculative_tokens: int
-    block_size: int
+    def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor,
+                 backend: MLABackend, num_speculative_tokens: int, block_size: int,
+                 sizes: list[int], q_lens: tuple[int, ...], like: GraphLadder) -> None:
+        """Capture the subclass's graphs (its static inputs set first) for these sizes and
+        q_lens, with the table width, scratch slot and memory pool of the graphs they follow
+        (`like`)."""
+        self.mtp_cache = mtp_cache
+        self.num_speculative_tokens = num_speculative_tokens
+        self.block_size = block_size
+        super().__init__(model, backend, sizes, q_lens, like.max_blocks_per_seq,
+                         like.scratch_slot, mtp_cache.device, like.pool)
 
     def _recursive(self, batch_size: int, token: torch.Tensor, previous: torch.Tensor,
                    last_positions: torch.Tensor, table_rows: torch.Tensor | None = None
@@ -96,14 +104,11 @@ class RecursiveDraftGraphs(_MTPLadder):
         """As `DraftGraphs` (k > 1); captured in the decode graphs' memory pool."""
         device, largest = mtp_cache.device, decode.sizes[-1]
         hidden = next(iter(decode.outputs.values()))  # the main model's hidden states [B, D]
-        self.mtp_cache = mtp_cache
-        self.num_speculative_tokens = num_speculative_tokens
-        self.block_size = block_size
         self.token = torch.zeros(largest, dtype=torch.int64, device=device)
         self.previous = torch.zeros(largest, hidden.shape[-1], dtype=hidden.dtype, device=device)
         self.last_positions = torch.full((largest,), -1, dtype=torch.int64, device=device)
-        super().__init__(model, backend, decode.sizes, (1,), decode.max_blocks_per_seq,
-                         decode.scratch_slot, device, decode.pool)
+        super().__init__(model, mtp_cache, backend, num_speculative_tokens, block_size,
+                         decode.sizes, (1,), decode)
 
     def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
         """Drafts 2..k [B, k - 1] int64 (rows past the step's: junk)."""
@@ -138,17 +143,15 @@ class PrefillDraftGraphs(_MTPLadder):
     what = "MTP drafting after a prefill"
 
     def __init__(self, model: DeepseekForCausalLM, mtp_cache: torch.Tensor, backend: MLABackend,
-                 prefill: PrefillGraphs, num_speculative_tokens: int, block_size: int,
-                 pool: object | None = None) -> None:
+                 prefill: PrefillGraphs, num_speculative_tokens: int, block_size: int
+                 ) -> None:
+        """As `DraftGraphs`, after the prefill graphs (in their memory pool)."""
         device = mtp_cache.device
-        self.mtp_cache = mtp_cache
         self.prefill = prefill
-        self.num_speculative_tokens = num_speculative_tokens
-        self.block_size = block_size
         self.last = torch.zeros(1, dtype=torch.int64, device=device)
         self.last_positions = torch.full((1,), -1, dtype=torch.int64, device=device)
-        super().__init__(model, backend, [1], prefill.q_lens, prefill.max_blocks_per_seq,
-                         prefill.scratch_slot, device, pool)
+        super().__init__(model, mtp_cache, backend, num_speculative_tokens, block_size, [1],
+                         prefill.q_lens, prefill)
 
     def _plan_capture(self, batch_size: int, q_len: int) -> None:
         pass  # the first pass decodes nothing; the recursive passes plan their own rows
@@ -208,17 +211,14 @@ class DraftGraphs(_MTPLadder):
             after_prefill: all k passes after a prefill graph's replay.
         """
         device = mtp_cache.device
-        self.mtp_cache = mtp_cache
         self.decode = decode
-        self.num_speculative_tokens = num_speculative_tokens
-        self.block_size = block_size
         self.recursive = recursive
         self.after_prefill = after_prefill
         sizes = [s for s in decode.sizes if max_batch_size is None or s <= max_batch_size]
         self.last = torch.zeros(sizes[-1], dtype=torch.int64, device=device)
         self.last_positions = torch.full((sizes[-1],), -1, dtype=torch.int64, device=device)
-        super().__init__(model, backend, sizes, q_lens or decode.q_lens,
-                         decode.max_blocks_per_seq, decode.scratch_slot, device, decode.pool)
+        super().__init__(model, mtp_cache, backend, num_speculative_tokens, block_size, sizes,
+                         q_lens or decode.q_lens, decode)
 
     def _forward(self, batch_size: int, q_len: int) -> torch.Tensor:
         """The drafts [B, k] int64 of the B drafting requests (rows past the step's: junk)."""

@@ -71,18 +71,10 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         return StepGraphs()
     if not wants_graphs:
         return StepGraphs()
-    graphs = None
-    try:
-        graphs = DecodeGraphs(
-            model, kv_caches, backend, config.cuda_graph_batch_size,
-            max_blocks_per_seq=-(-config.max_seq_len_to_capture // block_size),
-            scratch_slot=scratch_slot, q_lens=(1, 1 + k) if k else (1,))
-    except Exception:  # noqa: BLE001 - graphs are an optimisation; eager still works
-        logger.exception("decode CUDA-graph capture failed; every step runs eagerly "
-                         "(pass --enforce-eager to skip the capture)")
-        torch.cuda.synchronize()
-    if agree_min is not None:
-        graphs = graphs_on_every_rank(graphs, agree_min)
+    graphs = _capture(lambda: DecodeGraphs(
+        model, kv_caches, backend, config.cuda_graph_batch_size,
+        max_blocks_per_seq=-(-config.max_seq_len_to_capture // block_size),
+        scratch_slot=scratch_slot, q_lens=(1, 1 + k) if k else (1,)), "decode", agree_min)
     if graphs is None or expert_parallel:
         # under expert parallelism prompts, verifications (planned like their graphs) and
         # drafting passes run eagerly: their exchanges have the replicas' agreed rows, which
@@ -103,7 +95,7 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
         args = (model, mtp_cache, backend, graphs, k, block_size)
         after_prefill = (None if prefill is None
                          else PrefillDraftGraphs(model, mtp_cache, backend, prefill, k,
-                                                 block_size, graphs.pool))
+                                                 block_size))
         draft = DraftGraphs(*args, recursive=RecursiveDraftGraphs(*args) if k > 1 else None,
                             after_prefill=after_prefill)
         return draft, {kind: VerifyDraftGraphs(*args, kind, sampling_params)
@@ -117,21 +109,21 @@ def capture_step_graphs(model: DeepseekForCausalLM, kv_caches: list[torch.Tensor
 
 def _capture(build: Callable[[], T], what: str,
              agree_min: Callable[[int], int] | None) -> T | None:
-    """build() (a capture), or None where it failed here or on another tensor-parallel rank:
-    that kind of step then runs eagerly on every rank."""
+    """build() (a capture of `what` graphs), or None where it failed here or, under tensor
+    parallelism, on another rank (`graphs_on_every_rank`): those steps then run eagerly on
+    every rank."""
     captured = None
     try:
         captured = build()
-    except Exception:  # noqa: BLE001 - as the decode graphs: eager still works
-        logger.exception("%s CUDA-graph capture failed; that step runs eagerly", what)
+    except Exception:  # noqa: BLE001 - graphs are an optimisation; eager still works
+        logger.exception("%s CUDA-graph capture failed; those steps run eagerly (pass "
+                         "--enforce-eager to skip the capture)", what)
         torch.cuda.synchronize()
-    if agree_min is not None and not agree_min(int(captured is not None)):
-        return None
-    return captured
+    return captured if agree_min is None else graphs_on_every_rank(captured, agree_min, what)
 
 
-def graphs_on_every_rank(graphs: DecodeGraphs | None,
-                         agree_min: Callable[[int], int]) -> DecodeGraphs | None:
+def graphs_on_every_rank(graphs: T | None, agree_min: Callable[[int], int],
+                         what: str = "decode") -> T | None:
     """This rank's captured graphs if every tensor-parallel rank captured its own, else None
     (a collective: every rank calls it once, after its capture). A graph replays its rank's
     collectives, and every rank replays the same graph at the same step (each decides from
@@ -139,6 +131,6 @@ def graphs_on_every_rank(graphs: DecodeGraphs | None,
     if agree_min(int(graphs is not None)):
         return graphs
     if graphs is not None:
-        logger.warning("decode CUDA graphs are off: another tensor-parallel rank could not "
-                       "capture them (its log says why)")
+        logger.warning("%s CUDA graphs are off: another tensor-parallel rank could not "
+                       "capture them (its log says why)", what)
     return None
